@@ -1,0 +1,116 @@
+"""The `geofed` command line. Thin: it parses arguments and calls the library.
+
+Exit codes: 0 success, 1 run failed, 2 bad input (config, arguments), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from .strict import ConfigError
+
+# `geofed bench NAME ...` forwards to NAME's module `main(argv) -> int` (imported lazily: each
+# pulls in torch, gRPC or Ray, which `geofed validate` should not pay for).
+BENCHES = {
+    "codecs": ("geofed.compression.bench", "codec speed, ratio and error against the memory-bandwidth ceiling"),
+    "link": ("geofed.p2p.bench", "gRPC transfer rate on loopback and over an emulated WAN link"),
+    "wan": ("geofed.orchestrator.bench_wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
+    "dfgl": ("geofed.orchestrator.bench_dfgl", "decentralized federated graph learning against centralized"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geofed", description="Geo-distributed and federated training orchestrator.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="train: one Ray actor per region, updates exchanged over gRPC")
+    run.add_argument("config", nargs="?", help="YAML run config (default: the embedded configs/local-wan.yaml)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                     help="override a config key (repeatable), e.g. --set run.rounds=2")
+    run.add_argument("--out", help="run directory (default: <run.out_dir>/<run.name>-<UTC timestamp>)")
+    run.add_argument("--address", help="join an existing Ray cluster: auto, HOST:PORT or ray://HOST:PORT")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round")
+    run.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    val = sub.add_parser("validate", help="check a config without running it")
+    val.add_argument("config", help="YAML run config")
+    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+
+    sub.add_parser("config-docs", help="print the table of every config key (docs/CONFIG.md)")
+
+    bench = sub.add_parser("bench", help="benchmarks that print comparison tables", add_help=False)
+    bench.add_argument("name", nargs="?", choices=sorted(BENCHES), metavar="NAME",
+                       help="; ".join(f"{k}: {v[1]}" for k, v in sorted(BENCHES.items())))
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
+    rep = sub.add_parser("report", help="write report.html and plots for a run directory")
+    rep.add_argument("run_dir")
+    rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
+    rep.add_argument("--out", help="output folder (default: RUN_DIR/report)")
+
+    launch = sub.add_parser("launch", help="multi-region cloud launch helpers")
+    lsub = launch.add_subparsers(dest="launch_command", required=True, metavar="SUBCOMMAND")
+    plan = lsub.add_parser("plan", help="write what an operator needs to bring up a multi-region Ray cluster")
+    plan.add_argument("config")
+    plan.add_argument("--out", required=True, help="folder for the plan")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
+        return int(exc.code or 0)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"geofed: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("geofed: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "validate":
+        from .config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        print(f"{args.config}: ok ({len(cfg.regions.names)} regions, task {cfg.task.kind}, {cfg.run.rounds} rounds)")
+        return 0
+    if args.command == "config-docs":
+        from .docs import config_docs_markdown
+
+        print(config_docs_markdown(), end="")
+        return 0
+    if args.command == "bench":
+        if args.name is None:
+            print("usage: geofed bench NAME [options]\n\nbenchmarks:")
+            for k, (_, text) in sorted(BENCHES.items()):
+                print(f"  {k:8s} {text}")
+            return 0 if "-h" in args.rest or "--help" in args.rest else 2
+        return int(importlib.import_module(BENCHES[args.name][0]).main(args.rest))
+    if args.command == "run":
+        from .runner import run_from_args
+
+        return run_from_args(args)
+    if args.command == "report":
+        from .report import write_report
+
+        print(write_report(args.run_dir, compare=args.compare, out=args.out))
+        return 0
+    if args.command == "launch":
+        from .launch import plan_from_args
+
+        return plan_from_args(args)
+    raise AssertionError(args.command)
+
+
+def entry() -> None:
+    sys.exit(main())

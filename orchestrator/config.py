@@ -1,0 +1,266 @@
+"""The run config: one frozen keyword-only dataclass per component, loaded strictly from YAML.
+
+Every key is documented by its field's ``doc``; ``geofed config-docs`` prints the table that
+docs/CONFIG.md holds (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from geofed.p2p.wan.config import EmulationConfig
+from geofed.regions.tasks.base import task_config_class
+
+from . import strict
+from .policies.config import FixedPolicyConfig, policy_config_class
+from .strict import ConfigError
+
+MAX_REGIONS = 256
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+DEFAULT_CONFIG = "local-wan.yaml"
+
+
+def _doc(text: str, **kw) -> dict:
+    return {"doc": text, **kw}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSection:
+    name: str = field(default="geofed", metadata=_doc("run name; the run directory is runs/<name>-<UTC timestamp>"))
+    rounds: int = field(default=30, metadata=_doc("number of sync rounds"))
+    seed: int = field(default=0, metadata=_doc("seed for models, data shards and sampling"))
+    out_dir: str = field(default="runs", metadata=_doc("parent folder of run directories (relative to the working directory)"))
+    checkpoint_every: int = field(default=1, metadata=_doc("checkpoint every N rounds (0: only at the end)"))
+    keep_checkpoints: int = field(default=3, metadata=_doc("how many checkpoints to keep per region"))
+    eval_every: int = field(default=0, metadata=_doc("evaluate every N rounds (0: only at the end)"))
+    on_region_failure: Literal["elastic", "fail-fast"] = field(
+        default="elastic", metadata=_doc("elastic: carry on without a crashed region while Ray restarts it; fail-fast: stop"))
+    report: bool = field(default=True, metadata=_doc("write report.html at the end"))
+
+    def __post_init__(self):
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"name: must match {_NAME_RE.pattern}, got {self.name!r}")
+        if not 1 <= self.rounds <= 10_000_000:
+            raise ValueError(f"rounds: must be in [1, 10000000], got {self.rounds}")
+        for key in ("checkpoint_every", "eval_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionsSection:
+    names: tuple[str, ...] = field(
+        default=("us-east-1", "eu-west-1", "ap-northeast-1", "eu-central-1"),
+        metadata=_doc("region names (cloud region ids); one worker actor each"))
+    label_key: str = field(default="ray.io/availability-region", metadata=_doc("Ray node label that says a node's region"))
+    labels: dict[str, str] = field(default_factory=dict, metadata=_doc("region -> label value when it differs from the name"))
+    num_cpus: float = field(default=0.5, metadata=_doc("CPUs Ray reserves per region actor"))
+    torch_threads: int = field(default=1, metadata=_doc("torch intra-op threads per region worker"))
+    max_restarts: int = field(default=3, metadata=_doc("Ray restarts of a crashed region actor"))
+    placement_timeout_s: float = field(default=60.0, metadata=_doc("fail if a region actor is not placed within this"))
+
+    def __post_init__(self):
+        if not 1 <= len(self.names) <= MAX_REGIONS:
+            raise ValueError(f"names: need 1..{MAX_REGIONS} regions, got {len(self.names)}")
+        for n in self.names:
+            if not _NAME_RE.match(n):
+                raise ValueError(f"names: region name {n!r} must match {_NAME_RE.pattern}")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("names: region names must be unique")
+        for k in self.labels:
+            if k not in self.names:
+                raise ValueError(f"labels: {k!r} is not a configured region")
+        if not 0 < self.num_cpus <= 1024:
+            raise ValueError(f"num_cpus: must be in (0, 1024], got {self.num_cpus}")
+        if not 1 <= self.torch_threads <= 256:
+            raise ValueError(f"torch_threads: must be in [1, 256], got {self.torch_threads}")
+        if self.max_restarts < 0 or self.placement_timeout_s <= 0:
+            raise ValueError("max_restarts: must be >= 0 and placement_timeout_s > 0")
+
+    def label_of(self, region: str) -> str:
+        return self.labels.get(region, region)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSection:
+    bind_host: str = field(default="127.0.0.1", metadata=_doc("address each region's gRPC server binds"))
+    advertised_host: str | None = field(default=None, metadata=_doc("address peers dial (default: bind_host, or the node IP when bind_host is 0.0.0.0)"))
+    port_range: tuple[int, int] | None = field(default=None, metadata=_doc("[first, last] ports for gRPC servers; null: ephemeral"))
+    max_message_mb: int = field(default=1024, metadata=_doc("largest update accepted from a peer, MiB"))
+    chunk_kb: int = field(default=1024, metadata=_doc("client-stream chunk size, KiB (at most 1024)"))
+    emulation: EmulationConfig = field(default_factory=EmulationConfig, metadata=_doc("WAN emulation of every link"))
+
+    def __post_init__(self):
+        if self.port_range is not None:
+            lo, hi = self.port_range
+            if not 1 <= lo <= hi <= 65535:
+                raise ValueError(f"port_range: need 1 <= first <= last <= 65535, got {list(self.port_range)}")
+        if not 1 <= self.max_message_mb <= 65536:
+            raise ValueError(f"max_message_mb: must be in [1, 65536], got {self.max_message_mb}")
+        if not 16 <= self.chunk_kb <= 1024:
+            raise ValueError(f"chunk_kb: must be in [16, 1024], got {self.chunk_kb}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerOptimizer:
+    kind: Literal["adamw", "sgd"] = field(default="adamw", metadata=_doc("inner (local) optimizer"))
+    lr: float = field(default=1e-3, metadata=_doc("inner learning rate"))
+    weight_decay: float = field(default=0.0, metadata=_doc("inner weight decay"))
+    momentum: float = field(default=0.0, metadata=_doc("sgd momentum"))
+    batch_size: int = field(default=32, metadata=_doc("examples per inner step"))
+    lr_decay: Literal["none", "cosine"] = field(default="none", metadata=_doc("inner lr schedule over the run"))
+
+    def __post_init__(self):
+        if not 0 < self.lr <= 10:
+            raise ValueError(f"lr: must be in (0, 10], got {self.lr}")
+        if not 1 <= self.batch_size <= 1_000_000:
+            raise ValueError(f"batch_size: must be in [1, 1000000], got {self.batch_size}")
+        if self.weight_decay < 0 or not 0 <= self.momentum < 1:
+            raise ValueError("weight_decay: must be >= 0 (and momentum in [0, 1))")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterOptimizer:
+    lr: float = field(default=0.7, metadata=_doc("outer SGD learning rate (DiLoCo: 0.7)"))
+    momentum: float = field(default=0.9, metadata=_doc("outer momentum (DiLoCo: 0.9)"))
+    nesterov: bool = field(default=True, metadata=_doc("Nesterov momentum"))
+
+    def __post_init__(self):
+        if not 0 < self.lr <= 10 or not 0 <= self.momentum < 1:
+            raise ValueError(f"lr: outer lr must be in (0, 10] and momentum in [0, 1), got {self.lr}, {self.momentum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadlineSection:
+    initial_s: float = field(default=30.0, metadata=_doc("receive deadline before any arrival was measured"))
+    min_s: float = field(default=1.0, metadata=_doc("smallest adaptive deadline"))
+    max_s: float = field(default=120.0, metadata=_doc("largest adaptive deadline"))
+    k: float = field(default=4.0, metadata=_doc("deadline = median + k * MAD of recent arrival times"))
+
+    def __post_init__(self):
+        if not 0 < self.min_s <= self.initial_s <= self.max_s <= 86400:
+            raise ValueError("initial_s: need 0 < min_s <= initial_s <= max_s <= 86400")
+        if self.k < 0:
+            raise ValueError(f"k: must be >= 0, got {self.k}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GossipSection:
+    choco: bool = field(default=True, metadata=_doc("CHOCO-SGD: compress differences to public copies"))
+    gamma: float = field(default=0.5, metadata=_doc("CHOCO consensus step size"))
+
+    def __post_init__(self):
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma: must be in (0, 1], got {self.gamma}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSection:
+    algorithm: Literal["diloco", "allreduce", "gossip"] = field(
+        default="diloco", metadata=_doc("diloco: H local steps then outer step on mixed pseudo-gradients; allreduce: per-step gradient averaging (baseline); gossip: decentralized model mixing"))
+    topology: str = field(default="full", metadata=_doc("full, ring, exponential, one-peer-exponential, random-matching"))
+    policy: Any = field(default_factory=FixedPolicyConfig, metadata=_doc("how H (and codecs) are chosen; kind: fixed, bandwidth, adacomm", choose=policy_config_class))
+    inner: InnerOptimizer = field(default_factory=InnerOptimizer, metadata=_doc("local optimizer"))
+    outer: OuterOptimizer = field(default_factory=OuterOptimizer, metadata=_doc("outer optimizer (diloco)"))
+    overlap: bool = field(default=False, metadata=_doc("exchange round r while round r+1 computes; outer update applied one round late"))
+    deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
+    gossip: GossipSection = field(default_factory=GossipSection, metadata=_doc("gossip algorithm settings"))
+
+    def __post_init__(self):
+        from geofed.p2p.topology import topology_names  # p2p owns the names
+
+        if self.topology not in topology_names():
+            raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionSection:
+    codec: Any = field(default="fp16", metadata=_doc("codec name or {kind: ..., params}; e.g. int8, {kind: topk, fraction: 0.01, inner: int8}"))
+    error_feedback: bool = field(default=True, metadata=_doc("keep what a lossy codec dropped and send it later"))
+    ladder: tuple[Any, ...] = field(default=(), metadata=_doc("codecs the policy may choose per link, least compression first"))
+
+    def __post_init__(self):
+        from geofed.compression import make_codec
+
+        for key, spec in [("codec", self.codec)] + [(f"ladder.{i}", s) for i, s in enumerate(self.ladder)]:
+            try:
+                make_codec(spec)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{key}: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecuritySection:
+    tls: bool = field(default=True, metadata=_doc("mutual TLS on every channel (false: plaintext, warns)"))
+    round_window: int = field(default=2, metadata=_doc("accept updates at most this many rounds ahead"))
+
+    def __post_init__(self):
+        if not 0 <= self.round_window <= 1000:
+            raise ValueError(f"round_window: must be in [0, 1000], got {self.round_window}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaySection:
+    address: str | None = field(default=None, metadata=_doc("null: start a local Ray; auto, HOST:PORT or ray://... joins a cluster"))
+    num_cpus: int | None = field(default=None, metadata=_doc("CPUs of the local Ray (null: all)"))
+    init_timeout_s: float = field(default=120.0, metadata=_doc("give up starting/joining Ray after this"))
+
+    def __post_init__(self):
+        if self.num_cpus is not None and not 1 <= self.num_cpus <= 4096:
+            raise ValueError(f"num_cpus: must be in [1, 4096], got {self.num_cpus}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection, metadata=_doc("the run"))
+    task: Any = field(metadata=_doc("what is trained: kind mlp-digits, char-lm, gcn-planetoid or python:module:function", choose=task_config_class))
+    regions: RegionsSection = field(default_factory=RegionsSection, metadata=_doc("the regions"))
+    network: NetworkSection = field(default_factory=NetworkSection, metadata=_doc("gRPC and WAN emulation"))
+    sync: SyncSection = field(default_factory=SyncSection, metadata=_doc("how regions synchronise"))
+    compression: CompressionSection = field(default_factory=CompressionSection, metadata=_doc("how updates are compressed"))
+    security: SecuritySection = field(default_factory=SecuritySection, metadata=_doc("TLS and message validation"))
+    ray: RaySection = field(default_factory=RaySection, metadata=_doc("the Ray cluster"))
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("geofed.configs") / DEFAULT_CONFIG))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load and validate a run config; ConfigError names the file and the dotted key."""
+    path = Path(path) if path is not None else default_config_path()
+    source = str(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config: {exc.strerror}", source=source) from None
+    data = strict.parse_yaml(text, source=source)
+    return config_from_mapping(data, overrides, source=source)
+
+
+def config_from_mapping(data: dict, overrides=(), *, source: str = "<config>") -> RunConfig:
+    try:
+        for assignment in overrides:
+            strict.apply_override(data, assignment)
+        return strict.build(RunConfig, data)
+    except ConfigError as exc:
+        raise exc.with_source(source) from None
+
+
+def to_mapping(cfg: Any) -> Any:
+    """A plain mapping of a config (for config.yaml in the run directory)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_mapping(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_mapping(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_mapping(v) for k, v in cfg.items()}
+    return cfg

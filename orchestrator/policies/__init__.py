@@ -1,0 +1,1 @@
+"""Sync policies: pure functions (measurements, state) -> (H, codec per link)."""

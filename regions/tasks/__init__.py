@@ -1,0 +1,5 @@
+"""Tasks: model + data shards + evaluation, chosen by `task.kind`."""
+
+from .base import EvalResult, Shard, Task, make_task, register_task, task_config_class, task_kinds
+
+__all__ = ["EvalResult", "Shard", "Task", "make_task", "register_task", "task_config_class", "task_kinds"]
