@@ -73,10 +73,11 @@ class PluginTaskConfig:
             raise ValueError(f"kind: expected python:module:function, got {self.kind!r}")
 
 
-_REGISTRY: dict[str, tuple[type, Callable[[Any], Task]]] = {}
+_REGISTRY: dict[str, tuple[type, Callable[..., Task]]] = {}
 
 
-def register_task(kind: str, config_cls: type, factory: Callable[[Any], Task]) -> None:
+def register_task(kind: str, config_cls: type, factory: Callable[..., Task]) -> None:
+    """`factory(config, *, batch_size, seed) -> Task`."""
     assert dataclasses.is_dataclass(config_cls), config_cls
     _REGISTRY[kind] = (config_cls, factory)
 
@@ -96,7 +97,8 @@ def task_config_class(kind: str) -> type:
     return _REGISTRY[kind][0]
 
 
-def make_task(config: Any) -> Task:
+def make_task(config: Any, *, batch_size: int = 32, seed: int = 0) -> Task:
+    """Build the task; `batch_size` and `seed` come from the run config (sync.inner, run.seed)."""
     _load_builtin()
     if isinstance(config, PluginTaskConfig):
         _, module_name, fn_name = config.kind.split(":")
@@ -108,7 +110,7 @@ def make_task(config: Any) -> Task:
         if not isinstance(task, Task):
             raise ValueError(f"kind: {config.kind!r} returned {type(task).__name__}, not a geofed Task")
         return task
-    return _REGISTRY[config.kind][1](config)
+    return _REGISTRY[config.kind][1](config, batch_size=batch_size, seed=seed)
 
 
 def _load_builtin() -> None:

@@ -1,3 +1,3 @@
 """Importing this module registers the built-in tasks."""
 
-from . import digits  # noqa: F401
+from . import charlm, digits  # noqa: F401

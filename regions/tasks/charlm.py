@@ -1,0 +1,118 @@
+"""`char-lm`: a small character-level GRU language model on any UTF-8 text file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .base import EvalResult, Shard, Task, register_task
+
+DEFAULT_TEXT = "../shared/datasets/tinyshakespeare/input.txt"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CharLMConfig:
+    kind: Literal["char-lm"] = "char-lm"
+    path: str = field(default=DEFAULT_TEXT, metadata={"doc": "UTF-8 text file (relative to the working directory)"})
+    max_chars: int = field(default=300_000, metadata={"doc": "use at most this many characters from the start of the file"})
+    seq_len: int = field(default=64, metadata={"doc": "characters per training sequence"})
+    embed: int = field(default=32, metadata={"doc": "character embedding size"})
+    hidden: int = field(default=128, metadata={"doc": "GRU hidden size"})
+    layers: int = field(default=1, metadata={"doc": "GRU layers"})
+    test_fraction: float = field(default=0.1, metadata={"doc": "the last fraction of the text is held out"})
+    partition: Literal["contiguous", "iid"] = field(
+        default="contiguous", metadata={"doc": "contiguous: each region a different stretch of text (non-IID); iid: windows from anywhere"})
+    eval_sequences: int = field(default=64, metadata={"doc": "held-out sequences scored at evaluation"})
+
+    def __post_init__(self):
+        for key, lo, hi in (("max_chars", 1000, 10**9), ("seq_len", 2, 4096), ("embed", 1, 4096),
+                            ("hidden", 1, 8192), ("layers", 1, 16), ("eval_sequences", 1, 100_000)):
+            v = getattr(self, key)
+            if not lo <= v <= hi:
+                raise ValueError(f"{key}: must be in [{lo}, {hi}], got {v}")
+        if not 0.01 <= self.test_fraction <= 0.5:
+            raise ValueError(f"test_fraction: must be in [0.01, 0.5], got {self.test_fraction}")
+
+
+class CharGRU(nn.Module):
+    def __init__(self, vocab: int, embed: int, hidden: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.rnn = nn.GRU(embed, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(x))
+        return self.head(out)
+
+
+class TextShard(Shard):
+    def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int):
+        if len(ids) <= seq_len + 1:
+            raise ValueError(f"task.max_chars: a region's text ({len(ids)} chars) is shorter than seq_len + 1")
+        self.ids, self.seq_len, self.batch_size = ids, seq_len, batch_size
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.ids) - self.seq_len - 1
+
+    def batches(self, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        offsets = torch.arange(self.seq_len + 1)
+        while True:
+            starts = torch.randint(0, self.num_examples, (self.batch_size,), generator=generator)
+            yield self.ids[starts[:, None] + offsets]
+
+
+class CharLMTask(Task):
+    kind = "char-lm"
+
+    def __init__(self, cfg: CharLMConfig, *, batch_size: int = 32, seed: int = 0):
+        path = Path(cfg.path)
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")[: cfg.max_chars]
+        except OSError as exc:
+            raise ValueError(f"path: cannot read {cfg.path!r}: {exc.strerror}") from None
+        if len(text) < 1000:
+            raise ValueError(f"path: {cfg.path!r} has {len(text)} characters; need at least 1000")
+        self.cfg, self.batch_size = cfg, batch_size
+        self.vocab = sorted(set(text))
+        lookup = {c: i for i, c in enumerate(self.vocab)}
+        ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+        cut = int(len(ids) * (1 - cfg.test_fraction))
+        self.train_ids, self.test_ids = ids[:cut], ids[cut:]
+
+    def build_model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return CharGRU(len(self.vocab), self.cfg.embed, self.cfg.hidden, self.cfg.layers)
+
+    def shard(self, region_index: int, n_regions: int, seed: int) -> TextShard:
+        if self.cfg.partition == "iid":
+            return TextShard(self.train_ids, self.cfg.seq_len, self.batch_size)
+        bounds = torch.linspace(0, len(self.train_ids), n_regions + 1).long()
+        return TextShard(self.train_ids[bounds[region_index]:bounds[region_index + 1]], self.cfg.seq_len, self.batch_size)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        logits = model(batch[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def evaluate(self, model: nn.Module) -> EvalResult:
+        # Fixed, evenly spaced windows: the same held-out text for every region and run.
+        n = len(self.test_ids) - self.cfg.seq_len - 1
+        starts = torch.linspace(0, n - 1, self.cfg.eval_sequences).long()
+        batch = self.test_ids[starts[:, None] + torch.arange(self.cfg.seq_len + 1)]
+        model.eval()
+        with torch.no_grad():
+            value = float(self.loss(model, batch))
+        model.train()
+        return EvalResult(metric="loss", value=value, higher_is_better=False)
+
+    def describe(self) -> dict:
+        return {"vocab": len(self.vocab), "train_chars": len(self.train_ids), "test_chars": len(self.test_ids)}
+
+
+register_task("char-lm", CharLMConfig, lambda cfg, **kw: CharLMTask(cfg, **kw))

@@ -1,0 +1,85 @@
+"""`mlp-digits`: an MLP on scikit-learn's 8x8 digits (the data ships inside the sklearn wheel)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from .base import EvalResult, Task, register_task
+from .sharding import TensorShard, label_histogram, partition_indices
+
+
+@dataclass(frozen=True, kw_only=True)
+class DigitsConfig:
+    kind: Literal["mlp-digits"] = "mlp-digits"
+    hidden: int = field(default=64, metadata={"doc": "hidden units of the 2-layer MLP"})
+    test_fraction: float = field(default=0.25, metadata={"doc": "held-out fraction (stratified) for evaluation"})
+    partition: Literal["iid", "dirichlet"] = field(default="iid", metadata={"doc": "how training data is split across regions"})
+    alpha: float = field(default=0.5, metadata={"doc": "Dirichlet concentration for partition: dirichlet (small = skewed)"})
+    batch_size: int | None = field(default=None, metadata={"doc": "overrides sync.inner.batch_size for this task"})
+
+    def __post_init__(self):
+        if not 1 <= self.hidden <= 65536:
+            raise ValueError(f"hidden: must be in [1, 65536], got {self.hidden}")
+        if not 0.05 <= self.test_fraction <= 0.9:
+            raise ValueError(f"test_fraction: must be in [0.05, 0.9], got {self.test_fraction}")
+        if not 0 < self.alpha <= 1e6:
+            raise ValueError(f"alpha: must be in (0, 1e6], got {self.alpha}")
+
+
+class DigitsTask(Task):
+    kind = "mlp-digits"
+
+    def __init__(self, cfg: DigitsConfig, *, batch_size: int = 32, seed: int = 0):
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        self.cfg = cfg
+        self.batch_size = cfg.batch_size or batch_size
+        data = load_digits()
+        x = (data.data / 16.0).astype(np.float32)  # pixel values are 0..16
+        y = data.target.astype(np.int64)
+        # The split is fixed (seed 0), not the run seed, so runs with different seeds are judged on the same data.
+        self.x_train, self.x_test, self.y_train, self.y_test = train_test_split(
+            x, y, test_size=cfg.test_fraction, random_state=0, stratify=y)
+        self._parts: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    def build_model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(64, self.cfg.hidden), nn.ReLU(), nn.Linear(self.cfg.hidden, 10))
+
+    def _partition(self, n_regions: int, seed: int) -> list[np.ndarray]:
+        key = (n_regions, seed)
+        if key not in self._parts:
+            self._parts[key] = partition_indices(self.y_train, n_regions, kind=self.cfg.partition,
+                                                 alpha=self.cfg.alpha, seed=seed)
+        return self._parts[key]
+
+    def shard(self, region_index: int, n_regions: int, seed: int) -> TensorShard:
+        idx = self._partition(n_regions, seed)[region_index]
+        return TensorShard(torch.from_numpy(self.x_train[idx]), torch.from_numpy(self.y_train[idx]), self.batch_size)
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module) -> EvalResult:
+        model.eval()
+        with torch.no_grad():
+            pred = model(torch.from_numpy(self.x_test)).argmax(1).numpy()
+        model.train()
+        return EvalResult(metric="accuracy", value=float((pred == self.y_test).mean()))
+
+    def describe(self) -> dict:
+        return {"train_examples": len(self.y_train), "test_examples": len(self.y_test)}
+
+    def partition_stats(self, n_regions: int, seed: int) -> dict:
+        parts = self._partition(n_regions, seed)
+        return {"examples": [len(p) for p in parts], "labels": label_histogram(self.y_train, parts, 10)}
+
+
+register_task("mlp-digits", DigitsConfig, lambda cfg, **kw: DigitsTask(cfg, **kw))
