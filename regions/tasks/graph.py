@@ -1,0 +1,157 @@
+"""Task ``gcn-planetoid``: node classification with a GNN on a region's subgraph.
+
+Each region holds one part of the graph (see geofed.regions.graph.partition) and trains a
+2-layer GCN or GraphSAGE full-batch on it: one training batch is the region's whole subgraph,
+so one inner step is one local epoch. Evaluation runs the model on the *whole* graph and
+scores the standard test split, so a region model is judged with the test nodes' true
+neighbourhoods, the same way the centralized reference is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from geofed.regions.graph.data import GraphData, GraphView, build_view, full_view, load_graph_npz
+from geofed.regions.graph.models import accuracy, build_gnn, gnn_loss
+from geofed.regions.graph.partition import extract_subgraph, partition_nodes, partition_stats, train_flags
+
+from .base import EvalResult, Shard, Task, register_task
+
+DEFAULT_PATH = "../shared/datasets/planetoid/cora.npz"
+
+
+def _doc(text: str) -> dict:
+    return {"doc": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcnPlanetoidConfig:
+    kind: Literal["gcn-planetoid"] = "gcn-planetoid"
+    path: str = field(default=DEFAULT_PATH, metadata=_doc(
+        "graph .npz (x, y, edge_index, train/val/test masks); relative paths from the working directory"))
+    model: Literal["gcn", "sage"] = field(default="gcn", metadata=_doc("gcn (Kipf & Welling) or sage (GraphSAGE-mean)"))
+    hidden: int = field(default=16, metadata=_doc("hidden units"))
+    dropout: float = field(default=0.5, metadata=_doc("dropout on input features and hidden layer"))
+    weight_decay: float = field(default=5e-4, metadata=_doc(
+        "L2 on the first layer, inside the loss (use an inner optimizer with weight_decay 0)"))
+    partition: Literal["louvain", "label-dirichlet", "random"] = field(
+        default="louvain", metadata=_doc("how nodes are split into regions"))
+    alpha: float = field(default=0.5, metadata=_doc("Dirichlet concentration for label-dirichlet (small: more skew)"))
+    partition_seed: int = field(default=0, metadata=_doc(
+        "seed of the partition; fixed apart from run.seed so seeds compare on the same split"))
+    halo: bool = field(default=False, metadata=_doc(
+        "keep 1-hop out-of-region neighbours' features (not labels); their one-time bytes are counted"))
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("path: must name a graph .npz file")
+        if not 1 <= self.hidden <= 65536:
+            raise ValueError(f"hidden: must be in [1, 65536], got {self.hidden}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha: must be > 0, got {self.alpha}")
+
+
+class GraphShard(Shard):
+    """A region's subgraph; every batch is the whole subgraph (full-batch training)."""
+
+    def __init__(self, view: GraphView):
+        self.view = view
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.view.train_mask.sum())
+
+    def batches(self, generator: torch.Generator) -> Iterator[GraphView]:
+        while True:
+            yield self.view
+
+
+class GcnPlanetoidTask(Task):
+    kind = "gcn-planetoid"
+
+    def __init__(self, config: GcnPlanetoidConfig):
+        self.config = config
+        self.data = load_task_graph(config.path)
+        self._assign: dict[int, Any] = {}
+        self._full: GraphView | None = None
+        self._last_regions: int | None = None
+
+    @property
+    def adjacency(self) -> str:
+        return "gcn" if self.config.model == "gcn" else "mean"
+
+    def build_model(self, seed: int) -> nn.Module:
+        c = self.config
+        return build_gnn(c.model, self.data.num_features, c.hidden, self.data.num_classes, dropout=c.dropout, seed=seed)
+
+    def assignment(self, n_regions: int):
+        """Region of every node (cached; the same in every process for a given partition_seed)."""
+        if n_regions not in self._assign:
+            c = self.config
+            self._assign[n_regions] = partition_nodes(self.data, n_regions, c.partition, alpha=c.alpha,
+                                                      seed=c.partition_seed)
+        return self._assign[n_regions]
+
+    def shard(self, region_index: int, n_regions: int, seed: int) -> GraphShard:
+        # `seed` is not used: the split follows partition_seed so that runs with different
+        # seeds (and every region of one run) see the same partition.
+        if not 0 <= region_index < n_regions:
+            raise ValueError(f"region_index: must be in [0, {n_regions}), got {region_index}")
+        self._last_regions = n_regions
+        if n_regions == 1:
+            return GraphShard(self.full_view())
+        sub = extract_subgraph(self.data, self.assignment(n_regions), region_index, halo=self.config.halo)
+        view = build_view(self.data, sub.nodes, sub.edge_index, adjacency=self.adjacency,
+                          train_nodes=train_flags(self.data, sub))
+        return GraphShard(view)
+
+    def full_view(self) -> GraphView:
+        if self._full is None:
+            self._full = full_view(self.data, adjacency=self.adjacency)
+        return self._full
+
+    def loss(self, model: nn.Module, batch: GraphView) -> torch.Tensor:
+        return gnn_loss(model, batch.x, batch.adj, batch.y, batch.train_mask, weight_decay=self.config.weight_decay)
+
+    def evaluate(self, model: nn.Module) -> EvalResult:
+        v = self.full_view()
+        return EvalResult(metric="accuracy", value=accuracy(model, v.x, v.adj, v.y, v.test_mask), higher_is_better=True)
+
+    def partition_stats(self, n_regions: int) -> dict[str, Any]:
+        return partition_stats(self.data, self.assignment(n_regions), n_regions, halo=self.config.halo)
+
+    def describe(self) -> dict[str, Any]:
+        d = self.data
+        out: dict[str, Any] = {
+            "dataset": d.source, "nodes": d.num_nodes, "edges": d.num_edges, "features": d.num_features,
+            "classes": d.num_classes, "train": int(d.train_mask.sum()), "test": int(d.test_mask.sum()),
+            "model": self.config.model, "partition": self.config.partition, "halo": self.config.halo,
+        }
+        if self._last_regions and self._last_regions > 1:
+            out["regions"] = self.partition_stats(self._last_regions)
+        return out
+
+
+def load_task_graph(path: str) -> GraphData:
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise ValueError(
+            f"task.path: no graph file at {str(resolved)!r} (resolved from the working directory "
+            f"{str(Path.cwd())!r}); point task.path at a .npz in the documented graph format")
+    try:
+        return load_graph_npz(resolved)
+    except ValueError as exc:
+        raise ValueError(f"task.path: {exc}") from None
+
+
+register_task("gcn-planetoid", GcnPlanetoidConfig, GcnPlanetoidTask)
