@@ -1,0 +1,106 @@
+"""summary.json: built from the run directory's own logs, so it always agrees with them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geofed.regions.exchange import spec_key
+from geofed.regions.tasks import make_task
+
+from .config import RunConfig
+from .rundir import read_jsonl
+
+
+def evaluate_average(cfg: RunConfig, params: dict[str, list[torch.Tensor]]) -> tuple[dict | None, float | None]:
+    """Eval of the average of the regions' models, and their consensus distance.
+
+    Consensus distance = sqrt(mean_i ||x_i - mean||^2) / ||mean||: 0 when every region holds the
+    same model (DiLoCo over a full topology), larger while gossip has not converged.
+    """
+    if not params:
+        return None, None
+    stacks = list(params.values())
+    mean = [torch.stack([p[k] for p in stacks]).mean(0) for k in range(len(stacks[0]))]
+    norm = torch.sqrt(sum((m.double() ** 2).sum() for m in mean))
+    spread = sum(sum(((p[k] - mean[k]).double() ** 2).sum() for k in range(len(mean))) for p in stacks) / len(stacks)
+    consensus = float(torch.sqrt(spread) / norm) if norm > 0 else 0.0
+    task = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=cfg.run.seed)
+    model = task.build_model(cfg.run.seed)
+    with torch.no_grad():
+        for p, m in zip([p for p in model.parameters() if p.requires_grad], mean):
+            p.copy_(m)
+    r = task.evaluate(model)
+    return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}, consensus
+
+
+def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, consensus, transport_stats,
+                  faults, placement, emulator, wall_s: float) -> dict[str, Any]:
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    rounds = read_jsonl(run_dir / "rounds.jsonl")
+    last_round = max((m["round"] for m in metrics), default=-1)
+    final_losses = [m["train_loss"] for m in metrics if m["round"] == last_round and m.get("train_loss") is not None]
+    util = _utilization(metrics)
+    refusals = _refusals(transport_stats)
+    return {
+        "run": run_dir.name, "rounds": last_round + 1, "wall_s": round(wall_s, 3),
+        "final_train_loss": sum(final_losses) / len(final_losses) if final_losses else None,
+        "eval": eval_avg, "eval_per_region": eval_per_region, "consensus_distance": consensus,
+        "bytes_sent": sum(m.get("bytes_sent", 0) for m in metrics),
+        "bytes_received": sum(m.get("bytes_received", 0) for m in metrics),
+        "compute_utilization": sum(util.values()) / len(util) if util else None,
+        "utilization_per_region": util,
+        "links": _links(metrics, rounds, emulator),
+        "H_history": [{"round": r["round"], "H": r["H"], "t": r["t_start"], "codecs": r.get("codecs", {})} for r in rounds],
+        "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host")}
+                      for reg, info in placement.items()},
+        "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values())},
+        "refusals": refusals,
+        "config": {"task": cfg.task.kind, "algorithm": cfg.sync.algorithm, "policy": cfg.sync.policy.kind,
+                   "codec": spec_key(cfg.compression.codec), "topology": cfg.sync.topology,
+                   "regions": len(cfg.regions.names), "emulation": cfg.network.emulation.mode,
+                   "overlap": cfg.sync.overlap, "tls": cfg.security.tls},
+    }
+
+
+def _utilization(metrics: list[dict]) -> dict[str, float]:
+    compute: dict[str, float] = {}
+    wall: dict[str, float] = {}
+    for m in metrics:
+        compute[m["region"]] = compute.get(m["region"], 0.0) + m.get("compute_s", 0.0)
+        wall[m["region"]] = wall.get(m["region"], 0.0) + m.get("wall_s", 0.0)
+    return {r: min(1.0, compute[r] / wall[r]) for r in compute if wall[r] > 0}
+
+
+def _links(metrics: list[dict], rounds: list[dict], emulator) -> dict[str, dict]:
+    links: dict[str, dict] = {}
+    for m in metrics:
+        for t in m.get("transfers", []):
+            if t["direction"] != "send":
+                continue
+            entry = links.setdefault(f"{m['region']}->{t['peer']}", {"bytes": 0, "transfers": 0})
+            entry["bytes"] += t["bytes"]
+            entry["transfers"] += 1
+    last_est: dict[str, dict] = {}
+    for r in rounds:
+        last_est.update(r.get("links", {}))
+    for link, entry in links.items():
+        est = last_est.get(link, {})
+        entry["bandwidth_mbps"] = est.get("bandwidth_mbps")
+        entry["rtt_ms"] = est.get("rtt_ms")
+        if emulator is not None:
+            src, dst = link.split("->", 1)
+            spec = emulator.configured(src, dst)
+            entry["configured_bandwidth_mbps"] = spec.bandwidth_mbps
+            entry["configured_rtt_ms"] = 2 * spec.latency_ms
+    return links
+
+
+def _refusals(transport_stats: dict[str, dict]) -> dict[str, Any]:
+    by_reason: dict[str, int] = {}
+    for s in transport_stats.values():
+        for reason, n in (s.get("refused") or {}).items():
+            by_reason[reason] = by_reason.get(reason, 0) + n
+    return {"total": sum(by_reason.values()), "by_reason": by_reason}

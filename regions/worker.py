@@ -1,0 +1,230 @@
+"""RegionWorker: one region's trainer. A plain class (tested without Ray); regions/actor.py wraps it.
+
+It owns the region's model, data shard, inner optimizer, gRPC transport and codec states, and
+runs one round at a time as the coordinator plans it (DESIGN.md, "One round").
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geofed.compression import CodecError, decode_update
+from geofed.p2p.deadline import AdaptiveDeadline
+from geofed.p2p.topology import make_topology
+
+from . import checkpoint
+from .algorithms import ALGORITHMS, mix
+from .exchange import Exchanger
+from .tasks import make_task
+from .transport_factory import make_transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundPlan:
+    round: int
+    H: int
+    codecs: dict[str, Any] = field(default_factory=dict)  # peer -> codec spec for my link to it
+    lr_scale: float = 1.0
+    evaluate: bool = False
+    alive: tuple[str, ...] | None = None  # regions the coordinator believes are up (None: all)
+
+
+class RegionWorker:
+    """`cfg` is the run config (geofed.orchestrator.config.RunConfig; duck-typed: regions must
+    not import orchestrator)."""
+
+    def __init__(self, cfg: Any, region: str, run_dir: str | Path):
+        self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
+        self.regions = list(cfg.regions.names)
+        self.index = self.regions.index(region)
+        torch.set_num_threads(cfg.regions.torch_threads)
+        seed = cfg.run.seed
+        self.task = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed)
+        # Same init everywhere (seed, not seed + index): DiLoCo starts every region from one model.
+        self.model = self.task.build_model(seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.shard = self.task.shard(self.index, len(self.regions), seed)
+        self.generator = torch.Generator().manual_seed(seed * 1000 + self.index)
+        self.batches = self.shard.batches(self.generator)
+        self.inner = self._make_inner_optimizer()
+        self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
+        self.transport = make_transport(cfg, region, self.run_dir)
+        self.transport.set_validator(self._validate)
+        self.transport.set_state_provider(self.state_bytes)
+        d = cfg.sync.deadline
+        self.exchanger = Exchanger(self.transport, error_feedback=cfg.compression.error_feedback,
+                                   deadline=AdaptiveDeadline(d.initial_s, d.min_s, d.max_s, d.k),
+                                   send_timeout_s=d.max_s)
+        self.algorithm = ALGORITHMS[cfg.sync.algorithm](self)
+        self.completed_round = -1
+        self.model.train()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> str:
+        return self.transport.start()
+
+    def connect(self, peers: dict[str, str]) -> None:
+        self.transport.connect({r: a for r, a in peers.items() if r != self.region})
+
+    def close(self) -> None:
+        self.algorithm.close()
+        self.exchanger.close()
+        self.transport.close()
+
+    def info(self) -> dict[str, Any]:
+        import socket
+
+        return {"region": self.region, "pid": os.getpid(), "host": socket.gethostname(),
+                "params": sum(p.numel() for p in self.params), "examples": self.shard.num_examples,
+                "completed_round": self.completed_round}
+
+    # -- one round -------------------------------------------------------------------------
+    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        t_start = time.time()
+        metrics = self.algorithm.run_round(plan)
+        self.completed_round = plan.round
+        if plan.evaluate:
+            metrics.update(self.finish_pending())
+            metrics["eval"] = self.evaluate()
+        wall = time.time() - t_start
+        metrics.update({"round": plan.round, "region": self.region, "H": plan.H,
+                        "codecs": {p: _spec_name(plan.codecs.get(p, self.cfg.compression.codec))
+                                   for p in self.out_peers(plan)},
+                        "wall_s": wall, "utilization": min(1.0, metrics.get("compute_s", 0.0) / wall) if wall > 0 else 0.0,
+                        "links": self.exchanger.link_estimates(self.region),
+                        "refused": self.transport.stats().get("refused_total", 0)})
+        return metrics
+
+    def finish_pending(self) -> dict[str, Any]:
+        return self.algorithm.finish()
+
+    def inner_steps(self, H: int, lr_scale: float) -> dict[str, Any]:
+        """H local optimizer steps; returns loss and timing (compute only, no network)."""
+        losses = []
+        t0 = time.monotonic()
+        for _ in range(H):
+            losses.append(self.forward_backward())
+            self.optimizer_step(lr_scale)
+        compute_s = time.monotonic() - t0
+        loss = sum(losses) / len(losses)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"region {self.region}: train loss is {loss}")
+        return {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / H, "steps": H}
+
+    def forward_backward(self) -> float:
+        self.inner.zero_grad(set_to_none=False)
+        loss = self.task.loss(self.model, next(self.batches))
+        loss.backward()
+        return float(loss.detach())
+
+    def optimizer_step(self, lr_scale: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = self.cfg.sync.inner.lr * lr_scale
+        self.inner.step()
+
+    # -- exchange helpers used by the algorithms ------------------------------------------
+    def out_peers(self, plan: RoundPlan) -> list[str]:
+        alive = set(plan.alive) if plan.alive is not None else None
+        return [self.regions[j] for j in self.topology.out_neighbours(self.index, plan.round)
+                if alive is None or self.regions[j] in alive]
+
+    def in_weights(self, round_: int) -> dict[str, float]:
+        return {self.regions[j]: w for j, w in self.topology.in_weights(self.index, round_).items()}
+
+    def exchange(self, plan: RoundPlan, tensors, *, single_codec: bool = False):
+        alive = set(plan.alive) if plan.alive is not None else None
+        in_peers = [p for p in self.in_weights(plan.round) if alive is None or p in alive]
+        codecs = {} if single_codec else plan.codecs
+        return self.exchanger.exchange(plan.round, tensors, out_peers=self.out_peers(plan), in_peers=in_peers,
+                                       codecs=codecs, default_codec=self.cfg.compression.codec)
+
+    def mix(self, plan: RoundPlan, own, res) -> list[torch.Tensor]:
+        return mix(own, res.received, self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round))
+
+    def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:
+        """Called by the transport for every incoming update: refuse (ValueError) what is not sane."""
+        try:
+            return decode_update(payload, max_bytes=self.cfg.network.max_message_mb << 20, expected_shapes=self.shapes)
+        except CodecError as exc:
+            raise ValueError(f"undecodable update from {sender}: {exc}") from None
+
+    # -- evaluation and state --------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any]:
+        r = self.task.evaluate(self.model)
+        return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
+
+    def get_params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.completed_round, "model": self.model.state_dict(), "inner": self.inner.state_dict(),
+                "algorithm": self.algorithm.state_dict(), "rng": self.generator.get_state()}
+
+    def state_bytes(self) -> bytes:
+        """What FetchState serves to a rejoining peer: the model and the algorithm's shared state."""
+        buf = io.BytesIO()
+        torch.save({"round": self.completed_round, "model": self.model.state_dict(),
+                    "algorithm": self.algorithm.state_dict()}, buf)
+        return buf.getvalue()
+
+    def catch_up(self, peer: str) -> int:
+        """Pull current parameters from `peer` (FetchState); returns the round they are from."""
+        data = self.transport.fetch_state(peer, timeout_s=self.cfg.sync.deadline.max_s)
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True)
+            self.model.load_state_dict(state["model"])
+            self.algorithm.load_state_dict(state["algorithm"])
+        except Exception as exc:  # noqa: BLE001 - a bad donor must not take the region down with it
+            raise ValueError(f"state from {peer} is unusable: {exc}") from None
+        self.completed_round = int(state["round"])
+        return self.completed_round
+
+    def transport_stats(self) -> dict[str, Any]:
+        return self.transport.stats()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.inner.load_state_dict(state["inner"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.generator.set_state(state["rng"])
+        self.batches = self.shard.batches(self.generator)
+        self.completed_round = int(state["round"])
+
+    def save_checkpoint(self) -> str:
+        d = self.run_dir / "checkpoints" / self.region
+        path = checkpoint.checkpoint_path(d, self.completed_round)
+        checkpoint.save_atomic(path, self.state_dict())
+        checkpoint.prune(d, self.cfg.run.keep_checkpoints)
+        return str(path)
+
+    def restore_checkpoint(self, at_most: int | None = None) -> int:
+        """Load the newest verified checkpoint (<= at_most); -1 when there is none."""
+        found = checkpoint.load_latest(self.run_dir / "checkpoints" / self.region, at_most=at_most)
+        if found is None:
+            return -1
+        self.load_state_dict(found[1])
+        return found[0]
+
+    def _make_inner_optimizer(self) -> torch.optim.Optimizer:
+        inner = self.cfg.sync.inner
+        if inner.kind == "adamw":
+            return torch.optim.AdamW(self.params, lr=inner.lr, weight_decay=inner.weight_decay)
+        return torch.optim.SGD(self.params, lr=inner.lr, momentum=inner.momentum, weight_decay=inner.weight_decay)
+
+
+def _spec_name(spec: Any) -> str:
+    from .exchange import spec_key
+
+    return spec_key(spec)
