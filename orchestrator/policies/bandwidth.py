@@ -1,0 +1,150 @@
+"""The bandwidth policy: H (and a codec per link) from measured links and step time.
+
+Each round, in three steps (formulas in cost.py and docs/policies.md):
+
+1. What the links need. With a codec ladder, every measured link takes the least compression
+   whose sync fits the budget of a round of ``target_H`` steps; the bottleneck link's sync
+   time ``D`` then gives ``H_wanted`` (serial: comm <= target fraction; overlap:
+   ``H*step >= margin*D``), clamped to [H_min, H_max].
+2. Hysteresis. The policy changes anything (H or any codec) at most once every
+   ``hold_rounds`` rounds, and H only when ``H_wanted`` is more than ``hysteresis`` away.
+3. Codecs for the H actually used: each link takes the least compression that fits the
+   budget of a round of H steps, so slow links end up on stronger codecs than fast ones in the
+   same round; a link keeps its codec while it is within ``hysteresis`` of the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import cost
+from .config import BandwidthPolicyConfig
+from .explain import describe_link, mbps, ms
+from .types import Decision, LinkEstimate, Measurements
+
+
+class BandwidthPolicy:
+    kind = "bandwidth"
+
+    def __init__(self, cfg: BandwidthPolicyConfig, *, codec: Any, ladder: Sequence[Any] = (),
+                 ratio: cost.RatioFn = cost.compression_ratio):
+        self.cfg = cfg
+        self.ladder = cost.Ladder(list(ladder) if ladder else [codec], ratio)
+        # compression.codec is where a link starts when it is in the ladder; else the least compression
+        self._codec_in_ladder = not ladder or any(cost.spec_key(s) == cost.spec_key(codec) for s in ladder)
+        self._codec = codec
+        self._start_spec = codec
+        self._H = cfg.initial_H
+        self._last_change: int | None = None   # round of the last change of H or of any codec
+        self._codecs: dict[str, Any] = {}      # link -> codec spec in use
+        self._last_sync_pred: float | None = None
+
+    # -- the decision ------------------------------------------------------------------------
+
+    def decide(self, m: Measurements) -> Decision:
+        measured = {name: est for name, est in m.links.items() if est.measured}
+        rungs = self.ladder.rungs(m.model_numel)
+        self._start_spec = self._codec if self._codec_in_ladder else rungs[0].spec
+        if not measured or m.step_time_s <= 0:
+            return self._initial(m, len(measured))
+        costs = {name: [cost.sync_time(est, cost.payload_bytes(m.model_numel, g.ratio), self.cfg.rtt_factor)
+                        for g in rungs] for name, est in measured.items()}
+        H_raw, need_link = self._wanted(costs, m)
+        H_want = min(max(cost.ceil_H(H_raw), self.cfg.H_min), self.cfg.H_max)
+        held = self._held(m.round)
+        current = {name: self._index(name, m.model_numel) for name in costs}
+        if held:
+            H = self._H
+            chosen = {n: (i if i is not None else self._fit(costs[n], H, m, None)) for n, i in current.items()}
+        else:
+            H = H_want if abs(H_want - self._H) > self.cfg.hysteresis * self._H else self._H
+            chosen = {n: self._fit(costs[n], H, m, current[n]) for n in costs}
+        changed = H != self._H or any(chosen[n] != current[n] for n in chosen if current[n] is not None)
+        event = "changed" if changed else ("held-hold" if held and H_want != self._H else
+                                           "held-band" if H_want != self._H else "steady")
+        H_prev = self._H
+        self._commit(H, chosen, rungs, m.round, changed)
+        codecs = self._codec_map(m, chosen, rungs)
+        return self._explain(m, measured, costs, chosen, rungs, codecs,
+                             H=H, H_prev=H_prev, H_want=H_want, H_raw=H_raw, need_link=need_link, event=event)
+
+    def _wanted(self, costs: Mapping[str, list[float]], m: Measurements) -> tuple[float, str]:
+        """Real-valued H the links need, and the link that needs it (step 1)."""
+        c = self.cfg
+        budget = cost.budget_for_H(c.target_H, m.step_time_s, overlap=m.overlap,
+                                   comm_fraction=c.target_comm_fraction, margin=c.overlap_margin)
+        D_of = {n: cs[cost.least_fitting(cs, budget)] for n, cs in costs.items()}
+        link = max(D_of, key=lambda n: (D_of[n], n))
+        return cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap,
+                               comm_fraction=c.target_comm_fraction, margin=c.overlap_margin), link
+
+    def _held(self, round_: int) -> bool:
+        return self._last_change is not None and round_ - self._last_change < self.cfg.hold_rounds
+
+    def _fit(self, costs: Sequence[float], H: int, m: Measurements, current: int | None) -> int:
+        """The codec (ladder index) of one link for a round of H steps, with hysteresis (step 3)."""
+        c = self.cfg
+        budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap,
+                                   comm_fraction=c.target_comm_fraction, margin=c.overlap_margin)
+        fresh = cost.least_fitting(costs, budget)
+        if current is None or fresh == current:
+            return fresh
+        if fresh > current:  # needs stronger compression: only once the current one is clearly over
+            return fresh if costs[current] > budget * (1 + c.hysteresis) else current
+        relaxed = cost.least_fitting(costs, budget / (1 + c.hysteresis))  # weaker only with room to spare
+        return relaxed if relaxed < current else current
+
+    def _index(self, link: str, numel: int) -> int | None:
+        spec = self._codecs.get(link)
+        return None if spec is None else self.ladder.index_of(spec, numel)
+
+    def _commit(self, H: int, chosen: Mapping[str, int], rungs: Sequence[cost.Rung], round_: int, changed: bool) -> None:
+        if changed:
+            self._last_change = round_
+        self._H = H
+        for name, i in chosen.items():
+            self._codecs[name] = rungs[i].spec
+
+    def _codec_map(self, m: Measurements, chosen: Mapping[str, int], rungs: Sequence[cost.Rung]) -> dict[str, Any]:
+        return {name: (rungs[chosen[name]].spec if name in chosen else self._codecs.get(name, self._start_spec))
+                for name in m.links}
+
+    def _initial(self, m: Measurements, n_measured: int) -> Decision:
+        codecs = {name: self._codecs.get(name, self._start_spec) for name in m.links}
+        why = (f"no link estimates yet ({n_measured}/{len(m.links)} links measured)" if n_measured == 0
+               else "no step time measured yet")
+        details = {"kind": self.kind, "event": "initial", "mode": "overlap" if m.overlap else "serial",
+                   "H_prev": self._H, "H_wanted": None, "links": {n: describe_link(e) for n, e in m.links.items()}}
+        return Decision(H=self._H, codecs=codecs, default_codec=self._start_spec, details=details,
+                        reason=f"{why}: initial H={self._H}, codec {cost.spec_label(self._start_spec)}")
+
+    def _explain(self, m, measured, costs, chosen, rungs, codecs, *, H, H_prev, H_want, H_raw, need_link, event) -> Decision:
+        from .explain import explain_bandwidth
+
+        D_of = {n: costs[n][chosen[n]] for n in chosen}
+        bottleneck = max(D_of, key=lambda n: (D_of[n], n))
+        strongest = max(chosen.values())
+        details, reason = explain_bandwidth(
+            self.cfg, m, measured, rungs, chosen, D_of, bottleneck=bottleneck, H=H, H_prev=H_prev, H_want=H_want,
+            H_raw=H_raw, need_link=need_link, event=event, last_pred=self._last_sync_pred,
+            since_change=None if self._last_change is None else m.round - self._last_change)
+        self._last_sync_pred = D_of[bottleneck]
+        return Decision(H=H, codecs=codecs, reason=reason, default_codec=rungs[strongest].spec, details=details)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "H": self._H, "last_change": self._last_change,
+                "codecs": dict(self._codecs), "last_sync_pred": self._last_sync_pred}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        if d.get("kind") != self.kind:
+            raise ValueError(f"policy state is for {d.get('kind')!r}, not {self.kind!r}")
+        self._H = int(d["H"])
+        self._last_change = None if d["last_change"] is None else int(d["last_change"])
+        self._codecs = dict(d["codecs"])
+        self._last_sync_pred = d["last_sync_pred"]
+
+
+__all__ = ["BandwidthPolicy", "LinkEstimate"]

@@ -1,0 +1,133 @@
+"""The sync cost model the adaptive policies share.
+
+One sync over a directed link costs ``D = k * RTT + bytes(codec) / bandwidth`` (DeCo-SGD,
+arXiv 2507.17346; a warm gRPC client stream measured 1.03-1.09x of ``bytes*8/rate + RTT``,
+FIELD-NOTES). Links of a round transfer in parallel, so the round's sync time is the largest
+``D`` (the bottleneck link). Two ways to pay for it:
+
+* serial (no overlap): a round lasts ``H*step + D``; keeping communication at most a fraction
+  ``f`` of it needs ``H*step >= D*(1-f)/f``;
+* overlap: round r's exchange runs during round r+1's ``H`` steps; it is hidden when
+  ``H*step >= margin*D`` (DeCo-SGD's ``tau*step_time >= RTT + bytes/bandwidth``).
+
+The inverse of both gives a link's time budget for a given H, which is what the per-link
+codec choice compares against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .types import LinkEstimate
+
+FP32_BYTES = 4
+_EPS = 1e-9  # so that an H computed as 117.0000000001 is 117, not 118
+
+RatioFn = Callable[[Any, int], float]
+
+
+def compression_ratio(spec: Any, numel: int) -> float:
+    """fp32 bytes / wire bytes of ``spec`` for an update of ``numel`` floats (compression library)."""
+    from geofed.compression import make_codec  # lazy: only the adaptive policies need codecs
+
+    return float(make_codec(spec).estimate_ratio(numel))
+
+
+def spec_key(spec: Any) -> str:
+    """A stable text key of a codec spec (a name or a mapping) for caches and state."""
+    return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def spec_label(spec: Any) -> str:
+    """A short human label of a codec spec for reasons: ``int8`` or ``topk(fraction=0.01,inner=int8)``."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, dict) and "kind" in spec:
+        params = ",".join(f"{k}={spec_label(v)}" for k, v in sorted(spec.items()) if k != "kind")
+        return f"{spec['kind']}({params})" if params else str(spec["kind"])
+    return spec_key(spec)
+
+
+@dataclass(frozen=True)
+class Rung:
+    spec: Any
+    ratio: float
+    label: str
+
+
+class Ladder:
+    """Codecs a policy may choose, ordered from least to most compression.
+
+    Ordered by their estimated ratio (stable), so a ladder written in another order still
+    means "prefer the least compression". Ratios are cached per model size.
+    """
+
+    def __init__(self, specs: Sequence[Any], ratio: RatioFn = compression_ratio):
+        if not specs:
+            raise ValueError("ladder: needs at least one codec")
+        self._specs = list(specs)
+        self._ratio = ratio
+        self._cache: dict[int, list[Rung]] = {}
+
+    def rungs(self, numel: int) -> list[Rung]:
+        if numel not in self._cache:
+            rungs = []
+            for spec in self._specs:
+                r = float(self._ratio(spec, numel))
+                if not (r > 0 and math.isfinite(r)):
+                    raise ValueError(f"codec {spec_label(spec)}: estimate_ratio gave {r}, need a positive number")
+                rungs.append(Rung(spec, r, spec_label(spec)))
+            self._cache[numel] = sorted(rungs, key=lambda g: g.ratio)
+        return self._cache[numel]
+
+    def index_of(self, spec: Any, numel: int) -> int | None:
+        key = spec_key(spec)
+        for i, g in enumerate(self.rungs(numel)):
+            if spec_key(g.spec) == key:
+                return i
+        return None
+
+    @property
+    def specs(self) -> list[Any]:
+        return list(self._specs)
+
+
+def payload_bytes(numel: int, ratio: float) -> float:
+    return FP32_BYTES * numel / ratio
+
+
+def sync_time(link: LinkEstimate, nbytes: float, rtt_factor: float) -> float:
+    """``k*RTT + bytes/bandwidth`` in seconds; an unknown RTT counts as 0."""
+    assert link.bandwidth_bps is not None
+    return rtt_factor * (link.rtt_s or 0.0) + nbytes * 8.0 / link.bandwidth_bps
+
+
+def H_for_sync(D: float, step_s: float, *, overlap: bool, comm_fraction: float, margin: float) -> float:
+    """The real-valued H that pays for a sync of D seconds (before rounding and bounds)."""
+    assert step_s > 0 and 0 < comm_fraction < 1
+    if overlap:
+        return margin * D / step_s
+    return D * (1.0 - comm_fraction) / (comm_fraction * step_s)
+
+
+def budget_for_H(H: float, step_s: float, *, overlap: bool, comm_fraction: float, margin: float) -> float:
+    """Seconds a link may spend on one sync when a round has H steps (inverse of H_for_sync)."""
+    if overlap:
+        return H * step_s / margin
+    return H * step_s * comm_fraction / (1.0 - comm_fraction)
+
+
+def ceil_H(x: float) -> int:
+    return max(1, math.ceil(x - _EPS))
+
+
+def least_fitting(costs: Sequence[float], budget: float) -> int:
+    """Index of the first (least compressed) rung whose cost fits the budget; the last if none does."""
+    for i, c in enumerate(costs):
+        if c <= budget:
+            return i
+    return len(costs) - 1

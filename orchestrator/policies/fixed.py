@@ -1,0 +1,34 @@
+"""The fixed policy: the configured H every round, ``compression.codec`` on every link."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .config import FixedPolicyConfig
+from .explain import describe_link
+from .types import Decision, Measurements
+
+
+class FixedPolicy:
+    kind = "fixed"
+
+    def __init__(self, cfg: FixedPolicyConfig, *, codec: Any, ladder: Sequence[Any] = ()):
+        # A ladder is ignored on purpose: the fixed arms of `geofed bench wan` are the static
+        # baselines the adaptive policies are measured against, one codec everywhere.
+        self.cfg = cfg
+        self.codec = codec
+
+    def decide(self, m: Measurements) -> Decision:
+        details = {"kind": self.kind, "event": "steady", "mode": "overlap" if m.overlap else "serial",
+                   "H": self.cfg.H, "H_prev": self.cfg.H, "H_wanted": self.cfg.H,
+                   "links": {n: describe_link(e) for n, e in m.links.items()}}
+        return Decision(H=self.cfg.H, codecs={n: self.codec for n in m.links}, default_codec=self.codec,
+                        reason=f"fixed H={self.cfg.H}", details=details)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        if d.get("kind") != self.kind:
+            raise ValueError(f"policy state is for {d.get('kind')!r}, not {self.kind!r}")

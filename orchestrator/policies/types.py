@@ -1,0 +1,96 @@
+"""What a sync policy reads (Measurements) and what it answers (Decision).
+
+Both are plain frozen values so that a policy stays a pure function of them and of its own
+state: the runtime builds a Measurements after every round, calls ``Policy.decide`` and writes
+``Decision.to_record()`` into rounds.jsonl, which is what the report reads to show why H moved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkEstimate:
+    """p2p's LinkEstimator view of one directed link ``"a->b"``; None until measured.
+
+    ``bandwidth_bps`` is in bits per second of payload (application goodput), ``rtt_s`` in seconds.
+    """
+
+    bandwidth_bps: float | None = None
+    rtt_s: float | None = None
+
+    def __post_init__(self):
+        if self.bandwidth_bps is not None and not (self.bandwidth_bps > 0 and math.isfinite(self.bandwidth_bps)):
+            raise ValueError(f"bandwidth_bps: must be a positive finite number or None, got {self.bandwidth_bps}")
+        if self.rtt_s is not None and not (self.rtt_s >= 0 and math.isfinite(self.rtt_s)):
+            raise ValueError(f"rtt_s: must be a finite number >= 0 or None, got {self.rtt_s}")
+
+    @property
+    def measured(self) -> bool:
+        return self.bandwidth_bps is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurements:
+    """Everything a policy may look at when it decides the next round."""
+
+    now_s: float                   # run clock (seconds since start), passed in: policies never read a clock
+    round: int                     # the round being decided
+    step_time_s: float             # seconds per inner step (slowest region); <= 0 when not measured yet
+    loss: float | None             # mean train loss of the last round
+    lr: float                      # current inner lr
+    lr0: float                     # initial inner lr (AdaComm's lr ratio)
+    model_numel: int               # floats in one update
+    links: Mapping[str, LinkEstimate]  # every directed link that carries traffic in the round being decided
+    overlap: bool                  # the exchange runs while the next round computes
+    last_sync_s: float | None = None   # measured sync wall time of the last round (its exposed part)
+
+    def __post_init__(self):
+        if self.model_numel < 1:
+            raise ValueError(f"model_numel: must be >= 1, got {self.model_numel}")
+        if self.round < 0:
+            raise ValueError(f"round: must be >= 0, got {self.round}")
+        for name in self.links:
+            if "->" not in name:
+                raise ValueError(f"links: link names are 'src->dst', got {name!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """H and the codec of every link for the next round, and why.
+
+    ``codecs`` maps every link of ``Measurements.links`` to a codec spec (what
+    ``compression.make_codec`` takes); a link the runtime did not pass gets ``default_codec``
+    (the strongest codec chosen this round: the safe guess for an unknown link).
+    ``details`` is JSON-serialisable and explains the decision (see docs/policies.md).
+    """
+
+    H: int
+    codecs: Mapping[str, Any]
+    reason: str
+    default_codec: Any = None
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        assert isinstance(self.H, int) and self.H >= 1, self.H
+        assert "\n" not in self.reason, "reason is one line"
+
+    def codec_for(self, link: str) -> Any:
+        return self.codecs.get(link, self.default_codec)
+
+    def to_record(self) -> dict[str, Any]:
+        """The policy's part of a rounds.jsonl line."""
+        return {"H": self.H, "codecs": dict(self.codecs), "reason": self.reason, "policy": dict(self.details)}
+
+
+@runtime_checkable
+class Policy(Protocol):
+    def decide(self, m: Measurements) -> Decision: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None: ...
