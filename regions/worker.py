@@ -44,7 +44,7 @@ class RegionWorker:
     """`cfg` is the run config (geofed.orchestrator.config.RunConfig; duck-typed: regions must
     not import orchestrator)."""
 
-    def __init__(self, cfg: Any, region: str, run_dir: str | Path):
+    def __init__(self, cfg: Any, region: str, run_dir: str | Path, *, transport=None):
         self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
         self.regions = list(cfg.regions.names)
         self.index = self.regions.index(region)
@@ -60,7 +60,8 @@ class RegionWorker:
         self.batches = self.shard.batches(self.generator)
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
-        self.transport = make_transport(cfg, region, self.run_dir)
+        # An injected transport (the in-memory one) lets algorithm tests run without sockets.
+        self.transport = transport if transport is not None else make_transport(cfg, region, self.run_dir)
         self.transport.set_validator(self._validate)
         self.transport.set_state_provider(self.state_bytes)
         d = cfg.sync.deadline
