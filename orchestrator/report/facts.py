@@ -1,0 +1,106 @@
+"""The numbers a reader asks for first, each taken from summary.json when the run wrote one and
+otherwise worked out from the per-round records (a run in progress, or one that crashed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .load import Run, num
+
+
+@dataclass(frozen=True)
+class Headline:
+    rounds: int
+    wall_s: float | None
+    bytes_sent: float
+    final_train_loss: float | None
+    eval_metric: str | None
+    eval_value: float | None
+    utilization: float | None
+
+
+def headline(run: Run) -> Headline:
+    s = run.summary
+    rows = run.rounds
+    ends = [r.t_end for r in rows if r.t_end is not None]
+    losses = [r.mean_train_loss for r in rows if r.mean_train_loss is not None]
+    utils = [r.utilization for r in rows if r.utilization is not None]
+    ev = s.get("eval") if isinstance(s.get("eval"), dict) else None
+    metric, value = (str(ev.get("metric", "eval")), num(ev.get("value"))) if ev else _last_eval(run)
+    return Headline(
+        rounds=int(s["rounds"]) if isinstance(s.get("rounds"), int) else len(rows),
+        wall_s=_pick(num(s.get("wall_s")), max(ends) if ends else None),
+        bytes_sent=_pick(num(s.get("bytes_sent")), sum(r.bytes_sent for r in rows)) or 0.0,
+        final_train_loss=_pick(num(s.get("final_train_loss")), losses[-1] if losses else None),
+        eval_metric=metric,
+        eval_value=value,
+        utilization=_pick(num(s.get("compute_utilization")), sum(utils) / len(utils) if utils else None),
+    )
+
+
+def _last_eval(run: Run) -> tuple[str | None, float | None]:
+    metric, series = run.eval_series()
+    last = [pts[-1][2] for pts in series.values() if pts]
+    return (metric, sum(last) / len(last)) if last else (None, None)
+
+
+def _pick(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def config_highlights(run: Run) -> list[tuple[str, str]]:
+    """(label, value) of what distinguishes one run from another, from summary.config or config.yaml."""
+    sc = run.summary.get("config") if isinstance(run.summary.get("config"), dict) else {}
+    c = run.config
+
+    def dig(*path: str) -> Any:
+        node: Any = c
+        for p in path:
+            node = node.get(p) if isinstance(node, dict) else None
+        return node
+
+    def kind(v: Any) -> Any:
+        return v.get("kind") if isinstance(v, dict) else v
+
+    pairs = [
+        ("task", sc.get("task") or kind(dig("task"))),
+        ("algorithm", sc.get("algorithm") or dig("sync", "algorithm")),
+        ("sync policy", sc.get("policy") or kind(dig("sync", "policy"))),
+        ("codec", sc.get("codec") or _codec_text(dig("compression", "codec"))),
+        ("topology", sc.get("topology") or dig("sync", "topology")),
+        ("regions", sc.get("regions") or len(run.regions) or None),
+        ("WAN emulation", sc.get("emulation") or dig("network", "emulation", "mode")),
+    ]
+    return [(k, str(v)) for k, v in pairs if v not in (None, "")]
+
+
+def _codec_text(spec: Any) -> Any:
+    if isinstance(spec, dict):
+        params = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "kind")
+        return f"{spec.get('kind')}({params})" if params else spec.get("kind")
+    return spec
+
+
+@dataclass(frozen=True)
+class ToTarget:
+    round: int | None
+    seconds: float | None
+    bytes: float | None
+
+
+def to_target(run: Run, target: float) -> ToTarget:
+    """When the mean train loss first reached `target`: at round granularity, since the loss is
+    only known at round ends, and bytes counted through that round."""
+    sent = 0.0
+    for r in run.rounds:
+        sent += r.bytes_sent
+        if r.mean_train_loss is not None and r.mean_train_loss <= target:
+            return ToTarget(r.round, r.t_end, sent)
+    return ToTarget(None, None, None)
+
+
+def default_target(runs: list[Run]) -> float | None:
+    """The loss every run reached: the highest of the runs' best mean train losses."""
+    bests = [min(ls) for ls in ([r.mean_train_loss for r in run.rounds if r.mean_train_loss is not None] for run in runs) if ls]
+    return max(bests) if len(bests) == len(runs) and bests else None

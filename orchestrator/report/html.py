@@ -1,0 +1,195 @@
+"""report.html: one self-contained page (inline CSS, no script, no network); the PNGs it shows
+sit next to it and are referenced by bare file name, so the folder can be moved or zipped."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Sequence
+from html import escape
+
+from .compare import CompareRow
+from .facts import config_highlights, headline
+from .load import Run, num
+from .plots import link_bytes
+from .style import Plot, human_bytes, human_seconds
+
+MAX_TABLE_ROWS = 200  # a 10 000-round run's decision log is a file to grep, not a page to scroll
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2126;margin:0;background:#f6f7f9}
+main{max-width:1180px;margin:0 auto;padding:24px 28px 60px}
+h1{font-size:24px;margin:0 0 2px}h2{font-size:18px;margin:34px 0 10px;border-bottom:1px solid #dde1e6;padding-bottom:4px}
+.sub{color:#5b6470;margin:0 0 18px;font-size:13px}
+.tiles{display:grid;grid-template-columns:repeat(auto-fit,minmax(150px,1fr));gap:10px;margin:16px 0}
+.tile{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:10px 14px}
+.tile .k{color:#5b6470;font-size:12px;text-transform:uppercase;letter-spacing:.04em}
+.tile .v{font-size:22px;font-weight:600;margin-top:2px}
+.tile.bad .v{color:#b42318}
+table{border-collapse:collapse;background:#fff;border:1px solid #dde1e6;font-size:13px;margin:6px 0 4px}
+th,td{padding:5px 10px;border-bottom:1px solid #eceef1;text-align:left;vertical-align:top}
+th{background:#f0f2f5;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.cols{display:flex;flex-wrap:wrap;gap:24px}.cols>div{flex:1 1 320px}
+figure{background:#fff;border:1px solid #dde1e6;border-radius:8px;margin:14px 0;padding:12px}
+figure img{max-width:100%;height:auto;display:block;margin:0 auto}
+figcaption{color:#5b6470;font-size:13px;margin-top:6px}
+.warn{background:#fff8e6;border:1px solid #f0c36d;border-radius:8px;padding:8px 14px;margin:12px 0}
+.note{color:#5b6470;font-size:12px}code{font-size:12px}
+"""
+
+
+def _num_cell(v: float | None, fmt=lambda v: f"{v:.4g}") -> str:
+    return "—" if v is None else fmt(v)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, numeric: Sequence[int] = ()) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    shown = rows[:MAX_TABLE_ROWS]
+    body = "".join("<tr>" + "".join(
+        f"<td{' class=n' if j in numeric else ''}>{escape(str(c))}</td>" for j, c in enumerate(r)) + "</tr>" for r in shown)
+    more = f'<p class="note">{len(rows) - len(shown)} more rows not shown.</p>' if len(rows) > len(shown) else ""
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}"
+
+
+def figure(p: Plot) -> str:
+    return (f'<figure id="{escape(p.file)}"><a href="{escape(p.file)}"><img src="{escape(p.file)}" alt="{escape(p.title)}">'
+            f"</a><figcaption><b>{escape(p.title)}.</b> {escape(p.caption)}</figcaption></figure>")
+
+
+def _tiles(run: Run) -> str:
+    h = headline(run)
+    faults = run.summary.get("faults") if isinstance(run.summary.get("faults"), dict) else {}
+    n_faults = sum(int(v) for v in faults.values() if isinstance(v, int))
+    refusals = (run.summary.get("refusals") or {}).get("total") if isinstance(run.summary.get("refusals"), dict) else None
+    tiles = [("rounds", str(h.rounds), False), ("wall time", _num_cell(h.wall_s, human_seconds), False),
+             ("bytes sent", human_bytes(h.bytes_sent), False),
+             ("final train loss", _num_cell(h.final_train_loss), False)]
+    if h.eval_value is not None:
+        tiles.append((f"final {h.eval_metric}", f"{h.eval_value:.4g}", False))
+    tiles.append(("compute utilisation", _num_cell(h.utilization, lambda v: f"{v:.0%}"), False))
+    tiles.append(("faults", str(n_faults) if faults else "—", n_faults > 0))
+    tiles.append(("refusals", str(refusals) if isinstance(refusals, int) else "—", bool(refusals)))
+    return '<div class="tiles">' + "".join(
+        f'<div class="tile{" bad" if bad else ""}"><div class="k">{escape(k)}</div><div class="v">{escape(v)}</div></div>'
+        for k, v, bad in tiles) + "</div>"
+
+
+def _faults_table(run: Run) -> str:
+    rows = []
+    for k, v in (run.summary.get("faults") or {}).items():
+        rows.append((k.replace("_", " "), v))
+    ref = run.summary.get("refusals") or {}
+    if isinstance(ref, dict):
+        rows.append(("refusals (total)", ref.get("total", 0)))
+        for reason, n in sorted((ref.get("by_reason") or {}).items()):
+            rows.append((f"refused: {reason}", n))
+    if not rows:
+        return '<p class="note">No fault counts (summary.json missing).</p>'
+    return table(["fault / refusal", "count"], rows, numeric=[1])
+
+
+def _regions_table(run: Run) -> str:
+    util = run.summary.get("utilization_per_region") or {}
+    ev = run.summary.get("eval_per_region") or {}
+    place = run.summary.get("placement") or {}
+    last = {m["region"]: m for m in run.metrics}
+    sent: dict[str, float] = {}
+    for m in run.metrics:
+        sent[m["region"]] = sent.get(m["region"], 0.0) + (num(m.get("bytes_sent")) or 0.0)
+    rows = []
+    for r in run.regions:
+        e = ev.get(r) if isinstance(ev.get(r), dict) else (last.get(r, {}).get("eval") or {})
+        rows.append((r, (place.get(r) or {}).get("node_ip", "—") if isinstance(place.get(r), dict) else "—",
+                     _num_cell(num(last.get(r, {}).get("train_loss"))), _num_cell(num(e.get("value")) if e else None),
+                     _num_cell(num(util.get(r)), lambda v: f"{v:.0%}"), human_bytes(sent.get(r, 0.0))))
+    return table(["region", "node", "last train loss", "last eval", "utilisation", "bytes sent"], rows, numeric=[2, 3, 4, 5])
+
+
+def _links_table(run: Run) -> str:
+    links = {k: v for k, v in (run.summary.get("links") or {}).items() if isinstance(v, dict)}
+    if not links and run.rounds:
+        links = dict(run.rounds[-1].links)
+    per_bytes = link_bytes(run)
+    if not links and not per_bytes:
+        return '<p class="note">No per-link records (a one-region run has no links).</p>'
+    rows = []
+    for k in run.link_order(set(links) | set(per_bytes)):
+        v = links.get(k, {})
+        rows.append((k.replace("->", " → "), human_bytes(per_bytes.get(k, 0.0)),
+                     _num_cell(num(v.get("bandwidth_mbps")), lambda x: f"{x:.3g}"),
+                     _num_cell(num(v.get("configured_bandwidth_mbps")), lambda x: f"{x:.3g}"),
+                     _num_cell(num(v.get("rtt_ms")), lambda x: f"{x:.3g}"),
+                     _num_cell(num(v.get("configured_rtt_ms")), lambda x: f"{x:.3g}")))
+    return table(["link", "bytes sent", "measured Mbit/s", "configured Mbit/s", "measured RTT ms", "configured RTT ms"],
+                 rows, numeric=[1, 2, 3, 4, 5])
+
+
+def _decisions_table(run: Run) -> str:
+    """Only the rounds where H or the codecs changed: the policy's decisions, with its reasons."""
+    rows, prev = [], None
+    for r in run.rounds:
+        key = (r.H, tuple(sorted(r.codecs.items())))
+        if key != prev:
+            codecs = "/".join(sorted(set(r.codecs.values()))) or "—"
+            rows.append((r.round, _num_cell(r.t_start, lambda v: f"{v:.1f}"), _num_cell(r.H, lambda v: f"{v:g}"), codecs, r.reason or "—"))
+        prev = key
+    if not rows:
+        return '<p class="note">No rounds recorded.</p>'
+    return table(["round", "t (s)", "H", "codecs", "reason"], rows, numeric=[0, 1, 2])
+
+
+def _events_table(run: Run) -> str:
+    if not run.events:
+        return '<p class="note">No events recorded.</p>'
+    rows = []
+    for e in run.events:
+        what = e.get("kind") or e.get("event") or e.get("type") or "event"
+        rest = {k: v for k, v in e.items() if k not in ("t", "round", "kind", "event", "type")}
+        rows.append((_num_cell(num(e.get("t")), lambda v: f"{v:.1f}"), e.get("round", "—"), what,
+                     json.dumps(rest, sort_keys=True)[:300] if rest else ""))
+    return table(["t (s)", "round", "event", "details"], rows, numeric=[0, 1])
+
+
+def comparison_section(rows: Sequence[CompareRow], plots: Sequence[Plot], target: float | None) -> str:
+    base = rows[0] if rows else None
+
+    def rel(v, b):
+        return f" ({v / b:.2f}×)" if v is not None and b and base is not None else ""
+
+    trs = []
+    for r in rows:
+        h, t = r.head, r.reached
+        trs.append((r.label, r.setup or "—", h.rounds, _num_cell(h.wall_s, human_seconds),
+                    human_bytes(h.bytes_sent), _num_cell(h.final_train_loss),
+                    _num_cell(h.eval_value) if h.eval_value is not None else "—",
+                    "not reached" if t.seconds is None else human_seconds(t.seconds) + rel(t.seconds, base.reached.seconds),
+                    "not reached" if t.bytes is None else human_bytes(t.bytes) + rel(t.bytes, base.reached.bytes)))
+    tgt = f"{target:.4g}" if target is not None else "—"
+    note = (f'<p class="note">Target: mean train loss ≤ {escape(tgt)} (the loss every run reached unless given); '
+            f"time and bytes are counted to the end of the first round at or below it; ratios are to the first run.</p>")
+    return ("<h2>Comparison</h2>" + table(
+        ["run", "algorithm / policy / codec", "rounds", "wall time", "bytes sent", "final train loss", "final eval",
+         "time to target", "bytes to target"], trs, numeric=[2, 3, 4, 5, 6, 7, 8]) + note
+            + "".join(figure(p) for p in plots))
+
+
+def page(title: str, subtitle: str, body: str) -> str:
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width,initial-scale=1"><title>{escape(title)}</title>'
+            f"<style>{CSS}</style></head><body><main><h1>{escape(title)}</h1>"
+            f'<p class="sub">{escape(subtitle)} · written {now} by <code>geofed report</code></p>{body}</main></body></html>\n')
+
+
+def render_run(run: Run, plots: Sequence[Plot], comparison: str = "") -> str:
+    warn = "".join(f'<div class="warn">{escape(w)}</div>' for w in run.warnings)
+    if not run.rounds:
+        warn += '<div class="warn">No rounds recorded yet: nothing to plot.</div>'
+    config = table(["setting", "value"], config_highlights(run)) if config_highlights(run) else '<p class="note">No config recorded.</p>'
+    body = (warn + _tiles(run)
+            + f'<div class="cols"><div><h2>Config</h2>{config}</div><div><h2>Faults and refusals</h2>{_faults_table(run)}</div></div>'
+            + comparison + ("<h2>Plots</h2>" if plots else "") + "".join(figure(p) for p in plots)
+            + f"<h2>Regions</h2>{_regions_table(run)}<h2>Links</h2>{_links_table(run)}"
+            + f"<h2>Policy decisions</h2><p class=\"note\">Rounds where H or the codecs changed.</p>{_decisions_table(run)}"
+            + f"<h2>Events</h2>{_events_table(run)}")
+    return page(f"geofed run report: {run.name}", str(run.path), body)

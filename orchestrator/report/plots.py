@@ -1,0 +1,233 @@
+"""The figures of one run. Each function writes one PNG and returns its Plot, or None when the
+run has nothing to show for it (no eval, no links, one region's empty matrix)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .load import Run, link_pairs, num
+from .style import (MEAN_COLOR, Plot, bytes_formatter, color, human_bytes, markers_for, maybe_log,
+                    new_figure, no_data, save, time_unit)
+
+MAX_LINK_PANELS = 16
+
+
+def time_axis(run: Run) -> tuple[float, str]:
+    ends = [r.t_end for r in run.rounds if r.t_end is not None]
+    return time_unit(max(ends) if ends else 0.0)
+
+
+def _draw_series(ax, run: Run, series, mean_pts, *, use_time: bool, div: float) -> None:
+    """Per-region thin lines and the mean thick, against time (t_end) or round."""
+    def xy(points):
+        pts = [(t / div if use_time else rnd, v) for rnd, t, v in points if not use_time or t is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    for i, region in enumerate(run.regions):
+        xs, ys = xy(series.get(region, []))
+        if xs:
+            ax.plot(xs, ys, color=color(i), lw=1.2, alpha=0.75, label=region, **markers_for(len(xs)))
+    xs, ys = xy(mean_pts)
+    if xs and len(run.regions) > 1:
+        ax.plot(xs, ys, color=MEAN_COLOR, lw=2.4, label="mean", **markers_for(len(xs)))
+
+
+def plot_loss(run: Run, out: Path) -> Plot | None:
+    series = run.series("train_loss")
+    mean_pts = [(r.round, r.t_end, r.mean_train_loss) for r in run.rounds if r.mean_train_loss is not None]
+    if not mean_pts and not any(series.values()):
+        return None
+    div, tlabel = time_axis(run)
+    fig = new_figure(11, 4.2)
+    ax_t, ax_r = fig.subplots(1, 2, sharey=True)
+    _draw_series(ax_t, run, series, mean_pts, use_time=True, div=div)
+    _draw_series(ax_r, run, series, mean_pts, use_time=False, div=div)
+    values = [v for pts in series.values() for _, _, v in pts] + [v for _, _, v in mean_pts]
+    maybe_log(ax_t, values, ratio=8)
+    ax_t.set(xlabel=tlabel, ylabel="train loss", title="Train loss vs wall-clock time")
+    ax_r.set(xlabel="round", title="Train loss vs round")
+    ax_r.legend(loc="best")
+    save(fig, out, "loss.png")
+    return Plot("loss.png", "Train loss", "Thin lines: each region's local train loss at the end of a round; "
+                "thick black: the mean over regions. Left against the driver's wall clock, right against the round.")
+
+
+def plot_eval(run: Run, out: Path) -> Plot | None:
+    metric, series = run.eval_series()
+    if not any(series.values()):
+        return None
+    by_round: dict[int, list[float]] = {}
+    t_of: dict[int, float | None] = {}
+    for pts in series.values():
+        for rnd, t, v in pts:
+            by_round.setdefault(rnd, []).append(v)
+            t_of[rnd] = t
+    mean_pts = [(rnd, t_of[rnd], sum(v) / len(v)) for rnd, v in sorted(by_round.items())]
+    div, tlabel = time_axis(run)
+    fig = new_figure(11, 4.0)
+    ax_t, ax_r = fig.subplots(1, 2, sharey=True)
+    _draw_series(ax_t, run, series, mean_pts, use_time=True, div=div)
+    _draw_series(ax_r, run, series, mean_pts, use_time=False, div=div)
+    ax_t.set(xlabel=tlabel, ylabel=metric, title=f"Eval {metric} vs wall-clock time")
+    ax_r.set(xlabel="round", title=f"Eval {metric} vs round")
+    ax_r.legend(loc="best")
+    save(fig, out, "eval.png")
+    return Plot("eval.png", f"Evaluation ({metric})", "Each region's model evaluated on the rounds where "
+                "evaluation ran; thick black: the mean over regions.")
+
+
+def _codec_label(codecs: dict[str, str]) -> str:
+    names = sorted(set(codecs.values()))
+    return "/".join(names)
+
+
+def plot_sync(run: Run, out: Path) -> Plot | None:
+    rows = [r for r in run.rounds if r.H is not None]
+    if not rows:
+        return None
+    use_time = all(r.t_start is not None and r.t_end is not None for r in rows)
+    div, tlabel = time_axis(run) if use_time else (1.0, "round")
+    start = [(r.t_start / div) if use_time else r.round for r in rows]
+    end = [(r.t_end / div) if use_time else r.round + 1 for r in rows]
+    links = run.link_order({k for r in run.rounds for k, v in r.links.items() if num(v.get("bandwidth_mbps")) is not None})
+    fig = new_figure(11, 5.6 if links else 3.2)
+    axes = fig.subplots(2, 1, sharex=True, height_ratios=[1, 1.3]) if links else [fig.subplots(1, 1)]
+    ax = axes[0]
+    _draw_h(ax, rows, start, end)
+    if links:
+        _draw_link_estimates(axes[1], run, links, div, use_time)
+    axes[-1].set_xlabel(tlabel)
+    save(fig, out, "sync.png")
+    return Plot("sync.png", "Sync interval, codec and link estimates", "Top: local steps per round (H) and "
+                "the codec(s) in use (shaded). Bottom: the coordinator's bandwidth estimate of each directed "
+                "link on the same time axis, so a policy's reaction to a link change lines up with its cause.")
+
+
+CODEC_COLORS = ("#9ecae1", "#fdae6b", "#a1d99b", "#dadaeb", "#fc9272", "#c7e9c0")
+MAX_COLORED_LINKS = 6
+
+
+def _draw_h(ax, rows, start, end) -> None:
+    # Shade each stretch of rounds by the codecs in use, so a codec switch lines up with H.
+    labels = [_codec_label(r.codecs) for r in rows]
+    palette = {c: CODEC_COLORS[i % len(CODEC_COLORS)] for i, c in enumerate(dict.fromkeys(labels))}
+    hs = [r.H for r in rows]
+    top = max(hs) * 1.3
+    seg = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or labels[i] != labels[seg]:
+            if labels[seg]:  # a one-region run sends nothing, so has no codec
+                ax.axvspan(start[seg], end[i - 1], color=palette[labels[seg]], alpha=0.55, lw=0)
+                ax.text(start[seg], top * 0.97, f" {labels[seg]}", va="top", ha="left", fontsize=9, color="#333333")
+            seg = i
+    ax.step(start + [end[-1]], hs + [hs[-1]], where="post", color=MEAN_COLOR, lw=2.2)
+    ax.set(ylabel="H (local steps)", title="Sync interval H per round; shading: codec in use")
+    ax.set_ylim(0, top)
+    ax.grid(axis="x", visible=False)
+
+
+def _variability(run: Run, link: str) -> float:
+    vals = [num(r.links[link].get("bandwidth_mbps")) for r in run.rounds if link in r.links]
+    vals = [v for v in vals if v]
+    return max(vals) / min(vals) if vals else 1.0
+
+
+def _draw_link_estimates(ax, run: Run, links: list[str], div: float, use_time: bool) -> None:
+    """Every link's estimate; past MAX_COLORED_LINKS only the ones that moved most get a colour
+    (and a legend entry), the rest stay grey: twelve coloured lines read as none."""
+    colored = set(sorted(links, key=lambda k: -_variability(run, k))[:MAX_COLORED_LINKS - 1]) \
+        if len(links) > MAX_COLORED_LINKS else set(links)
+    cidx = {k: i for i, k in enumerate(run.link_order(colored))}
+    grey_labelled = False
+    for link in sorted(links, key=lambda k: k in colored):  # grey first, so coloured lines sit on top
+        pts = [((r.t_end / div) if use_time else r.round + 1, num(r.links[link].get("bandwidth_mbps")))
+               for r in run.rounds if link in r.links and (r.t_end is not None or not use_time)]
+        pts = [(x, y) for x, y in pts if y is not None]
+        if link in colored:
+            kw = dict(color=color(cidx[link]), lw=1.6,
+                      label=link.replace("->", " → "), **markers_for(len(pts)))
+        else:
+            kw = dict(color="#b0b0b0", lw=1.0, label=None if grey_labelled else f"{len(links) - len(colored)} other links")
+            grey_labelled = True
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+    maybe_log(ax, [num(v.get("bandwidth_mbps")) for r in run.rounds for v in r.links.values()], ratio=10)
+    ax.set(ylabel="estimated bandwidth (Mbit/s)", title="Link bandwidth as the coordinator estimated it")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+
+
+def link_bytes(run: Run) -> dict[str, float]:
+    """Bytes sent per directed link: the summary's count, else the sum of per-round transfers."""
+    out: dict[str, float] = {}
+    for k, v in (run.summary.get("links") or {}).items():
+        if isinstance(v, dict) and num(v.get("bytes")) is not None and link_pairs(k):
+            out[k] = num(v["bytes"])
+    if out:
+        return out
+    for m in run.metrics:
+        for tr in m.get("transfers") or []:
+            if isinstance(tr, dict) and tr.get("direction") == "send" and num(tr.get("bytes")) is not None:
+                key = f"{m['region']}->{tr.get('peer')}"
+                out[key] = out.get(key, 0.0) + num(tr["bytes"])
+    return out
+
+
+def plot_bytes_matrix(run: Run, out: Path) -> Plot | None:
+    per_link = link_bytes(run)
+    if not per_link:
+        return None
+    names = list(run.regions)
+    for k in per_link:
+        for r in link_pairs(k):
+            if r not in names:
+                names.append(r)
+    idx = {r: i for i, r in enumerate(names)}
+    mat = np.full((len(names), len(names)), np.nan)
+    for k, v in per_link.items():
+        a, b = link_pairs(k)
+        mat[idx[a], idx[b]] = v
+    n = len(names)
+    side = min(10, 2.8 + 0.7 * n)
+    fig = new_figure(side + 1.6, side)
+    ax = fig.subplots()
+    # Headroom above the largest cell keeps it mid-blue, so its label stays readable.
+    top = float(np.nanmax(mat)) if np.isfinite(mat).any() else 0.0
+    im = ax.imshow(mat, cmap="Blues", vmin=0, vmax=top * 1.25 or 1.0)
+    ax.set_xticks(range(n), names, rotation=35, ha="right")
+    ax.set_yticks(range(n), names)
+    ax.set(xlabel="to (receiver)", ylabel="from (sender)", title="Bytes sent per directed link")
+    ax.grid(False)
+    if n <= 12:
+        for (i, j), v in np.ndenumerate(mat):
+            text, c = ("—", "#999999") if not np.isfinite(v) else (human_bytes(v), "white" if v > 0.65 * top else "black")
+            ax.text(j, i, text, ha="center", va="center", fontsize=9 if n <= 6 else 7, color=c)
+    fig.colorbar(im, ax=ax, shrink=0.8, format=bytes_formatter(), label="bytes sent")
+    save(fig, out, "bytes_matrix.png")
+    return Plot("bytes_matrix.png", "Where the bytes went", "Bytes each region (row) sent to each peer "
+                "(column) over the whole run, counted at the transport with headers; — : no traffic.")
+
+
+def plot_bytes_cumulative(run: Run, out: Path) -> Plot | None:
+    rows = [r for r in run.rounds if r.t_end is not None]
+    if not rows or not any(r.bytes_sent for r in rows):
+        return None
+    div, tlabel = time_axis(run)
+    fig = new_figure(11, 3.8)
+    ax = fig.subplots()
+    per_region = run.series("bytes_sent")
+    for i, region in enumerate(run.regions):
+        pts = per_region.get(region, [])
+        xs = [0.0] + [t / div for _, t, _ in pts if t is not None]
+        ys = np.cumsum([0.0] + [v for _, t, v in pts if t is not None])
+        if len(xs) > 1 and len(run.regions) > 1:
+            ax.plot(xs, ys, color=color(i), lw=1.2, alpha=0.8, label=f"sent by {region}", **markers_for(len(xs)))
+    xs = [0.0] + [r.t_end / div for r in rows]
+    ys = np.cumsum([0.0] + [r.bytes_sent for r in rows])
+    ax.plot(xs, ys, color=MEAN_COLOR, lw=2.4, label="all regions", **markers_for(len(xs)))
+    ax.yaxis.set_major_formatter(bytes_formatter())
+    ax.set(xlabel=tlabel, ylabel="cumulative bytes sent", title="Cumulative bytes sent")
+    ax.legend(loc="upper left")
+    save(fig, out, "bytes_cumulative.png")
+    return Plot("bytes_cumulative.png", "Cumulative bytes", "Bytes sent so far, all regions (black) and "
+                "per region, against the wall clock: a flatter line is a cheaper run.")
