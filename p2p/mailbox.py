@@ -1,0 +1,213 @@
+"""The receive side both transports share: who may send what for which round, and waiting.
+
+A push is checked twice: ``admit`` before any payload byte is read (identity, sender, round,
+declared size, concurrency) and ``deliver`` once it is complete (the validator decodes it).
+Every refusal raises ``Refusal(reason, detail)``, is counted by reason and logged; the caller
+(a gRPC handler or the in-memory sender) turns it into a status for the sender.
+
+Rounds: ``expect(r, senders)`` opens round r; pushes for rounds up to the newest expected round
++ ``round_window`` are accepted early (a fast peer may push round r+1 before this region has
+opened it; the sender check then runs when it is opened). ``receive(r, deadline_s)`` closes
+every round <= r: anything arriving for them later is dropped as late.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from .transport import Arrival, Inbox, Validator
+
+log = logging.getLogger("geofed.p2p")
+
+
+class Refusal(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Ticket:
+    sender: str
+    round: int
+    declared_bytes: int
+
+
+def _opaque(sender: str, round: int, payload: memoryview) -> bytes:
+    return bytes(payload)
+
+
+class Mailbox:
+    def __init__(self, region: str, *, round_window: int, max_message_bytes: int, max_inflight_per_sender: int = 4):
+        if round_window < 0:
+            raise ValueError(f"round_window: must be >= 0, got {round_window}")
+        if max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes: must be >= 1, got {max_message_bytes}")
+        if max_inflight_per_sender < 1:
+            raise ValueError(f"max_inflight_per_sender: must be >= 1, got {max_inflight_per_sender}")
+        self.region = region
+        self.round_window = round_window
+        self.max_message_bytes = max_message_bytes
+        self.max_inflight_per_sender = max_inflight_per_sender
+        self._cond = threading.Condition()
+        self._validator: Validator = _opaque
+        self._known: set[str] = set()
+        self._expected: dict[int, frozenset[str]] = {}
+        self._newest = -1       # newest round passed to expect()
+        self._closed_upto = -1  # every round <= this one is closed
+        self._inflight: set[tuple[str, int]] = set()
+        self._inflight_per_sender: Counter[str] = Counter()
+        self._arrived: dict[int, dict[str, tuple[Any, Arrival]]] = {}
+        self.refused: Counter[str] = Counter()
+        self.late_dropped = 0
+        self.bytes_received: Counter[str] = Counter()
+        self.messages_received: Counter[str] = Counter()
+
+    # -- configuration -------------------------------------------------------------------
+    def add_known(self, senders: Collection[str]) -> None:
+        with self._cond:
+            self._known.update(s for s in senders if s != self.region)
+
+    def set_validator(self, fn: Validator) -> None:
+        self._validator = fn
+
+    def expect(self, round: int, senders: Collection[str]) -> None:
+        senders = frozenset(senders)
+        with self._cond:
+            if round <= self._closed_upto:
+                raise ValueError(f"round: {round} is already closed (received up to {self._closed_upto})")
+            strangers = senders - self._known
+            if strangers:
+                raise ValueError(f"senders: not connected regions: {sorted(strangers)}")
+            self._expected[round] = senders
+            self._newest = max(self._newest, round)
+            early = self._arrived.get(round, {})
+            for sender in [s for s in early if s not in senders]:
+                del early[sender]
+                self._count(Refusal("not_neighbour", f"{sender} pushed round {round} early but is not an in-neighbour"), sender, round)
+            self._cond.notify_all()
+
+    # -- incoming ------------------------------------------------------------------------
+    def note_bytes(self, sender: str, n: int) -> None:
+        with self._cond:
+            self.bytes_received[sender] += n
+
+    def admit(self, sender: str, round: int, declared_bytes: int, *, identity: str | None) -> Ticket:
+        """Check a push header; reserves (sender, round) until deliver() or release()."""
+        with self._cond:
+            try:
+                self._check_header(sender, round, declared_bytes, identity)
+            except Refusal as r:
+                self._count(r, sender, round)
+                raise
+            self._inflight.add((sender, round))
+            self._inflight_per_sender[sender] += 1
+            return Ticket(sender, round, declared_bytes)
+
+    def _check_header(self, sender: str, round: int, declared: int, identity: str | None) -> None:
+        if identity is not None and identity != sender:
+            raise Refusal("identity_mismatch", f"certificate of {identity!r} claims to be {sender!r}")
+        if sender not in self._known:
+            raise Refusal("unknown_sender", f"{sender!r} is not a region of this run")
+        if round <= self._closed_upto:
+            self.late_dropped += 1
+            raise Refusal("late", f"round {round} from {sender} arrived after the round closed")
+        limit = max(self._newest, 0) + self.round_window
+        if round > limit:
+            raise Refusal("future_round", f"round {round} from {sender} is beyond {limit} (newest {self._newest} + window {self.round_window})")
+        expected = self._expected.get(round)
+        if expected is not None and sender not in expected:
+            raise Refusal("not_neighbour", f"{sender} is not an in-neighbour in round {round}")
+        if (sender, round) in self._inflight or sender in self._arrived.get(round, {}):
+            raise Refusal("replayed", f"{sender} already pushed round {round}")
+        if not 0 <= declared <= self.max_message_bytes:
+            raise Refusal("oversize", f"declared {declared} bytes, limit {self.max_message_bytes}")
+        if self._inflight_per_sender[sender] >= self.max_inflight_per_sender:
+            raise Refusal("busy", f"{sender} has {self.max_inflight_per_sender} pushes in flight")
+
+    def release(self, ticket: Ticket, refusal: Refusal) -> None:
+        """The push failed after admit(): count why and free its reservation."""
+        with self._cond:
+            self._unreserve(ticket)
+            self._count(refusal, ticket.sender, ticket.round)
+
+    def deliver(self, ticket: Ticket, payload: memoryview, *, wire_bytes: int, seconds: float) -> None:
+        """Validate a complete payload and file it; raises Refusal (already counted)."""
+        try:
+            value = self._validator(ticket.sender, ticket.round, payload)
+        except ValueError as exc:
+            refusal = Refusal("invalid_payload", f"{type(exc).__name__}: {exc}")
+            self.release(ticket, refusal)
+            raise refusal from None
+        arrival = Arrival(sender=ticket.sender, round=ticket.round, payload_bytes=len(payload),
+                          wire_bytes=wire_bytes, seconds=seconds, arrived_at=time.monotonic())
+        with self._cond:
+            self._unreserve(ticket)
+            if ticket.round <= self._closed_upto:
+                self.late_dropped += 1
+                refusal = Refusal("late", f"round {ticket.round} from {ticket.sender} completed after the round closed")
+                self._count(refusal, ticket.sender, ticket.round)
+                raise refusal
+            self._arrived.setdefault(ticket.round, {})[ticket.sender] = (value, arrival)
+            self.messages_received[ticket.sender] += 1
+            self._cond.notify_all()
+
+    def _unreserve(self, ticket: Ticket) -> None:
+        self._inflight.discard((ticket.sender, ticket.round))
+        self._inflight_per_sender[ticket.sender] -= 1
+
+    def _count(self, refusal: Refusal, sender: str, round: int) -> None:
+        self.refused[refusal.reason] += 1
+        log.warning("%s refused a push from %r for round %s: %s", self.region, sender, round, refusal)
+
+    # -- the owner's side ----------------------------------------------------------------
+    def receive(self, round: int, deadline_s: float) -> Inbox:
+        if not deadline_s >= 0:
+            raise ValueError(f"deadline_s: must be >= 0, got {deadline_s}")
+        start = time.monotonic()
+        end = start + deadline_s
+        with self._cond:
+            if round not in self._expected:
+                raise ValueError(f"round: expect({round}, ...) was not called (or the round is closed)")
+            expected = self._expected[round]
+            while not expected <= self._arrived.get(round, {}).keys():
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            got = self._arrived.pop(round, {})
+            self._close_upto(round)
+        waited = time.monotonic() - start
+        return Inbox(
+            round=round,
+            updates={s: v for s, (v, _) in got.items()},
+            missing=frozenset(expected - got.keys()),
+            arrivals={s: a for s, (_, a) in got.items()},
+            waits={s: max(0.0, a.arrived_at - start) for s, (_, a) in got.items()},
+            waited_s=waited,
+        )
+
+    def _close_upto(self, round: int) -> None:
+        self._closed_upto = round
+        for r in [r for r in self._arrived if r <= round]:
+            # Accepted for a round the owner never received: it can no longer be used.
+            self.late_dropped += len(self._arrived.pop(r))
+        for r in [r for r in self._expected if r <= round]:
+            del self._expected[r]
+
+    def counters(self) -> dict:
+        with self._cond:
+            return {
+                "bytes_received": dict(self.bytes_received),
+                "messages_received": dict(self.messages_received),
+                "refused": dict(self.refused),
+                "late_dropped": self.late_dropped,
+                "closed_upto": self._closed_upto,
+            }

@@ -1,0 +1,174 @@
+"""The transport seam: push an encoded update to a peer, receive a round's updates by a deadline.
+
+Two implementations share the receive side (``geofed.p2p.mailbox.Mailbox``: sender, round and
+size checks, the validator hook, deadlines, counters): ``GrpcTransport`` (real gRPC, mutual TLS)
+and ``InMemoryTransport`` (the same rules inside one process, for unit tests of algorithms).
+Both are importable from here.
+
+Payloads are opaque bytes; the validator hook set by the owner decodes and checks them
+(``geofed.p2p.validate.update_validator`` does it for geofed.compression updates).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Transport", "TransportError", "TransferStats", "Arrival", "Inbox", "REASONS",
+    "GrpcTransport", "InMemoryTransport", "InMemoryHub",
+]
+
+# Why an incoming message (or request) was refused; the keys of stats()["refused"].
+REASONS = (
+    "unknown_sender",     # not a region of this run
+    "not_neighbour",      # a region of the run, but not an in-neighbour for that round
+    "identity_mismatch",  # the header names another region than the TLS certificate
+    "late",               # the round was already closed (its deadline passed): dropped
+    "replayed",           # this sender's update for this round was already accepted
+    "future_round",       # beyond the current round + security.round_window
+    "oversize",           # declared size above network.max_message_mb
+    "chunk_too_large",    # one chunk above the chunk limit
+    "overrun",            # more bytes than declared
+    "truncated",          # fewer bytes than declared when the stream ended
+    "aborted",            # the stream was cancelled or timed out mid-transfer
+    "bad_header",         # first message is not a well-formed header
+    "invalid_payload",    # the validator refused it (CodecError, wrong shape, NaN, ...)
+    "busy",               # too many concurrent streams from this sender (flood)
+    "no_deadline",        # the client set no deadline, or one above the server's limit
+    "no_state",           # FetchState before a state provider was set
+)
+
+
+class TransportError(RuntimeError):
+    """A send, ping or fetch that failed: refused by the peer (``reason`` in REASONS), timed
+    out (``reason == "timeout"``), unreachable (``"unavailable"``) or closed (``"closed"``)."""
+
+    def __init__(self, message: str, *, peer: str | None = None, reason: str = "error"):
+        super().__init__(message)
+        self.peer = peer
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferStats:
+    """One acknowledged push, as the sender saw it."""
+
+    peer: str
+    round: int
+    payload_bytes: int
+    wire_bytes: int          # gRPC messages (header + chunks, protobuf + 5-byte prefix)
+    seconds: float           # send start -> ack received (includes one RTT)
+    receiver_seconds: float  # header -> last chunk, measured by the receiver (no RTT)
+    chunks: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arrival:
+    """One accepted update, as the receiver saw it."""
+
+    sender: str
+    round: int
+    payload_bytes: int
+    wire_bytes: int
+    seconds: float     # header -> last chunk
+    arrived_at: float  # time.monotonic() when it was accepted
+
+
+@dataclass(frozen=True)
+class Inbox(Mapping[str, Any]):
+    """What arrived for one round: a mapping ``{sender: validated object}`` (also ``.updates``)
+    plus ``missing``, the expected senders that did not arrive by the deadline.
+
+    ``waits[sender]`` is how long receive() waited for that sender (0 if it was already there):
+    the sample an adaptive deadline learns from.
+    """
+
+    round: int
+    updates: dict[str, Any]
+    missing: frozenset[str]
+    arrivals: dict[str, Arrival] = field(default_factory=dict)
+    waits: dict[str, float] = field(default_factory=dict)
+    waited_s: float = 0.0
+
+    def __getitem__(self, sender: str) -> Any:
+        return self.updates[sender]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.updates)
+
+    def __len__(self) -> int:
+        return len(self.updates)
+
+
+Validator = Callable[[str, int, memoryview], Any]
+
+
+class Transport(ABC):
+    """One region's endpoint. Thread-safe: sends to different peers may run in parallel."""
+
+    region: str
+
+    @abstractmethod
+    def start(self) -> str:
+        """Start serving; returns the "host:port" peers dial."""
+
+    @abstractmethod
+    def connect(self, peers: Mapping[str, str]) -> None:
+        """Region -> address to dial (may be an emulator proxy). Channels stay open for the run.
+        These regions also become the known senders (anything else is ``unknown_sender``)."""
+
+    @abstractmethod
+    def expect(self, round: int, senders: Collection[str]) -> None:
+        """Declare the in-neighbours of `round`; only they may push for it."""
+
+    @abstractmethod
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
+        """Push `payload` to `peer`; returns once the peer validated and acknowledged it.
+        Raises TransportError on refusal, failure or timeout."""
+
+    @abstractmethod
+    def receive(self, round: int, deadline_s: float) -> Inbox:
+        """Wait at most `deadline_s` seconds for the expected senders of `round`, then close
+        the round: later messages for it are dropped and counted as late."""
+
+    @abstractmethod
+    def ping(self, peer: str, *, timeout_s: float) -> float:
+        """Round-trip time to `peer` in seconds."""
+
+    @abstractmethod
+    def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
+        """The bytes `peer`'s state provider returns (a rejoining region's parameters)."""
+
+    @abstractmethod
+    def set_state_provider(self, fn: Callable[[], bytes]) -> None: ...
+
+    @abstractmethod
+    def set_validator(self, fn: Validator) -> None:
+        """(sender, round, payload) -> decoded object; raise ValueError(reason) to refuse."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters: bytes and messages per peer both ways, refusals by reason, late drops."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def __getattr__(name: str):
+    # The implementations import this module, so they are resolved lazily (PEP 562).
+    if name == "GrpcTransport":
+        from .grpc_transport import GrpcTransport
+        return GrpcTransport
+    if name in ("InMemoryTransport", "InMemoryHub"):
+        from . import memory
+        return getattr(memory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
