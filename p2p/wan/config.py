@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+_NETNS_PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+
+
+def parse_link_key(key: str) -> tuple[str, str, bool]:
+    """Split 'a->b' / 'a<->b' into (a, b, both_directions); ValueError names what is wrong."""
+    both = "<->" in key
+    parts = key.split("<->") if both else key.split("->")
+    if len(parts) != 2 or not all(p.strip() for p in parts):
+        raise ValueError(f"link key {key!r} must be 'a->b' or 'a<->b'")
+    a, b = (p.strip() for p in parts)
+    if a == b:
+        raise ValueError(f"link key {key!r} names the same region twice")
+    return a, b, both
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -11,19 +26,26 @@ class LinkSpec:
     """One directed link's shape. Unset fields fall back to the preset, then to `default`."""
 
     latency_ms: float | None = field(default=None, metadata={"doc": "one-way latency in ms (RTT = both directions)"})
-    bandwidth_mbps: float | None = field(default=None, metadata={"doc": "bandwidth in Mbit/s (token bucket on bytes)"})
-    jitter_ms: float | None = field(default=None, metadata={"doc": "latency jitter in ms; never reorders bytes of one stream"})
-    loss: float | None = field(default=None, metadata={"doc": "probability per chunk of a loss stall (TCP retransmit-like)"})
+    bandwidth_mbps: float | None = field(default=None, metadata={"doc": "bandwidth in Mbit/s of payload (token bucket on bytes)"})
+    jitter_ms: float | None = field(default=None, metadata={"doc": "uniform +-jitter on each chunk's latency, ms; never reorders bytes of one stream"})
+    loss: float | None = field(default=None, metadata={"doc": "loss probability per 1448-byte packet; a loss stalls the stream one RTO (max(200 ms, RTT + 4 jitter))"})
 
     def __post_init__(self):
         for name in ("latency_ms", "bandwidth_mbps", "jitter_ms"):
             v = getattr(self, name)
-            if v is not None and v < 0:
+            if v is not None and not 0 <= v < 1e9:
                 raise ValueError(f"{name}: must be >= 0, got {v}")
         if self.bandwidth_mbps is not None and self.bandwidth_mbps == 0:
             raise ValueError("bandwidth_mbps: must be > 0 (use an outage in `schedule` to cut a link)")
+        if self.latency_ms is not None and self.latency_ms > 60_000:
+            raise ValueError(f"latency_ms: must be <= 60000, got {self.latency_ms}")
         if self.loss is not None and not 0 <= self.loss < 1:
             raise ValueError(f"loss: must be in [0, 1), got {self.loss}")
+
+    def merged(self, over: "LinkSpec") -> "LinkSpec":
+        """This spec with every field that `over` sets replaced."""
+        return LinkSpec(**{k: (getattr(over, k) if getattr(over, k) is not None else getattr(self, k))
+                           for k in ("latency_ms", "bandwidth_mbps", "jitter_ms", "loss")})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,38 +53,58 @@ class ScheduleEvent:
     """At `at_s` seconds from run start, or at round `at_round`, change `link` ("a->b", "a<->b" or "*")."""
 
     link: str = field(metadata={"doc": "'a->b', 'a<->b' or '*' for every link"})
-    at_s: float | None = field(default=None, metadata={"doc": "seconds from the start of the run"})
-    at_round: int | None = field(default=None, metadata={"doc": "or: at the start of this round"})
-    set: LinkSpec | None = field(default=None, metadata={"doc": "new link shape (unset fields unchanged)"})
+    at_s: float | None = field(default=None, metadata={"doc": "seconds from the start of the emulator (the run)"})
+    at_round: int | None = field(default=None, metadata={"doc": "or: when the run enters this round"})
+    set: LinkSpec | None = field(default=None, metadata={"doc": "new link shape (unset fields unchanged; bandwidth_scale still applies)"})
     outage_s: float | None = field(default=None, metadata={"doc": "cut the link for this many seconds"})
+    outage_mode: Literal["stall", "reset"] = field(
+        default="stall", metadata={"doc": "stall: bytes stop both ways and new connections wait, all resume after; "
+                                          "reset: open connections are reset and new ones refused for the window"})
 
     def __post_init__(self):
+        if self.link != "*":
+            parse_link_key(self.link)
         if (self.at_s is None) == (self.at_round is None):
             raise ValueError("at_s: give exactly one of at_s or at_round")
-        if self.at_s is not None and self.at_s < 0:
+        if self.at_s is not None and not 0 <= self.at_s < 1e9:
             raise ValueError(f"at_s: must be >= 0, got {self.at_s}")
         if self.at_round is not None and self.at_round < 0:
             raise ValueError(f"at_round: must be >= 0, got {self.at_round}")
         if self.set is None and self.outage_s is None:
             raise ValueError("set: give `set` (a new link shape) or `outage_s`")
-        if self.outage_s is not None and self.outage_s <= 0:
+        if self.outage_s is not None and not 0 < self.outage_s < 1e9:
             raise ValueError(f"outage_s: must be > 0, got {self.outage_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EmulationConfig:
     mode: Literal["none", "proxy", "kernel"] = field(
-        default="proxy", metadata={"doc": "none: direct; proxy: user-space shaping TCP proxy; kernel: netns + tc tbf (root)"})
+        default="proxy", metadata={"doc": "none: direct; proxy: user-space shaping TCP proxy; kernel: netns + veth + tc tbf for bandwidth (root), the proxy for latency"})
     preset: str | None = field(default="aws", metadata={"doc": "table of measured inter-region links (see p2p/wan/presets.yaml), or null"})
     bandwidth_scale: float = field(default=1.0, metadata={"doc": "multiply every bandwidth (run the same geometry slower on a laptop)"})
     default: LinkSpec = field(default_factory=lambda: LinkSpec(latency_ms=40.0, bandwidth_mbps=50.0, jitter_ms=0.0, loss=0.0),
                               metadata={"doc": "link shape for pairs the preset does not know"})
-    links: dict[str, LinkSpec] = field(default_factory=dict, metadata={"doc": "per-link overrides: 'a->b' or 'a<->b' -> shape"})
+    links: dict[str, LinkSpec] = field(default_factory=dict, metadata={"doc": "per-link overrides: 'a->b' or 'a<->b' -> shape ('a->b' wins over 'a<->b')"})
     schedule: tuple[ScheduleEvent, ...] = field(default=(), metadata={"doc": "changes during the run"})
+    seed: int = field(default=0, metadata={"doc": "seed of the jitter and loss draws"})
+    bind_host: str = field(default="127.0.0.1", metadata={"doc": "address the proxy listens on (proxy mode)"})
+    max_buffer_mb: float = field(default=32.0, metadata={"doc": "cap on the bytes one direction of one connection holds in flight"})
+    netns_prefix: str = field(default="gfw", metadata={"doc": "kernel mode: namespace name prefix (`geofed net cleanup` removes <prefix>*)"})
+    tbf_burst_kb: int = field(default=128, metadata={"doc": "kernel mode: tbf burst in KiB (kept fixed: shrinking it mid-flow stalls)"})
 
     def __post_init__(self):
         if not 0 < self.bandwidth_scale <= 1000:
             raise ValueError(f"bandwidth_scale: must be in (0, 1000], got {self.bandwidth_scale}")
+        if self.default.latency_ms is None or self.default.bandwidth_mbps is None:
+            raise ValueError("default: must set latency_ms and bandwidth_mbps")
         for key in self.links:
-            if "->" not in key:
-                raise ValueError(f"links: key {key!r} must be 'a->b' or 'a<->b'")
+            try:
+                parse_link_key(key)
+            except ValueError as exc:
+                raise ValueError(f"links: {exc}") from None
+        if not 0.25 <= self.max_buffer_mb <= 4096:
+            raise ValueError(f"max_buffer_mb: must be in [0.25, 4096], got {self.max_buffer_mb}")
+        if not _NETNS_PREFIX_RE.match(self.netns_prefix):
+            raise ValueError(f"netns_prefix: must match {_NETNS_PREFIX_RE.pattern}, got {self.netns_prefix!r}")
+        if not 16 <= self.tbf_burst_kb <= 65536:
+            raise ValueError(f"tbf_burst_kb: must be in [16, 65536], got {self.tbf_burst_kb}")

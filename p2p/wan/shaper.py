@@ -1,0 +1,183 @@
+"""One direction of one proxied connection: read, wait for tokens, delay, deliver in order.
+
+The model: a chunk read from the sender *departs* once the link's token bucket has paid for it
+(serialisation at the configured rate) and *arrives* `latency +- jitter` later, but never before
+the previous chunk of the same stream (so jitter never reorders). A loss is a stall of one RTO
+before departure: the stream stops, the link's tokens do not pile up past the burst, so loss
+costs goodput as it does for TCP. Bytes held between read and delivery are bounded (about two
+bandwidth-delay products): when full, the proxy stops reading and the sender's kernel buffers
+fill, which is the backpressure a real link applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import random
+from collections.abc import Callable
+
+from .links import LinkTable, Pair, Shape, link_name
+
+MSS = 1448                  # bytes of payload per TCP packet: loss is drawn per packet
+MIN_RTO_S = 0.2             # Linux's minimum retransmission timeout
+MIN_READ, MAX_READ = 4096, 65536
+READ_TIME_S = 0.005         # read about 5 ms worth of bytes at a time: fine enough steps for the bucket
+MIN_BUFFER = 256 * 1024
+
+
+def read_size(shape: Shape) -> int:
+    return int(min(MAX_READ, max(MIN_READ, shape.rate_bps * READ_TIME_S)))
+
+
+def buffer_limit(shape: Shape, cap_bytes: int) -> int:
+    """Bytes one direction may hold in flight: 2 BDP (so the delay line never starves the link), capped."""
+    bdp = shape.rate_bps * (shape.latency_s + shape.jitter_s + MIN_RTO_S * (shape.loss > 0))
+    return int(min(cap_bytes, max(MIN_BUFFER, 2 * bdp + 2 * read_size(shape))))
+
+
+def rto_s(shape: Shape) -> float:
+    return max(MIN_RTO_S, 2 * shape.latency_s + 4 * shape.jitter_s)
+
+
+class LinkRuntime:
+    """Loop-side state of one directed link: its token bucket (shared by its connections) and counters."""
+
+    def __init__(self, pair: Pair):
+        self.pair = pair
+        self.name = link_name(pair)
+        self._tokens = 0.0
+        self._t_tokens: float | None = None
+        self.bytes = 0                  # delivered to the receiving side
+        self.bytes_in = 0               # read from the sending side
+        self.connections = 0
+        self.active = 0
+        self.resets = 0
+        self.refused = 0
+        self.loss_stalls = 0
+        self.peak_buffered = 0
+        self._busy_bytes = 0
+        self._busy_s = 0.0
+        self._last_delivery: float | None = None
+        self._lat_sum = 0.0
+        self._lat_n = 0
+
+    def reserve(self, n: int, shape: Shape, now: float) -> float:
+        """Take n bytes of tokens; seconds to wait before they are paid for.
+
+        Debt is allowed, so a late wake-up of the event loop is paid back by the tokens that
+        accrued meanwhile: the long-run rate is exact, whatever the sleep granularity.
+        """
+        burst = max(16384.0, shape.rate_bps * 0.01)
+        if self._t_tokens is None:
+            self._tokens = burst
+        else:
+            self._tokens = min(burst, self._tokens + (now - self._t_tokens) * shape.rate_bps)
+        self._t_tokens = now
+        self._tokens -= n
+        return 0.0 if self._tokens >= 0 else -self._tokens / shape.rate_bps
+
+    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape) -> None:
+        self.bytes += n
+        self._lat_sum += one_way_s
+        self._lat_n += 1
+        # Goodput counts only while the link is kept busy: gaps longer than a few chunks are idle time.
+        busy_gap = max(0.025, 3 * read_size(shape) / shape.rate_bps)
+        if self._last_delivery is not None and now - self._last_delivery <= busy_gap:
+            self._busy_bytes += n
+            self._busy_s += now - self._last_delivery
+        self._last_delivery = now
+
+    def measured_goodput_mbps(self) -> float | None:
+        if self._busy_s < 0.05:
+            return None
+        return self._busy_bytes * 8 / self._busy_s / 1e6
+
+    def measured_latency_ms(self) -> float | None:
+        return self._lat_sum / self._lat_n * 1e3 if self._lat_n else None
+
+
+_EOF = b""
+
+
+async def wait_outage(table: LinkTable, pair: Pair, clock: Callable[[], float]) -> None:
+    """Block while an outage holds `pair`; a reset outage also has its connections reset by the proxy."""
+    while (o := table.outage(*pair, clock())) is not None:
+        await asyncio.sleep(max(0.001, o.end_s - clock()))
+
+
+class Pipe:
+    """src -> dst bytes of one connection through `link`."""
+
+    def __init__(self, *, link: LinkRuntime, table: LinkTable, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, clock: Callable[[], float], rng: random.Random, cap_bytes: int,
+                 shape_bandwidth: bool = True):
+        self.link, self.table, self.reader, self.writer = link, table, reader, writer
+        self.clock, self.rng, self.cap = clock, rng, cap_bytes
+        self.shape_bandwidth = shape_bandwidth   # False in kernel mode: tbf does it
+        self.queue: collections.deque[tuple[float, float, bytes]] = collections.deque()
+        self.buffered = 0
+        self.peak = 0
+        self._has_data = asyncio.Event()
+        self._has_space = asyncio.Event()
+        self._last_arrival = float("-inf")
+
+    def _shape(self) -> Shape:
+        return self.table.shape(*self.link.pair)
+
+    async def wait_outage(self) -> None:
+        await wait_outage(self.table, self.link.pair, self.clock)
+
+    async def pump_in(self) -> None:
+        while True:
+            shape = self._shape()
+            while self.buffered >= buffer_limit(shape, self.cap):
+                self._has_space.clear()
+                await self._has_space.wait()
+                shape = self._shape()
+            data = await self.reader.read(read_size(shape) if self.shape_bandwidth else MAX_READ)
+            if not data:
+                self._push(self.clock(), self.clock(), _EOF)
+                return
+            self.link.bytes_in += len(data)
+            await self.wait_outage()
+            shape = self._shape()
+            wait = self.link.reserve(len(data), shape, self.clock()) if self.shape_bandwidth else 0.0
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if shape.loss > 0 and self.rng.random() < 1 - (1 - shape.loss) ** math.ceil(len(data) / MSS):
+                self.link.loss_stalls += 1
+                await asyncio.sleep(rto_s(shape))
+            depart = self.clock()
+            delay = max(0.0, shape.latency_s + self.rng.uniform(-shape.jitter_s, shape.jitter_s)) if shape.jitter_s else shape.latency_s
+            arrival = max(self._last_arrival, depart + delay)
+            self._last_arrival = arrival
+            self._push(arrival, depart, data)
+
+    def _push(self, arrival: float, depart: float, data: bytes) -> None:
+        self.queue.append((arrival, depart, data))
+        self.buffered += len(data)
+        self.peak = max(self.peak, self.buffered)
+        self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
+        self._has_data.set()
+
+    async def pump_out(self) -> None:
+        while True:
+            while not self.queue:
+                self._has_data.clear()
+                await self._has_data.wait()
+            arrival, depart, data = self.queue[0]
+            if arrival > self.clock():
+                await asyncio.sleep(arrival - self.clock())
+            await self.wait_outage()   # bytes in flight when a link goes down arrive after it is back
+            self.queue.popleft()
+            if not data:
+                if self.writer.can_write_eof():
+                    self.writer.write_eof()
+                return
+            self.writer.write(data)
+            await self.writer.drain()
+            self.buffered -= len(data)
+            self._has_space.set()
+            now = self.clock()
+            self.link.delivered(len(data), now, now - depart, self._shape())
