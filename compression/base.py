@@ -1,0 +1,222 @@
+"""The codec seam: the `Codec` interface, `CodecError`, and the closed registry by name.
+
+A codec is a frozen keyword-only dataclass: its fields are its parameters (the spec), it holds
+no mutable state (per-link state lives in `CodecState`). It works on ONE flat fp32 buffer that
+holds a whole model update (the tensors concatenated), plus the shapes of those tensors for
+codecs that need them (PowerSGD). Its output is a fixed list of typed *sections* whose dtypes
+and lengths follow from the parameters and the shapes alone (`layout`), so the wire format can
+check a payload against the layout before allocating anything, and the encoder can write each
+section straight into the outgoing buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from .state import CodecState
+
+Shape = tuple[int, ...]
+
+
+class CodecError(ValueError):
+    """A payload that cannot be decoded (malformed, truncated, lying, too big, not finite)."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """One typed array of an encoded update: its dtype and element count."""
+
+    dtype: torch.dtype
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# A fixed header (magic .. section count) plus one tensor record and a few section records: what
+# `estimate_ratio` adds to the sections of a single 1-D tensor (see wire.py for the layout).
+HEADER_ESTIMATE_BYTES = 160
+
+
+class Codec(ABC):
+    """Encode/decode one flat fp32 buffer into/from typed sections.
+
+    Subclasses are frozen keyword-only dataclasses registered with `@register`. Class flags:
+      linear      decode(encode(a)) + decode(encode(b)) == decode(encode(a + b)) (given the same
+                  shared randomness), so compressed updates may be summed before decoding;
+      contractive ||x - decode(encode(x))|| < ||x||: a biased but contracting codec, the kind
+                  error feedback is for (EF made unbiased, rescaled codecs diverge);
+      lossless    decoding returns exactly the input (no error to feed back);
+      elementwise works on a flat vector without shapes, so it can be another codec's `inner`.
+    """
+
+    kind: ClassVar[str]
+    linear: ClassVar[bool] = False
+    lossless: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = True
+
+    @property
+    def contractive(self) -> bool:
+        return True
+
+    # ---- description -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """Short label: the kind, plus the parameters that differ from their defaults."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if value != default:
+                parts.append(f"{f.name}={value.name if isinstance(value, Codec) else value}")
+        return f"{self.kind}({','.join(parts)})" if parts else self.kind
+
+    def spec(self) -> dict[str, Any]:
+        """Every parameter, inner codecs as nested specs; `make_codec(c.spec()) == c`."""
+        out: dict[str, Any] = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.spec() if isinstance(value, Codec) else value
+        return out
+
+    def estimate_ratio(self, numel: int, shapes: Sequence[Shape] | None = None) -> float:
+        """fp32 bytes / wire bytes for an update of `numel` floats, without encoding.
+
+        `shapes` (the model's tensor shapes) matters only to shape-aware codecs; PowerSGD
+        assumes one square matrix when it is not given.
+        """
+        if numel < 0:
+            raise ValueError(f"numel: must be >= 0, got {numel}")
+        if shapes is None:
+            shapes = self._default_shapes(numel)
+        elif sum(math.prod(s) for s in shapes) != numel:
+            raise ValueError(f"shapes: hold {sum(math.prod(s) for s in shapes)} elements, not numel={numel}")
+        wire = HEADER_ESTIMATE_BYTES + sum(_padded(s.nbytes) for s in self.layout(shapes))
+        return 4.0 * numel / wire
+
+    def _default_shapes(self, numel: int) -> list[Shape]:
+        return [(numel,)]
+
+    # ---- the work ----------------------------------------------------------------------
+    @abstractmethod
+    def layout(self, shapes: Sequence[Shape]) -> list[Section]:
+        """The sections an update of these shapes encodes to; a pure function of params+shapes."""
+
+    @abstractmethod
+    def encode_into(self, x: torch.Tensor, shapes: Sequence[Shape], out: list[torch.Tensor], state: CodecState) -> None:
+        """Encode flat fp32 `x` (never modified) into the preallocated section tensors `out`."""
+
+    @abstractmethod
+    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
+        """Decode validated `sections` into the flat fp32 `out` (every element written)."""
+
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
+        """Check section *contents* that could make decoding misbehave (indices, counts).
+
+        Sizes and dtypes are already checked against `layout`; NaN/Inf are checked on the
+        decoded result. Raise CodecError naming the problem.
+        """
+
+    def subtract_decoded(self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
+        """residual -= decode(sections), in place (error feedback). Sparse codecs override."""
+        decoded = torch.empty_like(residual)
+        self.decode_into(sections, shapes, decoded)
+        residual.sub_(decoded)
+
+
+def total_numel(shapes: Sequence[Shape]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + 7) & ~7
+
+
+# ---- registry --------------------------------------------------------------------------
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    assert cls.kind not in _REGISTRY, cls.kind
+    _REGISTRY[cls.kind] = cls
+    return cls
+
+
+def codec_names() -> list[str]:
+    """The registered codec kinds, sorted."""
+    return sorted(_REGISTRY)
+
+
+def make_codec(spec: str | Mapping[str, Any] | Codec) -> Codec:
+    """Build a codec from a name ("int8") or a mapping ({"kind": "topk", "fraction": 0.01}).
+
+    Raises ValueError("key: message") for an unknown kind, an unknown or badly typed
+    parameter, or a value out of range. A Codec passes through unchanged.
+    """
+    if isinstance(spec, Codec):
+        return spec
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"codec: expected a codec name or a mapping with 'kind', got {type(spec).__name__}")
+    params = dict(spec)
+    kind = params.pop("kind", None)
+    if not isinstance(kind, str):
+        raise ValueError("kind: missing (a codec spec needs kind: one of " + ", ".join(codec_names()) + ")")
+    cls = _REGISTRY.get(kind)
+    if cls is None:
+        raise ValueError(f"kind: unknown codec {kind!r} (known: {', '.join(codec_names())})")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in params.items():
+        if key not in known:
+            raise ValueError(f"{key}: unknown parameter of codec {kind!r} (known: {', '.join(known) or 'none'})")
+        params[key] = _coerce(kind, key, known[key].type, value)
+    return cls(**params)
+
+
+def _coerce(kind: str, key: str, annotation: Any, value: Any) -> Any:
+    """Type-check one parameter; YAML gives ints where floats are meant, accept those."""
+    ann = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if ann == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if ann == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: must be an integer, got {value!r}")
+        return value
+    if ann == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}: must be a number, got {value!r}")
+        return float(value)
+    if ann == "Codec":
+        try:
+            inner = make_codec(value)
+        except ValueError as exc:
+            raise ValueError(f"{key}.{exc}") from None
+        return inner
+    raise AssertionError(f"{kind}.{key}: unhandled parameter type {ann}")
+
+
+def check_inner(owner: str, inner: Codec) -> None:
+    """An inner codec must work on a flat vector (no shapes) and not be sparse itself."""
+    if not inner.elementwise or getattr(inner, "sparse", False):
+        raise ValueError(f"inner: {inner.kind!r} cannot be the inner codec of {owner!r} (use identity, fp16, bf16, int8, int4 or sign)")
+
+
+def check_int(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
