@@ -163,6 +163,8 @@ class WanEmulator:
     def _listen_socket(self, src: str) -> socket.socket:
         # Bound on the caller's thread, so the address is known at once, also before start().
         if self.kernel is not None:
+            if self._t0 is None:
+                raise RuntimeError("WanEmulator.route: kernel mode makes its namespaces in start(); call start() first")
             sock = self.kernel.socket_in(src, socket.AF_INET)
             host = "127.0.0.1"
         else:

@@ -1,0 +1,206 @@
+"""Kernel mode: one network namespace per region, a veth pair per region pair, tc tbf per egress.
+
+Bandwidth is the kernel's (tbf on each veth end shapes that direction); latency, jitter, loss
+and outages stay with the user-space proxy because this kernel has no netem. Namespaces are
+named `<prefix><run id>-<index>`; `cleanup(prefix)` (`geofed net cleanup`) removes leftovers of
+runs that died without stop().
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import threading
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+CLONE_NEWNET = 0x40000000
+TC_TIMEOUT_S = 10.0
+# tbf counts wire bytes; the proxy and the presets count payload. A full 1500-byte packet carries
+# 1448 bytes of TCP payload (timestamps on) in 1514 bytes on the veth, so tbf gets the rate x 1514/1448.
+WIRE_OVERHEAD = 1514 / 1448
+TBF_QUEUE_S = 0.02
+
+
+def kernel_unavailable() -> str | None:
+    """Why kernel mode cannot run here, or None when it can."""
+    if os.geteuid() != 0:
+        return f"needs root (euid is {os.geteuid()})"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (iproute2) on PATH"
+    if not os.path.exists("/proc/self/ns/net"):
+        return "needs network namespaces (/proc/self/ns/net missing)"
+    return None
+
+
+def _run(*args: str) -> str:
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=TC_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"kernel: `{' '.join(args)}` took more than {TC_TIMEOUT_S} s") from None
+    if out.returncode != 0:
+        raise RuntimeError(f"kernel: `{' '.join(args)}` failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    names = [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+    return sorted(n for n in names if n.startswith(prefix))
+
+
+def cleanup(prefix: str = "gfw") -> list[str]:
+    """Delete every namespace whose name starts with `prefix` (their veths go with them)."""
+    removed = []
+    for name in list_namespaces(prefix):
+        try:
+            _run("ip", "netns", "delete", name)
+            removed.append(name)
+        except RuntimeError as exc:
+            log.warning("%s", exc)
+    return removed
+
+
+def cleanup_main(argv: Sequence[str] | None = None) -> int:
+    """`geofed net cleanup [--prefix P]`: remove namespaces left by runs that crashed."""
+    import argparse
+    p = argparse.ArgumentParser(prog="geofed net cleanup")
+    p.add_argument("--prefix", default="gfw", help="namespace name prefix (network.emulation.netns_prefix)")
+    args = p.parse_args(argv)
+    reason = kernel_unavailable()
+    if reason:
+        print(f"geofed net cleanup: {reason}")
+        return 2
+    removed = cleanup(args.prefix)
+    print(f"removed {len(removed)} namespace(s)" + (": " + " ".join(removed) if removed else ""))
+    return 0
+
+
+_libc = None
+
+
+def _setns(path: str) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def socket_in_namespace(name: str, family: int = socket.AF_INET, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A socket that lives in network namespace `name`.
+
+    The network namespace is per thread, and a socket stays in the namespace it was made in,
+    so a short-lived thread enters the namespace, makes the socket and ends.
+    """
+    box: dict = {}
+
+    def make():
+        try:
+            _setns(f"/var/run/netns/{name}")
+            box["sock"] = socket.socket(family, kind)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=make, name=f"netns-{name}", daemon=True)
+    t.start()
+    t.join(TC_TIMEOUT_S)
+    if "error" in box:
+        raise box["error"]
+    if "sock" not in box:
+        raise RuntimeError(f"kernel: making a socket in namespace {name} took more than {TC_TIMEOUT_S} s")
+    return box["sock"]
+
+
+class KernelNet:
+    """The namespaces, veths and qdiscs of one emulator; down() removes them (also at exit)."""
+
+    def __init__(self, regions: Sequence[str], *, prefix: str, burst_kb: int, run_id: str | None = None):
+        reason = kernel_unavailable()
+        if reason:
+            raise RuntimeError(f"mode: kernel {reason}; use mode: proxy")
+        if len(regions) > 250:
+            raise ValueError(f"regions: kernel mode addresses at most 250 regions, got {len(regions)}")
+        self.regions = list(regions)
+        self.index = {r: i for i, r in enumerate(self.regions)}
+        self.run_id = run_id or secrets.token_hex(3)
+        self.names = {r: f"{prefix}{self.run_id}-{i}" for r, i in self.index.items()}
+        self.burst = burst_kb * 1024
+        self._made: list[str] = []
+
+    def namespace(self, region: str) -> str:
+        return self.names[region]
+
+    def _end(self, src: str, dst: str) -> tuple[str, str, str]:
+        """(namespace, device, address) of `src`'s end of the src-dst veth."""
+        i, j = self.index[src], self.index[dst]
+        lo, hi = min(i, j), max(i, j)
+        host = 1 if i == lo else 2
+        return self.names[src], f"v{j}", f"10.{lo + 1}.{hi + 1}.{host}"
+
+    def peer_address(self, src: str, dst: str) -> str:
+        """`dst`'s address on the src-dst veth: what `src` dials to reach `dst`."""
+        return self._end(dst, src)[2]
+
+    def up(self, rates_bps: dict[tuple[str, str], float]) -> None:
+        atexit.register(self.down)
+        try:
+            for r in self.regions:
+                _run("ip", "netns", "add", self.names[r])
+                self._made.append(self.names[r])
+                _run("ip", "-n", self.names[r], "link", "set", "lo", "up")
+            for a in self.regions:
+                for b in self.regions:
+                    if self.index[a] < self.index[b]:
+                        self._link(a, b, rates_bps)
+        except BaseException:
+            self.down()
+            raise
+
+    def _link(self, a: str, b: str, rates_bps: dict[tuple[str, str], float]) -> None:
+        ns_a, dev_a, ip_a = self._end(a, b)
+        ns_b, dev_b, ip_b = self._end(b, a)
+        _run("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
+        for ns, dev, ip in ((ns_a, dev_a, ip_a), (ns_b, dev_b, ip_b)):
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+        self.set_rate((a, b), rates_bps[(a, b)])
+        self.set_rate((b, a), rates_bps[(b, a)])
+
+    def set_rate(self, pair: tuple[str, str], rate_bps: float) -> None:
+        """(Re)shape pair[0] -> pair[1]: tbf on the egress of pair[0]'s veth end. Burst stays fixed."""
+        ns, dev, _ = self._end(*pair)
+        wire_bits = max(8000, int(rate_bps * 8 * WIRE_OVERHEAD))
+        limit = max(2 * self.burst, int(rate_bps * WIRE_OVERHEAD * TBF_QUEUE_S))
+        _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+             "rate", f"{wire_bits}bit", "burst", str(self.burst), "limit", str(limit))
+
+    def qdisc(self, pair: tuple[str, str]) -> str:
+        ns, dev, _ = self._end(*pair)
+        return _run("tc", "-n", ns, "-s", "qdisc", "show", "dev", dev)
+
+    def socket_in(self, region: str, family: int = socket.AF_INET) -> socket.socket:
+        return socket_in_namespace(self.names[region], family)
+
+    def down(self) -> None:
+        """Delete this emulator's namespaces (their veths and qdiscs go with them). Idempotent."""
+        for name in self._made:
+            try:
+                _run("ip", "netns", "delete", name)
+            except RuntimeError as exc:
+                if "No such file" not in str(exc):
+                    log.warning("%s", exc)
+        self._made = []
+        atexit.unregister(self.down)
