@@ -75,6 +75,10 @@ class Mailbox:
         with self._cond:
             self._known.update(s for s in senders if s != self.region)
 
+    def is_known(self, sender: str) -> bool:
+        with self._cond:
+            return sender in self._known
+
     def set_validator(self, fn: Validator) -> None:
         self._validator = fn
 
@@ -91,7 +95,7 @@ class Mailbox:
             early = self._arrived.get(round, {})
             for sender in [s for s in early if s not in senders]:
                 del early[sender]
-                self._count(Refusal("not_neighbour", f"{sender} pushed round {round} early but is not an in-neighbour"), sender, round)
+                self.count_refusal(Refusal("not_neighbour", f"{sender} pushed round {round} early but is not an in-neighbour"), sender, round)
             self._cond.notify_all()
 
     # -- incoming ------------------------------------------------------------------------
@@ -105,7 +109,7 @@ class Mailbox:
             try:
                 self._check_header(sender, round, declared_bytes, identity)
             except Refusal as r:
-                self._count(r, sender, round)
+                self.count_refusal(r, sender, round)
                 raise
             self._inflight.add((sender, round))
             self._inflight_per_sender[sender] += 1
@@ -136,7 +140,7 @@ class Mailbox:
         """The push failed after admit(): count why and free its reservation."""
         with self._cond:
             self._unreserve(ticket)
-            self._count(refusal, ticket.sender, ticket.round)
+            self.count_refusal(refusal, ticket.sender, ticket.round)
 
     def deliver(self, ticket: Ticket, payload: memoryview, *, wire_bytes: int, seconds: float) -> None:
         """Validate a complete payload and file it; raises Refusal (already counted)."""
@@ -153,7 +157,7 @@ class Mailbox:
             if ticket.round <= self._closed_upto:
                 self.late_dropped += 1
                 refusal = Refusal("late", f"round {ticket.round} from {ticket.sender} completed after the round closed")
-                self._count(refusal, ticket.sender, ticket.round)
+                self.count_refusal(refusal, ticket.sender, ticket.round)
                 raise refusal
             self._arrived.setdefault(ticket.round, {})[ticket.sender] = (value, arrival)
             self.messages_received[ticket.sender] += 1
@@ -163,9 +167,10 @@ class Mailbox:
         self._inflight.discard((ticket.sender, ticket.round))
         self._inflight_per_sender[ticket.sender] -= 1
 
-    def _count(self, refusal: Refusal, sender: str, round: int) -> None:
-        self.refused[refusal.reason] += 1
-        log.warning("%s refused a push from %r for round %s: %s", self.region, sender, round, refusal)
+    def count_refusal(self, refusal: Refusal, sender: str, round: int) -> None:
+        with self._cond:  # an RLock: also called with it held
+            self.refused[refusal.reason] += 1
+        log.warning("%s refused a message from %r for round %s: %s", self.region, sender, round, refusal)
 
     # -- the owner's side ----------------------------------------------------------------
     def receive(self, round: int, deadline_s: float) -> Inbox:

@@ -1,0 +1,261 @@
+"""The real transport: a gRPC server per region and one long-lived channel per peer.
+
+Measured on these machines (FIELD-NOTES): client streaming in 1 MiB ``bytes`` chunks is the
+fast path (~1.2 GB/s plain, 0.4-0.66 GB/s mutual TLS on loopback); a new mTLS channel costs
+~7 ms plus slow start, and ``channel.close()`` blocks ~200 ms, so channels are opened once by
+``connect()`` and kept for the run. Message size limits are set explicitly on both ends (the
+receiver's 4 MiB default is the one that trips).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from .mailbox import Mailbox
+from .proto import gossip_pb2, gossip_pb2_grpc
+from .service import MAX_CHUNK_BYTES, GossipServicer, chunk_wire_bytes
+from .tls import TlsMaterial
+from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
+
+__all__ = ["GrpcTransport"]
+
+log = logging.getLogger("geofed.p2p")
+
+# Core gRPC limit on one message: above our own chunk check, so an oversized chunk reaches the
+# handler (which counts it) unless it is absurd.
+_CORE_MESSAGE_LIMIT = 4 * MAX_CHUNK_BYTES
+_STATUS_REASONS = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.CANCELLED: "cancelled",
+}
+
+
+def _node_ip() -> str:
+    # The address of the default route's interface; a UDP connect sends nothing.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _error(peer: str, what: str, exc: grpc.RpcError) -> TransportError:
+    details = exc.details() or ""
+    prefix = details.split(":", 1)[0]
+    reason = prefix if prefix in REASONS else _STATUS_REASONS.get(exc.code(), "error")
+    return TransportError(f"{what} to {peer} failed: {exc.code().name}: {details}", peer=peer, reason=reason)
+
+
+class GrpcTransport(Transport):
+    def __init__(self, region: str, *, bind_host: str = "127.0.0.1", port: int = 0,
+                 advertised_host: str | None = None, tls: TlsMaterial | None, max_message_bytes: int,
+                 round_window: int = 2, chunk_bytes: int = 1 << 20, max_inflight_per_sender: int = 4,
+                 max_workers: int = 64, max_push_s: float = 3600.0):
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes: must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {port}")
+        if tls is not None and tls.region != region:
+            raise ValueError(f"tls: material is for {tls.region!r}, not {region!r}")
+        if max_workers < 2 or max_push_s <= 0:
+            raise ValueError("max_workers: need >= 2 (and max_push_s > 0)")
+        self.region = region
+        self.bind_host, self.port, self.advertised_host = bind_host, port, advertised_host
+        self.tls = tls
+        self.chunk_bytes = chunk_bytes
+        self.max_workers = max_workers
+        self.mailbox = Mailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
+                               max_inflight_per_sender=max_inflight_per_sender)
+        self._servicer = GossipServicer(region, self.mailbox, tls=tls is not None, max_push_s=max_push_s,
+                                        state_provider=lambda: self._state_provider)
+        self._state_provider: Callable[[], bytes] | None = None
+        self._server: grpc.Server | None = None
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[str, grpc.Channel, gossip_pb2_grpc.GossipStub]] = {}
+        self._sent_bytes: Counter[str] = Counter()
+        self._sent_messages: Counter[str] = Counter()
+        self._send_failures: Counter[str] = Counter()
+        self._nonce = 0
+        self._closed = False
+        if tls is None:
+            log.warning("%s: security.tls is false: updates travel in plaintext and senders are not "
+                        "authenticated; use this only on a trusted network", region)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> str:
+        if self._server is not None:
+            raise RuntimeError(f"{self.region}: start() called twice")
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"gossip-{self.region}"),
+            options=[("grpc.max_receive_message_length", _CORE_MESSAGE_LIMIT),
+                     ("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT)],
+            maximum_concurrent_rpcs=self.max_workers)
+        gossip_pb2_grpc.add_GossipServicer_to_server(self._servicer, server)
+        addr = f"{self.bind_host}:{self.port}"
+        port = (server.add_secure_port(addr, self.tls.server_credentials()) if self.tls
+                else server.add_insecure_port(addr))
+        if port == 0:
+            raise OSError(f"{self.region}: cannot bind the gossip server to {addr}")
+        server.start()
+        self._server = server
+        host = self.advertised_host or (_node_ip() if self.bind_host in ("0.0.0.0", "::", "") else self.bind_host)
+        return f"{host}:{port}"
+
+    def connect(self, peers: Mapping[str, str]) -> None:
+        opened, stale = {}, []
+        for peer, address in peers.items():
+            if peer == self.region:
+                continue
+            current = self._channels.get(peer)
+            if current is not None and current[0] == address:
+                continue
+            options = [("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT),
+                       ("grpc.max_receive_message_length", _CORE_MESSAGE_LIMIT),
+                       # one connection per peer, never shared with another channel
+                       ("grpc.use_local_subchannel_pool", 1)]
+            if self.tls is not None:
+                # The dialled address may be an emulator proxy: check the certificate names `peer`.
+                options.append(("grpc.ssl_target_name_override", peer))
+                channel = grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
+            else:
+                channel = grpc.insecure_channel(address, options=options)
+            opened[peer] = (address, channel, gossip_pb2_grpc.GossipStub(channel))
+            if current is not None:
+                stale.append(current[1])
+        with self._lock:
+            self._channels.update(opened)
+        self.mailbox.add_known(peers)
+        _close_all(stale)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = [c for _, c, _ in self._channels.values()]
+        if self._server is not None:
+            self._server.stop(grace=0.2).wait(5)
+        _close_all(channels)
+
+    # -- sending -------------------------------------------------------------------------
+    def _stub(self, peer: str, timeout_s: float) -> gossip_pb2_grpc.GossipStub:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"{self.region}: transport is closed", peer=peer, reason="closed")
+            entry = self._channels.get(peer)
+        if entry is None:
+            raise ValueError(f"peer: {peer!r} is not connected (connect() it first)")
+        return entry[2]
+
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
+        n = len(payload)
+        if n > self.mailbox.max_message_bytes:
+            raise ValueError(f"payload: {n} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
+        if round < 0:
+            raise ValueError(f"round: must be >= 0, got {round}")
+        stub = self._stub(peer, timeout_s)
+        header = gossip_pb2.PushMessage(header=gossip_pb2.PushHeader(sender=self.region, round=round, total_bytes=n))
+        view, cs = memoryview(payload), self.chunk_bytes
+
+        def messages():
+            yield header
+            for off in range(0, n, cs):
+                yield gossip_pb2.PushMessage(chunk=bytes(view[off:off + cs]))
+
+        chunks = -(-n // cs)
+        wire = header.ByteSize() + 5 + sum(chunk_wire_bytes(min(cs, n - off)) for off in range(0, n, cs))
+        start = time.monotonic()
+        try:
+            ack = stub.Push(messages(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            with self._lock:
+                self._send_failures[peer] += 1
+            raise _error(peer, f"push of round {round} ({n} bytes)", exc) from None
+        seconds = time.monotonic() - start
+        with self._lock:
+            self._sent_bytes[peer] += wire
+            self._sent_messages[peer] += 1
+        return TransferStats(peer=peer, round=round, payload_bytes=n, wire_bytes=wire, seconds=seconds,
+                             receiver_seconds=ack.receiver_seconds, chunks=chunks)
+
+    def ping(self, peer: str, *, timeout_s: float) -> float:
+        stub = self._stub(peer, timeout_s)
+        with self._lock:
+            self._nonce += 1
+            nonce = self._nonce
+        start = time.monotonic()
+        try:
+            reply = stub.Ping(gossip_pb2.PingRequest(sender=self.region, nonce=nonce), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(peer, "ping", exc) from None
+        rtt = time.monotonic() - start
+        if reply.nonce != nonce or reply.region != peer:
+            raise TransportError(f"ping to {peer}: reply from {reply.region!r} nonce {reply.nonce}, expected {nonce}",
+                                 peer=peer, reason="error")
+        return rtt
+
+    def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
+        stub = self._stub(peer, timeout_s)
+        limit = self.mailbox.max_message_bytes
+        try:
+            stream = stub.FetchState(gossip_pb2.FetchStateRequest(sender=self.region), timeout=timeout_s)
+            first = next(stream, None)
+            if first is None or first.WhichOneof("kind") != "total_bytes":
+                raise TransportError(f"fetch_state from {peer}: no size header", peer=peer, reason="bad_header")
+            total = first.total_bytes
+            if total > limit:
+                stream.cancel()
+                raise TransportError(f"fetch_state from {peer}: {total} bytes exceeds {limit}", peer=peer, reason="oversize")
+            buf, off = bytearray(total), 0
+            for msg in stream:
+                chunk = msg.chunk
+                if msg.WhichOneof("kind") != "chunk" or off + len(chunk) > total:
+                    stream.cancel()
+                    raise TransportError(f"fetch_state from {peer}: malformed or overrunning stream", peer=peer, reason="overrun")
+                buf[off:off + len(chunk)] = chunk
+                off += len(chunk)
+        except grpc.RpcError as exc:
+            raise _error(peer, "fetch_state", exc) from None
+        if off != total:
+            raise TransportError(f"fetch_state from {peer}: got {off} of {total} bytes", peer=peer, reason="truncated")
+        return bytes(buf)
+
+    # -- receiving -----------------------------------------------------------------------
+    def expect(self, round: int, senders: Collection[str]) -> None:
+        self.mailbox.expect(round, senders)
+
+    def receive(self, round: int, deadline_s: float) -> Inbox:
+        return self.mailbox.receive(round, deadline_s)
+
+    def set_state_provider(self, fn: Callable[[], bytes]) -> None:
+        self._state_provider = fn
+
+    def set_validator(self, fn: Validator) -> None:
+        self.mailbox.set_validator(fn)
+
+    def stats(self) -> dict:
+        with self._lock:
+            own = {"region": self.region, "tls": self.tls is not None, "bytes_sent": dict(self._sent_bytes),
+                   "messages_sent": dict(self._sent_messages), "send_failures": dict(self._send_failures)}
+        return own | self.mailbox.counters()
+
+
+def _close_all(channels: list[grpc.Channel]) -> None:
+    # channel.close() blocks ~200 ms each: close them in parallel.
+    threads = [threading.Thread(target=c.close, daemon=True) for c in channels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)

@@ -1,0 +1,180 @@
+"""The server side of the gossip service: every incoming RPC is checked, refusals are statuses.
+
+A refusal aborts the RPC with a gRPC status whose details read ``"<reason>: <detail>"`` (reason
+from ``geofed.p2p.transport.REASONS``); it is counted in the mailbox and logged; the server
+keeps serving. Who is calling comes from the client certificate (mutual TLS) and must equal the
+``sender`` the message claims. Without TLS (``security.tls: false``) the claim is trusted.
+
+Resource bounds, so a hostile or broken peer cannot pin the server: every Push must carry a
+client deadline (at most ``max_push_s``); each caller may hold ``max_inflight_per_sender``
+streams (checked before the header is read); a declared size above the cap is refused before
+any byte is buffered; chunks are at most ``MAX_CHUNK_BYTES``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import grpc
+
+from .mailbox import Mailbox, Refusal
+from .proto import gossip_pb2, gossip_pb2_grpc
+
+log = logging.getLogger("geofed.p2p")
+
+MAX_CHUNK_BYTES = 1 << 20
+
+_CODES = {
+    "unknown_sender": grpc.StatusCode.PERMISSION_DENIED,
+    "not_neighbour": grpc.StatusCode.PERMISSION_DENIED,
+    "identity_mismatch": grpc.StatusCode.UNAUTHENTICATED,
+    "late": grpc.StatusCode.FAILED_PRECONDITION,
+    "replayed": grpc.StatusCode.ALREADY_EXISTS,
+    "future_round": grpc.StatusCode.OUT_OF_RANGE,
+    "oversize": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "chunk_too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "overrun": grpc.StatusCode.INVALID_ARGUMENT,
+    "truncated": grpc.StatusCode.INVALID_ARGUMENT,
+    "aborted": grpc.StatusCode.ABORTED,
+    "bad_header": grpc.StatusCode.INVALID_ARGUMENT,
+    "invalid_payload": grpc.StatusCode.INVALID_ARGUMENT,
+    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "no_deadline": grpc.StatusCode.INVALID_ARGUMENT,
+    "no_state": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def _abort(context: grpc.ServicerContext, refusal: Refusal):
+    context.abort(_CODES.get(refusal.reason, grpc.StatusCode.INTERNAL), str(refusal))
+
+
+def chunk_wire_bytes(n: int) -> int:
+    # gRPC length prefix (5) + field tag (1) + varint length of the bytes field.
+    return n + 6 + max(1, (n.bit_length() + 6) // 7)
+
+
+class GossipServicer(gossip_pb2_grpc.GossipServicer):
+    def __init__(self, region: str, mailbox: Mailbox, *, tls: bool, max_push_s: float,
+                 state_provider: Callable[[], Callable[[], bytes] | None]):
+        self.region = region
+        self.mailbox = mailbox
+        self.tls = tls
+        self.max_push_s = max_push_s
+        self._state_provider = state_provider
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _identity(self, context: grpc.ServicerContext) -> str | None:
+        if not self.tls:
+            return None
+        names = context.auth_context().get("x509_common_name") or []
+        if len(names) != 1:  # mutual TLS is required at the handshake, so this is our bug
+            raise AssertionError(f"TLS peer without exactly one common name: {names!r}")
+        return names[0].decode()
+
+    def _refuse(self, context, reason: str, detail: str, sender: str, round: int = -1):
+        refusal = Refusal(reason, detail)
+        self.mailbox.count_refusal(refusal, sender, round)
+        _abort(context, refusal)
+
+    def _check_caller(self, context, identity: str | None, claimed: str, what: str) -> None:
+        if identity is not None and identity != claimed:
+            self._refuse(context, "identity_mismatch", f"certificate of {identity!r} claims to be {claimed!r} ({what})", claimed)
+        if not self.mailbox.is_known(claimed):
+            self._refuse(context, "unknown_sender", f"{claimed!r} is not a region of this run ({what})", claimed)
+
+    # -- Push ----------------------------------------------------------------------------
+    def Push(self, request_iterator, context):
+        identity = self._identity(context)
+        caller = identity if identity is not None else context.peer()
+        with self._lock:
+            if self._open[caller] >= self.mailbox.max_inflight_per_sender:
+                busy = True
+            else:
+                busy = False
+                self._open[caller] += 1
+        if busy:
+            self._refuse(context, "busy", f"{caller} already has {self.mailbox.max_inflight_per_sender} open pushes", caller)
+        try:
+            return self._push(request_iterator, context, identity, caller)
+        finally:
+            with self._lock:
+                self._open[caller] -= 1
+
+    def _push(self, request_iterator, context, identity: str | None, caller: str):
+        remaining = context.time_remaining()
+        if remaining is None or remaining > self.max_push_s:
+            self._refuse(context, "no_deadline", f"push deadline must be set and at most {self.max_push_s:.0f} s", caller)
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            self._refuse(context, "bad_header", "empty stream", caller)
+        except grpc.RpcError:
+            self._refuse(context, "aborted", "stream ended before the header", caller)
+        if first.WhichOneof("kind") != "header" or not first.header.sender:
+            self._refuse(context, "bad_header", "the first message must be a header naming the sender", caller)
+        h = first.header
+        self.mailbox.note_bytes(h.sender if identity is None else identity, first.ByteSize() + 5)
+        try:
+            ticket = self.mailbox.admit(h.sender, h.round, h.total_bytes, identity=identity)
+        except Refusal as r:
+            _abort(context, r)
+        t0 = time.monotonic()
+        try:
+            buf, wire, t_last = self._read_body(request_iterator, h.total_bytes, h.sender)
+        except Refusal as r:
+            self.mailbox.release(ticket, r)
+            _abort(context, r)
+        try:
+            self.mailbox.deliver(ticket, memoryview(buf), wire_bytes=wire + first.ByteSize() + 5, seconds=t_last - t0)
+        except Refusal as r:
+            _abort(context, r)
+        return gossip_pb2.PushAck(received_bytes=len(buf), receiver_seconds=t_last - t0)
+
+    def _read_body(self, request_iterator, total: int, sender: str) -> tuple[bytearray, int, float]:
+        buf = bytearray(total)
+        view = memoryview(buf)
+        off = wire = 0
+        t_last = time.monotonic()
+        try:
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise Refusal("bad_header", "a second header inside one push")
+                chunk = msg.chunk
+                n = len(chunk)
+                wire += chunk_wire_bytes(n)
+                if n > MAX_CHUNK_BYTES:
+                    raise Refusal("chunk_too_large", f"chunk of {n} bytes, limit {MAX_CHUNK_BYTES}")
+                if off + n > total:
+                    raise Refusal("overrun", f"more than the declared {total} bytes")
+                view[off:off + n] = chunk
+                off += n
+                t_last = time.monotonic()
+        except grpc.RpcError:
+            raise Refusal("aborted", f"stream cancelled or timed out after {off} of {total} bytes") from None
+        finally:
+            self.mailbox.note_bytes(sender, wire)
+        if off != total:
+            raise Refusal("truncated", f"stream ended after {off} of {total} declared bytes")
+        return buf, wire, t_last
+
+    # -- Ping, FetchState ----------------------------------------------------------------
+    def Ping(self, request, context):
+        self._check_caller(context, self._identity(context), request.sender, "ping")
+        return gossip_pb2.PingReply(nonce=request.nonce, region=self.region)
+
+    def FetchState(self, request, context):
+        self._check_caller(context, self._identity(context), request.sender, "fetch_state")
+        provider = self._state_provider()
+        if provider is None:
+            self._refuse(context, "no_state", f"{self.region} has no state provider", request.sender)
+        state = memoryview(provider())
+        log.info("%s gives its state (%d bytes) to %s", self.region, len(state), request.sender)
+        yield gossip_pb2.StateMessage(total_bytes=len(state))
+        for off in range(0, len(state), MAX_CHUNK_BYTES):
+            yield gossip_pb2.StateMessage(chunk=bytes(state[off:off + MAX_CHUNK_BYTES]))

@@ -1,0 +1,161 @@
+"""Per-run PKI: one CA and one certificate per region (EC P-256), for mutual TLS.
+
+``make_pki(dir, regions)`` writes ``ca.pem``, ``ca.key`` and ``<region>.pem`` / ``<region>.key``
+into `dir` (mode 0700; every file 0600). A region certificate names the region twice: as its
+subject common name (what a server reads from the peer to know who is calling) and as a DNS
+subject alternative name (what a client checks when it dials that region, through a proxy or
+not, via ``grpc.ssl_target_name_override``). A certificate from another run's CA, or one for
+another region, is therefore refused in both directions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+__all__ = ["Pki", "TlsMaterial", "make_pki", "load_tls", "certificate_region"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TlsMaterial:
+    """What one region needs for mutual TLS: the run's CA and its own certificate and key."""
+
+    region: str
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+
+    def __repr__(self) -> str:  # never print the key
+        return f"TlsMaterial(region={self.region!r})"
+
+    def server_credentials(self):
+        import grpc
+
+        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
+                                           require_client_auth=True)
+
+    def channel_credentials(self):
+        import grpc
+
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
+                                            certificate_chain=self.cert_pem)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pki:
+    directory: Path
+    ca_cert: Path
+    regions: tuple[str, ...]
+
+    def material(self, region: str) -> TlsMaterial:
+        return load_tls(self.directory, region)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    # Created 0600 from the start (not chmod'ed after), so the key is never readable by others.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)  # O_CREAT does not change the mode of an existing file
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "geofed"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def make_ca(run_name: str = "geofed-run", *, valid_days: int = 30) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(_name(f"{run_name} CA")).issuer_name(_name(f"{run_name} CA"))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=valid_days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def issue(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, region: str, *,
+          valid_days: int = 30) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A certificate for `region`, usable as TLS server and client."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(_name(region)).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=valid_days))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(region)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return key, cert
+
+
+def make_pki(directory: Path, regions: Sequence[str], *, valid_days: int = 30) -> Pki:
+    """A fresh CA and one certificate per region in `directory` (created 0700; files 0600)."""
+    directory = Path(directory)
+    if not regions:
+        raise ValueError("regions: need at least one region")
+    if len(set(regions)) != len(regions):
+        raise ValueError(f"regions: duplicate names in {list(regions)}")
+    for r in regions:
+        if not r or r in ("ca",) or "/" in r or r.startswith("."):
+            raise ValueError(f"regions: {r!r} cannot name a certificate file")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+    ca_key, ca_cert = make_ca(directory.name or "geofed-run", valid_days=valid_days)
+    _write_private(directory / "ca.key", _key_pem(ca_key))
+    _write_private(directory / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    for region in regions:
+        key, cert = issue(ca_key, ca_cert, region, valid_days=valid_days)
+        _write_private(directory / f"{region}.key", _key_pem(key))
+        _write_private(directory / f"{region}.pem", cert.public_bytes(serialization.Encoding.PEM))
+    return Pki(directory=directory, ca_cert=directory / "ca.pem", regions=tuple(regions))
+
+
+def _read(path: Path) -> bytes:
+    if not path.is_file():
+        raise FileNotFoundError(f"TLS file missing: {path}")
+    return path.read_bytes()
+
+
+def load_tls(directory: Path, region: str) -> TlsMaterial:
+    """Load `region`'s material; refuses a key file that others can read."""
+    directory = Path(directory)
+    key_path = directory / f"{region}.key"
+    key_pem = _read(key_path)
+    mode = stat.S_IMODE(key_path.stat().st_mode)
+    if mode & 0o077:
+        raise PermissionError(f"{key_path}: private key has mode {mode:o}; it must be 0600")
+    cert_pem = _read(directory / f"{region}.pem")
+    named = certificate_region(cert_pem)
+    if named != region:
+        raise ValueError(f"region: {directory / (region + '.pem')} is a certificate for {named!r}, not {region!r}")
+    return TlsMaterial(region=region, ca_pem=_read(directory / "ca.pem"), cert_pem=cert_pem, key_pem=key_pem)
+
+
+def certificate_region(cert_pem: bytes) -> str:
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(names) != 1:
+        raise ValueError(f"certificate: expected one common name, got {len(names)}")
+    return str(names[0].value)
