@@ -35,6 +35,7 @@ figure img{max-width:100%;height:auto;display:block;margin:0 auto}
 figcaption{color:#5b6470;font-size:13px;margin-top:6px}
 .warn{background:#fff8e6;border:1px solid #f0c36d;border-radius:8px;padding:8px 14px;margin:12px 0}
 .note{color:#5b6470;font-size:12px}code{font-size:12px}
+nav{font-size:13px;margin:4px 0 8px}nav a{color:#1f5fa8;text-decoration:none;margin-right:14px}nav a:hover{text-decoration:underline}
 """
 
 
@@ -51,8 +52,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, numeric: 
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}"
 
 
+def anchor(p: Plot) -> str:
+    return "plot-" + p.file.rsplit(".", 1)[0]
+
+
 def figure(p: Plot) -> str:
-    return (f'<figure id="{escape(p.file)}"><a href="{escape(p.file)}"><img src="{escape(p.file)}" alt="{escape(p.title)}">'
+    return (f'<figure id="{escape(anchor(p))}"><a href="{escape(p.file)}"><img src="{escape(p.file)}" alt="{escape(p.title)}">'
             f"</a><figcaption><b>{escape(p.title)}.</b> {escape(p.caption)}</figcaption></figure>")
 
 
@@ -186,10 +191,13 @@ def render_run(run: Run, plots: Sequence[Plot], comparison: str = "") -> str:
     if not run.rounds:
         warn += '<div class="warn">No rounds recorded yet: nothing to plot.</div>'
     config = table(["setting", "value"], config_highlights(run)) if config_highlights(run) else '<p class="note">No config recorded.</p>'
-    body = (warn + _tiles(run)
+    nav = "<nav>" + "".join(f'<a href="#{escape(anchor(p))}">{escape(p.title)}</a>' for p in plots) + (
+        '<a href="#regions">Regions</a><a href="#links">Links</a><a href="#decisions">Policy decisions</a>'
+        '<a href="#events">Events</a></nav>')
+    body = (nav + warn + _tiles(run)
             + f'<div class="cols"><div><h2>Config</h2>{config}</div><div><h2>Faults and refusals</h2>{_faults_table(run)}</div></div>'
             + comparison + ("<h2>Plots</h2>" if plots else "") + "".join(figure(p) for p in plots)
-            + f"<h2>Regions</h2>{_regions_table(run)}<h2>Links</h2>{_links_table(run)}"
-            + f"<h2>Policy decisions</h2><p class=\"note\">Rounds where H or the codecs changed.</p>{_decisions_table(run)}"
-            + f"<h2>Events</h2>{_events_table(run)}")
+            + f'<h2 id="regions">Regions</h2>{_regions_table(run)}<h2 id="links">Links</h2>{_links_table(run)}'
+            + f'<h2 id="decisions">Policy decisions</h2><p class="note">Rounds where H or the codecs changed.</p>{_decisions_table(run)}'
+            + f'<h2 id="events">Events</h2>{_events_table(run)}')
     return page(f"geofed run report: {run.name}", str(run.path), body)
