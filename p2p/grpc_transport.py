@@ -57,20 +57,21 @@ def _error(peer: str, what: str, exc: grpc.RpcError) -> TransportError:
 
 
 class GrpcTransport(Transport):
-    def __init__(self, region: str, *, bind_host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, region: str, *, bind_host: str = "127.0.0.1", port: int | tuple[int, int] = 0,
                  advertised_host: str | None = None, tls: TlsMaterial | None, max_message_bytes: int,
                  round_window: int = 2, chunk_bytes: int = 1 << 20, max_inflight_per_sender: int = 4,
                  max_workers: int = 64, max_push_s: float = 3600.0):
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes: must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port: must be in [0, 65535], got {port}")
+        lo, hi = (port, port) if isinstance(port, int) else tuple(port)
+        if not 0 <= lo <= hi <= 65535:
+            raise ValueError(f"port: need a port or [first, last] within 0..65535, got {port}")
         if tls is not None and tls.region != region:
             raise ValueError(f"tls: material is for {tls.region!r}, not {region!r}")
         if max_workers < 2 or max_push_s <= 0:
             raise ValueError("max_workers: need >= 2 (and max_push_s > 0)")
         self.region = region
-        self.bind_host, self.port, self.advertised_host = bind_host, port, advertised_host
+        self.bind_host, self.ports, self.advertised_host = bind_host, range(lo, hi + 1), advertised_host
         self.tls = tls
         self.chunk_bytes = chunk_bytes
         self.max_workers = max_workers
@@ -101,11 +102,19 @@ class GrpcTransport(Transport):
                      ("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT)],
             maximum_concurrent_rpcs=self.max_workers)
         gossip_pb2_grpc.add_GossipServicer_to_server(self._servicer, server)
-        addr = f"{self.bind_host}:{self.port}"
-        port = (server.add_secure_port(addr, self.tls.server_credentials()) if self.tls
-                else server.add_insecure_port(addr))
+        port = 0
+        for candidate in self.ports:  # network.port_range: the first free port wins
+            addr = f"{self.bind_host}:{candidate}"
+            try:
+                port = (server.add_secure_port(addr, self.tls.server_credentials()) if self.tls
+                        else server.add_insecure_port(addr))
+            except RuntimeError:
+                port = 0
+            if port:
+                break
         if port == 0:
-            raise OSError(f"{self.region}: cannot bind the gossip server to {addr}")
+            raise OSError(f"{self.region}: cannot bind the gossip server to {self.bind_host} on ports "
+                          f"{self.ports.start}..{self.ports.stop - 1}")
         server.start()
         self._server = server
         host = self.advertised_host or (_node_ip() if self.bind_host in ("0.0.0.0", "::", "") else self.bind_host)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +67,10 @@ class Mailbox:
         self._arrived: dict[int, dict[str, tuple[Any, Arrival]]] = {}
         self.refused: Counter[str] = Counter()
         self.late_dropped = 0
+        # (round, sender, seconds after receive() of that round began): how late late messages
+        # were, so an owner can stretch its deadline for a slow peer (never for a dead one).
+        self.late_waits: deque[tuple[int, str, float]] = deque(maxlen=32)
+        self._receive_started: dict[int, float] = {}
         self.bytes_received: Counter[str] = Counter()
         self.messages_received: Counter[str] = Counter()
 
@@ -121,7 +125,7 @@ class Mailbox:
         if sender not in self._known:
             raise Refusal("unknown_sender", f"{sender!r} is not a region of this run")
         if round <= self._closed_upto:
-            self.late_dropped += 1
+            self._note_late(round, sender)
             raise Refusal("late", f"round {round} from {sender} arrived after the round closed")
         limit = max(self._newest, 0) + self.round_window
         if round > limit:
@@ -155,13 +159,19 @@ class Mailbox:
         with self._cond:
             self._unreserve(ticket)
             if ticket.round <= self._closed_upto:
-                self.late_dropped += 1
+                self._note_late(ticket.round, ticket.sender)
                 refusal = Refusal("late", f"round {ticket.round} from {ticket.sender} completed after the round closed")
                 self.count_refusal(refusal, ticket.sender, ticket.round)
                 raise refusal
             self._arrived.setdefault(ticket.round, {})[ticket.sender] = (value, arrival)
             self.messages_received[ticket.sender] += 1
             self._cond.notify_all()
+
+    def _note_late(self, round: int, sender: str) -> None:
+        self.late_dropped += 1
+        started = self._receive_started.get(round)
+        if started is not None:
+            self.late_waits.append((round, sender, time.monotonic() - started))
 
     def _unreserve(self, ticket: Ticket) -> None:
         self._inflight.discard((ticket.sender, ticket.round))
@@ -182,6 +192,7 @@ class Mailbox:
             if round not in self._expected:
                 raise ValueError(f"round: expect({round}, ...) was not called (or the round is closed)")
             expected = self._expected[round]
+            self._receive_started[round] = start
             while not expected <= self._arrived.get(round, {}).keys():
                 remaining = end - time.monotonic()
                 if remaining <= 0:
@@ -192,7 +203,7 @@ class Mailbox:
         waited = time.monotonic() - start
         return Inbox(
             round=round,
-            updates={s: v for s, (v, _) in got.items()},
+            received={s: v for s, (v, _) in got.items()},
             missing=frozenset(expected - got.keys()),
             arrivals={s: a for s, (_, a) in got.items()},
             waits={s: max(0.0, a.arrived_at - start) for s, (_, a) in got.items()},
@@ -206,6 +217,8 @@ class Mailbox:
             self.late_dropped += len(self._arrived.pop(r))
         for r in [r for r in self._expected if r <= round]:
             del self._expected[r]
+        for r in [r for r in self._receive_started if r < round - 8]:
+            del self._receive_started[r]  # late stragglers of older rounds are not timed
 
     def counters(self) -> dict:
         with self._cond:
@@ -213,6 +226,8 @@ class Mailbox:
                 "bytes_received": dict(self.bytes_received),
                 "messages_received": dict(self.messages_received),
                 "refused": dict(self.refused),
+                "refused_total": sum(self.refused.values()),
                 "late_dropped": self.late_dropped,
+                "late_waits_s": [{"round": r, "sender": s, "seconds": w} for r, s, w in self.late_waits],
                 "closed_upto": self._closed_upto,
             }

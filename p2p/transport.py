@@ -64,6 +64,11 @@ class TransferStats:
     receiver_seconds: float  # header -> last chunk, measured by the receiver (no RTT)
     chunks: int
 
+    @property
+    def bytes(self) -> int:
+        """What crossed the link (wire bytes, headers included)."""
+        return self.wire_bytes
+
 
 @dataclass(frozen=True, kw_only=True)
 class Arrival:
@@ -79,7 +84,7 @@ class Arrival:
 
 @dataclass(frozen=True)
 class Inbox(Mapping[str, Any]):
-    """What arrived for one round: a mapping ``{sender: validated object}`` (also ``.updates``)
+    """What arrived for one round: a mapping ``{sender: validated object}`` (also ``.received``)
     plus ``missing``, the expected senders that did not arrive by the deadline.
 
     ``waits[sender]`` is how long receive() waited for that sender (0 if it was already there):
@@ -87,20 +92,25 @@ class Inbox(Mapping[str, Any]):
     """
 
     round: int
-    updates: dict[str, Any]
+    received: dict[str, Any]
     missing: frozenset[str]
     arrivals: dict[str, Arrival] = field(default_factory=dict)
     waits: dict[str, float] = field(default_factory=dict)
     waited_s: float = 0.0
 
     def __getitem__(self, sender: str) -> Any:
-        return self.updates[sender]
+        return self.received[sender]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.updates)
+        return iter(self.received)
 
     def __len__(self) -> int:
-        return len(self.updates)
+        return len(self.received)
+
+    @property
+    def timings(self) -> dict[str, tuple[int, float]]:
+        """sender -> (payload bytes, seconds header -> last chunk)."""
+        return {s: (a.payload_bytes, a.seconds) for s, a in self.arrivals.items()}
 
 
 Validator = Callable[[str, int, memoryview], Any]

@@ -1,0 +1,64 @@
+"""Adaptive receive deadline: how long a region waits for its in-neighbours in a round.
+
+``current() = clamp(median + k * MAD, min_s, max_s)`` over the recent wait samples (hivemind
+users asked for exactly this instead of hand-set timeouts, its issue #676). Before
+``min_samples`` samples it is ``initial_s``. Two guards:
+
+- MAD is floored at 10% of the median: equal samples give MAD 0, which would leave no slack
+  at all for the next round's ordinary jitter.
+- ``observe_miss()`` (a round ended with someone missing) multiplies the deadline by ``growth``
+  for the next rounds, up to ``max_s``; the next complete round resets it. So a link that slowed
+  down stretches the deadline within a few rounds, while a dead peer costs at most ``max_s``
+  per round and never enters the samples.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class AdaptiveDeadline:
+    def __init__(self, initial_s: float, min_s: float, max_s: float, k: float, *,
+                 window: int = 32, min_samples: int = 3, growth: float = 1.5):
+        if not 0 < min_s <= initial_s <= max_s:
+            raise ValueError(f"initial_s: need 0 < min_s <= initial_s <= max_s, got {min_s}, {initial_s}, {max_s}")
+        if k < 0:
+            raise ValueError(f"k: must be >= 0, got {k}")
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"window: need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
+        if growth < 1:
+            raise ValueError(f"growth: must be >= 1, got {growth}")
+        self.initial_s, self.min_s, self.max_s, self.k = initial_s, min_s, max_s, k
+        self.min_samples, self.growth = min_samples, growth
+        self._samples: deque[float] = deque(maxlen=window)
+        self._boost = 1.0
+
+    def observe(self, seconds: float) -> None:
+        """A wait that ended because everyone arrived (seconds from the start of receive)."""
+        if not seconds >= 0:
+            raise ValueError(f"seconds: must be >= 0, got {seconds}")
+        self._samples.append(float(seconds))
+        self._boost = 1.0
+
+    def observe_miss(self) -> None:
+        """A round's deadline passed with a peer missing."""
+        self._boost = min(self._boost * self.growth, self.max_s / self.min_s)
+
+    def base(self) -> float:
+        if len(self._samples) < self.min_samples:
+            return self.initial_s
+        med = statistics.median(self._samples)
+        mad = statistics.median(abs(s - med) for s in self._samples)
+        return med + self.k * max(mad, 0.1 * med)
+
+    def current(self) -> float:
+        return min(self.max_s, max(self.min_s, self.base() * self._boost))
+
+    def state_dict(self) -> dict:
+        return {"samples": list(self._samples), "boost": self._boost}
+
+    def load_state_dict(self, d: dict) -> None:
+        self._samples.clear()
+        self._samples.extend(float(s) for s in d.get("samples", []))
+        self._boost = float(d.get("boost", 1.0))

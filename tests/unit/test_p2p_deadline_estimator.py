@@ -1,0 +1,86 @@
+import random
+
+import pytest
+
+from geofed.p2p.deadline import AdaptiveDeadline
+from geofed.p2p.estimator import LinkEstimator
+
+
+def test_deadline_starts_at_initial_then_follows_median_plus_k_mad_clamped():
+    d = AdaptiveDeadline(30.0, 1.0, 120.0, 4.0)
+    assert d.current() == 30.0
+    for s in (2.0, 3.0, 4.0):
+        d.observe(s)
+    # median 3, MAD 1 -> 3 + 4 * 1
+    assert d.current() == pytest.approx(7.0)
+    for _ in range(40):
+        d.observe(0.01)
+    assert d.current() == 1.0  # clamped at min_s
+    for _ in range(40):
+        d.observe(500.0)
+    assert d.current() == 120.0  # clamped at max_s
+
+
+def test_equal_samples_still_leave_slack():
+    d = AdaptiveDeadline(30.0, 0.1, 120.0, 4.0)
+    for _ in range(10):
+        d.observe(10.0)
+    assert d.current() == pytest.approx(14.0)  # MAD floored at 10% of the median
+
+
+def test_misses_stretch_the_deadline_and_a_complete_round_resets_it():
+    d = AdaptiveDeadline(5.0, 1.0, 20.0, 2.0)
+    for s in (2.0, 2.0, 2.0):
+        d.observe(s)
+    base = d.current()
+    d.observe_miss()
+    d.observe_miss()
+    assert d.current() == pytest.approx(base * 2.25)
+    for _ in range(20):
+        d.observe_miss()
+    assert d.current() == 20.0
+    d.observe(2.0)
+    assert d.current() == pytest.approx(base)
+    restored = AdaptiveDeadline(5.0, 1.0, 20.0, 2.0)
+    restored.load_state_dict(d.state_dict())
+    assert restored.current() == d.current()
+
+
+def test_deadline_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="initial_s:"):
+        AdaptiveDeadline(0.5, 1.0, 2.0, 1.0)
+    with pytest.raises(ValueError, match="k:"):
+        AdaptiveDeadline(1.0, 1.0, 2.0, -1.0)
+
+
+def _transfer(bw_bps, rtt_s, nbytes, rng):
+    # Sender-timed transfer over a shaped link: RTT + serialisation, slowed a little by noise.
+    return rtt_s + nbytes * 8 / bw_bps * (1 + abs(rng.gauss(0, 0.03)))
+
+
+def test_estimator_is_within_10_percent_after_3_transfers_and_follows_steps():
+    rng = random.Random(0)
+    est = LinkEstimator()
+    assert est.bandwidth_bps is None and est.rtt_s is None
+    for _ in range(5):
+        est.observe_rtt(0.080 + abs(rng.gauss(0, 0.004)))
+    assert est.rtt_s == pytest.approx(0.080, rel=0.05)
+    for size in (1 << 20, 4 << 20, 2 << 20):
+        est.observe_transfer(size, _transfer(50e6, 0.080, size, rng))
+    assert est.bandwidth_bps == pytest.approx(50e6, rel=0.10)
+    for bw in (10e6, 200e6):  # a step down, then up
+        for _ in range(3):
+            est.observe_transfer(8 << 20, _transfer(bw, 0.080, 8 << 20, rng))
+        assert est.bandwidth_bps == pytest.approx(bw, rel=0.10)
+    assert est.predict_s(8 << 20) == pytest.approx(0.080 + (8 << 20) * 8 / 200e6, rel=0.1)
+
+
+def test_small_transfers_measure_rtt_not_bandwidth():
+    est = LinkEstimator()
+    est.observe_transfer(1000, 0.05)
+    assert est.bandwidth_bps is None and est.rtt_s == 0.05
+    est.observe_transfer(1 << 20, 0.1, includes_rtt=False)  # receiver-timed: no RTT to subtract
+    assert est.bandwidth_bps == pytest.approx((1 << 20) * 8 / 0.1)
+    assert est.snapshot()["transfers"] == 2
+    with pytest.raises(ValueError, match="seconds:"):
+        est.observe_transfer(10, 0.0)
