@@ -46,7 +46,7 @@ class BandwidthPolicy:
         measured = {name: est for name, est in m.links.items() if est.measured}
         rungs = self.ladder.rungs(m.model_numel)
         self._start_spec = self._codec if self._codec_in_ladder else rungs[0].spec
-        if not measured or m.step_time_s <= 0:
+        if not measured or not m.step_time_s or m.step_time_s <= 0:
             return self._initial(m, len(measured))
         costs = {name: [cost.sync_time(est, cost.payload_bytes(m.model_numel, g.ratio), self.cfg.rtt_factor)
                         for g in rungs] for name, est in measured.items()}

@@ -40,7 +40,7 @@ class Measurements:
 
     now_s: float                   # run clock (seconds since start), passed in: policies never read a clock
     round: int                     # the round being decided
-    step_time_s: float             # seconds per inner step (slowest region); <= 0 when not measured yet
+    step_time_s: float | None      # seconds per inner step (slowest region); None (or <= 0) before it is measured
     loss: float | None             # mean train loss of the last round
     lr: float                      # current inner lr
     lr0: float                     # initial inner lr (AdaComm's lr ratio)
