@@ -128,3 +128,26 @@ def test_choco_marks_a_silent_neighbour_stale_until_resync():
     assert "b" not in a.stale
     with pytest.raises(ValueError, match="gamma:"):
         ChocoGossip(gamma=0, compressor=compress)
+
+
+def test_choco_with_the_real_topk_codec_over_its_wire_format():
+    from geofed.compression import CodecState, decode_update, make_codec
+
+    from geofed.p2p.gossip import codec_compressor
+
+    n, d, rounds = 16, 100, 400
+    codec = make_codec({"kind": "topk", "fraction": 0.1})
+    topo = make_topology("ring", n)
+    torch.manual_seed(0)
+    xs = [torch.randn(d) * 3 for _ in range(n)]
+    start = _consensus_error(xs)
+    nodes = [ChocoGossip(gamma=0.4, compressor=codec_compressor(codec, CodecState(error_feedback=False)))
+             for _ in range(n)]
+    for r in range(rounds):
+        payloads = [nodes[i].outgoing([xs[i]]) for i in range(n)]
+        assert len(payloads[0]) < d * 4 / 2  # really compressed on the wire
+        for i in range(n):
+            for j in topo.in_weights(i, r):
+                nodes[i].incoming(j, decode_update(payloads[j], max_bytes=1 << 20))
+        xs = [nodes[i].step([xs[i]], topo.in_weights(i, r))[0] for i in range(n)]
+    assert _consensus_error(xs) < start * 1e-5
