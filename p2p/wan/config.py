@@ -90,7 +90,7 @@ class EmulationConfig:
     bind_host: str = field(default="127.0.0.1", metadata={"doc": "address the proxy listens on (proxy mode)"})
     max_buffer_mb: float = field(default=32.0, metadata={"doc": "cap on the bytes one direction of one connection holds in flight"})
     netns_prefix: str = field(default="gfw", metadata={"doc": "kernel mode: namespace name prefix (`geofed net cleanup` removes <prefix>*)"})
-    tbf_burst_kb: int = field(default=128, metadata={"doc": "kernel mode: tbf burst in KiB (kept fixed: shrinking it mid-flow stalls)"})
+    tbf_burst_kb: int = field(default=64, metadata={"doc": "kernel mode: tbf burst in KiB (kept fixed: shrinking it mid-flow stalls)"})
 
     def __post_init__(self):
         if not 0 < self.bandwidth_scale <= 1000:

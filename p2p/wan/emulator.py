@@ -66,6 +66,11 @@ class WanEmulator:
         """Seconds since start() (0 before it): the clock of `at_s` events and outage windows."""
         return 0.0 if self._t0 is None else time.monotonic() - self._t0
 
+    @property
+    def start_time(self) -> float | None:
+        """time.monotonic() at start(): `at_s` events fire at start_time + at_s."""
+        return self._t0
+
     def start(self) -> "WanEmulator":
         with self._lock:
             if self._stopped:

@@ -1,0 +1,81 @@
+"""The shaper's arithmetic: token bucket, buffer bound, read size, RTO (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geofed.p2p.wan import LinkSpec
+from geofed.p2p.wan.links import Shape
+from geofed.p2p.wan.shaper import MAX_READ, MIN_BUFFER, LinkRuntime, buffer_limit, read_size, rto_s
+
+
+def shape(mbps=50.0, latency_ms=40.0, jitter_ms=0.0, loss=0.0) -> Shape:
+    return Shape.of(LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps, jitter_ms=jitter_ms, loss=loss))
+
+
+def test_bucket_starts_with_a_burst_then_charges_at_the_rate():
+    s = shape(mbps=8.0)   # 1e6 bytes/s; burst = max(16 KiB, 10 ms) = 16384
+    lr = LinkRuntime(("a", "b"))
+    assert lr.reserve(16384, s, now=0.0) == 0.0
+    assert lr.reserve(10_000, s, now=0.0) == pytest.approx(0.01)
+    # 5 ms later 5000 bytes of the debt are paid; the next 1000 wait for the rest and their own.
+    assert lr.reserve(1000, s, now=0.005) == pytest.approx(0.006)
+
+
+def test_bucket_never_banks_more_than_the_burst():
+    s = shape(mbps=8.0)
+    lr = LinkRuntime(("a", "b"))
+    lr.reserve(1, s, now=0.0)
+    assert lr.reserve(16384 + 1000, s, now=100.0) == pytest.approx(0.001)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mbps=st.floats(1, 10_000), chunks=st.lists(st.integers(1, 65536), min_size=20, max_size=200),
+       lateness=st.floats(0, 0.003))
+def test_bucket_long_run_rate_is_exact_despite_late_wakeups(mbps, chunks, lateness):
+    # A sender that sleeps as told, always waking `lateness` late, still gets exactly the rate:
+    # debt is paid by what accrued while it overslept (burst is the only slack).
+    s = shape(mbps=mbps)
+    lr = LinkRuntime(("a", "b"))
+    now = 0.0
+    for n in chunks:
+        wait = lr.reserve(n, s, now)
+        now += wait + (lateness if wait > 0 else 0)
+    burst = max(16384, s.rate_bps * 0.01)
+    ideal = (sum(chunks) - burst) / s.rate_bps
+    assert now >= ideal - 1e-9
+    assert now <= max(0.0, ideal) + lateness * len(chunks) + 1e-9
+
+
+def test_read_size_and_buffer_limit_follow_the_rate():
+    assert read_size(shape(mbps=1)) == 4096
+    assert read_size(shape(mbps=50)) == int(50e6 / 8 * 0.005)
+    assert read_size(shape(mbps=10_000)) == MAX_READ
+    cap = 32 << 20
+    assert buffer_limit(shape(mbps=1, latency_ms=1), cap) == MIN_BUFFER
+    big = shape(mbps=1000, latency_ms=100)
+    assert buffer_limit(big, cap) == int(2 * 125e6 * 0.1 + 2 * MAX_READ)
+    assert buffer_limit(shape(mbps=10_000, latency_ms=500), cap) == cap
+
+
+def test_rto_is_at_least_linux_minimum():
+    assert rto_s(shape(latency_ms=10)) == 0.2
+    assert rto_s(shape(latency_ms=150, jitter_ms=10)) == pytest.approx(0.34)
+
+
+def test_goodput_counts_busy_time_only():
+    s = shape(mbps=80.0)   # 10 MB/s, 50 KB reads
+    lr = LinkRuntime(("a", "b"))
+    t = 0.0
+    for _ in range(20):         # 1 MB at 10 MB/s in 50 KB pieces
+        lr.delivered(50_000, t, 0.04, s)
+        t += 0.005
+    t += 5.0                    # idle: not counted
+    for _ in range(20):
+        lr.delivered(50_000, t, 0.04, s)
+        t += 0.005
+    assert lr.bytes == 2_000_000
+    assert lr.measured_goodput_mbps() == pytest.approx(80.0, rel=1e-6)
+    assert lr.measured_latency_ms() == pytest.approx(40.0)
