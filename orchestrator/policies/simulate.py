@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ class Scenario:
     model_numel: int = 100_000
     overlap: bool = False
     estimate_noise: float = 0.0           # estimates are off by a uniform factor in [1-noise, 1+noise]
+    estimator_window: int = 1             # bandwidth = max goodput of the last N transfers (p2p's estimator: 3)
     rtt_factor: float = 1.0               # k: RTTs per transfer (a warm gRPC stream: ~1)
     seed: int = 0
 
@@ -124,6 +126,7 @@ def simulate(policy: Policy, scenario: Scenario, *, ratio: RatioFn, loss_model: 
     rng = random.Random(scenario.seed)
     links = scenario.links()
     estimates = {name: LinkEstimate() for name in links}
+    history: dict[str, deque[float]] = {name: deque(maxlen=scenario.estimator_window) for name in links}
     t, progress, total_bytes, compute_s, pending_done = 0.0, 0.0, 0.0, 0.0, 0.0
     step_seen: float | None = None
     last_sync: float | None = None
@@ -149,7 +152,7 @@ def simulate(policy: Policy, scenario: Scenario, *, ratio: RatioFn, loss_model: 
             pending_done = t + sync
         else:
             wait, t = sync, t + sync
-        estimates = _observe(scenario, sizes, durations, rng)
+        estimates = _observe(scenario, sizes, durations, history, rng)
         step_seen, last_sync = scenario.step_time_s, wait
         ratios = [scenario.model_numel * 4 / sizes[n] for n in links]
         progress += loss_model.round_progress(d.H, ratios, scenario.overlap)
@@ -167,11 +170,12 @@ def simulate(policy: Policy, scenario: Scenario, *, ratio: RatioFn, loss_model: 
 
 
 def _observe(scenario: Scenario, sizes: Mapping[str, float], durations: Mapping[str, float],
-             rng: random.Random) -> dict[str, LinkEstimate]:
-    """What p2p's estimator reports after a transfer: its goodput and RTT, give or take noise."""
+             history: Mapping[str, deque[float]], rng: random.Random) -> dict[str, LinkEstimate]:
+    """What p2p's estimator reports after a transfer: the windowed max goodput (BBR), the RTT."""
     out = {}
     for name, nbytes in sizes.items():
         serial = max(durations[name] - scenario.rtt_factor * scenario.rtt_s, 1e-9)
         noise = 1.0 + rng.uniform(-scenario.estimate_noise, scenario.estimate_noise)
-        out[name] = LinkEstimate(bandwidth_bps=nbytes * 8.0 / serial * noise, rtt_s=scenario.rtt_s)
+        history[name].append(nbytes * 8.0 / serial * noise)
+        out[name] = LinkEstimate(bandwidth_bps=max(history[name]), rtt_s=scenario.rtt_s)
     return out

@@ -185,3 +185,13 @@ def test_a_resumed_policy_decides_exactly_like_the_uninterrupted_one(ladder):
 def test_state_of_another_kind_is_refused():
     with pytest.raises(ValueError, match="not 'bandwidth'"):
         policy().load_state_dict({"kind": "fixed"})
+
+
+def test_default_ratios_come_from_the_compression_library():
+    ladder = ["int4", "fp16", {"kind": "topk", "fraction": 0.01, "inner": "int8"}, "int8"]
+    p = make_policy(BandwidthPolicyConfig(hysteresis=0.0), codec="fp16", ladder=ladder)
+    links = mesh(lambda n: 2e6 if n.startswith("r3") else 1e9, rtt=0.01)
+    d = p.decide(meas(1, links))
+    assert d.codecs["r0->r1"] == "fp16"
+    assert d.codecs["r3->r0"] == {"kind": "topk", "fraction": 0.01, "inner": "int8"}
+    assert d.details["links"]["r3->r0"]["ratio"] > d.details["links"]["r0->r1"]["ratio"] * 10

@@ -68,3 +68,20 @@ def test_strict_loader_errors_carry_the_dotted_key(policy, key):
     with pytest.raises(ConfigError) as exc:
         strict.build(SyncSection, {"policy": policy}, "sync")
     assert exc.value.key == key
+
+
+def test_the_examples_in_docs_policies_md_load():
+    import pathlib
+    import re
+
+    from geofed.orchestrator.config import CompressionSection
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "policies.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        data = strict.parse_yaml(block, source="docs/policies.md")
+        sync = strict.build(SyncSection, data["sync"], "sync")
+        assert sync.policy.kind in ("bandwidth", "adacomm")
+        if "compression" in data:
+            assert len(strict.build(CompressionSection, data["compression"], "compression").ladder) == 4

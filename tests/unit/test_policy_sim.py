@@ -17,7 +17,8 @@ LOSS = LossModel(scale_steps=1000)
 TARGET = 0.3
 FIXED_H = (10, 20, 50, 100, 200, 500, 1000)
 # issue 6's steady scenario: 4 regions, every link 50 Mbit/s and 80 ms RTT
-STEADY = dict(regions=4, bandwidth_bps=50e6, rtt_s=0.08, step_time_s=0.002, model_numel=100_000)
+STEADY = dict(regions=4, bandwidth_bps=50e6, rtt_s=0.08, step_time_s=0.002, model_numel=100_000,
+              estimator_window=3)  # as p2p.estimator: windowed max of the last 3 transfers
 
 
 def run(cfg, scenario, codec="fp16", ladder=(), loss=LOSS):
