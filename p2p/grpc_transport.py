@@ -99,7 +99,9 @@ class GrpcTransport(Transport):
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"gossip-{self.region}"),
             options=[("grpc.max_receive_message_length", _CORE_MESSAGE_LIMIT),
-                     ("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT)],
+                     ("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT),
+                     # gRPC sets SO_REUSEPORT by default: two regions could then bind one port
+                     ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=self.max_workers)
         gossip_pb2_grpc.add_GossipServicer_to_server(self._servicer, server)
         port = 0

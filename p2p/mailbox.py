@@ -79,6 +79,11 @@ class Mailbox:
         with self._cond:
             self._known.update(s for s in senders if s != self.region)
 
+    def inflight(self) -> int:
+        """Pushes admitted and not yet delivered or released."""
+        with self._cond:
+            return len(self._inflight)
+
     def is_known(self, sender: str) -> bool:
         with self._cond:
             return sender in self._known
