@@ -92,5 +92,3 @@ class AdacommPolicy:
         self._loss_ratio, self._lr_ratio = d["loss_ratio"], d["lr_ratio"]
         self._start_round, self._start_s = d["start_round"], d["start_s"]
         self.base.load_state_dict(d["base"])
-
-

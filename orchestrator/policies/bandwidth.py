@@ -20,8 +20,8 @@ from typing import Any
 
 from . import cost
 from .config import BandwidthPolicyConfig
-from .explain import describe_link, mbps, ms
-from .types import Decision, LinkEstimate, Measurements
+from .explain import describe_link
+from .types import Decision, Measurements
 
 
 class BandwidthPolicy:
@@ -145,6 +145,3 @@ class BandwidthPolicy:
         self._last_change = None if d["last_change"] is None else int(d["last_change"])
         self._codecs = dict(d["codecs"])
         self._last_sync_pred = d["last_sync_pred"]
-
-
-__all__ = ["BandwidthPolicy", "LinkEstimate"]
