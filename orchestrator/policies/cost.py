@@ -101,9 +101,14 @@ def payload_bytes(numel: int, ratio: float) -> float:
 
 
 def sync_time(link: LinkEstimate, nbytes: float, rtt_factor: float) -> float:
-    """``k*RTT + bytes/bandwidth`` in seconds; an unknown RTT counts as 0."""
-    assert link.bandwidth_bps is not None
-    return rtt_factor * (link.rtt_s or 0.0) + nbytes * 8.0 / link.bandwidth_bps
+    """``k*RTT + bytes/bandwidth`` in seconds; an unknown RTT counts as 0.
+
+    Without a bandwidth estimate only ``k*RTT`` is counted: p2p's estimator measures bandwidth
+    only from transfers of at least ``min_bytes`` (smaller ones measure latency, FIELD-NOTES),
+    so a link that has carried only small updates is taken as latency-bound.
+    """
+    serial = 0.0 if link.bandwidth_bps is None else nbytes * 8.0 / link.bandwidth_bps
+    return rtt_factor * (link.rtt_s or 0.0) + serial
 
 
 def H_for_sync(D: float, step_s: float, *, overlap: bool, comm_fraction: float, margin: float) -> float:

@@ -58,6 +58,7 @@ def explain_bandwidth(cfg: BandwidthPolicyConfig, m: Measurements, measured: Map
         "step_time_s": m.step_time_s, "bottleneck": bottleneck, "sync_s": round(D, 6), "budget_s": round(budget, 6),
         "comm_fraction": round(exposed_fraction(D, H, m.step_time_s, m.overlap), 6),
         "rounds_since_change": since_change, "unmeasured": sorted(set(m.links) - set(measured)),
+        "rtt_only": sorted(n for n, e in measured.items() if e.bandwidth_bps is None),
         "last_sync_predicted_s": last_pred, "last_sync_measured_s": m.last_sync_s, "links": links,
     }
     return details, _reason(cfg, m, measured, rungs, chosen, D, details)
@@ -75,8 +76,8 @@ def _reason(cfg, m, measured, rungs, chosen, D, d) -> str:
         head = f"H stays {H}"
     b = d["bottleneck"]
     est = measured[b]
-    link = (f"bottleneck {b} {_g(est.bandwidth_bps / 1e6)} Mbit/s, {_g((est.rtt_s or 0) * 1e3)} ms RTT, "
-            f"{rungs[chosen[b]].label}: sync {_g(D)} s")
+    bw = "bandwidth unknown" if est.bandwidth_bps is None else f"{_g(est.bandwidth_bps / 1e6)} Mbit/s"
+    link = f"bottleneck {b} {bw}, {_g((est.rtt_s or 0) * 1e3)} ms RTT, {rungs[chosen[b]].label}: sync {_g(D)} s"
     if m.overlap:
         need = f"hiding it ({cfg.overlap_margin:g}x) behind {_g(m.step_time_s * 1e3)} ms steps needs H>={cost.ceil_H(d['H_raw'])}"
     else:
@@ -91,6 +92,8 @@ def _reason(cfg, m, measured, rungs, chosen, D, d) -> str:
         counts = Counter(rungs[i].label for i in chosen.values())
         parts.append("codecs " + ", ".join(f"{label} x{counts[label]}" for label in
                                            [g.label for g in rungs] if label in counts))
+    if d["rtt_only"]:
+        parts.append(f"{len(d['rtt_only'])} link(s) RTT only (no bandwidth estimate: latency-bound)")
     if d["unmeasured"]:
         parts.append(f"{len(d['unmeasured'])} link(s) unmeasured")
     return "; ".join(parts)

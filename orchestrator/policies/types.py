@@ -31,7 +31,8 @@ class LinkEstimate:
 
     @property
     def measured(self) -> bool:
-        return self.bandwidth_bps is not None
+        """Anything known; with only an RTT the sync cost is a lower bound (see cost.sync_time)."""
+        return self.bandwidth_bps is not None or self.rtt_s is not None
 
 
 @dataclass(frozen=True, kw_only=True)

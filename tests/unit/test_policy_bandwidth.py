@@ -1,6 +1,7 @@
 """The bandwidth policy as a pure function: H from links and step time, codecs per link, hysteresis."""
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -195,3 +196,12 @@ def test_default_ratios_come_from_the_compression_library():
     assert d.codecs["r0->r1"] == "fp16"
     assert d.codecs["r3->r0"] == {"kind": "topk", "fraction": 0.01, "inner": "int8"}
     assert d.details["links"]["r3->r0"]["ratio"] > d.details["links"]["r0->r1"]["ratio"] * 10
+
+
+def test_links_with_only_an_rtt_count_as_latency_bound():
+    # p2p measures bandwidth only from transfers >= min_bytes; a small model's links have just an RTT.
+    links = {k: LinkEstimate(rtt_s=0.08) for k in mesh(1.0)}
+    d = policy(hysteresis=0.0, initial_H=50).decide(meas(1, links, step=0.002))
+    assert d.H == math.ceil(0.08 * 9 / 0.002 - 1e-9)      # serial, 10%: H*step >= 9*RTT
+    assert d.details["rtt_only"] == sorted(links) and "RTT only" in d.reason
+    assert d.details["links"]["r0->r1"]["bandwidth_mbps"] is None
