@@ -257,7 +257,7 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
             continue
         choose = f.metadata.get("choose")
         if choose is not None:
-            kwargs[name] = _build_chosen(choose, value[name], sub)
+            kwargs[name] = _build_chosen(choose, value[name], sub, _default_kind(f))
         else:
             kwargs[name] = _convert(hints[name], value[name], sub)
     try:
@@ -268,12 +268,24 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
         raise _prefixed(exc, path, fields) from None
 
 
-def _build_chosen(choose, value: Any, path: str) -> Any:
-    """A discriminated section: ``choose(kind)`` names the dataclass for ``value['kind']``."""
+def _default_kind(f: dataclasses.Field) -> str | None:
+    if f.default_factory is not dataclasses.MISSING:
+        return getattr(f.default_factory(), "kind", None)
+    return getattr(f.default, "kind", None) if f.default is not dataclasses.MISSING else None
+
+
+def _build_chosen(choose, value: Any, path: str, default_kind: str | None = None) -> Any:
+    """A discriminated section: ``choose(kind)`` names the dataclass for ``value['kind']``.
+
+    Without a ``kind`` the field's default kind applies, so ``--set sync.policy.H=7`` works on a
+    config that never mentioned the policy.
+    """
     if isinstance(value, str):
         value = {"kind": value}
     if not isinstance(value, dict):
         raise ConfigError(path, f"expected a mapping with a 'kind', got {value!r}")
+    if "kind" not in value and default_kind is not None:
+        value = {"kind": default_kind, **value}
     kind = value.get("kind")
     if not isinstance(kind, str):
         raise ConfigError(_join(path, "kind"), "required key is missing" if kind is None else f"expected a string, got {kind!r}")
