@@ -35,11 +35,15 @@ class Coordinator:
 
     def plan(self, round_: int, *, alive: list[str], evaluate: bool) -> dict[str, RoundPlan]:
         """One RoundPlan per alive region (codecs differ per region: they are per out-link)."""
+        links = self._round_links(round_, alive)
         if self.cfg.sync.algorithm == "allreduce":
             H, codecs, reason = 1, {}, "allreduce: every step"
+            self.last_record = {"H": 1, "codecs": {}, "reason": reason, "policy": {}}
         else:
-            decision = self.policy.decide(self._measurements(round_))
-            H, codecs, reason = decision.H, dict(decision.codecs), decision.reason
+            decision = self.policy.decide(self._measurements(round_, links))
+            H, reason = decision.H, decision.reason
+            codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
+            self.last_record = decision.to_record()
         self.last_reason, self.last_codecs, self.last_H = reason, codecs, H
         scale = self.lr_scale(round_)
         plans = {}
@@ -49,11 +53,26 @@ class Coordinator:
                                       alive=tuple(alive))
         return plans
 
-    def _measurements(self, round_: int) -> Measurements:
+    def _round_links(self, round_: int, alive: list[str]) -> list[str]:
+        """The directed links that carry traffic this round (topology, alive regions only)."""
+        from geofed.p2p.topology import make_topology
+
+        if not hasattr(self, "_topology"):
+            self._topology = make_topology(self.cfg.sync.topology, len(self.regions), seed=self.cfg.run.seed)
+        up = set(alive)
+        out = []
+        for i, src in enumerate(self.regions):
+            if src in up:
+                out.extend(f"{src}->{self.regions[j]}" for j in self._topology.out_neighbours(i, round_)
+                           if self.regions[j] in up)
+        return out
+
+    def _measurements(self, round_: int, links: list[str]) -> Measurements:
         lr0 = self.cfg.sync.inner.lr
         return Measurements(now_s=self.clock.now(), round=round_, step_time_s=self.step_time_s, loss=self.loss,
                             lr=lr0 * self.lr_scale(round_), lr0=lr0, model_numel=self.model_numel,
-                            links=dict(self.links), overlap=self.cfg.sync.overlap, last_sync_s=self.last_sync_s)
+                            links={k: self.links.get(k, LinkEstimate()) for k in links},
+                            overlap=self.cfg.sync.overlap, last_sync_s=self.last_sync_s)
 
     def observe(self, results: dict[str, dict[str, Any]]) -> None:
         """Fold one round of region metrics into the measurements the policy sees next."""
@@ -66,8 +85,8 @@ class Coordinator:
         for m in results.values():
             for link, est in m.get("links", {}).items():
                 bw, rtt = est.get("bandwidth_mbps"), est.get("rtt_ms")
-                self.links[link] = LinkEstimate(bandwidth_bps=None if bw is None else bw * 1e6,
-                                                rtt_s=None if rtt is None else rtt / 1e3)
+                self.links[link] = LinkEstimate(bandwidth_bps=bw * 1e6 if bw else None,
+                                                rtt_s=rtt / 1e3 if rtt is not None else None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "step_time_s": self.step_time_s, "loss": self.loss,

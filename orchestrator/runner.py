@@ -218,7 +218,8 @@ class Runner:
         self.rounds_log.write({
             "round": r, "t_start": t_start, "t_end": t_end, "H": self.coordinator.last_H,
             "codecs": {k: _spec_str(v) for k, v in self.coordinator.last_codecs.items()},
-            "reason": self.coordinator.last_reason, "links": links, "alive": list(self.alive),
+            "reason": self.coordinator.last_reason, "policy": self.coordinator.last_record.get("policy", {}),
+            "links": links, "alive": list(self.alive),
             "mean_train_loss": sum(losses) / len(losses) if losses else None,
             "utilization": sum(m["utilization"] for m in results.values()) / max(1, len(results)),
             "bytes_sent": sum(m["bytes_sent"] for m in results.values())})
