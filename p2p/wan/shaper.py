@@ -77,13 +77,15 @@ class LinkRuntime:
         self._tokens -= n
         return 0.0 if self._tokens >= 0 else -self._tokens / shape.rate_bps
 
-    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape) -> None:
+    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, limited: bool = True) -> None:
+        """Count n bytes handed to the receiver. `limited`: they had waited for tokens (the link was
+        the bottleneck); only such deliveries are goodput samples, as BBR drops app-limited ones, so
+        a small reply after a transfer does not stretch its busy time."""
         self.bytes += n
         self._lat_sum += one_way_s
         self._lat_n += 1
-        # Goodput counts only while the link is kept busy: gaps longer than a few chunks are idle time.
-        busy_gap = max(0.025, 3 * read_size(shape) / shape.rate_bps)
-        if self._last_delivery is not None and now - self._last_delivery <= busy_gap:
+        busy_gap = max(0.1, 3 * read_size(shape) / shape.rate_bps)
+        if limited and self._last_delivery is not None and now - self._last_delivery <= busy_gap:
             self._busy_bytes += n
             self._busy_s += now - self._last_delivery
         self._last_delivery = now
@@ -115,7 +117,7 @@ class Pipe:
         self.link, self.table, self.reader, self.writer = link, table, reader, writer
         self.clock, self.rng, self.cap = clock, rng, cap_bytes
         self.shape_bandwidth = shape_bandwidth   # False in kernel mode: tbf does it
-        self.queue: collections.deque[tuple[float, float, bytes]] = collections.deque()
+        self.queue: collections.deque[tuple[float, float, bytes, bool]] = collections.deque()
         self.buffered = 0
         self.peak = 0
         self._has_data = asyncio.Event()
@@ -137,7 +139,7 @@ class Pipe:
                 shape = self._shape()
             data = await self.reader.read(read_size(shape) if self.shape_bandwidth else MAX_READ)
             if not data:
-                self._push(self.clock(), self.clock(), _EOF)
+                self._push(self.clock(), self.clock(), _EOF, False)
                 return
             self.link.bytes_in += len(data)
             await self.wait_outage()
@@ -145,6 +147,8 @@ class Pipe:
             wait = self.link.reserve(len(data), shape, self.clock()) if self.shape_bandwidth else 0.0
             if wait > 0:
                 await asyncio.sleep(wait)
+            # Without our own bucket (kernel mode) every delivery is a goodput sample.
+            limited = wait > 0 or not self.shape_bandwidth
             if shape.loss > 0 and self.rng.random() < 1 - (1 - shape.loss) ** math.ceil(len(data) / MSS):
                 self.link.loss_stalls += 1
                 await asyncio.sleep(rto_s(shape))
@@ -152,10 +156,10 @@ class Pipe:
             delay = max(0.0, shape.latency_s + self.rng.uniform(-shape.jitter_s, shape.jitter_s)) if shape.jitter_s else shape.latency_s
             arrival = max(self._last_arrival, depart + delay)
             self._last_arrival = arrival
-            self._push(arrival, depart, data)
+            self._push(arrival, depart, data, limited)
 
-    def _push(self, arrival: float, depart: float, data: bytes) -> None:
-        self.queue.append((arrival, depart, data))
+    def _push(self, arrival: float, depart: float, data: bytes, limited: bool) -> None:
+        self.queue.append((arrival, depart, data, limited))
         self.buffered += len(data)
         self.peak = max(self.peak, self.buffered)
         self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
@@ -166,7 +170,7 @@ class Pipe:
             while not self.queue:
                 self._has_data.clear()
                 await self._has_data.wait()
-            arrival, depart, data = self.queue[0]
+            arrival, depart, data, limited = self.queue[0]
             if arrival > self.clock():
                 await asyncio.sleep(arrival - self.clock())
             await self.wait_outage()   # bytes in flight when a link goes down arrive after it is back
@@ -180,4 +184,4 @@ class Pipe:
             self.buffered -= len(data)
             self._has_space.set()
             now = self.clock()
-            self.link.delivered(len(data), now, now - depart, self._shape())
+            self.link.delivered(len(data), now, now - depart, self._shape(), limited)
