@@ -7,6 +7,7 @@ through memory three or four times and lose to a five-line per-tensor quantizer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -17,11 +18,29 @@ import torch
 from .base import Codec, Section, Shape, check_int, register, total_numel
 from .state import CodecState
 
-_BLOCK = 1 << 16  # elements per block: 256 KiB of fp32, inside L2
+_BLOCK = 1 << 18  # elements per block: 1 MiB of fp32, inside L2 (measured best of 16K..256K)
 
 
 def _nchunks(n: int, chunk: int) -> int:
     return -(-n // chunk)
+
+
+def _blocks(n: int, chunk: int):
+    """(start, end, rows) of cache-sized runs of whole chunks covering [0, n)."""
+    step = max(1, _BLOCK // chunk) * chunk
+    for s in range(0, n, step):
+        yield s, min(n, s + step), -(-(min(n, s + step) - s) // chunk)
+
+
+def _scale_rows(o: torch.Tensor, scales: torch.Tensor, start: int, chunk: int) -> None:
+    """o (elements start.. of the update, starting on a chunk boundary) *= its chunks' scales."""
+    m = o.numel()
+    full = m // chunk
+    c0 = start // chunk
+    if full:
+        o[: full * chunk].view(full, chunk).mul_(scales[c0: c0 + full, None])
+    if m > full * chunk:
+        o[full * chunk:].mul_(scales[c0 + full])
 
 
 def _absmax_per_chunk(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -29,8 +48,9 @@ def _absmax_per_chunk(x: torch.Tensor, chunk: int) -> torch.Tensor:
     nfull = n // chunk
     out = torch.empty(_nchunks(n, chunk))
     if nfull:
-        lo, hi = torch.aminmax(x[: nfull * chunk].view(nfull, chunk), dim=1)
-        torch.maximum(hi, lo.neg_(), out=out[:nfull])
+        # amax and amin separately: aminmax(dim=1) ran 20x slower than the two (torch 2.13 CPU)
+        x2 = x[: nfull * chunk].view(nfull, chunk)
+        torch.maximum(x2.amax(1), x2.amin(1).neg_(), out=out[:nfull])
     if n > nfull * chunk:
         lo, hi = torch.aminmax(x[nfull * chunk:])
         out[nfull] = torch.maximum(hi, -lo)
@@ -120,12 +140,11 @@ class Int8(_ChunkedQuant):
 
     def decode_into(self, sections, shapes, out) -> None:
         q, scales = sections
-        n, c = out.numel(), self.chunk
-        nfull = n // c
-        if nfull:
-            torch.mul(q[: nfull * c].view(nfull, c), scales[:nfull, None], out=out[: nfull * c].view(nfull, c))
-        if n > nfull * c:
-            torch.mul(q[nfull * c:], scales[nfull], out=out[nfull * c:])
+        # Widen then scale in place: one mixed int8 x fp32 multiply ran 7x slower than the two.
+        for s, e, rows in _blocks(out.numel(), self.chunk):
+            o = out[s:e]
+            o.copy_(q[s:e])
+            _scale_rows(o, scales, s, self.chunk)
 
 
 @register
@@ -165,22 +184,15 @@ class Int4(_ChunkedQuant):
 
     def decode_into(self, sections, shapes, out) -> None:
         packed, scales = sections
-        n, c = out.numel(), self.chunk
-        rows = max(1, _BLOCK // c)
-        q = torch.empty(min(n, rows * c) + 1, dtype=torch.int8)
-        for s in range(0, n, rows * c):
-            e = min(n, s + rows * c)
+        q = torch.empty(min(out.numel(), max(1, _BLOCK // self.chunk) * self.chunk) + 1, dtype=torch.int8)
+        for s, e, _ in _blocks(out.numel(), self.chunk):
             p = packed[s // 2: (e + 1) // 2]
             pairs = q[: 2 * p.numel()].view(-1, 2)
-            pairs[:, 0].copy_(p & 15)
-            pairs[:, 1].copy_(p >> 4)
-            qb = q[: e - s].sub_(8)
-            nfull = (e - s) // c
-            if nfull:
-                torch.mul(qb[: nfull * c].view(nfull, c), scales[s // c: s // c + nfull, None],
-                          out=out[s: s + nfull * c].view(nfull, c))
-            if e - s > nfull * c:
-                torch.mul(qb[nfull * c:], scales[s // c + nfull], out=out[s + nfull * c: e])
+            torch.bitwise_and(p, 15, out=pairs[:, 0])
+            torch.bitwise_right_shift(p, 4, out=pairs[:, 1])
+            o = out[s:e]
+            o.copy_(q[: e - s]).sub_(8)
+            _scale_rows(o, scales, s, self.chunk)
 
 
 @register
@@ -201,25 +213,34 @@ class Sign(Codec):
         n = total_numel(shapes)
         return [Section(torch.uint8, (n + 7) // 8), Section(torch.float32, _nchunks(n, self.chunk))]
 
+    def _step(self) -> int:
+        # whole chunks and whole bytes per block
+        unit = self.chunk * 8 // math.gcd(self.chunk, 8)
+        return max(1, _BLOCK // unit) * unit
+
     def encode_into(self, x, shapes, out, state) -> None:
         bits, scales = out
-        n, c = x.numel(), self.chunk
-        nfull = n // c
-        if nfull:
-            torch.linalg.vector_norm(x[: nfull * c].view(nfull, c), ord=1, dim=1, out=scales[:nfull]).div_(c)
-        if n > nfull * c:
-            scales[nfull] = x[nfull * c:].abs().mean()
-        packed = np.packbits((x >= 0).numpy(), bitorder="little")
-        bits.copy_(torch.from_numpy(packed))
+        n, c, step = x.numel(), self.chunk, self._step()
+        tmp = torch.empty(min(n, step))
+        positive = torch.empty(min(n, step), dtype=torch.bool)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            a = torch.abs(x[s:e], out=tmp[: e - s])
+            full = (e - s) // c
+            if full:
+                torch.sum(a[: full * c].view(full, c), 1, out=scales[s // c: s // c + full]).div_(c)
+            if e - s > full * c:
+                scales[s // c + full] = a[full * c:].mean()
+            torch.ge(x[s:e], 0, out=positive[: e - s])
+            packed = np.packbits(positive[: e - s].numpy(), bitorder="little")
+            bits[s // 8: s // 8 + packed.size].copy_(torch.from_numpy(packed))
 
     def decode_into(self, sections, shapes, out) -> None:
         bits, scales = sections
-        n, c = out.numel(), self.chunk
-        positive = torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little")).view(torch.bool)
-        nfull = n // c
-        if nfull:
-            s = scales[:nfull, None]
-            torch.where(positive[: nfull * c].view(nfull, c), s, -s, out=out[: nfull * c].view(nfull, c))
-        if n > nfull * c:
-            s = scales[nfull]
-            torch.where(positive[nfull * c:], s, -s, out=out[nfull * c:])
+        n, step = out.numel(), self._step()
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            u = np.unpackbits(bits[s // 8: (e + 7) // 8].numpy(), count=e - s, bitorder="little")
+            o = out[s:e]
+            o.copy_(torch.from_numpy(u)).mul_(2).sub_(1)  # bit -> +-1
+            _scale_rows(o, scales, s, self.chunk)

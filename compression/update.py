@@ -135,7 +135,7 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
     elif ef:
         codec.subtract_decoded(x, views, shapes)
     wire.seal(buf)
-    payload = bytes(buf)
+    payload = buf
     state.counter += 1
     state.bytes_raw += 4 * n
     state.bytes_wire += len(payload)

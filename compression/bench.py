@@ -1,0 +1,198 @@
+"""`geofed bench codecs`: ratio, encode/decode speed and error of every codec, side by side
+with two reference points measured in the same run: a bf16 cast into a preallocated buffer
+(the memory-bandwidth ceiling of any codec) and a five-line per-tensor absmax int8.
+
+Speeds are the best of --repeat timed runs after one warm-up, in MB/s of fp32 input (decode:
+of fp32 output); the input is N(0, 1) noise shaped as the most square matrix with N elements
+(the worst case for PowerSGD and top-k, which gain from structure real updates have).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import CodecState, decode_update, encode_update, make_codec
+
+DEFAULT_CODECS: list[Any] = [
+    "identity", "fp16", "bf16", "int8", "int4", "sign",
+    {"kind": "topk", "fraction": 0.01},
+    {"kind": "topk", "fraction": 0.01, "inner": "int8"},
+    {"kind": "randomk", "fraction": 0.01},
+    {"kind": "powersgd", "rank": 4},
+]
+TARGET_NUMEL = 25_000_000  # the issue's speed targets are stated for 25M floats
+FAST_KINDS = {"fp16", "bf16", "int8", "int4", "sign"}
+RATIO_TARGETS = {"int8": 3.9, "int4": 7.5, "sign": 30.0}
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> float:
+    fn()  # warm-up: allocator, page faults, lazy inits
+    best = math.inf
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _shape(numel: int) -> tuple[int, ...]:
+    a = math.isqrt(numel)
+    while a > 1 and numel % a:
+        a -= 1
+    return (a, numel // a) if a > 1 else (numel,)
+
+
+def _int8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # What a user writes in five lines: one absmax scale for the whole tensor.
+    scale = x.abs().max() / 127
+    q = torch.round(x / scale).to(torch.int8)
+    return q, scale
+
+
+def _references(x: torch.Tensor, repeat: int) -> dict[str, float]:
+    mb = 4 * x.numel() / 1e6
+    buf = torch.empty(x.numel(), dtype=torch.bfloat16)
+    flat = x.view(-1)
+    return {
+        "bf16-into-buffer": mb / _best(lambda: buf.copy_(flat), repeat),
+        "int8-per-tensor": mb / _best(lambda: _int8_per_tensor(flat), repeat),
+    }
+
+
+def measure_codec(spec: Any, x: torch.Tensor, repeat: int) -> dict[str, Any]:
+    codec = make_codec(spec)
+    mb = 4 * x.numel() / 1e6
+    state = CodecState(error_feedback=False, seed=1)
+    payload = encode_update(codec, [x], state)
+    enc = _best(lambda: encode_update(codec, [x], state), repeat)
+    ef_speed = None
+    if codec.contractive and not codec.lossless:
+        ef_state = CodecState(error_feedback=True, seed=1)
+        ef_speed = mb / _best(lambda: encode_update(codec, [x], ef_state), repeat)
+    max_bytes = 4 * x.numel() + (1 << 20)
+    dec = _best(lambda: decode_update(payload, max_bytes=max_bytes), repeat)
+    (out,) = decode_update(payload, max_bytes=max_bytes)
+    rel = float(torch.linalg.vector_norm(out - x) / torch.linalg.vector_norm(x)) if x.numel() else 0.0
+    return {"codec": codec.name, "kind": codec.kind, "spec": codec.spec(), "numel": x.numel(),
+            "ratio": 4 * x.numel() / len(payload), "encode_mb_s": mb / enc, "encode_ef_mb_s": ef_speed,
+            "decode_mb_s": mb / dec, "rel_error": rel}
+
+
+def _targets(results: list[dict], refs: dict[int, dict[str, float]], powersgd_ratio: float) -> list[dict]:
+    out = [{"target": "powersgd rank 4 ratio on a 1000x1000 matrix >= 100", "numel": 1_000_000,
+            "value": powersgd_ratio, "threshold": 100.0, "applies": True}]
+    for r in results:
+        n, kind, name = r["numel"], r["kind"], r["codec"]
+        ref = refs[n]
+        applies = n >= TARGET_NUMEL
+
+        def add(text, value, threshold, always=False):
+            out.append({"target": f"{name}: {text}", "numel": n, "value": value, "threshold": threshold,
+                        "applies": always or applies})
+
+        if kind in FAST_KINDS:
+            add("encode >= 1000 MB/s", r["encode_mb_s"], 1000.0)
+        if kind in ("topk", "powersgd"):
+            add("encode >= 300 MB/s", r["encode_mb_s"], 300.0)
+        add("decode >= 1000 MB/s", r["decode_mb_s"], 1000.0)
+        add("encode >= 0.1x bf16-into-buffer", r["encode_mb_s"] / ref["bf16-into-buffer"], 0.1)
+        if kind == "int8" and not r["spec"].get("stochastic"):
+            add("encode >= 0.8x int8-per-tensor", r["encode_mb_s"] / ref["int8-per-tensor"], 0.8)
+        if kind in RATIO_TARGETS:
+            add(f"ratio >= {RATIO_TARGETS[kind]}", r["ratio"], RATIO_TARGETS[kind], always=True)
+        if kind == "topk" and math.isclose(r["spec"]["fraction"], 0.01):
+            add("ratio >= 60", r["ratio"], 60.0, always=True)
+    for t in out:
+        t["pass"] = bool(t["value"] >= t["threshold"])
+    return out
+
+
+def run(numels: Sequence[int], specs: Sequence[Any], repeat: int) -> dict[str, Any]:
+    results, reference, refs = [], [], {}
+    gen = torch.Generator().manual_seed(0)
+    for n in numels:
+        x = torch.randn(_shape(n), generator=gen)
+        before = _references(x, repeat)
+        rows = [measure_codec(s, x, repeat) for s in specs]
+        after = _references(x, repeat)  # others' load drifts: keep the better of two
+        refs[n] = {k: max(before[k], after[k]) for k in before}
+        reference += [{"name": k, "numel": n, "encode_mb_s": v} for k, v in refs[n].items()]
+        results += rows
+        del x
+    m = torch.randn(1000, 1000, generator=gen)
+    psgd = 4 * m.numel() / len(encode_update(make_codec({"kind": "powersgd", "rank": 4}), [m]))
+    return {"results": results, "reference": reference, "targets": _targets(results, refs, psgd),
+            "threads": torch.get_num_threads(), "repeat": repeat}
+
+
+def _print_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"codecs ({doc['threads']} torch thread, best of {doc['repeat']}; MB/s of fp32)")
+    for col in ("codec", "numel", "ratio", "encode MB/s", "encode+EF MB/s", "decode MB/s", "rel error"):
+        t.add_column(col, justify="left" if col == "codec" else "right")
+    for r in doc["results"]:
+        ef = f"{r['encode_ef_mb_s']:.0f}" if r["encode_ef_mb_s"] else "-"
+        t.add_row(r["codec"], f"{r['numel']:,}", f"{r['ratio']:.2f}", f"{r['encode_mb_s']:.0f}", ef,
+                  f"{r['decode_mb_s']:.0f}", f"{r['rel_error']:.4f}")
+    for ref in doc["reference"]:
+        t.add_row(f"[dim]ref: {ref['name']}[/dim]", f"{ref['numel']:,}", "", f"{ref['encode_mb_s']:.0f}", "", "", "")
+    console.print(t)
+    tt = Table(title=f"targets (speed targets apply at {TARGET_NUMEL:,} floats)")
+    for col in ("target", "numel", "value", "threshold", "result"):
+        tt.add_column(col, justify="left" if col == "target" else "right")
+    for g in doc["targets"]:
+        verdict = ("[green]pass[/green]" if g["pass"] else "[red]FAIL[/red]") if g["applies"] else "[dim]n/a[/dim]"
+        tt.add_row(g["target"], f"{g['numel']:,}", f"{g['value']:.2f}", f"{g['threshold']:g}", verdict)
+    console.print(tt)
+    held = [g for g in doc["targets"] if g["applies"]]
+    console.print(f"{sum(g['pass'] for g in held)}/{len(held)} applicable targets hold")
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="geofed bench codecs", description=__doc__.split("\n\n")[0])
+    p.add_argument("--numel", type=int, nargs="+", default=[1_000_000, TARGET_NUMEL], metavar="N",
+                   help="update sizes in floats (default: 1000000 25000000)")
+    p.add_argument("--codec", nargs="+", default=None, metavar="SPEC",
+                   help='codecs as names or JSON specs, e.g. int8 \'{"kind":"topk","fraction":0.001}\' (default: all)')
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement; the best counts (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: codecs run on one thread)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--check", action="store_true", help="exit 1 when an applicable target fails")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        args = _parse(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if any(n < 1 for n in args.numel) or args.repeat < 1 or args.threads < 1:
+        print("geofed bench codecs: --numel, --repeat and --threads must be >= 1")
+        return 2
+    specs = DEFAULT_CODECS
+    if args.codec:
+        try:
+            specs = [json.loads(s) if s.lstrip().startswith("{") else s for s in args.codec]
+            for s in specs:
+                make_codec(s)
+        except ValueError as exc:
+            print(f"geofed bench codecs: --codec: {exc}")
+            return 2
+    torch.set_num_threads(args.threads)
+    doc = run(args.numel, specs, args.repeat)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_table(doc)
+    failed = [g for g in doc["targets"] if g["applies"] and not g["pass"]]
+    return 1 if args.check and failed else 0
