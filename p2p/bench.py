@@ -1,0 +1,172 @@
+"""``geofed bench link``: gRPC push rate on loopback, and sync time over an emulated WAN link.
+
+Loopback: pushes of each size with and without mutual TLS between two real GrpcTransports
+(payload MB/s, send -> ack; 1 MB = 10^6 bytes; the receiver's validator only counts bytes,
+so the number is the transport's, not a codec's).
+
+Emulated: the same push through geofed.p2p.wan's shaping proxy (latency + bandwidth), with
+mutual TLS. ``limit_s = bytes * 8 / bandwidth + RTT`` is what an ideal link needs;
+``sync_s / limit_s`` should stay <= 1.15. ``estimated_mbps`` is the LinkEstimator's bandwidth
+after the transfers of that row (fed with pings and the sender-timed transfers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .estimator import LinkEstimator
+from .grpc_transport import GrpcTransport
+from .tls import load_tls, make_pki
+
+MB = 1_000_000
+
+
+class _Pair:
+    """Two transports a -> b (b validates by counting bytes), optionally through a route."""
+
+    def __init__(self, pki_dir: Path | None, max_bytes: int, route=None):
+        quiet = logging.getLogger("geofed.p2p")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # the plaintext warning: plaintext is what is measured here
+        try:
+            self.a, self.b = (GrpcTransport(r, tls=load_tls(pki_dir, r) if pki_dir else None,
+                                            max_message_bytes=max_bytes) for r in ("a", "b"))
+        finally:
+            quiet.setLevel(level)
+        self.b.set_validator(lambda sender, round, payload: len(payload))
+        addr_a, addr_b = self.a.start(), self.b.start()
+        self.a.connect({"b": route(addr_b) if route else addr_b})
+        self.b.connect({"a": addr_a})
+        self.round = 0
+
+    def push(self, payload: bytes, timeout_s: float):
+        self.b.expect(self.round, ["a"])
+        stats = self.a.send("b", self.round, payload, timeout_s=timeout_s)
+        inbox = self.b.receive(self.round, 5.0)
+        if inbox.get("a") != len(payload):
+            raise RuntimeError(f"bench: round {self.round} did not arrive intact")
+        self.round += 1
+        return stats
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+def loopback(sizes_mb: Sequence[float], repeats: int, pki_dir: Path) -> list[dict]:
+    rows = []
+    for tls in (False, True):
+        pair = _Pair(pki_dir if tls else None, int(max(sizes_mb) * MB) + 1)
+        try:
+            pair.push(bytes(MB), 30)  # warm the channel (connect, slow start)
+            for size in sizes_mb:
+                payload = bytes(int(size * MB))
+                runs = [len(payload) / pair.push(payload, 120).seconds / MB for _ in range(repeats)]
+                rows.append({"size_mb": size, "tls": tls, "mb_s": round(statistics.median(runs), 1),
+                             "mb_s_runs": [round(r, 1) for r in runs]})
+        finally:
+            pair.close()
+    return rows
+
+
+def emulated(mbps_list: Sequence[float], latency_ms: float, sizes_mb: Sequence[float], repeats: int,
+             pki_dir: Path, max_transfer_s: float) -> list[dict]:
+    from .wan.config import EmulationConfig, LinkSpec
+    from .wan.emulator import WanEmulator
+
+    rows = []
+    for mbps in mbps_list:
+        cfg = EmulationConfig(mode="proxy", preset=None,
+                              default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps, jitter_ms=0.0, loss=0.0))
+        with WanEmulator(cfg, ["a", "b"]) as emu:
+            pair = _Pair(pki_dir, int(max(sizes_mb) * MB) + 1, route=lambda addr: emu.route("a", "b", addr))
+            try:
+                rows += _emulated_link(pair, mbps, latency_ms, sizes_mb, repeats, max_transfer_s)
+            finally:
+                pair.close()
+    return rows
+
+
+def _emulated_link(pair: _Pair, mbps: float, latency_ms: float, sizes_mb: Sequence[float], repeats: int,
+                   max_transfer_s: float) -> list[dict]:
+    rtt_s = 2 * latency_ms / 1e3
+    pair.push(bytes(MB), 60)  # connect and leave slow start, as a run's first round would
+    rows = []
+    for size in sizes_mb:
+        nbytes = int(size * MB)
+        limit_s = nbytes * 8 / (mbps * 1e6) + rtt_s
+        if limit_s > max_transfer_s:
+            continue
+        est = LinkEstimator()
+        for _ in range(5):
+            est.observe_rtt(pair.a.ping("b", timeout_s=10))
+        syncs = []
+        for _ in range(repeats):
+            stats = pair.push(bytes(nbytes), 10 * limit_s + 10)
+            est.observe_transfer(stats.bytes, stats.seconds)
+            syncs.append(stats.seconds)
+        sync_s = statistics.median(syncs)
+        rows.append({
+            "configured_mbps": mbps, "rtt_ms": round(est.rtt_s * 1e3, 1), "size_mb": size,
+            "goodput_mbps": round(nbytes * 8 / max(1e-6, sync_s - rtt_s) / 1e6, 2),
+            "sync_s": round(sync_s, 3), "limit_s": round(limit_s, 3),
+            "estimated_mbps": round(est.bandwidth_bps / 1e6, 2), "ratio": round(sync_s / limit_s, 3),
+        })
+    return rows
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _print(doc: dict) -> None:
+    print("loopback (payload MB/s, send -> ack, median of runs)")
+    print(_table(["size MB", "TLS", "MB/s", "runs"],
+                 [[f"{r['size_mb']:g}", "mTLS" if r["tls"] else "plain", r["mb_s"], " ".join(map(str, r["mb_s_runs"]))]
+                  for r in doc["loopback"]]))
+    if doc["emulated"]:
+        print("\nemulated WAN link (mTLS through the shaping proxy; target sync/limit <= 1.15)")
+        print(_table(["Mbit/s", "RTT ms", "size MB", "goodput Mbit/s", "sync s", "limit s", "sync/limit", "estimated Mbit/s"],
+                     [[f"{r['configured_mbps']:g}", r["rtt_ms"], f"{r['size_mb']:g}", r["goodput_mbps"], r["sync_s"], r["limit_s"],
+                       r["ratio"], r["estimated_mbps"]] for r in doc["emulated"]]))
+    elif doc.get("emulated_skipped"):
+        print(f"\nemulated: skipped ({doc['emulated_skipped']})")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="geofed bench link", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--sizes", type=float, nargs="+", default=[1, 8, 64], help="loopback sizes, MB")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mbps", type=float, nargs="*", default=[50, 200], help="emulated link bandwidths (none: skip)")
+    p.add_argument("--latency-ms", type=float, default=40.0, help="emulated one-way latency")
+    p.add_argument("--emulated-sizes", type=float, nargs="+", default=[1, 8, 32], help="emulated sizes, MB")
+    p.add_argument("--max-transfer-s", type=float, default=6.0, help="skip emulated sizes slower than this")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or min(args.sizes + args.emulated_sizes) <= 0 or args.latency_ms < 0:
+        p.error("--repeats must be >= 1, sizes > 0, --latency-ms >= 0")
+    with tempfile.TemporaryDirectory(prefix="geofed-bench-") as tmp:
+        pki_dir = make_pki(Path(tmp) / "tls", ["a", "b"]).directory
+        doc: dict = {"loopback": loopback(args.sizes, args.repeats, pki_dir), "emulated": []}
+        if args.mbps:
+            doc["emulated"] = emulated(args.mbps, args.latency_ms, args.emulated_sizes, args.repeats, pki_dir,
+                                       args.max_transfer_s)
+    if args.json:
+        json.dump(doc, sys.stdout)
+        print()
+    else:
+        _print(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,33 @@
+import json
+
+import pytest
+
+from geofed.p2p import bench
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_bench_link_json_document(capsys):
+    rc = bench.main(["--json", "--sizes", "1", "2", "--repeats", "2", "--mbps", "80", "--latency-ms", "10",
+                     "--emulated-sizes", "1", "4"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["size_mb"], r["tls"]) for r in doc["loopback"]] == [(1, False), (2, False), (1, True), (2, True)]
+    assert all(r["mb_s"] > 5 and len(r["mb_s_runs"]) == 2 for r in doc["loopback"])
+    keys = {"configured_mbps", "rtt_ms", "size_mb", "goodput_mbps", "sync_s", "limit_s", "estimated_mbps"}
+    assert [r["size_mb"] for r in doc["emulated"]] == [1, 4]
+    for r in doc["emulated"]:
+        assert keys <= r.keys() and r["configured_mbps"] == 80
+        assert 15 < r["rtt_ms"] < 60  # 2 x 10 ms configured, plus this busy machine
+        assert r["limit_s"] == pytest.approx(r["size_mb"] * 8 / 80 + 0.02, rel=0.01)
+        # Loose bounds (2 shared cores); the documented target is <= 1.15 on a quiet machine.
+        assert 0.7 < r["sync_s"] / r["limit_s"] < 1.6
+        assert 0.6 * 80 < r["estimated_mbps"] < 1.5 * 80
+
+
+def test_bench_link_table_and_argument_errors(capsys):
+    assert bench.main(["--sizes", "1", "--repeats", "1", "--mbps"]) == 0
+    out = capsys.readouterr().out
+    assert "| size MB | TLS | MB/s | runs |" in out and "mTLS" in out and "emulated WAN" not in out
+    with pytest.raises(SystemExit):
+        bench.main(["--repeats", "0"])
