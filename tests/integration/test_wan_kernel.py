@@ -1,0 +1,112 @@
+"""Kernel mode: namespaces + veth + tbf for bandwidth, the proxy for latency. Needs root and iproute2."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import statistics
+import subprocess
+
+import pytest
+
+from geofed.p2p.wan import EmulationConfig, LinkSpec, ScheduleEvent, WanEmulator
+from geofed.p2p.wan import kernel as kmod
+from geofed.p2p.wan.measure import SinkServer, bulk, goodput_mbps, pattern_digest, ping
+
+REASON = kmod.kernel_unavailable()
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(120),
+              pytest.mark.skipif(REASON is not None, reason=f"kernel WAN emulation {REASON}")]
+
+
+@pytest.fixture
+def prefix():
+    # A prefix of our own, so cleanup never touches another run's (or engineer's) namespaces.
+    p = "gft" + secrets.token_hex(2)
+    yield p
+    kmod.cleanup(p)
+
+
+def _namespaces(prefix: str) -> list[str]:
+    return kmod.list_namespaces(prefix)
+
+
+def _connect_in(emu: WanEmulator, region: str, address: str) -> socket.socket:
+    host, port = address.split(":")
+    sock = kmod.socket_in_namespace(emu.kernel.namespace(region))
+    sock.settimeout(30)
+    sock.connect((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def test_goodput_and_rtt_between_two_namespaces(prefix):
+    mbps, latency_ms, nbytes = 50.0, 40.0, 8_000_000
+    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None,
+                          default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps))
+    with WanEmulator(cfg, ["a", "b"]) as emu:
+        assert len(_namespaces(prefix)) == 2
+        with SinkServer("0.0.0.0", sock=kmod.socket_in_namespace(emu.kernel.namespace("b"))) as sink:
+            addr = emu.route("a", "b", f"0.0.0.0:{sink.port}")
+            with _connect_in(emu, "a", addr) as sock:
+                rtt = statistics.median(ping(sock, 10))
+                seconds = bulk(sock, nbytes)
+            qdisc = emu.kernel.qdisc(("a", "b"))
+        assert sink.digests == [pattern_digest(nbytes)]
+    assert "tbf" in qdisc
+    assert goodput_mbps(nbytes, seconds, 2 * latency_ms) == pytest.approx(mbps, rel=0.05)
+    assert rtt == pytest.approx(2 * latency_ms, rel=0.10)
+    assert _namespaces(prefix) == [], "stop() must remove the namespaces"
+
+
+def test_sockets_of_one_namespace_cannot_reach_another_except_over_the_veth(prefix):
+    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None)
+    with WanEmulator(cfg, ["a", "b", "c"]) as emu:
+        assert len(_namespaces(prefix)) == 3
+        with SinkServer("0.0.0.0", sock=kmod.socket_in_namespace(emu.kernel.namespace("c"))) as sink:
+            # c's sink is not on b's loopback: the namespaces are isolated.
+            with pytest.raises(OSError):
+                _connect_in(emu, "b", f"127.0.0.1:{sink.port}")
+            with _connect_in(emu, "b", emu.route("b", "c", f"0.0.0.0:{sink.port}")) as sock:
+                assert len(ping(sock, 2)) == 2
+
+
+def test_scheduled_bandwidth_change_reaches_tbf(prefix):
+    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None,
+                          default=LinkSpec(latency_ms=5, bandwidth_mbps=50),
+                          schedule=(ScheduleEvent(link="a->b", at_round=1, set=LinkSpec(bandwidth_mbps=5)),))
+    with WanEmulator(cfg, ["a", "b"]) as emu:
+        emu.set_round(1)
+        after = emu.kernel.qdisc(("a", "b"))
+        back = emu.kernel.qdisc(("b", "a"))
+    assert _kbit(after) == pytest.approx(5000 * kmod.WIRE_OVERHEAD, abs=2), after
+    assert _kbit(back) == pytest.approx(50000 * kmod.WIRE_OVERHEAD, abs=2), back
+
+
+def _kbit(qdisc: str) -> int:
+    m = re.search(r"rate (\d+)Kbit", qdisc)
+    assert m, qdisc
+    return int(m.group(1))
+
+
+def test_cleanup_removes_namespaces_left_by_a_crashed_run(prefix):
+    net = kmod.KernelNet(["a", "b"], prefix=prefix, burst_kb=64)
+    net.up({("a", "b"): 1e6, ("b", "a"): 1e6})
+    import atexit
+    atexit.unregister(net.down)   # as if the process had been killed: nothing removes them
+    assert len(_namespaces(prefix)) == 2
+    assert sorted(kmod.cleanup(prefix)) == sorted(net.names.values())
+    assert _namespaces(prefix) == []
+    assert kmod.cleanup_main(["--prefix", prefix]) == 0
+
+
+def test_not_root_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="mode: kernel needs root"):
+        WanEmulator(EmulationConfig(mode="kernel", preset=None), ["a", "b"])
+
+
+def test_ip_and_tc_exist_here():
+    # The skip reason above names what is missing; this pins that detection on a host that has them.
+    assert subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True).returncode == 0
