@@ -89,6 +89,7 @@ class EmulationConfig:
     seed: int = field(default=0, metadata={"doc": "seed of the jitter and loss draws"})
     bind_host: str = field(default="127.0.0.1", metadata={"doc": "address the proxy listens on (proxy mode)"})
     max_buffer_mb: float = field(default=32.0, metadata={"doc": "cap on the bytes one direction of one connection holds in flight"})
+    endpoints_in_netns: bool = field(default=False, metadata={"doc": "kernel mode: servers and clients run inside the region namespaces (ip netns exec); false: in the host namespace, relayed through them"})
     netns_prefix: str = field(default="gfw", metadata={"doc": "kernel mode: namespace name prefix (`geofed net cleanup` removes <prefix>*)"})
     tbf_burst_kb: int = field(default=64, metadata={"doc": "kernel mode: tbf burst in KiB (kept fixed: shrinking it mid-flow stalls)"})
 

@@ -13,6 +13,7 @@ from .config import EmulationConfig, LinkSpec, ScheduleEvent
 from .links import LinkTable, Pair, link_name
 from .presets import load_preset
 from .proxy import Proxy, Route, open_tcp
+from .relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class WanEmulator:
         self._thread: threading.Thread | None = None
         self._timer: asyncio.Future | None = None
         self._stopped = False
+        self._relays: list[Relay] = []
         self.kernel = None
         if config.mode == "kernel":
             from .kernel import KernelNet  # only kernel mode pays for (and checks) root + tc
@@ -94,6 +96,11 @@ class WanEmulator:
             self._timer = asyncio.run_coroutine_threadsafe(self._run_schedule(), self._loop)
             return self
 
+    async def _close_all(self) -> None:
+        await self.proxy.close()
+        for relay in self._relays:
+            await relay.close()
+
     def _run_loop(self, ready: threading.Event) -> None:
         assert self._loop is not None
         asyncio.set_event_loop(self._loop)
@@ -115,7 +122,7 @@ class WanEmulator:
                     if self._timer is not None:
                         self._timer.cancel()
                     try:
-                        self._call(self.proxy.close(), STOP_TIMEOUT_S)
+                        self._call(self._close_all(), STOP_TIMEOUT_S)
                     except Exception as exc:  # noqa: BLE001 - stop must go on and free the rest
                         log.warning("wan: closing the proxy: %s", exc)
                     self._loop.call_soon_threadsafe(self._loop.stop)
@@ -142,9 +149,11 @@ class WanEmulator:
     def route(self, src: str, dst: str, target: str) -> str:
         """'host:port' that region `src` dials to reach region `dst`'s server at `target`.
 
-        Kernel mode: the address is on the loopback of `src`'s namespace and `target`'s port is
-        dialled at `dst`'s address on the src-dst veth, so `dst`'s server must listen there
-        (0.0.0.0 inside its namespace).
+        Kernel mode (after start()): bytes cross the src-dst veth, shaped by tbf. By default
+        client and server stay in the host namespace and a relay in `dst`'s namespace dials
+        `target`; with `endpoints_in_netns` the address is on the loopback of `src`'s namespace
+        and `target`'s port is dialled at `dst`'s veth address, so `dst`'s server must listen on
+        0.0.0.0 inside its namespace.
         """
         self.table.shape(src, dst)   # ValueError naming the regions when the link does not exist
         if self.config.mode == "none":
@@ -158,6 +167,8 @@ class WanEmulator:
                 return self._routes[key].address
             sock = self._listen_socket(src)
             route = Route(src=src, dst=dst, target_host=host, target_port=port, sock=sock)
+            if self.kernel is not None:
+                route.upstream = self._kernel_upstream(src, dst, host, port)
             bound_host, bound_port = sock.getsockname()[:2]
             route.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
             if self._loop is not None:
@@ -165,11 +176,30 @@ class WanEmulator:
             self._routes[key] = route
             return route.address
 
+    def _kernel_upstream(self, src: str, dst: str, host: str, port: int) -> tuple[str, int]:
+        assert self.kernel is not None
+        peer = self.kernel.peer_address(src, dst)
+        if self.config.endpoints_in_netns:
+            return peer, port
+        sock = self.kernel.socket_in(dst, socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((peer, 0))
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        relay = Relay(sock, host, port)
+        self._call(relay.start())
+        self._relays.append(relay)
+        return peer, sock.getsockname()[1]
+
     def _listen_socket(self, src: str) -> socket.socket:
         # Bound on the caller's thread, so the address is known at once, also before start().
-        if self.kernel is not None:
-            if self._t0 is None:
-                raise RuntimeError("WanEmulator.route: kernel mode makes its namespaces in start(); call start() first")
+        if self.kernel is not None and self._t0 is None:
+            raise RuntimeError("WanEmulator.route: kernel mode makes its namespaces in start(); call start() first")
+        if self.kernel is not None and self.config.endpoints_in_netns:
             sock = self.kernel.socket_in(src, socket.AF_INET)
             host = "127.0.0.1"
         else:
@@ -191,7 +221,8 @@ class WanEmulator:
         sock = self.kernel.socket_in(route.src, socket.AF_INET)
         sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(sock, (self.kernel.peer_address(route.src, route.dst), route.target_port))
+            assert route.upstream is not None
+            await asyncio.get_running_loop().sock_connect(sock, route.upstream)
         except BaseException:
             sock.close()
             raise

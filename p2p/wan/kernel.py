@@ -27,6 +27,9 @@ TC_TIMEOUT_S = 10.0
 # 1448 bytes of TCP payload (timestamps on) in 1514 bytes on the veth, so tbf gets the rate x 1514/1448.
 WIRE_OVERHEAD = 1514 / 1448
 TBF_QUEUE_S = 0.02
+# tbf needs a burst of a few ms at high rates (64 KiB at 500 Mbit/s reached only 70-80%), but a
+# burst is also a free head start, so it grows with the rate: max(configured, rate x 3 ms).
+TBF_BURST_S = 0.003
 
 
 def kernel_unavailable() -> str | None:
@@ -137,7 +140,8 @@ class KernelNet:
         self.index = {r: i for i, r in enumerate(self.regions)}
         self.run_id = run_id or secrets.token_hex(3)
         self.names = {r: f"{prefix}{self.run_id}-{i}" for r, i in self.index.items()}
-        self.burst = burst_kb * 1024
+        self.min_burst = burst_kb * 1024
+        self._burst: dict[tuple[str, str], int] = {}
         self._made: list[str] = []
 
     def namespace(self, region: str) -> str:
@@ -180,12 +184,17 @@ class KernelNet:
         self.set_rate((b, a), rates_bps[(b, a)])
 
     def set_rate(self, pair: tuple[str, str], rate_bps: float) -> None:
-        """(Re)shape pair[0] -> pair[1]: tbf on the egress of pair[0]'s veth end. Burst stays fixed."""
+        """(Re)shape pair[0] -> pair[1]: tbf on the egress of pair[0]'s veth end.
+
+        The burst only ever grows: shrinking it under a running flow stalled the flow (FIELD-NOTES).
+        """
         ns, dev, _ = self._end(*pair)
-        wire_bits = max(8000, int(rate_bps * 8 * WIRE_OVERHEAD))
-        limit = max(2 * self.burst, int(rate_bps * WIRE_OVERHEAD * TBF_QUEUE_S))
+        wire_bps = rate_bps * WIRE_OVERHEAD
+        burst = max(self._burst.get(pair, 0), self.min_burst, int(wire_bps * TBF_BURST_S))
+        self._burst[pair] = burst
+        limit = max(2 * burst, int(wire_bps * TBF_QUEUE_S))
         _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
-             "rate", f"{wire_bits}bit", "burst", str(self.burst), "limit", str(limit))
+             "rate", f"{max(8000, int(wire_bps * 8))}bit", "burst", str(burst), "limit", str(limit))
 
     def qdisc(self, pair: tuple[str, str]) -> str:
         ns, dev, _ = self._end(*pair)

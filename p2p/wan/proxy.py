@@ -33,6 +33,7 @@ class Route:
     sock: socket.socket                  # the bound, listening socket (made on the caller's thread)
     server: asyncio.base_events.Server | None = None
     address: str = ""
+    upstream: tuple[str, int] | None = None   # kernel mode: where the socket in src's namespace dials
 
     @property
     def pair(self) -> Pair:

@@ -13,7 +13,7 @@ import pytest
 
 from geofed.p2p.wan import EmulationConfig, LinkSpec, ScheduleEvent, WanEmulator
 from geofed.p2p.wan import kernel as kmod
-from geofed.p2p.wan.measure import SinkServer, bulk, goodput_mbps, pattern_digest, ping
+from geofed.p2p.wan.measure import SinkServer, bulk, connect, goodput_mbps, pattern_digest, ping
 
 REASON = kmod.kernel_unavailable()
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120),
@@ -43,7 +43,7 @@ def _connect_in(emu: WanEmulator, region: str, address: str) -> socket.socket:
 
 def test_goodput_and_rtt_between_two_namespaces(prefix):
     mbps, latency_ms, nbytes = 50.0, 40.0, 8_000_000
-    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None,
+    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None, endpoints_in_netns=True,
                           default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps))
     with WanEmulator(cfg, ["a", "b"]) as emu:
         assert len(_namespaces(prefix)) == 2
@@ -60,8 +60,31 @@ def test_goodput_and_rtt_between_two_namespaces(prefix):
     assert _namespaces(prefix) == [], "stop() must remove the namespaces"
 
 
+def test_host_endpoints_are_relayed_through_the_namespaces(prefix):
+    # The default: client and server in the host namespace (as `geofed run` has them); the bytes
+    # still cross the veth, so tbf shapes them (its counters see them) and the proxy delays them.
+    mbps, latency_ms, nbytes = 20.0, 20.0, 3_000_000
+    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None,
+                          default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps))
+    with WanEmulator(cfg, ["a", "b"]) as emu, SinkServer() as sink:
+        with connect(emu.route("a", "b", sink.address)) as sock:
+            rtt = statistics.median(ping(sock, 5))
+            seconds = bulk(sock, nbytes)
+        sent = _sent_bytes(emu.kernel.qdisc(("a", "b")))
+        assert sink.digests == [pattern_digest(nbytes)]
+    assert sent >= nbytes
+    assert goodput_mbps(nbytes, seconds, 2 * latency_ms) == pytest.approx(mbps, rel=0.05)
+    assert rtt == pytest.approx(2 * latency_ms, rel=0.10)
+
+
+def _sent_bytes(qdisc: str) -> int:
+    m = re.search(r"Sent (\d+) bytes", qdisc)
+    assert m, qdisc
+    return int(m.group(1))
+
+
 def test_sockets_of_one_namespace_cannot_reach_another_except_over_the_veth(prefix):
-    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None)
+    cfg = EmulationConfig(mode="kernel", netns_prefix=prefix, preset=None, endpoints_in_netns=True)
     with WanEmulator(cfg, ["a", "b", "c"]) as emu:
         assert len(_namespaces(prefix)) == 3
         with SinkServer("0.0.0.0", sock=kmod.socket_in_namespace(emu.kernel.namespace("c"))) as sink:
