@@ -148,6 +148,7 @@ class GraphView:
     train_mask: torch.Tensor  # n bool: nodes whose labels this view trains on
     test_mask: torch.Tensor  # n bool
     val_mask: torch.Tensor  # n bool
+    loss_scale: float = 1.0  # multiplies the mean cross-entropy (region weighting, see gnn_loss)
 
     @property
     def num_nodes(self) -> int:

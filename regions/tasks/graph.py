@@ -9,6 +9,7 @@ neighbourhoods, the same way the centralized reference is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ class GcnPlanetoidConfig:
     alpha: float = field(default=0.5, metadata=_doc("Dirichlet concentration for label-dirichlet (small: more skew)"))
     partition_seed: int = field(default=0, metadata=_doc(
         "seed of the partition; fixed apart from run.seed so seeds compare on the same split"))
+    loss_weighting: Literal["nodes", "regions"] = field(default="nodes", metadata=_doc(
+        "nodes: weight each region's loss by its train-node count, so the regions' average objective "
+        "is the centralized one; regions: each region's plain mean"))
     halo: bool = field(default=False, metadata=_doc(
         "keep 1-hop out-of-region neighbours' features (not labels); their one-time bytes are counted"))
 
@@ -113,6 +117,11 @@ class GcnPlanetoidTask(Task):
         sub = extract_subgraph(self.data, self.assignment(n_regions), region_index, halo=self.config.halo)
         view = build_view(self.data, sub.nodes, sub.edge_index, adjacency=self.adjacency,
                           train_nodes=train_flags(self.data, sub))
+        if self.config.loss_weighting == "nodes":
+            # Region loss = (its train nodes / average per region) x its mean: the average of
+            # the region objectives is then exactly the centralized mean over all train nodes.
+            scale = float(view.train_mask.sum()) * n_regions / float(self.data.train_mask.sum())
+            view = dataclasses.replace(view, loss_scale=scale)
         return GraphShard(view)
 
     def full_view(self) -> GraphView:
@@ -121,7 +130,8 @@ class GcnPlanetoidTask(Task):
         return self._full
 
     def loss(self, model: nn.Module, batch: GraphView) -> torch.Tensor:
-        return gnn_loss(model, batch.x, batch.adj, batch.y, batch.train_mask, weight_decay=self.config.weight_decay)
+        return gnn_loss(model, batch.x, batch.adj, batch.y, batch.train_mask, weight_decay=self.config.weight_decay,
+                        scale=batch.loss_scale)
 
     def evaluate(self, model: nn.Module) -> EvalResult:
         v = self.full_view()
