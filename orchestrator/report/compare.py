@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .facts import Headline, ToTarget, config_highlights, headline, to_target
+from .facts import Headline, ToTarget, config_highlights, headline, to_target, training_start
 from .load import Run
 from .style import Plot, bytes_formatter, color, human_bytes, markers_for, maybe_log, new_figure, readable_log, save, time_unit
 
@@ -42,12 +42,13 @@ def unique_labels(runs: Sequence[Run]) -> list[str]:
 
 
 def _curve(run: Run):
-    """(t_end, cumulative bytes, mean loss) per round, rounds without a time or loss skipped."""
-    out, sent = [], 0.0
+    """(seconds since round 0 started, cumulative bytes, mean loss) per round; rounds without a
+    time or a loss are skipped."""
+    out, sent, t0 = [], 0.0, training_start(run)
     for r in run.rounds:
         sent += r.bytes_sent
         if r.t_end is not None and r.mean_train_loss is not None:
-            out.append((r.t_end, sent, r.mean_train_loss))
+            out.append((r.t_end - t0, sent, r.mean_train_loss))
     return out
 
 
@@ -78,7 +79,8 @@ def plot_compare_loss(rows: Sequence[CompareRow], out: Path, target: float | Non
         readable_log(ax_b.xaxis, human_bytes)
     else:
         ax_b.xaxis.set_major_formatter(bytes_formatter())
-    ax_t.set(xlabel=tlabel, ylabel="mean train loss", title="Loss vs wall-clock time")
+    ax_t.set(xlabel=tlabel.replace("wall-clock time", "time since round 0 started"), ylabel="mean train loss",
+             title="Loss vs wall-clock time")
     ax_b.set(xlabel="cumulative bytes sent (all regions)", title="Loss vs bytes sent")
     # Below the panels: run labels are long and would sit on the curves.
     fig.legend(*ax_b.get_legend_handles_labels(), loc="outside lower center", ncols=min(4, len(rows) + 1))
@@ -92,18 +94,20 @@ def plot_compare_sync(rows: Sequence[CompareRow], out: Path) -> Plot | None:
     have = [r for r in rows if any(x.H is not None and x.t_start is not None for x in r.run.rounds)]
     if not have:
         return None
-    ends = [x.t_end for r in have for x in r.run.rounds if x.t_end is not None]
+    ends = [x.t_end - training_start(r.run) for r in have for x in r.run.rounds if x.t_end is not None]
     div, tlabel = time_unit(max(ends, default=0.0))
+    tlabel = tlabel.replace("wall-clock time", "time since round 0 started")
     fig = new_figure(12, 3.8)
     ax_h, ax_u = fig.subplots(1, 2)
     for i, row in enumerate(rows):
-        pts = [(x.t_start / div, x.t_end / div, x.H) for x in row.run.rounds
+        t0 = training_start(row.run)
+        pts = [((x.t_start - t0) / div, (x.t_end - t0) / div, x.H) for x in row.run.rounds
                if x.H is not None and x.t_start is not None and x.t_end is not None]
         if pts:
             xs = [p[0] for p in pts] + [pts[-1][1]]
             hs = [p[2] for p in pts] + [pts[-1][2]]
             ax_h.step(xs, hs, where="post", color=color(i), lw=2, label=row.label)
-        ut = [(x.t_end / div, x.utilization) for x in row.run.rounds if x.utilization is not None and x.t_end is not None]
+        ut = [((x.t_end - t0) / div, x.utilization) for x in row.run.rounds if x.utilization is not None and x.t_end is not None]
         if ut:
             ax_u.plot([p[0] for p in ut], [p[1] for p in ut], color=color(i), lw=1.8, label=row.label, **markers_for(len(ut)))
     maybe_log(ax_h, [x.H for r in have for x in r.run.rounds if x.H], ratio=20)
@@ -124,7 +128,9 @@ def plot_compare_eval(rows: Sequence[CompareRow], out: Path) -> Plot | None:
         for pts in per_region.values():
             for rnd, t, v in pts:
                 by_round.setdefault(rnd, []).append((t, v))
-        pts = [(vals[0][0], float(np.mean([v for _, v in vals]))) for _, vals in sorted(by_round.items()) if vals[0][0] is not None]
+        t0 = training_start(row.run)
+        pts = [(vals[0][0] - t0, float(np.mean([v for _, v in vals]))) for _, vals in sorted(by_round.items())
+               if vals[0][0] is not None]
         series.append((metric, pts))
     if not any(pts for _, pts in series):
         return None
@@ -135,7 +141,8 @@ def plot_compare_eval(rows: Sequence[CompareRow], out: Path) -> Plot | None:
     for i, (row, (_, pts)) in enumerate(zip(rows, series)):
         if pts:
             ax.plot([p[0] / div for p in pts], [p[1] for p in pts], color=color(i), lw=2, label=row.label, **markers_for(len(pts)))
-    ax.set(xlabel=tlabel, ylabel=metric, title=f"Eval {metric} (mean over regions)")
+    ax.set(xlabel=tlabel.replace("wall-clock time", "time since round 0 started"), ylabel=metric,
+           title=f"Eval {metric} (mean over regions)")
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=min(4, len(rows)))
     save(fig, out, "compare_eval.png")
     return Plot("compare_eval.png", f"Runs compared: eval {metric}", "The mean over regions of the evaluation "

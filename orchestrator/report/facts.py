@@ -89,14 +89,24 @@ class ToTarget:
     bytes: float | None
 
 
+def training_start(run: Run) -> float:
+    """When round 0 started on the run's clock. Comparisons count time from here: the seconds
+    before it (Ray start-up, placement, connecting) differ between machines, not between methods."""
+    for r in run.rounds:
+        for t in (r.t_start, r.t_end):
+            if t is not None:
+                return t
+    return 0.0
+
+
 def to_target(run: Run, target: float) -> ToTarget:
     """When the mean train loss first reached `target`: at round granularity, since the loss is
-    only known at round ends, and bytes counted through that round."""
-    sent = 0.0
+    only known at round ends; seconds since round 0 started; bytes counted through that round."""
+    sent, t0 = 0.0, training_start(run)
     for r in run.rounds:
         sent += r.bytes_sent
         if r.mean_train_loss is not None and r.mean_train_loss <= target:
-            return ToTarget(r.round, r.t_end, sent)
+            return ToTarget(r.round, None if r.t_end is None else r.t_end - t0, sent)
     return ToTarget(None, None, None)
 
 

@@ -171,7 +171,8 @@ def comparison_section(rows: Sequence[CompareRow], plots: Sequence[Plot], target
                     "not reached" if t.bytes is None else human_bytes(t.bytes) + rel(t.bytes, base.reached.bytes)))
     tgt = f"{target:.4g}" if target is not None else "—"
     note = (f'<p class="note">Target: mean train loss ≤ {escape(tgt)} (the loss every run reached unless given); '
-            f"time and bytes are counted to the end of the first round at or below it; ratios are to the first run.</p>")
+            f"time and bytes are counted from the start of round 0 (start-up excluded) to the end of the first round "
+            f"at or below it; wall time includes start-up; ratios are to the first run.</p>")
     return ("<h2>Comparison</h2>" + table(
         ["run", "algorithm / policy / codec", "rounds", "wall time", "bytes sent", "final train loss", "final eval",
          "time to target", "bytes to target"], trs, numeric=[2, 3, 4, 5, 6, 7, 8]) + note

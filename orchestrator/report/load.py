@@ -239,7 +239,9 @@ def _round_rows(raw_rounds: list[dict[str, Any]], metrics: list[dict[str, Any]])
 
 
 def _codecs(coord: dict[str, Any], ms: list[dict[str, Any]]) -> dict[str, str]:
-    if isinstance(coord.get("codecs"), dict):
+    # An empty map from the coordinator (a fixed policy decides no per-link codecs) says less
+    # than the regions' own records of what they sent with.
+    if isinstance(coord.get("codecs"), dict) and coord["codecs"]:
         return {str(k): str(v) for k, v in coord["codecs"].items()}
     out = {}
     for m in ms:

@@ -3,13 +3,14 @@ run has nothing to show for it (no eval, no links, one region's empty matrix).""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from .load import Run, link_pairs, num
 from .style import (MEAN_COLOR, Plot, bytes_formatter, color, human_bytes, markers_for, maybe_log,
-                    new_figure, no_data, save, time_unit)
+                    new_figure, no_data, readable_log, save, time_unit)
 
 MAX_LINK_PANELS = 16
 
@@ -91,17 +92,20 @@ def plot_sync(run: Run, out: Path) -> Plot | None:
     div, tlabel = time_axis(run) if use_time else (1.0, "round")
     start = [(r.t_start / div) if use_time else r.round for r in rows]
     end = [(r.t_end / div) if use_time else r.round + 1 for r in rows]
-    links = run.link_order({k for r in run.rounds for k, v in r.links.items() if num(v.get("bandwidth_mbps")) is not None})
+    # Bandwidth is what the policy sizes H by; when the estimator had none (updates too small to
+    # time), RTT is what it reacted to, so show that rather than an empty panel.
+    key = "bandwidth_mbps" if _links_with(run, "bandwidth_mbps") else "rtt_ms"
+    links = _links_with(run, key)
     fig = new_figure(11, 5.6 if links else 3.2)
     axes = fig.subplots(2, 1, sharex=True, height_ratios=[1, 1.3]) if links else [fig.subplots(1, 1)]
     ax = axes[0]
     _draw_h(ax, rows, start, end)
     if links:
-        _draw_link_estimates(axes[1], run, links, div, use_time)
+        _draw_link_estimates(axes[1], run, links, div, use_time, key)
     axes[-1].set_xlabel(tlabel)
     save(fig, out, "sync.png")
     return Plot("sync.png", "Sync interval, codec and link estimates", "Top: local steps per round (H) and "
-                "the codec(s) in use (shaded). Bottom: the coordinator's bandwidth estimate of each directed "
+                "the codec(s) in use (shaded). Bottom: the coordinator's bandwidth (else RTT) estimate of each directed "
                 "link on the same time axis, so a policy's reaction to a link change lines up with its cause.")
 
 
@@ -114,35 +118,61 @@ def _draw_h(ax, rows, start, end) -> None:
     labels = [_codec_label(r.codecs) for r in rows]
     palette = {c: CODEC_COLORS[i % len(CODEC_COLORS)] for i, c in enumerate(dict.fromkeys(labels))}
     hs = [r.H for r in rows]
-    top = max(hs) * 1.3
+    log = min(hs) > 0 and max(hs) / min(hs) > 20  # an adaptive policy can move H by 100x
+    top = max(hs) * (2.5 if log else 1.3)
     seg = 0
     for i in range(1, len(rows) + 1):
         if i == len(rows) or labels[i] != labels[seg]:
             if labels[seg]:  # a one-region run sends nothing, so has no codec
                 ax.axvspan(start[seg], end[i - 1], color=palette[labels[seg]], alpha=0.55, lw=0)
-                ax.text(start[seg], top * 0.97, f" {labels[seg]}", va="top", ha="left", fontsize=9, color="#333333")
+                ax.text(start[seg], top * (0.85 if log else 0.97), f" {labels[seg]}", va="top", ha="left", fontsize=9, color="#333333")
             seg = i
     ax.step(start + [end[-1]], hs + [hs[-1]], where="post", color=MEAN_COLOR, lw=2.2)
     ax.set(ylabel="H (local steps)", title="Sync interval H per round; shading: codec in use")
-    ax.set_ylim(0, top)
+    if log:
+        ax.set_yscale("log")
+        readable_log(ax.yaxis)
+        ax.set_ylim(min(hs) / 1.5, top)
+    else:
+        ax.set_ylim(0, top)
     ax.grid(axis="x", visible=False)
 
 
-def _variability(run: Run, link: str) -> float:
-    vals = [num(r.links[link].get("bandwidth_mbps")) for r in run.rounds if link in r.links]
-    vals = [v for v in vals if v]
-    return max(vals) / min(vals) if vals else 1.0
+def _links_with(run: Run, key: str) -> list[str]:
+    return run.link_order({k for r in run.rounds for k, v in r.links.items() if num(v.get(key)) is not None})
 
 
-def _draw_link_estimates(ax, run: Run, links: list[str], div: float, use_time: bool) -> None:
-    """Every link's estimate; past MAX_COLORED_LINKS only the ones that moved most get a colour
-    (and a legend entry), the rest stay grey: twelve coloured lines read as none."""
-    colored = set(sorted(links, key=lambda k: -_variability(run, k))[:MAX_COLORED_LINKS - 1]) \
-        if len(links) > MAX_COLORED_LINKS else set(links)
+def _salient_links(run: Run, links: list[str], key: str, n: int) -> set[str]:
+    """The n links a reader of the H panel needs: those the policy's reasons name (its
+    bottlenecks), then the slowest, then those whose estimate moved the most."""
+    named = Counter(k for r in run.rounds for k in links if k in r.reason)
+
+    def values(link):
+        return [v for v in (num(r.links[link].get(key)) for r in run.rounds if link in r.links) if v]
+
+    def slowness(link):
+        v = sorted(values(link))
+        med = v[len(v) // 2] if v else 0.0
+        return med if key == "rtt_ms" else -med
+
+    def spread(link):
+        v = values(link)
+        return max(v) / min(v) if v else 1.0
+
+    picked = [k for k, _ in named.most_common(n)]
+    for ranked in (sorted(links, key=slowness, reverse=True)[:2], sorted(links, key=spread, reverse=True)):
+        picked += [k for k in ranked if k not in picked][: n - len(picked)]
+    return set(picked[:n])
+
+
+def _draw_link_estimates(ax, run: Run, links: list[str], div: float, use_time: bool, key: str) -> None:
+    """Every link's estimate; past MAX_COLORED_LINKS only the salient ones get a colour (and a
+    legend entry), the rest stay grey: twelve coloured lines read as none."""
+    colored = _salient_links(run, links, key, MAX_COLORED_LINKS - 1) if len(links) > MAX_COLORED_LINKS else set(links)
     cidx = {k: i for i, k in enumerate(run.link_order(colored))}
     grey_labelled = False
     for link in sorted(links, key=lambda k: k in colored):  # grey first, so coloured lines sit on top
-        pts = [((r.t_end / div) if use_time else r.round + 1, num(r.links[link].get("bandwidth_mbps")))
+        pts = [((r.t_end / div) if use_time else r.round + 1, num(r.links[link].get(key)))
                for r in run.rounds if link in r.links and (r.t_end is not None or not use_time)]
         pts = [(x, y) for x, y in pts if y is not None]
         if link in colored:
@@ -152,8 +182,11 @@ def _draw_link_estimates(ax, run: Run, links: list[str], div: float, use_time: b
             kw = dict(color="#b0b0b0", lw=1.0, label=None if grey_labelled else f"{len(links) - len(colored)} other links")
             grey_labelled = True
         ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
-    maybe_log(ax, [num(v.get("bandwidth_mbps")) for r in run.rounds for v in r.links.values()], ratio=10)
-    ax.set(ylabel="estimated bandwidth (Mbit/s)", title="Link bandwidth as the coordinator estimated it")
+    maybe_log(ax, [num(v.get(key)) for r in run.rounds for v in r.links.values()], ratio=10)
+    if key == "bandwidth_mbps":
+        ax.set(ylabel="estimated bandwidth (Mbit/s)", title="Link bandwidth as the coordinator estimated it")
+    else:
+        ax.set(ylabel="estimated RTT (ms)", title="Link RTT as the coordinator estimated it (no bandwidth estimates in this run)")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
 
 
@@ -191,16 +224,16 @@ def plot_bytes_matrix(run: Run, out: Path) -> Plot | None:
     side = min(10, 2.8 + 0.7 * n)
     fig = new_figure(side + 1.6, side)
     ax = fig.subplots()
-    # Headroom above the largest cell keeps it mid-blue, so its label stays readable.
+    # Headroom above the largest cell keeps it mid-blue, so black labels read on every cell.
     top = float(np.nanmax(mat)) if np.isfinite(mat).any() else 0.0
-    im = ax.imshow(mat, cmap="Blues", vmin=0, vmax=top * 1.25 or 1.0)
+    im = ax.imshow(mat, cmap="Blues", vmin=0, vmax=top * 1.5 or 1.0)
     ax.set_xticks(range(n), names, rotation=35, ha="right")
     ax.set_yticks(range(n), names)
     ax.set(xlabel="to (receiver)", ylabel="from (sender)", title="Bytes sent per directed link")
     ax.grid(False)
     if n <= 12:
         for (i, j), v in np.ndenumerate(mat):
-            text, c = ("—", "#999999") if not np.isfinite(v) else (human_bytes(v), "white" if v > 0.65 * top else "black")
+            text, c = ("—", "#999999") if not np.isfinite(v) else (human_bytes(v), "black")
             ax.text(j, i, text, ha="center", va="center", fontsize=9 if n <= 6 else 7, color=c)
     fig.colorbar(im, ax=ax, shrink=0.8, format=bytes_formatter(), label="bytes sent")
     save(fig, out, "bytes_matrix.png")
@@ -216,13 +249,15 @@ def plot_bytes_cumulative(run: Run, out: Path) -> Plot | None:
     fig = new_figure(11, 3.8)
     ax = fig.subplots()
     per_region = run.series("bytes_sent")
+    # From the first round's start, not 0: the seconds Ray takes to start are not a slow link.
+    t0 = (rows[0].t_start if rows[0].t_start is not None else 0.0) / div
     for i, region in enumerate(run.regions):
         pts = per_region.get(region, [])
-        xs = [0.0] + [t / div for _, t, _ in pts if t is not None]
+        xs = [t0] + [t / div for _, t, _ in pts if t is not None]
         ys = np.cumsum([0.0] + [v for _, t, v in pts if t is not None])
         if len(xs) > 1 and len(run.regions) > 1:
             ax.plot(xs, ys, color=color(i), lw=1.2, alpha=0.8, label=f"sent by {region}", **markers_for(len(xs)))
-    xs = [0.0] + [r.t_end / div for r in rows]
+    xs = [t0] + [r.t_end / div for r in rows]
     ys = np.cumsum([0.0] + [r.bytes_sent for r in rows])
     ax.plot(xs, ys, color=MEAN_COLOR, lw=2.4, label="all regions", **markers_for(len(xs)))
     ax.yaxis.set_major_formatter(bytes_formatter())

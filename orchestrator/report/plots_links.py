@@ -58,7 +58,9 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
         m = [(x, y) for x, y in _link_points(run, link, measured, div) if y is not None]
         c = [(x, y) for x, y in _link_points(run, link, configured, div) if y is not None]
         if c:
-            ax.step([p[0] for p in c], [p[1] for p in c], where="pre", color="#777777", ls="--", lw=1.4, label="configured")
+            # On top of the measured line: where they agree, the dashes still show.
+            ax.step([p[0] for p in c], [p[1] for p in c], where="pre", color="#333333", ls=(0, (4, 3)), lw=1.3,
+                    label="configured", zorder=4)
         ax.plot([p[0] for p in m], [p[1] for p in m], color=color(0), lw=1.6, label="measured", **markers_for(len(m)))
         ax.set_title(link.replace("->", " → "), fontsize=9.5)
         ax.set_ylim(bottom=0, top=max([y for _, y in m + c] + [1e-9]) * 1.15)
@@ -95,7 +97,7 @@ def plot_utilization(run: Run, out: Path) -> Plot | None:
     ax_t.set(xlabel=tlabel, ylabel="compute utilisation", title="Compute utilisation per round", ylim=(0, 1.05))
     ax_t.yaxis.set_major_formatter(lambda v, _p: f"{v:.0%}")
     if any(series.values()):
-        ax_t.legend(loc="lower left", ncols=2)
+        ax_t.legend(loc="best", ncols=2)
     names = [r for r in run.regions if r in per_region]
     vals = [per_region[r] for r in names]
     bars = ax_b.barh(names, vals, color=[color(run.regions.index(r)) for r in names])

@@ -81,17 +81,21 @@ def time_unit(max_seconds: float) -> tuple[float, str]:
 
 
 def maybe_log(ax, values: Iterable[float], *, ratio: float = 20.0) -> None:
-    """Log scale when positive values span more than `ratio`: losses fall by orders of magnitude."""
+    """Log scale when positive values span more than `ratio`: losses fall by orders of magnitude.
+    Zeros (a train loss that underflowed) are left out of the decision and drawn at the bottom edge."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
-    if vals and min(vals) > 0 and max(vals) / min(vals) > ratio:
-        ax.set_yscale("log")
-        readable_log(ax.yaxis)
+    pos = [v for v in vals if v > 0]
+    if pos and min(vals) >= 0 and max(pos) / min(pos) > ratio:
+        ax.set_yscale("log", nonpositive="clip")
+        readable_log(ax.yaxis, span=max(pos) / min(pos))
+        if len(pos) < len(vals):
+            ax.set_ylim(bottom=min(pos) / 3)
 
 
-def readable_log(axis, fmt=lambda v: f"{v:g}") -> None:
-    """Ticks at 1-2-5 labelled 0.2, 0.5, 1 rather than 10^-1 alone: a loss axis spanning one
-    decade otherwise gets a single label."""
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+def readable_log(axis, fmt=lambda v: f"{v:g}", *, span: float = 100.0) -> None:
+    """Over up to three decades, ticks at 1-2-5 labelled 0.2, 0.5, 1 rather than 10^-1 alone (a
+    loss axis spanning one decade otherwise gets a single label); wider, one tick per decade."""
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if span <= 1e3 else (1.0,), numticks=12))
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: fmt(v)))
     axis.set_minor_formatter(NullFormatter())
 

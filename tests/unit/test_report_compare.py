@@ -12,9 +12,9 @@ from geofed.orchestrator.report.check import html_refs, report_problems
 from geofed.orchestrator.report.facts import default_target, to_target
 
 
-def _tiny_run(path, losses, bytes_per_round=100, dt=1.0):
+def _tiny_run(path, losses, bytes_per_round=100, dt=1.0, t0=0.0):
     path.mkdir()
-    recs = [{"round": i, "t_start": i * dt, "t_end": (i + 1) * dt, "H": 10, "mean_train_loss": v,
+    recs = [{"round": i, "t_start": t0 + i * dt, "t_end": t0 + (i + 1) * dt, "H": 10, "mean_train_loss": v,
              "bytes_sent": bytes_per_round} for i, v in enumerate(losses)]
     (path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return load_run(path)
@@ -27,6 +27,12 @@ def test_to_target_counts_time_and_bytes_through_the_first_round_at_or_below(tmp
     assert to_target(run, 2.0).round == 0
     missed = to_target(run, 0.1)
     assert (missed.round, missed.seconds, missed.bytes) == (None, None, None)
+
+
+def test_to_target_leaves_out_start_up_time(tmp_path):
+    # The run clock starts before Ray is up; 20 s of start-up must not count against a method.
+    run = _tiny_run(tmp_path / "r", [2.0, 1.0, 0.5], t0=20.0)
+    assert to_target(run, 0.5).seconds == 3.0
 
 
 def test_default_target_is_a_loss_every_run_reached(tmp_path):

@@ -1,0 +1,52 @@
+"""A report built from a real (small) `geofed run`: every plot is a PNG with something on it,
+the page references only files that exist, and Chromium renders it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_report_html import assert_screenshot_not_blank, chromium_screenshot  # noqa: E402
+
+from geofed.orchestrator.cli import main  # noqa: E402
+from geofed.orchestrator.report import write_report  # noqa: E402
+from geofed.orchestrator.report.check import html_refs, report_problems  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """Two rounds of the default config on two regions, evaluated every round. --no-report: the
+    test calls write_report itself, so a failure points at the report, not at the run."""
+    out = tmp_path_factory.mktemp("report-run") / "run"
+    rc = main(["run", str(REPO / "configs" / "local-wan.yaml"), "--set", "run.rounds=2", "--set", "run.eval_every=1",
+               "--set", "regions.names=[us-east-1,eu-west-1]", "--out", str(out), "--no-report", "--quiet"])
+    assert rc == 0, f"geofed run exited {rc}"
+    return out
+
+
+def test_report_of_a_real_run_is_whole(real_run):
+    html = write_report(real_run)
+    assert html == real_run / "report" / "report.html"
+    assert report_problems(html) == []
+    pngs = {r for r in html_refs(html.read_text()) if r.endswith(".png") and not r.startswith("#")}
+    # What a 2-region, 2-round DiLoCo run with eval and WAN emulation must show at least.
+    assert {"loss.png", "eval.png", "sync.png", "bytes_matrix.png", "bytes_cumulative.png", "utilization.png"} <= pngs
+    for name in pngs:
+        assert (html.parent / name).stat().st_size > 5000, name
+    text = html.read_text()
+    assert "us-east-1 → eu-west-1" in text and "eu-west-1 → us-east-1" in text
+    assert "mlp-digits" in text and "diloco" in text
+
+
+def test_cli_report_of_a_real_run_renders_in_chromium(real_run, tmp_path, capsys):
+    assert main(["report", str(real_run), "--out", str(tmp_path / "rep")]) == 0
+    html = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert html == tmp_path / "rep" / "report.html" and html.is_file()
+    shot = tmp_path / "shot.png"
+    chromium_screenshot(html, shot)
+    assert_screenshot_not_blank(shot)
