@@ -26,7 +26,7 @@ TC_TIMEOUT_S = 10.0
 # tbf counts wire bytes; the proxy and the presets count payload. A full 1500-byte packet carries
 # 1448 bytes of TCP payload (timestamps on) in 1514 bytes on the veth, so tbf gets the rate x 1514/1448.
 WIRE_OVERHEAD = 1514 / 1448
-TBF_QUEUE_S = 0.02
+TBF_QUEUE_S = 0.05
 # tbf needs a burst of a few ms at high rates (64 KiB at 500 Mbit/s reached only 70-80%), but a
 # burst is also a free head start, so it grows with the rate: max(configured, rate x 3 ms).
 TBF_BURST_S = 0.003
@@ -192,7 +192,7 @@ class KernelNet:
         wire_bps = rate_bps * WIRE_OVERHEAD
         burst = max(self._burst.get(pair, 0), self.min_burst, int(wire_bps * TBF_BURST_S))
         self._burst[pair] = burst
-        limit = max(2 * burst, int(wire_bps * TBF_QUEUE_S))
+        limit = max(4 * burst, int(wire_bps * TBF_QUEUE_S))
         _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
              "rate", f"{max(8000, int(wire_bps * 8))}bit", "burst", str(burst), "limit", str(limit))
 
