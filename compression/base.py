@@ -130,11 +130,13 @@ class Codec(ABC):
         decoded result. Raise CodecError naming the problem.
         """
 
-    def subtract_decoded(self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
-        """residual -= decode(sections), in place (error feedback). Sparse codecs override."""
-        decoded = torch.empty_like(residual)
-        self.decode_into(sections, shapes, decoded)
-        residual.sub_(decoded)
+    def subtract_decoded(
+        self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape], scratch: torch.Tensor
+    ) -> None:
+        """residual -= decode(sections), in place (error feedback); `scratch` is a reusable
+        buffer like `residual` (fresh pages cost more than the decode). Sparse codecs override."""
+        self.decode_into(sections, shapes, scratch)
+        residual.sub_(scratch)
 
 
 def total_numel(shapes: Sequence[Shape]) -> int:

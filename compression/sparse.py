@@ -36,7 +36,7 @@ def _check_fraction(fraction: float) -> None:
         raise ValueError(f"fraction: must be in (0, 1], got {fraction}")
 
 
-def _select_sampled(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor | None:
+def _select_sampled(x: torch.Tensor, k: int, gen: torch.Generator, mask: torch.Tensor) -> torch.Tensor | None:
     """Indices of a superset of the top-k by |x| via a threshold estimated on a sample.
 
     If at least k values reach the threshold, the true top-k are all among them (the k-th
@@ -45,7 +45,6 @@ def _select_sampled(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tens
     """
     n = x.numel()
     sample = x[torch.randint(n, (_SAMPLE,), generator=gen)].abs_()
-    mask = torch.empty(n, dtype=torch.bool)
     tmp = torch.empty(min(n, _BLOCK))
     margin = 1.25
     for _ in range(3):
@@ -55,19 +54,36 @@ def _select_sampled(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tens
         for s in range(0, n, _BLOCK):
             e = min(n, s + _BLOCK)
             torch.ge(torch.abs(x[s:e], out=tmp[: e - s]), thr, out=mask[s:e])
-        cand = mask.nonzero().squeeze(1)
+        cand = _nonzero(mask)
         if cand.numel() >= k:
             return cand
         margin *= 4
     return None
 
 
-def topk_indices(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Sorted indices of a sparse bool mask: first the 8-byte words holding any True (the mask
+    viewed as int64), then the Trues inside those; 1.4x faster than mask.nonzero() at 1%."""
+    n8 = mask.numel() // 8 * 8
+    words = mask[:n8].view(torch.int64).nonzero().squeeze(1)
+    row, col = mask[:n8].view(-1, 8)[words].nonzero().unbind(1)
+    idx = words[row] * 8 + col
+    if n8 < mask.numel():
+        idx = torch.cat([idx, mask[n8:].nonzero().squeeze(1) + n8])
+    return idx
+
+
+def topk_indices(x: torch.Tensor, k: int, state: CodecState) -> torch.Tensor:
     """Sorted int64 indices of the k largest |x| (exact)."""
     n = x.numel()
     if k == n:
         return torch.arange(n)
-    cand = _select_sampled(x, k, gen) if n > _EXACT_BELOW and k * 8 < n else None
+    cand = None
+    if n > _EXACT_BELOW and k * 8 < n:
+        mask = state.store.get("topk.mask")
+        if mask is None or mask.numel() != n:  # kept: fresh pages cost as much as the pass
+            mask = state.store["topk.mask"] = torch.empty(n, dtype=torch.bool)
+        cand = _select_sampled(x, k, state.generator, mask)
     if cand is None:
         idx = torch.topk(x.abs(), k, sorted=False).indices
     elif cand.numel() > k:
@@ -114,7 +130,7 @@ class TopK(Codec):
         k = _k(self.fraction, n)
         if k == 0:
             return
-        idx = topk_indices(x, k, state.generator)
+        idx = topk_indices(x, k, state)
         counts.copy_(torch.bincount(idx >> _LOW_BITS, minlength=_nblocks(n)))
         low.copy_(idx & (_SPAN - 1))
         self.inner.encode_into(x[idx], [(k,)], out[2:], state)
@@ -149,7 +165,7 @@ class TopK(Codec):
         if sections[1].numel():
             out[self._indices(sections, out.numel())] = self._values(sections)
 
-    def subtract_decoded(self, residual, sections, shapes) -> None:
+    def subtract_decoded(self, residual, sections, shapes, scratch) -> None:
         if sections[1].numel():
             residual.index_add_(0, self._indices(sections, residual.numel()), self._values(sections), alpha=-1)
 

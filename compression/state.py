@@ -75,6 +75,13 @@ class CodecState:
         assert self.residual.numel() == numel
         return self.residual
 
+    def scratch(self, numel: int) -> torch.Tensor:
+        """A reusable fp32 buffer of numel elements (its contents are garbage)."""
+        buf = self.store.get("scratch")
+        if buf is None or buf.numel() != numel:
+            buf = self.store["scratch"] = torch.empty(numel)
+        return buf
+
     def __repr__(self) -> str:
         return (f"CodecState(error_feedback={self.error_feedback}, updates={self.counter}, "
                 f"bytes_raw={self.bytes_raw}, bytes_wire={self.bytes_wire})")

@@ -42,22 +42,31 @@ def encode_and_decode(
 
 
 def decode_update(
-    payload: bytes | bytearray | memoryview, *, max_bytes: int, expected_shapes: Sequence[Shape] | None = None
+    payload: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int,
+    expected_shapes: Sequence[Shape] | None = None,
+    out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Decode a payload into fp32 tensors (views of one buffer), validating it first.
 
     max_bytes bounds both the payload and the decoded fp32 result (4 bytes x elements): set
     it to at least 4 x the model's element count. expected_shapes, when given, must match the
-    payload's shapes exactly. Anything malformed raises CodecError naming the problem.
+    payload's shapes exactly. out: a flat contiguous fp32 buffer of exactly the update's
+    element count to decode into (reusing one per peer saves the page faults of a fresh
+    result, most of the decode time of a big update); the result is views of it.
+    Anything malformed raises CodecError naming the problem; `out` may then hold garbage.
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes: must be a positive integer, got {max_bytes!r}")
     mv = _as_bytes_view(payload)
+    if out is not None and (out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu"):
+        raise ValueError(f"out: must be a flat contiguous CPU float32 tensor, got {out.dtype} {tuple(out.shape)}")
     try:
         header = wire.parse(mv, max_bytes=max_bytes, expected_shapes=expected_shapes)
         sections = wire.section_views(mv, header)
         header.codec.validate(sections, header.shapes)
-        flat = torch.empty(sum(math.prod(s) for s in header.shapes))
+        flat = _output(out, sum(math.prod(s) for s in header.shapes))
         header.codec.decode_into(sections, header.shapes, flat)
     except CodecError:
         raise
@@ -133,7 +142,7 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
         if ef:
             x.sub_(flat)  # x is the residual buffer: corrected - decoded is what is left
     elif ef:
-        codec.subtract_decoded(x, views, shapes)
+        codec.subtract_decoded(x, views, shapes, state.scratch(n))
     wire.seal(buf)
     payload = buf
     state.counter += 1
@@ -175,6 +184,14 @@ def _flatten(tensors: list[torch.Tensor], n: int, residual: torch.Tensor | None)
         flat[off: off + t.numel()].copy_(t.reshape(-1))
         off += t.numel()
     return flat
+
+
+def _output(out: torch.Tensor | None, numel: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(numel)
+    if out.numel() != numel:
+        raise CodecError(f"shape: payload holds {numel} elements, out has {out.numel()}")
+    return out
 
 
 def _split(flat: torch.Tensor, shapes: Sequence[Shape]) -> list[torch.Tensor]:
