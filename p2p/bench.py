@@ -1,8 +1,9 @@
 """``geofed bench link``: gRPC push rate on loopback, and sync time over an emulated WAN link.
 
 Loopback: pushes of each size with and without mutual TLS between two real GrpcTransports
-(payload MB/s, send -> ack; 1 MB = 10^6 bytes; the receiver's validator only counts bytes,
-so the number is the transport's, not a codec's).
+(payload MB/s, send -> ack, median of --repeats after unmeasured warm-up pushes; 1 MB = 10^6
+bytes; the receiver's validator only counts bytes, so the number is the transport's, not a
+codec's). On a shared 2-core machine single runs vary 2-3x: read the medians.
 
 Emulated: the same push through geofed.p2p.wan's shaping proxy (latency + bandwidth), with
 mutual TLS. ``limit_s = bytes * 8 / bandwidth + RTT`` is what an ideal link needs;
@@ -65,9 +66,11 @@ def loopback(sizes_mb: Sequence[float], repeats: int, pki_dir: Path) -> list[dic
     for tls in (False, True):
         pair = _Pair(pki_dir if tls else None, int(max(sizes_mb) * MB) + 1)
         try:
-            pair.push(bytes(MB), 30)  # warm the channel (connect, slow start)
+            for _ in range(3):
+                pair.push(bytes(MB), 30)  # warm the channel (connect, slow start) and thread pools
             for size in sizes_mb:
                 payload = bytes(int(size * MB))
+                pair.push(payload, 120)  # unmeasured: first buffers of this size
                 runs = [len(payload) / pair.push(payload, 120).seconds / MB for _ in range(repeats)]
                 rows.append({"size_mb": size, "tls": tls, "mb_s": round(statistics.median(runs), 1),
                              "mb_s_runs": [round(r, 1) for r in runs]})
@@ -146,19 +149,20 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="geofed bench link", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--sizes", type=float, nargs="+", default=[1, 8, 64], help="loopback sizes, MB")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="measured transfers per row (median reported)")
     p.add_argument("--mbps", type=float, nargs="*", default=[50, 200], help="emulated link bandwidths (none: skip)")
     p.add_argument("--latency-ms", type=float, default=40.0, help="emulated one-way latency")
     p.add_argument("--emulated-sizes", type=float, nargs="+", default=[1, 8, 32], help="emulated sizes, MB")
+    p.add_argument("--emulated-repeats", type=int, default=3, help="measured transfers per emulated row")
     p.add_argument("--max-transfer-s", type=float, default=6.0, help="skip emulated sizes slower than this")
     args = p.parse_args(argv)
-    if args.repeats < 1 or min(args.sizes + args.emulated_sizes) <= 0 or args.latency_ms < 0:
-        p.error("--repeats must be >= 1, sizes > 0, --latency-ms >= 0")
+    if min(args.repeats, args.emulated_repeats) < 1 or min(args.sizes + args.emulated_sizes) <= 0 or args.latency_ms < 0:
+        p.error("--repeats and --emulated-repeats must be >= 1, sizes > 0, --latency-ms >= 0")
     with tempfile.TemporaryDirectory(prefix="geofed-bench-") as tmp:
         pki_dir = make_pki(Path(tmp) / "tls", ["a", "b"]).directory
         doc: dict = {"loopback": loopback(args.sizes, args.repeats, pki_dir), "emulated": []}
         if args.mbps:
-            doc["emulated"] = emulated(args.mbps, args.latency_ms, args.emulated_sizes, args.repeats, pki_dir,
+            doc["emulated"] = emulated(args.mbps, args.latency_ms, args.emulated_sizes, args.emulated_repeats, pki_dir,
                                        args.max_transfer_s)
     if args.json:
         json.dump(doc, sys.stdout)

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_bench_link_json_document(capsys):
     rc = bench.main(["--json", "--sizes", "1", "2", "--repeats", "2", "--mbps", "80", "--latency-ms", "10",
-                     "--emulated-sizes", "1", "4"])
+                     "--emulated-sizes", "1", "4", "--emulated-repeats", "2"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert [(r["size_mb"], r["tls"]) for r in doc["loopback"]] == [(1, False), (2, False), (1, True), (2, True)]
