@@ -5,6 +5,7 @@ import logging
 import struct
 import threading
 import time
+import zlib
 
 import grpc
 import pytest
@@ -76,34 +77,61 @@ def _raw_push(stub, messages, timeout=5.0):
     return ei.value
 
 
-def _nan_payload():
-    payload = bytearray(_good(1.2345))
-    marker = struct.pack("<f", 1.2345)
-    at = payload.find(marker)
-    assert at > 0
-    payload[at:at + 4] = struct.pack("<f", float("nan"))
+def _with_crc(payload):
+    # The wire format carries a CRC-32 of bytes 12..end at offset 8: a forged payload must fix it,
+    # or it is refused for the checksum instead of for what the test means to send.
+    payload = bytearray(payload)
+    payload[8:12] = struct.pack("<I", zlib.crc32(payload[12:]))
     return bytes(payload)
 
 
-# case -> (sender certificate, messages, expected code, reason)
+def _nan_payload():
+    payload = bytearray(_good(1.2345))
+    at = payload.find(struct.pack("<f", 1.2345))
+    assert at > 0
+    payload[at:at + 4] = struct.pack("<f", float("nan"))
+    return _with_crc(payload)
+
+
+def _wrong_dtype_payload():
+    payload = bytearray(_good())
+    spec_len = struct.unpack_from("<I", payload, 20)[0]
+    assert payload[36 + spec_len] == 1  # tensor 0's dtype code: float32
+    payload[36 + spec_len] = 7  # no such tensor dtype
+    return _with_crc(payload)
+
+
+def _push_of(sender, round, payload):
+    return [_header(sender, round, len(payload)), _chunk(payload)]
+
+
+# case -> (sender certificate, messages, expected code, reason, text the details must contain)
 CASES = {
-    "truncated": ("r1", lambda: [_header("r1", 0, 1000), _chunk(b"x" * 100)], grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
-    "huge_declared_size": ("r1", lambda: [_header("r1", 0, 1 << 62)], grpc.StatusCode.RESOURCE_EXHAUSTED, "oversize"),
+    "truncated": ("r1", lambda: [_header("r1", 0, 1000), _chunk(b"x" * 100)], grpc.StatusCode.INVALID_ARGUMENT,
+                  "truncated", "after 100 of 1000"),
+    "huge_declared_size": ("r1", lambda: [_header("r1", 0, 1 << 62)], grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           "oversize", "limit 1048576"),
     "oversize_chunk": ("r1", lambda: [_header("r1", 0, MAX), _chunk(b"x" * (2 << 20))],
-                       grpc.StatusCode.RESOURCE_EXHAUSTED, "chunk_too_large"),
-    "overrun": ("r1", lambda: [_header("r1", 0, 10), _chunk(b"x" * 20)], grpc.StatusCode.INVALID_ARGUMENT, "overrun"),
-    "no_header": ("r1", lambda: [_chunk(b"x" * 20)], grpc.StatusCode.INVALID_ARGUMENT, "bad_header"),
-    "wrong_shape": ("r1", lambda: [_header("r1", 0, len(p := encode_update("identity", [torch.ones(7)]))), _chunk(p)],
-                    grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload"),
-    "wrong_dtype_garbage": ("r1", lambda: [_header("r1", 0, 24), _chunk(torch.ones(6).numpy().tobytes())],
-                            grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload"),
-    "nan": ("r1", lambda: [_header("r1", 0, len(p := _nan_payload())), _chunk(p)],
-            grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload"),
-    "future_round": ("r1", lambda: [_header("r1", 3, 5), _chunk(b"x" * 5)], grpc.StatusCode.OUT_OF_RANGE, "future_round"),
-    "unknown_sender": ("zz", lambda: [_header("zz", 0, 5), _chunk(b"x" * 5)], grpc.StatusCode.PERMISSION_DENIED, "unknown_sender"),
-    "cert_of_a_claiming_b": ("r2", lambda: [_header("r1", 0, 5), _chunk(b"x" * 5)],
-                             grpc.StatusCode.UNAUTHENTICATED, "identity_mismatch"),
-    "not_neighbour": ("r2", lambda: [_header("r2", 0, 5), _chunk(b"x" * 5)], grpc.StatusCode.PERMISSION_DENIED, "not_neighbour"),
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, "chunk_too_large", "chunk of 2097152"),
+    "overrun": ("r1", lambda: [_header("r1", 0, 10), _chunk(b"x" * 20)], grpc.StatusCode.INVALID_ARGUMENT,
+                "overrun", "declared 10"),
+    "no_header": ("r1", lambda: [_chunk(b"x" * 20)], grpc.StatusCode.INVALID_ARGUMENT, "bad_header", "header"),
+    "wrong_shape": ("r1", lambda: _push_of("r1", 0, encode_update("identity", [torch.ones(7)])),
+                    grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "expected (6,)"),
+    "wrong_dtype": ("r1", lambda: _push_of("r1", 0, _wrong_dtype_payload()),
+                    grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "dtype"),
+    "not_a_codec_payload": ("r1", lambda: _push_of("r1", 0, torch.ones(6).numpy().tobytes()),
+                            grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "CodecError"),
+    "nan": ("r1", lambda: _push_of("r1", 0, _nan_payload()), grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_payload", "NaN"),
+    "future_round": ("r1", lambda: _push_of("r1", 3, b"x" * 5), grpc.StatusCode.OUT_OF_RANGE,
+                     "future_round", "beyond 2"),
+    "unknown_sender": ("zz", lambda: _push_of("zz", 0, b"x" * 5), grpc.StatusCode.PERMISSION_DENIED,
+                       "unknown_sender", "'zz'"),
+    "cert_of_a_claiming_b": ("r2", lambda: _push_of("r1", 0, b"x" * 5), grpc.StatusCode.UNAUTHENTICATED,
+                             "identity_mismatch", "certificate of 'r2' claims to be 'r1'"),
+    "not_neighbour": ("r2", lambda: _push_of("r2", 0, b"x" * 5), grpc.StatusCode.PERMISSION_DENIED,
+                      "not_neighbour", "r2 is not an in-neighbour"),
 }
 
 
@@ -117,13 +145,13 @@ def _honest_round_still_works(ts):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hostile_push_is_refused_counted_logged_and_survived(pkis, server, case, caplog):
     ts, address = server
-    cert, messages, code, reason = CASES[case]
+    cert, messages, code, reason, text = CASES[case]
     ch, stub = _raw_stub(pkis[0].directory, cert, address)
     with caplog.at_level(logging.WARNING, logger="geofed.p2p"):
         err = _raw_push(stub, messages())
     ch.close()
     assert err.code() == code, err.details()
-    assert err.details().startswith(f"{reason}: ")
+    assert err.details().startswith(f"{reason}: ") and text in err.details(), err.details()
     assert ts["r0"].stats()["refused"] == {reason: 1}
     assert any(reason in rec.getMessage() and "refused" in rec.getMessage() for rec in caplog.records)
     _honest_round_still_works(ts)
