@@ -110,7 +110,9 @@ class Mailbox:
     # -- incoming ------------------------------------------------------------------------
     def note_bytes(self, sender: str, n: int) -> None:
         with self._cond:
-            self.bytes_received[sender] += n
+            # Claimed names are untrusted (plaintext mode): unknown ones share one key, so a
+            # stream of invented senders cannot grow this table.
+            self.bytes_received[sender if sender in self._known else "<unknown>"] += n
 
     def admit(self, sender: str, round: int, declared_bytes: int, *, identity: str | None) -> Ticket:
         """Check a push header; reserves (sender, round) until deliver() or release()."""

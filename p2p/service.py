@@ -105,6 +105,8 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         finally:
             with self._lock:
                 self._open[caller] -= 1
+                if not self._open[caller]:
+                    del self._open[caller]  # plaintext callers are keyed by connection: do not pile up
 
     def _push(self, request_iterator, context, identity: str | None, caller: str):
         remaining = context.time_remaining()

@@ -164,3 +164,20 @@ def test_port_range_binds_the_first_free_port(pki):
     finally:
         a.close()
         b.close()
+
+
+def test_plaintext_works_only_when_asked_and_warns(caplog):
+    with caplog.at_level("WARNING", logger="geofed.p2p"):
+        a, b = (GrpcTransport(r, tls=None, max_message_bytes=1 << 20) for r in ("r0", "r1"))
+    assert sum("security.tls is false" in rec.getMessage() for rec in caplog.records) == 2
+    try:
+        addrs = {"r0": a.start(), "r1": b.start()}
+        a.connect(addrs)
+        b.connect(addrs)
+        b.expect(0, ["r0"])
+        a.send("r1", 0, b"plain bytes", timeout_s=2)
+        assert b.receive(0, 1)["r0"] == b"plain bytes"  # default validator: the bytes themselves
+        assert b.stats()["tls"] is False and b.stats()["bytes_received"]["r0"] > len(b"plain bytes")
+    finally:
+        a.close()
+        b.close()
