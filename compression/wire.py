@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 import warnings
 import zlib
 from collections.abc import Sequence
@@ -38,6 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecError, Section, Shape, _padded, make_codec
+
+if sys.byteorder != "little":  # sections are read in place with the host's byte order
+    raise ImportError("geofed.compression: the wire format is little-endian; big-endian hosts are not supported")
 
 MAGIC = b"GFCU"
 VERSION = 1

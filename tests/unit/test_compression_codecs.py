@@ -280,3 +280,16 @@ def test_every_codec_round_trips_any_layout(spec, shapes, dtype, seed, ef, scale
         assert state.ef_applied and state.residual is not None and torch.isfinite(state.residual).all()
     if shapes and len(shapes) == 1 and len(shapes[0]) <= 1:
         assert codec.estimate_ratio(n) == pytest.approx(4 * n / len(payload), rel=0.5, abs=0.2)
+
+
+def test_decode_into_a_reused_buffer():
+    x = [_randn(30, 4), _randn(5)]
+    payload = encode_update("int8", x)
+    buf = torch.full((125,), float("nan"))
+    got = decode_update(payload, max_bytes=MAX, out=buf)
+    assert got[0].data_ptr() == buf.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(got, decode_update(payload, max_bytes=MAX)))
+    with pytest.raises(CodecError, match="shape: payload holds 125 elements, out has 124"):
+        decode_update(payload, max_bytes=MAX, out=torch.empty(124))
+    with pytest.raises(ValueError, match="out: must be a flat contiguous CPU float32 tensor"):
+        decode_update(payload, max_bytes=MAX, out=torch.empty(125, dtype=torch.float64))
