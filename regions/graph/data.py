@@ -8,6 +8,7 @@ directed edges, both directions present) and the boolean split masks. It is read
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def load_graph_npz(path: str | Path) -> GraphData:
             if missing:
                 raise ValueError(f"{path}: missing arrays {missing} (need {list(REQUIRED_KEYS)})")
             arrays = {k: f[k] for k in REQUIRED_KEYS}
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{path}: cannot read graph file: {exc}") from None
     except ValueError as exc:
         if str(exc).startswith(str(path)):

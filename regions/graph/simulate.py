@@ -95,7 +95,7 @@ def _train_epochs(task: Task, model: nn.Module, opt: torch.optim.Optimizer, batc
         loss = task.loss(model, batch)
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def make_optimizer(params, kind: str, lr: float, momentum: float = 0.0) -> torch.optim.Optimizer:

@@ -83,7 +83,9 @@ class GraphShard(Shard):
 class GcnPlanetoidTask(Task):
     kind = "gcn-planetoid"
 
-    def __init__(self, config: GcnPlanetoidConfig):
+    def __init__(self, config: GcnPlanetoidConfig, *, batch_size: int = 32, seed: int = 0):
+        # batch_size does not apply (full-batch: one step is one epoch on the whole subgraph);
+        # seed does not move the partition (partition_seed does), see shard().
         self.config = config
         self.data = load_task_graph(config.path)
         self._assign: dict[int, Any] = {}
@@ -137,7 +139,7 @@ class GcnPlanetoidTask(Task):
         v = self.full_view()
         return EvalResult(metric="accuracy", value=accuracy(model, v.x, v.adj, v.y, v.test_mask), higher_is_better=True)
 
-    def partition_stats(self, n_regions: int) -> dict[str, Any]:
+    def partition_stats(self, n_regions: int, seed: int = 0) -> dict[str, Any]:
         return partition_stats(self.data, self.assignment(n_regions), n_regions, halo=self.config.halo)
 
     def describe(self) -> dict[str, Any]:
@@ -164,4 +166,4 @@ def load_task_graph(path: str) -> GraphData:
         raise ValueError(f"task.path: {exc}") from None
 
 
-register_task("gcn-planetoid", GcnPlanetoidConfig, GcnPlanetoidTask)
+register_task("gcn-planetoid", GcnPlanetoidConfig, lambda cfg, **kw: GcnPlanetoidTask(cfg, **kw))
