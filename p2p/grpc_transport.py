@@ -21,7 +21,7 @@ import grpc
 
 from .mailbox import Mailbox
 from .proto import gossip_pb2, gossip_pb2_grpc
-from .service import MAX_CHUNK_BYTES, GossipServicer, chunk_wire_bytes
+from .service import MAX_CHUNK_BYTES, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
 from .tls import TlsMaterial
 from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
 
@@ -82,7 +82,7 @@ class GrpcTransport(Transport):
         self._state_provider: Callable[[], bytes] | None = None
         self._server: grpc.Server | None = None
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[str, grpc.Channel, gossip_pb2_grpc.GossipStub]] = {}
+        self._channels: dict[str, tuple[str, grpc.Channel, gossip_pb2_grpc.GossipStub, Callable]] = {}
         self._sent_bytes: Counter[str] = Counter()
         self._sent_messages: Counter[str] = Counter()
         self._send_failures: Counter[str] = Counter()
@@ -103,7 +103,7 @@ class GrpcTransport(Transport):
                      # gRPC sets SO_REUSEPORT by default: two regions could then bind one port
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=self.max_workers)
-        gossip_pb2_grpc.add_GossipServicer_to_server(self._servicer, server)
+        add_to_server(self._servicer, server)
         port = 0
         for candidate in self.ports:  # network.port_range: the first free port wins
             addr = f"{self.bind_host}:{candidate}"
@@ -140,7 +140,10 @@ class GrpcTransport(Transport):
                 channel = grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
             else:
                 channel = grpc.insecure_channel(address, options=options)
-            opened[peer] = (address, channel, gossip_pb2_grpc.GossipStub(channel))
+            # Push sends pre-serialized messages (see service.encode_chunk).
+            push = channel.stream_unary(PUSH_METHOD, request_serializer=None,
+                                        response_deserializer=gossip_pb2.PushAck.FromString)
+            opened[peer] = (address, channel, gossip_pb2_grpc.GossipStub(channel), push)
             if current is not None:
                 stale.append(current[1])
         with self._lock:
@@ -153,13 +156,16 @@ class GrpcTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            channels = [c for _, c, _ in self._channels.values()]
+            channels = [entry[1] for entry in self._channels.values()]
         if self._server is not None:
             self._server.stop(grace=0.2).wait(5)
         _close_all(channels)
 
     # -- sending -------------------------------------------------------------------------
     def _stub(self, peer: str, timeout_s: float) -> gossip_pb2_grpc.GossipStub:
+        return self._entry(peer, timeout_s)[2]
+
+    def _entry(self, peer: str, timeout_s: float) -> tuple:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         with self._lock:
@@ -168,7 +174,7 @@ class GrpcTransport(Transport):
             entry = self._channels.get(peer)
         if entry is None:
             raise ValueError(f"peer: {peer!r} is not connected (connect() it first)")
-        return entry[2]
+        return entry
 
     def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
         n = len(payload)
@@ -176,25 +182,29 @@ class GrpcTransport(Transport):
             raise ValueError(f"payload: {n} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
         if round < 0:
             raise ValueError(f"round: must be >= 0, got {round}")
-        stub = self._stub(peer, timeout_s)
-        header = gossip_pb2.PushMessage(header=gossip_pb2.PushHeader(sender=self.region, round=round, total_bytes=n))
+        push = self._entry(peer, timeout_s)[3]
+        header = gossip_pb2.PushMessage(
+            header=gossip_pb2.PushHeader(sender=self.region, round=round, total_bytes=n)).SerializeToString()
         view, cs = memoryview(payload), self.chunk_bytes
+        sizes = [0]
 
         def messages():
             yield header
             for off in range(0, n, cs):
-                yield gossip_pb2.PushMessage(chunk=bytes(view[off:off + cs]))
+                msg = encode_chunk(view[off:off + cs])
+                sizes[0] += len(msg) + 5
+                yield msg
 
         chunks = -(-n // cs)
-        wire = header.ByteSize() + 5 + sum(chunk_wire_bytes(min(cs, n - off)) for off in range(0, n, cs))
         start = time.monotonic()
         try:
-            ack = stub.Push(messages(), timeout=timeout_s)
+            ack = push(messages(), timeout=timeout_s)
         except grpc.RpcError as exc:
             with self._lock:
                 self._send_failures[peer] += 1
             raise _error(peer, f"push of round {round} ({n} bytes)", exc) from None
         seconds = time.monotonic() - start
+        wire = len(header) + 5 + sizes[0]
         with self._lock:
             self._sent_bytes[peer] += wire
             self._sent_messages[peer] += 1

@@ -27,6 +27,9 @@ from .proto import gossip_pb2, gossip_pb2_grpc
 log = logging.getLogger("geofed.p2p")
 
 MAX_CHUNK_BYTES = 1 << 20
+SERVICE = "geofed.p2p.Gossip"
+PUSH_METHOD = f"/{SERVICE}/Push"
+_HEADER_TAG, _CHUNK_TAG = 0x0A, 0x12  # PushMessage fields 1 and 2, wire type 2 (length-delimited)
 
 _CODES = {
     "unknown_sender": grpc.StatusCode.PERMISSION_DENIED,
@@ -52,9 +55,64 @@ def _abort(context: grpc.ServicerContext, refusal: Refusal):
     context.abort(_CODES.get(refusal.reason, grpc.StatusCode.INTERNAL), str(refusal))
 
 
-def chunk_wire_bytes(n: int) -> int:
-    # gRPC length prefix (5) + field tag (1) + varint length of the bytes field.
-    return n + 6 + max(1, (n.bit_length() + 6) // 7)
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def encode_chunk(data: memoryview) -> bytes:
+    """A serialized ``PushMessage(chunk=data)`` with one copy of the data.
+
+    Building a protobuf message per 1 MiB chunk and serializing it costs two more copies and
+    capped a push at ~0.6-0.8 GB/s of CPU; this is byte-for-byte what protobuf would emit.
+    """
+    return b"".join((bytes((_CHUNK_TAG,)), _varint(len(data)), data))
+
+
+def parse_push_message(raw: bytes) -> tuple[str, object]:
+    """("header", PushHeader) | ("chunk", memoryview) | ("malformed", why). Never raises: a
+    deserializer that raises would end the RPC with an uncounted INTERNAL error."""
+    mv = memoryview(raw)
+    n = pos = shift = 0
+    for pos in range(1, min(len(mv), 11)):
+        n |= (mv[pos] & 0x7F) << shift
+        shift += 7
+        if not mv[pos] & 0x80:
+            break
+    else:
+        return "malformed", "message without a complete field header"
+    pos += 1
+    if pos + n != len(mv):
+        return "malformed", f"field length {n} does not match the message ({len(mv) - pos} bytes)"
+    if mv[0] == _CHUNK_TAG:
+        return "chunk", mv[pos:]
+    if mv[0] == _HEADER_TAG:
+        try:
+            return "header", gossip_pb2.PushHeader.FromString(bytes(mv[pos:]))
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: refuse, never crash
+            return "malformed", f"undecodable header: {exc}"
+    return "malformed", f"unexpected field tag {mv[0]:#x}"
+
+
+def add_to_server(servicer: "GossipServicer", server: grpc.Server) -> None:
+    """Like the generated ``add_GossipServicer_to_server``, but Push takes raw messages (parsed
+    by ``parse_push_message``: one copy of each chunk instead of three)."""
+    handlers = {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=parse_push_message,
+            response_serializer=gossip_pb2.PushAck.SerializeToString),
+        "Ping": grpc.unary_unary_rpc_method_handler(
+            servicer.Ping, request_deserializer=gossip_pb2.PingRequest.FromString,
+            response_serializer=gossip_pb2.PingReply.SerializeToString),
+        "FetchState": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchState, request_deserializer=gossip_pb2.FetchStateRequest.FromString,
+            response_serializer=gossip_pb2.StateMessage.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 class GossipServicer(gossip_pb2_grpc.GossipServicer):
@@ -113,15 +171,15 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         if remaining is None or remaining > self.max_push_s:
             self._refuse(context, "no_deadline", f"push deadline must be set and at most {self.max_push_s:.0f} s", caller)
         try:
-            first = next(request_iterator)
+            kind, h = next(request_iterator)
         except StopIteration:
             self._refuse(context, "bad_header", "empty stream", caller)
         except grpc.RpcError:
             self._refuse(context, "aborted", "stream ended before the header", caller)
-        if first.WhichOneof("kind") != "header" or not first.header.sender:
-            self._refuse(context, "bad_header", "the first message must be a header naming the sender", caller)
-        h = first.header
-        self.mailbox.note_bytes(h.sender if identity is None else identity, first.ByteSize() + 5)
+        if kind != "header" or not h.sender:
+            self._refuse(context, "bad_header", f"the first message must be a header naming the sender (got {kind})", caller)
+        header_bytes = h.ByteSize() + 2 + 5
+        self.mailbox.note_bytes(h.sender if identity is None else identity, header_bytes)
         try:
             ticket = self.mailbox.admit(h.sender, h.round, h.total_bytes, identity=identity)
         except Refusal as r:
@@ -133,7 +191,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
             self.mailbox.release(ticket, r)
             _abort(context, r)
         try:
-            self.mailbox.deliver(ticket, memoryview(buf), wire_bytes=wire + first.ByteSize() + 5, seconds=t_last - t0)
+            self.mailbox.deliver(ticket, memoryview(buf), wire_bytes=wire + header_bytes, seconds=t_last - t0)
         except Refusal as r:
             _abort(context, r)
         return gossip_pb2.PushAck(received_bytes=len(buf), receiver_seconds=t_last - t0)
@@ -144,12 +202,11 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         off = wire = 0
         t_last = time.monotonic()
         try:
-            for msg in request_iterator:
-                if msg.WhichOneof("kind") != "chunk":
-                    raise Refusal("bad_header", "a second header inside one push")
-                chunk = msg.chunk
+            for kind, chunk in request_iterator:
+                if kind != "chunk":
+                    raise Refusal("bad_header", f"expected a chunk, got {kind}: {chunk if kind == 'malformed' else ''}")
                 n = len(chunk)
-                wire += chunk_wire_bytes(n)
+                wire += n + 5 + 1 + len(_varint(n))
                 if n > MAX_CHUNK_BYTES:
                     raise Refusal("chunk_too_large", f"chunk of {n} bytes, limit {MAX_CHUNK_BYTES}")
                 if off + n > total:
