@@ -287,6 +287,8 @@ class WanEmulator:
         outage = self.table.outage(*pair, now)
         goodput = lr.measured_goodput_mbps()
         latency = lr.measured_latency_ms()
+        back = self.proxy.links[pair[::-1]].measured_latency_ms()
+        rtt = None if latency is None or back is None else latency + back
         return {
             "bytes": lr.bytes,
             "bytes_in": lr.bytes_in,
@@ -302,6 +304,9 @@ class WanEmulator:
             "configured_loss": spec.loss,
             "measured_goodput_mbps": None if goodput is None else round(goodput, 3),
             "measured_latency_ms": None if latency is None else round(latency, 3),
+            # one way here plus one way back, as the proxy delivered them (a model of the RTT)
+            "measured_rtt_ms": None if rtt is None else round(rtt, 3),
+            "configured_rtt_ms": spec.latency_ms + self.table.configured(*pair[::-1]).latency_ms,
             "in_outage": outage is not None,
             "outage_mode": None if outage is None else outage.mode,
             "outage_s": round(self.table.outage_seconds(*pair, now), 3),
