@@ -161,6 +161,13 @@ class Mailbox:
             refusal = Refusal("invalid_payload", f"{type(exc).__name__}: {exc}")
             self.release(ticket, refusal)
             raise refusal from None
+        except Exception as exc:
+            # A validator bug, not the sender's fault: say so loudly, but free the reservation so
+            # the sender's next push is not refused as a replay forever.
+            log.exception("%s: the validator crashed on %s's round %s", self.region, ticket.sender, ticket.round)
+            refusal = Refusal("invalid_payload", f"validator raised {type(exc).__name__}: {exc}")
+            self.release(ticket, refusal)
+            raise refusal from None
         arrival = Arrival(sender=ticket.sender, round=ticket.round, payload_bytes=len(payload),
                           wire_bytes=wire_bytes, seconds=seconds, arrived_at=time.monotonic())
         with self._cond:

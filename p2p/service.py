@@ -177,7 +177,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         except grpc.RpcError:
             self._refuse(context, "aborted", "stream ended before the header", caller)
         if kind != "header" or not h.sender:
-            self._refuse(context, "bad_header", f"the first message must be a header naming the sender (got {kind})", caller)
+            self._refuse(context, "bad_header", f"the first message must be a header naming the sender (got {kind} {h if kind == 'malformed' else ''})", caller)
         header_bytes = h.ByteSize() + 2 + 5
         self.mailbox.note_bytes(h.sender if identity is None else identity, header_bytes)
         try:

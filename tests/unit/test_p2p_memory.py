@@ -181,3 +181,22 @@ def test_receive_requires_expect_and_deadlines_are_checked(mesh):
     assert ts[0].receive(0, 5.0).waited_s < 0.5  # nothing expected: returns at once
     with pytest.raises(ValueError, match="round: 0 is already closed"):
         ts[0].expect(0, ["r1"])
+
+
+def test_a_crashing_validator_refuses_the_push_and_frees_its_slot(mesh):
+    _, ts = mesh
+    calls = []
+
+    def buggy(sender, round, payload):
+        calls.append(round)
+        if len(calls) == 1:
+            raise TypeError("bug")
+        return bytes(payload)
+
+    ts[0].set_validator(buggy)
+    ts[0].expect(0, ["r1"])
+    with pytest.raises(TransportError) as ei:
+        ts[1].send("r0", 0, b"x", timeout_s=1)
+    assert ei.value.reason == "invalid_payload" and "validator raised TypeError" in str(ei.value)
+    ts[1].send("r0", 0, b"x", timeout_s=1)  # not refused as a replay
+    assert ts[0].receive(0, 1)["r1"] == b"x"
