@@ -21,7 +21,7 @@ body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#
 main{max-width:1180px;margin:0 auto;padding:24px 28px 60px}
 h1{font-size:24px;margin:0 0 2px}h2{font-size:18px;margin:34px 0 10px;border-bottom:1px solid #dde1e6;padding-bottom:4px}
 .sub{color:#5b6470;margin:0 0 18px;font-size:13px}
-.tiles{display:grid;grid-template-columns:repeat(auto-fit,minmax(150px,1fr));gap:10px;margin:16px 0}
+.tiles{display:grid;grid-template-columns:repeat(auto-fit,minmax(124px,1fr));gap:10px;margin:16px 0}
 .tile{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:10px 14px}
 .tile .k{color:#5b6470;font-size:12px;text-transform:uppercase;letter-spacing:.04em}
 .tile .v{font-size:22px;font-weight:600;margin-top:2px}
@@ -64,7 +64,10 @@ def figure(p: Plot) -> str:
 def _tiles(run: Run) -> str:
     h = headline(run)
     faults = run.summary.get("faults") if isinstance(run.summary.get("faults"), dict) else {}
-    n_faults = sum(int(v) for v in faults.values() if isinstance(v, int))
+    # Counters overlap (a late update is both dropped and its peer left out), so they are not
+    # summed: region failures get a tile only when there were some, the rest is in the table.
+    failed = sum(v for k, v in faults.items() if k in ("region_failures", "region_restarts") and isinstance(v, int))
+    left_out = faults.get("peers_left_out")
     refusals = (run.summary.get("refusals") or {}).get("total") if isinstance(run.summary.get("refusals"), dict) else None
     tiles = [("rounds", str(h.rounds), False), ("wall time", _num_cell(h.wall_s, human_seconds), False),
              ("bytes sent", human_bytes(h.bytes_sent), False),
@@ -72,7 +75,9 @@ def _tiles(run: Run) -> str:
     if h.eval_value is not None:
         tiles.append((f"final {h.eval_metric}", f"{h.eval_value:.4g}", False))
     tiles.append(("compute utilisation", _num_cell(h.utilization, lambda v: f"{v:.0%}"), False))
-    tiles.append(("faults", str(n_faults) if faults else "—", n_faults > 0))
+    if failed:
+        tiles.append(("region failures", str(failed), True))
+    tiles.append(("peers left out", str(left_out) if isinstance(left_out, int) else "—", bool(left_out)))
     tiles.append(("refusals", str(refusals) if isinstance(refusals, int) else "—", bool(refusals)))
     return '<div class="tiles">' + "".join(
         f'<div class="tile{" bad" if bad else ""}"><div class="k">{escape(k)}</div><div class="v">{escape(v)}</div></div>'
