@@ -8,9 +8,27 @@ from pathlib import Path
 
 import numpy as np
 
-from .facts import Headline, ToTarget, config_highlights, headline, to_target, training_start
+from .facts import (
+    Headline,
+    ToTarget,
+    config_highlights,
+    headline,
+    to_target,
+    training_start,
+)
 from .load import Run
-from .style import Plot, bytes_formatter, color, human_bytes, markers_for, maybe_log, new_figure, readable_log, save, time_unit
+from .style import (
+    Plot,
+    bytes_formatter,
+    color,
+    human_bytes,
+    markers_for,
+    maybe_log,
+    new_figure,
+    readable_log,
+    save,
+    time_unit,
+)
 
 
 @dataclass(frozen=True)

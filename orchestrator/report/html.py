@@ -109,7 +109,8 @@ def _regions_table(run: Run) -> str:
     rows = []
     for r in run.regions:
         e = ev.get(r) if isinstance(ev.get(r), dict) else (last.get(r, {}).get("eval") or {})
-        rows.append((r, (place.get(r) or {}).get("node_ip", "—") if isinstance(place.get(r), dict) else "—",
+        where = place.get(r) if isinstance(place.get(r), dict) else {}
+        rows.append((r, where.get("node_ip") or where.get("host") or "—",
                      _num_cell(num(last.get(r, {}).get("train_loss"))), _num_cell(num(e.get("value")) if e else None),
                      _num_cell(num(util.get(r)), lambda v: f"{v:.0%}"), human_bytes(sent.get(r, 0.0))))
     return table(["region", "node", "last train loss", "last eval", "utilisation", "bytes sent"], rows, numeric=[2, 3, 4, 5])
@@ -185,7 +186,7 @@ def comparison_section(rows: Sequence[CompareRow], plots: Sequence[Plot], target
 
 
 def page(title: str, subtitle: str, body: str) -> str:
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><title>{escape(title)}</title>'
             f"<style>{CSS}</style></head><body><main><h1>{escape(title)}</h1>"

@@ -9,8 +9,20 @@ from pathlib import Path
 import numpy as np
 
 from .load import Run, link_pairs, num
-from .style import (MEAN_COLOR, Plot, bytes_formatter, color, human_bytes, markers_for, maybe_log,
-                    new_figure, no_data, readable_log, save, time_unit)
+from .style import (
+    MEAN_COLOR,
+    Plot,
+    bytes_formatter,
+    color,
+    human_bytes,
+    markers_for,
+    maybe_log,
+    new_figure,
+    readable_log,
+    region_style,
+    save,
+    time_unit,
+)
 
 MAX_LINK_PANELS = 16
 
@@ -29,7 +41,7 @@ def _draw_series(ax, run: Run, series, mean_pts, *, use_time: bool, div: float) 
     for i, region in enumerate(run.regions):
         xs, ys = xy(series.get(region, []))
         if xs:
-            ax.plot(xs, ys, color=color(i), lw=1.2, alpha=0.75, label=region, **markers_for(len(xs)))
+            ax.plot(xs, ys, lw=1.2, alpha=0.75, **region_style(i, len(run.regions), region), **markers_for(len(xs)))
     xs, ys = xy(mean_pts)
     if xs and len(run.regions) > 1:
         ax.plot(xs, ys, color=MEAN_COLOR, lw=2.4, label="mean", **markers_for(len(xs)))
@@ -179,7 +191,7 @@ def _draw_link_estimates(ax, run: Run, links: list[str], div: float, use_time: b
             kw = dict(color=color(cidx[link]), lw=1.6,
                       label=link.replace("->", " → "), **markers_for(len(pts)))
         else:
-            kw = dict(color="#b0b0b0", lw=1.0, label=None if grey_labelled else f"{len(links) - len(colored)} other links")
+            kw = {"color": "#b0b0b0", "lw": 1.0, "label": None if grey_labelled else f"{len(links) - len(colored)} other links"}
             grey_labelled = True
         ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
     maybe_log(ax, [num(v.get(key)) for r in run.rounds for v in r.links.values()], ratio=10)
@@ -256,7 +268,9 @@ def plot_bytes_cumulative(run: Run, out: Path) -> Plot | None:
         xs = [t0] + [t / div for _, t, _ in pts if t is not None]
         ys = np.cumsum([0.0] + [v for _, t, v in pts if t is not None])
         if len(xs) > 1 and len(run.regions) > 1:
-            ax.plot(xs, ys, color=color(i), lw=1.2, alpha=0.8, label=f"sent by {region}", **markers_for(len(xs)))
+            style = region_style(i, len(run.regions), region)
+            style["label"] = style["label"] and f"sent by {style['label']}"
+            ax.plot(xs, ys, lw=1.2, alpha=0.8, **style, **markers_for(len(xs)))
     xs = [t0] + [r.t_end / div for r in rows]
     ys = np.cumsum([0.0] + [r.bytes_sent for r in rows])
     ax.plot(xs, ys, color=MEAN_COLOR, lw=2.4, label="all regions", **markers_for(len(xs)))

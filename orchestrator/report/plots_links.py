@@ -7,8 +7,18 @@ from pathlib import Path
 
 from .load import Run, num
 from .plots import MAX_LINK_PANELS, time_axis
-from .style import MEAN_COLOR, Plot, color, markers_for, maybe_log, new_figure, save
+from .style import (
+    MEAN_COLOR,
+    Plot,
+    color,
+    markers_for,
+    maybe_log,
+    new_figure,
+    region_style,
+    save,
+)
 
+MAX_BARS = 16
 _QUANT = {"bandwidth": ("bandwidth_mbps", "configured_bandwidth_mbps", "Mbit/s"),
           "rtt": ("rtt_ms", "configured_rtt_ms", "ms")}
 
@@ -76,7 +86,7 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
     name = f"links_{quantity}.png"
     save(fig, out, name)
     shown = "" if total == len(links) else f" Showing the {len(links)} of {total} links furthest from their configuration."
-    return Plot(name, f"Per-link {what}", f"Solid: what the link estimator measured; dashed: what the WAN "
+    return Plot(name, f"Per-link {what}", "Solid: what the link estimator measured; dashed: what the WAN "
                 "emulator was configured to give (only when emulated)." + shown)
 
 
@@ -93,20 +103,24 @@ def plot_utilization(run: Run, out: Path) -> Plot | None:
     for i, region in enumerate(run.regions):
         pts = [(t / div, v) for _, t, v in series.get(region, []) if t is not None]
         if pts:
-            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], color=color(i), lw=1.3, label=region, **markers_for(len(pts)))
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.3, **region_style(i, len(run.regions), region),
+                      **markers_for(len(pts)))
     ax_t.set(xlabel=tlabel, ylabel="compute utilisation", title="Compute utilisation per round", ylim=(0, 1.05))
     ax_t.yaxis.set_major_formatter(lambda v, _p: f"{v:.0%}")
     if any(series.values()):
         ax_t.legend(loc="best", ncols=2)
     names = [r for r in run.regions if r in per_region]
+    if len(names) > MAX_BARS:  # the stragglers are the ones worth a bar
+        names = [r for r in names if r in set(sorted(names, key=per_region.get)[:MAX_BARS])]
     vals = [per_region[r] for r in names]
-    bars = ax_b.barh(names, vals, color=[color(run.regions.index(r)) for r in names])
+    bars = ax_b.barh(names, vals, color=[region_style(run.regions.index(r), len(run.regions), r)["color"] for r in names])
     ax_b.bar_label(bars, labels=[f"{v:.0%}" for v in vals], padding=3, fontsize=9)
     overall = num(run.summary.get("compute_utilization"))
     if overall is not None:
         ax_b.axvline(overall, color=MEAN_COLOR, ls="--", lw=1.2, label=f"run: {overall:.0%}")
         ax_b.legend(loc="lower right")
-    ax_b.set(xlim=(0, 1.18), title="Over the run", xlabel="compute utilisation")
+    shown = "Over the run" if len(names) == len(per_region) else f"{len(names)} least utilised of {len(per_region)}"
+    ax_b.set(xlim=(0, 1.18), title=shown, xlabel="compute utilisation")
     ax_b.xaxis.set_major_formatter(lambda v, _p: f"{v:.0%}")
     ax_b.invert_yaxis()
     ax_b.grid(axis="y", visible=False)

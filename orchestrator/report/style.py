@@ -8,7 +8,7 @@ through pyplot: pyplot keeps global state and picks a GUI backend when a display
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,14 @@ class Plot:
 
 def color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
+
+
+def region_style(i: int, n_regions: int, region: str) -> dict:
+    """Colour and legend label of region i; past the palette every region is the same grey with
+    one legend entry, since 40 colours and a 40-line legend read as none."""
+    if n_regions <= len(PALETTE):
+        return {"color": color(i), "label": region}
+    return {"color": "#9a9a9a", "label": f"each of {n_regions} regions" if i == 0 else None}
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -103,14 +111,3 @@ def readable_log(axis, fmt=lambda v: f"{v:g}", *, span: float = 100.0) -> None:
 def markers_for(n_points: int) -> dict:
     """Sparse series get markers so one point (a one-round run) is still visible."""
     return {"marker": "o", "markersize": 4} if n_points <= 30 else {}
-
-
-def short_link(name: str, regions: Sequence[str]) -> str:
-    return name.replace("->", " → ")
-
-
-def no_data(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#666666")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.grid(False)

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_report_fakerun import fake_run_dir  # noqa: E402  (test data, shared with the unit tests)
-
-from geofed.orchestrator.report import write_report  # noqa: E402
-from geofed.orchestrator.report.check import blank_problem, report_problems  # noqa: E402
+from geofed.orchestrator.report import write_report
+from geofed.orchestrator.report.check import blank_problem, report_problems
+from test_report_fakerun import fake_run_dir
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",

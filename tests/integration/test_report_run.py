@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_report_html import assert_plots_rendered  # noqa: E402
-
-from geofed.orchestrator.cli import main  # noqa: E402
-from geofed.orchestrator.report import write_report  # noqa: E402
-from geofed.orchestrator.report.check import html_refs, report_problems  # noqa: E402
+from geofed.orchestrator.cli import main
+from geofed.orchestrator.report import write_report
+from geofed.orchestrator.report.check import html_refs, report_problems
+from test_report_html import assert_plots_rendered
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from PIL import Image
-
 from geofed.orchestrator.report.check import png_problems, report_problems
+from PIL import Image
 
 
 def _page(tmp_path, body):

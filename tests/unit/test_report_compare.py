@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_report_fakerun import REGIONS, fake_run_dir
-
-from geofed.orchestrator.report import RunDirError, load_run, write_comparison, write_report
+from geofed.orchestrator.report import (
+    RunDirError,
+    load_run,
+    write_comparison,
+    write_report,
+)
 from geofed.orchestrator.report.check import html_refs, report_problems
 from geofed.orchestrator.report.facts import default_target, to_target
+from test_report_fakerun import REGIONS, fake_run_dir
 
 
 def _tiny_run(path, losses, bytes_per_round=100, dt=1.0, t0=0.0):

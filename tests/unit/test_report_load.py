@@ -6,12 +6,11 @@ import json
 import math
 
 import pytest
-from test_report_fakerun import REGIONS, fake_run_dir
-
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.report import RunDirError, load_run, write_report
 from geofed.orchestrator.report.facts import headline
 from geofed.orchestrator.strict import ConfigError
+from test_report_fakerun import REGIONS, fake_run_dir
 
 
 def test_a_folder_without_run_files_is_refused_naming_what_is_missing(tmp_path):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_report_fakerun import REGIONS, fake_run_dir
-
 from geofed.orchestrator.report import write_report
 from geofed.orchestrator.report.check import html_refs, report_problems
+from test_report_fakerun import REGIONS, fake_run_dir
 
 ALL_RUN_PLOTS = {"loss.png", "eval.png", "sync.png", "bytes_matrix.png", "bytes_cumulative.png",
                  "links_bandwidth.png", "links_rtt.png", "utilization.png"}
@@ -34,13 +33,13 @@ def test_full_run_report_has_every_plot_and_is_whole(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, present, absent", [
-    (dict(regions=REGIONS[:1]), {"loss.png", "sync.png", "utilization.png"},
+    ({"regions": REGIONS[:1]}, {"loss.png", "sync.png", "utilization.png"},
      {"bytes_matrix.png", "links_bandwidth.png", "links_rtt.png"}),
-    (dict(rounds=1), {"loss.png", "sync.png", "bytes_matrix.png", "links_bandwidth.png"}, set()),
-    (dict(eval_every=None), {"loss.png"}, {"eval.png"}),
-    (dict(emulated=False), {"links_bandwidth.png"}, set()),
-    (dict(algorithm="gossip", policy="fixed"), {"consensus.png", "loss.png"}, set()),
-    (dict(summary=False, events=False), {"loss.png", "bytes_matrix.png", "utilization.png"}, set()),
+    ({"rounds": 1}, {"loss.png", "sync.png", "bytes_matrix.png", "links_bandwidth.png"}, set()),
+    ({"eval_every": None}, {"loss.png"}, {"eval.png"}),
+    ({"emulated": False}, {"links_bandwidth.png"}, set()),
+    ({"algorithm": "gossip", "policy": "fixed"}, {"consensus.png", "loss.png"}, set()),
+    ({"summary": False, "events": False}, {"loss.png", "bytes_matrix.png", "utilization.png"}, set()),
 ], ids=["one-region", "one-round", "no-eval", "no-emulation", "gossip", "no-summary"])
 def test_runs_with_pieces_missing_still_render(tmp_path, kwargs, present, absent):
     run = fake_run_dir(tmp_path / "run", **{"rounds": 3, "regions": REGIONS[:3], **kwargs})
@@ -113,8 +112,10 @@ def test_text_from_the_run_is_escaped(tmp_path):
     assert "<script>" not in text and "&lt;script&gt;" in text
 
 
-def test_many_regions_cap_the_link_panels(tmp_path):
-    regions = tuple(f"r{i}" for i in range(7))  # 42 directed links
+def test_many_regions_cap_link_panels_and_bars(tmp_path):
+    regions = tuple(f"r{i:02d}" for i in range(17))  # 272 directed links
     html = write_report(fake_run_dir(tmp_path / "run", rounds=2, regions=regions, eval_every=None))
     assert report_problems(html) == []
-    assert "Showing the 16 of 42 links" in html.read_text()
+    text = html.read_text()
+    assert "Showing the 16 of 272 links" in text
+    assert "72 more rows not shown" in text  # the links table stops at 200 rows
