@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -229,7 +228,16 @@ class RunConfig:
 
 
 def default_config_path() -> Path:
-    return Path(str(resources.files("geofed.configs") / DEFAULT_CONFIG))
+    """configs/local-wan.yaml as installed (geofed.configs is a data-only namespace package)."""
+    import geofed.configs
+
+    # importlib.resources cannot read an editable install's namespace path (it holds a path hook
+    # entry), so look in each real directory of the package path.
+    for entry in geofed.configs.__path__:
+        candidate = Path(entry) / DEFAULT_CONFIG
+        if candidate.is_file():
+            return candidate
+    raise ConfigError("", f"the embedded default config {DEFAULT_CONFIG} is missing from this installation")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
