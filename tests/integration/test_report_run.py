@@ -1,8 +1,10 @@
-"""A report built from a real (small) `geofed run`: every plot is a PNG with something on it,
-the page references only files that exist, and Chromium renders it."""
+"""A report built from a real (small) `geofed run`: `geofed run` writes it by default, every plot
+is a PNG with something on it, the page references only files that exist, Chromium renders it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -19,18 +21,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory):
-    """Two rounds of the default config on two regions, evaluated every round. --no-report: the
-    test calls write_report itself, so a failure points at the report, not at the run."""
+    """Two rounds of the default config on two regions, evaluated every round; `geofed run`
+    writes its report at the end (the default) and prints where."""
     out = tmp_path_factory.mktemp("report-run") / "run"
-    rc = main(["run", str(REPO / "configs" / "local-wan.yaml"), "--set", "run.rounds=2", "--set", "run.eval_every=1",
-               "--set", "regions.names=[us-east-1,eu-west-1]", "--out", str(out), "--no-report", "--quiet"])
-    assert rc == 0, f"geofed run exited {rc}"
-    return out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["run", str(REPO / "configs" / "local-wan.yaml"), "--set", "run.rounds=2", "--set", "run.eval_every=1",
+                   "--set", "regions.names=[us-east-1,eu-west-1]", "--out", str(out), "--quiet"])
+    assert rc == 0, f"geofed run exited {rc}:\n{printed.getvalue()[-3000:]}"
+    return out, printed.getvalue()
+
+
+def test_geofed_run_writes_the_report_and_prints_its_path(real_run):
+    run_dir, printed = real_run
+    html = run_dir / "report" / "report.html"
+    assert f"report: {html}" in printed
+    assert report_problems(html) == []
 
 
 def test_report_of_a_real_run_is_whole(real_run):
-    html = write_report(real_run)
-    assert html == real_run / "report" / "report.html"
+    run_dir, _ = real_run
+    html = write_report(run_dir)
+    assert html == run_dir / "report" / "report.html"
     assert report_problems(html) == []
     pngs = {r for r in html_refs(html.read_text()) if r.endswith(".png") and not r.startswith("#")}
     # What a 2-region, 2-round DiLoCo run with eval and WAN emulation must show at least.
@@ -43,7 +55,8 @@ def test_report_of_a_real_run_is_whole(real_run):
 
 
 def test_cli_report_of_a_real_run_renders_in_chromium(real_run, tmp_path, capsys):
-    assert main(["report", str(real_run), "--out", str(tmp_path / "rep")]) == 0
+    run_dir, _ = real_run
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
     html = Path(capsys.readouterr().out.strip().splitlines()[-1])
     assert html == tmp_path / "rep" / "report.html" and html.is_file()
     assert_plots_rendered(html, tmp_path)
