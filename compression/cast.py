@@ -26,8 +26,11 @@ class _Cast(Codec):
     def encode_into(self, x: torch.Tensor, shapes: Sequence[Shape], out: list[torch.Tensor], state: CodecState) -> None:
         (dst,) = out
         if x.numel() and self.limit < float("inf"):
-            lo, hi = torch.aminmax(x)
-            if hi.item() > self.limit or lo.item() < -self.limit:
+            absmax = state.input_absmax
+            if absmax is None:
+                lo, hi = torch.aminmax(x)
+                absmax = max(hi.item(), -lo.item())
+            if absmax > self.limit:
                 # Saturate instead of sending inf (which the receiver must reject): a few huge
                 # values lose their tail, error feedback carries it to the next round.
                 tmp = torch.empty(min(_BLOCK, x.numel()))

@@ -39,6 +39,7 @@ class CodecState:
         self.bytes_raw = 0  # fp32 bytes of the updates encoded
         self.bytes_wire = 0  # bytes of the payloads produced
         self.store: dict[str, Any] = {}  # codec-private entries, keyed "<kind>.<what>"
+        self.input_absmax: float | None = None  # max |x| of the buffer being encoded, when known
         self._generator: torch.Generator | None = None
 
     @property

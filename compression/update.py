@@ -120,7 +120,7 @@ def choco_update(x_hat: Sequence[torch.Tensor], q: Sequence[torch.Tensor]) -> No
 
 # ---- internals -------------------------------------------------------------------------
 def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | None, *, want_decoded: bool):
-    tensors = _check_inputs(tensors)
+    tensors, absmax = _check_inputs(tensors)
     shapes = [tuple(t.shape) for t in tensors]
     dtypes = [t.dtype for t in tensors]
     if state is None:
@@ -130,6 +130,7 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
     ef = state.error_feedback and codec.contractive and not codec.lossless
     state.ef_applied = ef
     x = _flatten(tensors, n, state.residual_buffer(n) if ef else None)
+    state.input_absmax = None if ef else absmax  # with EF, x is the input plus the residual
 
     buf, header = wire.build_header(codec, shapes, dtypes)
     views = wire.section_views(buf, header)
@@ -151,7 +152,7 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
     return payload, decoded
 
 
-def _check_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _check_inputs(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
     if isinstance(tensors, torch.Tensor):
         raise TypeError("tensors: pass a sequence of tensors (e.g. [t] or list(model.parameters())), not one tensor")
     out = []
@@ -161,12 +162,15 @@ def _check_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         wire.tensor_dtype_code(t.dtype)
         t = t.detach()
         out.append(t if t.device.type == "cpu" else t.cpu())
-    sums = [t.sum(dtype=torch.float32) for t in out if t.numel()]
-    if sums and not bool(torch.isfinite(torch.stack(sums)).all()):
-        for i, t in enumerate(out):  # the sum may just have overflowed: find a real NaN/Inf
-            if t.numel() and not bool(torch.isfinite(t).all()):
+    # aminmax propagates NaN and Inf, and its result is what the half casts need to saturate.
+    absmax = 0.0
+    for i, t in enumerate(out):
+        if t.numel():
+            lo, hi = (float(v) for v in torch.aminmax(t))
+            if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise CodecError(f"tensors[{i}]: contains NaN or Inf; refusing to encode it")
-    return out
+            absmax = max(absmax, hi, -lo)
+    return out, absmax
 
 
 def _flatten(tensors: list[torch.Tensor], n: int, residual: torch.Tensor | None) -> torch.Tensor:

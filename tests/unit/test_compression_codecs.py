@@ -63,6 +63,12 @@ def test_fp16_saturates_instead_of_sending_inf():
     x = torch.tensor([1e6, -1e6, 1.0])
     _, (got,) = _roundtrip("fp16", [x])
     assert got.tolist() == [65504.0, -65504.0, 1.0]
+    state = CodecState(error_feedback=True)  # with EF the residual keeps the clipped part
+    _, (got,) = _roundtrip("fp16", [x], state)
+    assert got.tolist() == [65504.0, -65504.0, 1.0]
+    assert state.residual.tolist() == [1e6 - 65504.0, -(1e6 - 65504.0), 0.0]
+    _, (got,) = _roundtrip({"kind": "topk", "fraction": 0.5}, [torch.tensor([7e4, 1.0, -2.0])])
+    assert got.tolist() == [65504.0, 0.0, -2.0]
 
 
 @pytest.mark.parametrize("kind,levels", [("int8", 127), ("int4", 7)])
