@@ -203,77 +203,97 @@ def test_decode_accepts_memoryview_and_bytearray():
 
 
 # ---- the fuzz ----------------------------------------------------------------------------
-def _mutations(rng: random.Random, p: bytearray, shapes):
-    """One malformed payload (and whether to pass expected_shapes); every branch is invalid
-    by construction (the checksum is recomputed wherever a lie should reach the deeper checks)."""
-    kind = rng.randrange(10)
-    n = len(p)
-    if kind == 0:
-        return bytes(p[: rng.randrange(n)]), True
-    if kind == 1:
-        return bytes(p) + rng.randbytes(rng.randint(1, 64)), True
-    if kind == 2:
-        for _ in range(rng.randint(1, 4)):
-            p[rng.randrange(n)] ^= rng.randint(1, 255)
-        return bytes(p), True
-    if kind == 3:  # a header field lies; sealed, so only the field checks can catch it
-        field, fmt = rng.choice([(12, "<Q"), (20, "<I"), (24, "<I"), (28, "<I"), (4, "<H"), (6, "<H")])
-        old = struct.unpack_from(fmt, p, field)[0]
-        new = rng.choice([0, 1, old + 1, max(old - 1, 0) if old > 1 else old + 2, rng.getrandbits(8 * struct.calcsize(fmt))])
-        struct.pack_into(fmt, p, field, new if new != old else old + 1)
-        return _reseal(p), True
+def _truncate(rng, p, shapes):
+    return bytes(p[: rng.randrange(len(p))]), True
+
+
+def _extend(rng, p, shapes):
+    return bytes(p) + rng.randbytes(rng.randint(1, 64)), True
+
+
+def _flip(rng, p, shapes):  # not resealed: the checksum (or a fixed field) must catch it
+    for _ in range(rng.randint(1, 4)):
+        p[rng.randrange(len(p))] ^= rng.randint(1, 255)
+    return bytes(p), True
+
+
+def _header_field(rng, p, shapes):
+    field, fmt = rng.choice([(12, "<Q"), (20, "<I"), (24, "<I"), (28, "<I"), (4, "<H"), (6, "<H")])
+    old = struct.unpack_from(fmt, p, field)[0]
+    new = rng.choice([0, 1, old + 1, old - 1 if old > 1 else old + 2, rng.getrandbits(8 * struct.calcsize(fmt))])
+    struct.pack_into(fmt, p, field, new if new != old else old + 1)
+    return _reseal(p), True
+
+
+def _tensor_record(rng, p, shapes):
     o = _tensor_table_offset(p)
-    if kind == 4:  # a tensor record lies: dtype code, ndim or a dimension
-        what = rng.randrange(3)
-        if what == 0:
-            p[o] = rng.choice([0, 5, 9, 255])
-        elif what == 1:
-            p[o + 1] = rng.randint(p[o + 1] + 1, 255)
-        elif rng.random() < 0.5:  # a small lie can keep the codec's layout: only expected_shapes catches it
-            struct.pack_into("<Q", p, o + 2, struct.unpack_from("<Q", p, o + 2)[0] + 1)
-        else:  # a big lie must be caught by max_bytes alone
-            struct.pack_into("<Q", p, o + 2, rng.choice([1 << 30, 1 << 38, (1 << 64) - 1]))
-            return _reseal(p), False
-        return _reseal(p), True
-    h = inspect_update(bytes(p), max_bytes=1 << 30)
-    if kind == 5:  # a section record lies about its dtype or length
-        table_end = _section_table_end(p)
-        j = rng.randrange(len(h.sections))
-        at = table_end - 9 * (len(h.sections) - j)
-        if rng.random() < 0.5:
-            p[at] = rng.choice([0, 10, 200])
-        else:
-            cnt = struct.unpack_from("<Q", p, at + 1)[0]
-            struct.pack_into("<Q", p, at + 1, rng.choice([cnt + 1, cnt + 8, 1 << 40, (1 << 64) - 1, max(cnt - 1, 0) if cnt else 3]))
-        return _reseal(p), True
-    if kind == 6:  # a spec that is not a valid codec
-        spec = rng.choice([b'{"kind":"nope"}', b'{"kind":"int8","chunk":-4}', b'{"kind":"topk","fraction":7}',
-                           b"null", b"{", b'{"kind":"powersgd","rank":99999}', rng.randbytes(rng.randint(1, 40))])
-        q = _rebuild(spec, bytes(p[36 + struct.unpack_from("<I", p, 20)[0]:]))
-        struct.pack_into("<II", q, 24, len(shapes), len(h.sections))
-        return _reseal(q), True
-    floats = [j for j, s in enumerate(h.sections) if s.dtype in (torch.float16, torch.float32, torch.bfloat16) and s.count]
-    if kind == 7 and floats:  # a value section carries NaN or Inf
-        j = rng.choice(floats)
-        s = h.sections[j]
-        fmt = {torch.float16: "<e", torch.float32: "<f", torch.bfloat16: "<H"}[s.dtype]
-        bad = rng.choice([float("nan"), float("inf"), float("-inf")]) if fmt != "<H" else rng.choice([0x7FC0, 0x7F80, 0xFF80])
-        struct.pack_into(fmt, p, h.offsets[j] + struct.calcsize(fmt) * rng.randrange(s.count), bad)
-        return _reseal(p), True
-    if kind == 8 and h.codec.kind == "topk":  # lying index structure
-        off_c, off_l = h.offsets[0], h.offsets[1]
-        k = h.sections[1].count
-        if rng.random() < 0.5:
-            struct.pack_into("<i", p, off_c, struct.unpack_from("<i", p, off_c)[0] + rng.choice([-1, 1, 1 << 20]))
-        elif k > 1:
-            j = rng.randrange(1, k)
-            struct.pack_into("<H", p, off_l + 2 * j, struct.unpack_from("<H", p, off_l + 2 * (j - 1))[0])
-        else:
-            struct.pack_into("<H", p, off_l, 0xFFFF)
-        return _reseal(p), True
-    # kind 9 (or a branch without a target): the payload claims a huge update and no expected shapes
-    struct.pack_into("<Q", p, o + 2, rng.choice([1 << 28, 1 << 33, 1 << 39]))
+    what = rng.randrange(3)
+    if what == 0:
+        p[o] = rng.choice([0, 5, 9, 255])
+    elif what == 1:
+        p[o + 1] = rng.randint(p[o + 1] + 1, 255)
+    elif rng.random() < 0.5:  # a small lie can keep the codec's layout: only expected_shapes catches it
+        struct.pack_into("<Q", p, o + 2, struct.unpack_from("<Q", p, o + 2)[0] + 1)
+    else:
+        return _huge(rng, p, shapes)
+    return _reseal(p), True
+
+
+def _huge(rng, p, shapes):  # a big lie, no expected shapes: max_bytes alone must stop it
+    struct.pack_into("<Q", p, _tensor_table_offset(p) + 2, rng.choice([1 << 28, 1 << 33, 1 << 39, (1 << 64) - 1]))
     return _reseal(p), False
+
+
+def _section_record(rng, p, shapes):
+    h = inspect_update(bytes(p), max_bytes=1 << 30)
+    j = rng.randrange(len(h.sections))
+    at = _section_table_end(p) - 9 * (len(h.sections) - j)
+    if rng.random() < 0.5:
+        p[at] = rng.choice([0, 10, 200])
+    else:
+        cnt = struct.unpack_from("<Q", p, at + 1)[0]
+        struct.pack_into("<Q", p, at + 1, rng.choice([cnt + 1, cnt + 8, 1 << 40, (1 << 64) - 1, cnt - 1 if cnt else 3]))
+    return _reseal(p), True
+
+
+def _spec(rng, p, shapes):
+    h = inspect_update(bytes(p), max_bytes=1 << 30)
+    spec = rng.choice([b'{"kind":"nope"}', b'{"kind":"int8","chunk":-4}', b'{"kind":"topk","fraction":7}',
+                       b"null", b"{", b'{"kind":"powersgd","rank":99999}', rng.randbytes(rng.randint(1, 40))])
+    q = _rebuild(spec, bytes(p[36 + struct.unpack_from("<I", p, 20)[0]:]))
+    struct.pack_into("<II", q, 24, len(shapes), len(h.sections))
+    return _reseal(q), True
+
+
+def _nan(rng, p, shapes):
+    h = inspect_update(bytes(p), max_bytes=1 << 30)
+    floats = [j for j, s in enumerate(h.sections) if s.dtype in (torch.float16, torch.float32, torch.bfloat16) and s.count]
+    j = rng.choice(floats)
+    s = h.sections[j]
+    fmt = {torch.float16: "<e", torch.float32: "<f", torch.bfloat16: "<H"}[s.dtype]
+    bad = rng.choice([float("nan"), float("inf"), float("-inf")]) if fmt != "<H" else rng.choice([0x7FC0, 0x7F80, 0xFF80])
+    struct.pack_into(fmt, p, h.offsets[j] + struct.calcsize(fmt) * rng.randrange(s.count), bad)
+    return _reseal(p), True
+
+
+def _topk_indices(rng, p, shapes):
+    h = inspect_update(bytes(p), max_bytes=1 << 30)
+    if h.codec.kind != "topk":
+        return _nan(rng, p, shapes)
+    off_c, off_l, k = h.offsets[0], h.offsets[1], h.sections[1].count
+    if rng.random() < 0.5:
+        struct.pack_into("<i", p, off_c, struct.unpack_from("<i", p, off_c)[0] + rng.choice([-1, 1, 1 << 20]))
+    elif k > 1:  # a duplicate
+        j = rng.randrange(1, k)
+        struct.pack_into("<H", p, off_l + 2 * j, struct.unpack_from("<H", p, off_l + 2 * (j - 1))[0])
+    else:
+        struct.pack_into("<H", p, off_l, 0xFFFF)
+    return _reseal(p), True
+
+
+# Every mutation is invalid by construction; the checksum is recomputed wherever a lie should
+# get past it to the deeper checks. Each returns (payload, pass expected_shapes?).
+MUTATIONS = [_truncate, _extend, _flip, _header_field, _tensor_record, _huge, _section_record, _spec, _nan, _topk_indices]
 
 
 def _section_table_end(p):
@@ -305,7 +325,7 @@ def run_fuzz(count: int, seed: int) -> dict:
     for case in range(count):
         i = rng.randrange(len(BASES))
         p, shapes = _base(i, seed=case)
-        bad, expected = _mutations(rng, p, shapes)
+        bad, expected = rng.choice(MUTATIONS)(rng, p, shapes)
         problem = check_case(bad, shapes, expected)
         if problem:
             failures.append((case, i, problem))
