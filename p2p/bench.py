@@ -121,6 +121,7 @@ def _emulated_link(pair: _Pair, mbps: float, latency_ms: float, sizes_mb: Sequen
             "goodput_mbps": round(nbytes * 8 / max(1e-6, sync_s - rtt_s) / 1e6, 2),
             "sync_s": round(sync_s, 3), "limit_s": round(limit_s, 3),
             "estimated_mbps": round(est.bandwidth_bps / 1e6, 2), "ratio": round(sync_s / limit_s, 3),
+            "sync_runs": [round(x, 3) for x in syncs],
         })
     return rows
 
@@ -138,9 +139,10 @@ def _print(doc: dict) -> None:
                   for r in doc["loopback"]]))
     if doc["emulated"]:
         print("\nemulated WAN link (mTLS through the shaping proxy; target sync/limit <= 1.15)")
-        print(_table(["Mbit/s", "RTT ms", "size MB", "goodput Mbit/s", "sync s", "limit s", "sync/limit", "estimated Mbit/s"],
+        print(_table(["Mbit/s", "RTT ms", "size MB", "goodput Mbit/s", "sync s (median)", "limit s", "sync/limit",
+                      "estimated Mbit/s", "sync s (runs)"],
                      [[f"{r['configured_mbps']:g}", r["rtt_ms"], f"{r['size_mb']:g}", r["goodput_mbps"], r["sync_s"], r["limit_s"],
-                       r["ratio"], r["estimated_mbps"]] for r in doc["emulated"]]))
+                       r["ratio"], r["estimated_mbps"], " ".join(map(str, r["sync_runs"]))] for r in doc["emulated"]]))
     elif doc.get("emulated_skipped"):
         print(f"\nemulated: skipped ({doc['emulated_skipped']})")
 
@@ -153,7 +155,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mbps", type=float, nargs="*", default=[50, 200], help="emulated link bandwidths (none: skip)")
     p.add_argument("--latency-ms", type=float, default=40.0, help="emulated one-way latency")
     p.add_argument("--emulated-sizes", type=float, nargs="+", default=[1, 8, 32], help="emulated sizes, MB")
-    p.add_argument("--emulated-repeats", type=int, default=3, help="measured transfers per emulated row")
+    p.add_argument("--emulated-repeats", type=int, default=5, help="measured transfers per emulated row")
     p.add_argument("--max-transfer-s", type=float, default=6.0, help="skip emulated sizes slower than this")
     args = p.parse_args(argv)
     if min(args.repeats, args.emulated_repeats) < 1 or min(args.sizes + args.emulated_sizes) <= 0 or args.latency_ms < 0:
