@@ -4,7 +4,8 @@
 process: every round each region trains E local epochs (Adam, full batch on its subgraph),
 then the regions run CHOCO-SGD gossip (Koloskova et al. 2019, arXiv 1902.00340) on their
 parameters over a topology from geofed.p2p.topology, sending compressed differences to
-public copies. ``centralized`` and ``local_only`` are the two baselines of ``geofed bench
+public copies, and (by default) gossiping a gradient tracker too (tracking.py explains why
+louvain regions need it). ``centralized`` and ``local_only`` are the two baselines of ``geofed bench
 dfgl``. All three work on any Task whose shards yield full-batch views (gcn-planetoid).
 """
 
@@ -20,26 +21,23 @@ from torch import nn
 
 from geofed.compression import Codec, decode_update, make_codec
 from geofed.p2p.gossip import ChocoGossip, codec_compressor
-from geofed.p2p.topology import make_topology
+from geofed.p2p.topology import make_topology, topology_names
 from geofed.regions.tasks.base import Task
 
 from .tracking import GradientTracker, flat_params, load_flat_params
-
-ACCURACY = "accuracy"
-
 
 @dataclass(frozen=True, kw_only=True)
 class DfglConfig:
     """Settings of one decentralized run (the runtime's sync.* keys, in one place)."""
 
     n_regions: int = 4
-    rounds: int = 100
-    local_epochs: int = 2
+    rounds: int = 40
+    local_epochs: int = 5
     topology: str = "ring"
-    codec: Any = "int8"
+    codec: Any = "int8"  # a geofed.compression spec; CHOCO needs a contractive one
     gamma: float = 1.0
     gossip_steps: int = 1
-    tracking: bool = False
+    tracking: bool = True
     lr: float = 0.01
     optimizer: str = "adam"
     momentum: float = 0.0
@@ -60,10 +58,15 @@ class DfglConfig:
             raise ValueError(f"momentum: must be in [0, 1), got {self.momentum}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every: must be >= 0, got {self.eval_every}")
+        if self.topology not in topology_names():
+            raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
         try:
-            make_codec(self.codec)
+            codec = make_codec(self.codec)
         except ValueError as exc:
             raise ValueError(f"codec: {exc}") from None
+        if not codec.contractive:
+            # CHOCO's public copies drift apart under an unbiased, rescaled compressor.
+            raise ValueError(f"codec: CHOCO gossip needs a contractive codec, {codec.name} is not")
 
 
 @dataclass(kw_only=True)

@@ -83,6 +83,8 @@ def test_centralized_baseline_trains(cora):
     (dict(codec="zip"), "codec: kind: unknown codec 'zip'"),
     (dict(optimizer="lbfgs"), "optimizer"),
     (dict(local_epochs=0), "rounds"),
+    (dict(topology="star"), "topology: unknown topology 'star'"),
+    (dict(codec={"kind": "randomk", "fraction": 0.1}), "codec: CHOCO gossip needs a contractive codec"),
 ])
 def test_dfgl_config_errors(bad, needle):
     with pytest.raises(ValueError, match=needle):
