@@ -127,7 +127,8 @@ class GrpcTransport(Transport):
         for peer, address in peers.items():
             if peer == self.region:
                 continue
-            current = self._channels.get(peer)
+            with self._lock:
+                current = self._channels.get(peer)
             if current is not None and current[0] == address:
                 continue
             options = [("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT),
@@ -204,6 +205,8 @@ class GrpcTransport(Transport):
                 self._send_failures[peer] += 1
             raise _error(peer, f"push of round {round} ({n} bytes)", exc) from None
         seconds = time.monotonic() - start
+        if ack.received_bytes != n:
+            raise TransportError(f"{peer} acknowledged {ack.received_bytes} of {n} bytes", peer=peer, reason="error")
         wire = len(header) + 5 + sizes[0]
         with self._lock:
             self._sent_bytes[peer] += wire
