@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from .load import Run, link_pairs, num
 from .style import (
@@ -30,6 +31,14 @@ MAX_LINK_PANELS = 16
 def time_axis(run: Run) -> tuple[float, str]:
     ends = [r.t_end for r in run.rounds if r.t_end is not None]
     return time_unit(max(ends) if ends else 0.0)
+
+
+def round_axis(ax, run: Run) -> None:
+    """Whole rounds only; a one-round run gets a margin instead of ticks at -0.04 .. 0.04."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    rounds = [r.round for r in run.rounds]
+    if rounds and max(rounds) - min(rounds) < 2:
+        ax.set_xlim(min(rounds) - 1, max(rounds) + 1)
 
 
 def _draw_series(ax, run: Run, series, mean_pts, *, use_time: bool, div: float) -> None:
@@ -61,6 +70,7 @@ def plot_loss(run: Run, out: Path) -> Plot | None:
     maybe_log(ax_t, values, ratio=8)
     ax_t.set(xlabel=tlabel, ylabel="train loss", title="Train loss vs wall-clock time")
     ax_r.set(xlabel="round", title="Train loss vs round")
+    round_axis(ax_r, run)
     ax_r.legend(loc="best")
     save(fig, out, "loss.png")
     return Plot("loss.png", "Train loss", "Thin lines: each region's local train loss at the end of a round; "
@@ -85,6 +95,7 @@ def plot_eval(run: Run, out: Path) -> Plot | None:
     _draw_series(ax_r, run, series, mean_pts, use_time=False, div=div)
     ax_t.set(xlabel=tlabel, ylabel=metric, title=f"Eval {metric} vs wall-clock time")
     ax_r.set(xlabel="round", title=f"Eval {metric} vs round")
+    round_axis(ax_r, run)
     ax_r.legend(loc="best")
     save(fig, out, "eval.png")
     return Plot("eval.png", f"Evaluation ({metric})", "Each region's model evaluated on the rounds where "

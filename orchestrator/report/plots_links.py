@@ -70,7 +70,7 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
         if c:
             # On top of the measured line: where they agree, the dashes still show.
             ax.step([p[0] for p in c], [p[1] for p in c], where="pre", color="#333333", ls=(0, (4, 3)), lw=1.3,
-                    label="configured", zorder=4)
+                    label="configured", zorder=4, **({"marker": "_", "markersize": 28} if len(c) == 1 else {}))
         ax.plot([p[0] for p in m], [p[1] for p in m], color=color(0), lw=1.6, label="measured", **markers_for(len(m)))
         ax.set_title(link.replace("->", " → "), fontsize=9.5)
         ax.set_ylim(bottom=0, top=max([y for _, y in m + c] + [1e-9]) * 1.15)
