@@ -128,3 +128,15 @@ def test_bench_arms_document_shape(cora):
         assert 0 <= arm["acc_mean"] <= 1 and arm["wall_s"] > 0
     assert doc["arms"]["centralized"]["bytes_per_region"] == 0
     assert doc["arms"]["gossip_uncompressed"]["bytes_per_region"] > 10 * doc["arms"]["geofed"]["bytes_per_region"]
+
+
+def test_bench_main_json_and_missing_file(cora, capsys):
+    import json
+
+    from geofed.regions.graph.bench import main
+
+    assert main(["--dataset", cora.config.path, "--seeds", "1", "--epochs", "5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["regions"] == 4 and set(doc["arms"]) == {"centralized", "local_only", "gossip_uncompressed", "geofed"}
+    assert main(["--dataset", "nope", "--data-dir", "/nonexistent"]) == 2
+    assert "task.path: no graph file at '/nonexistent/nope.npz'" in capsys.readouterr().out
