@@ -120,6 +120,9 @@ class Runner:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self.setup()
+        if not self.resume:
+            self.clock = Clock()  # wall time counts training, not Ray start-up
+            self.coordinator.clock = self.clock
         cfg = self.cfg
         self.progress = RunProgress(cfg.run.rounds, enabled=self.show_progress, start=self.next_round)
         mb_sent = 0.0

@@ -18,8 +18,7 @@ class RegionActor(RegionWorker):
             if node.get("NodeID") == node_id:
                 labels = dict(node.get("Labels") or {})
                 break
-        return {**self.info(), "node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels,
-                "restarted": ctx.was_current_actor_reconstructed}
+        return {**self.info(), "node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels}
 
 
 def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: dict[str, str] | None = None):

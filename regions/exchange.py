@@ -21,6 +21,7 @@ from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
+PING_EVERY = 10  # rounds
 
 
 def spec_key(spec: Any) -> str:
@@ -69,8 +70,7 @@ class Exchanger:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`."""
         self.transport.expect(round_, list(in_peers))
         payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec)
-        futures = {p: self._pool.submit(self.transport.send, p, round_, payloads[p], timeout_s=self.send_timeout_s)
-                   for p in out_peers}
+        futures = {p: self._pool.submit(self._send, p, round_, payloads[p]) for p in out_peers}
         t0 = time.monotonic()
         inbox = self.transport.receive(round_, self.deadline.current())
         wait_s = time.monotonic() - t0
@@ -80,10 +80,20 @@ class Exchanger:
             # Only complete rounds teach the deadline: a dead peer must not stretch it.
             self.deadline.observe(wait_s)
         self._collect_sends(futures, payloads, result)
-        for sender, (nbytes, seconds) in inbox.timings.items():
+        for sender, (nbytes, seconds) in inbox.timings.items():  # payload bytes, receiver-timed
             result.bytes_received += nbytes
             result.transfers.append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
         return result
+
+    def _send(self, peer: str, round_: int, payload: bytes):
+        est = self.estimator(peer)
+        if est.rtt_s is None or round_ % PING_EVERY == 0:
+            # Large transfers measure bandwidth, not latency: a ping now and then keeps the RTT honest.
+            try:
+                est.observe_rtt(self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s)))
+            except TransportError as exc:
+                log.info("ping %s failed: %s", peer, exc)
+        return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s)
 
     def _encode(self, tensors, out_peers, codecs, default_codec):
         """One encode per distinct codec: peers on the same codec share its bytes and its EF state."""
@@ -112,21 +122,13 @@ class Exchanger:
                                      "seconds": round(stats.seconds, 6)})
 
     def link_estimates(self, region: str) -> dict[str, dict]:
-        out = {}
-        for peer, est in self.estimators.items():
-            bw, rtt = est.bandwidth_bps, est.rtt_s
-            out[f"{region}->{peer}"] = {"bandwidth_mbps": None if bw is None else bw / 1e6,
-                                        "rtt_ms": None if rtt is None else rtt * 1e3}
-        return out
+        return {f"{region}->{peer}": est.snapshot() for peer, est in self.estimators.items()}
 
     def state_dict(self) -> dict:
-        return {"states": {k: s.state_dict() for k, s in self.states.items()},
-                "deadline": self.deadline.state_dict()}
+        # Codec states (EF residuals) are not checkpointed: after a restore they start from zero,
+        # which costs at most one round's dropped mass, never correctness.
+        return {"deadline": self.deadline.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
-        for k, sd in d.get("states", {}).items():
-            st = CodecState(error_feedback=self.error_feedback)
-            st.load_state_dict(sd)
-            self.states[k] = st
         if "deadline" in d:
             self.deadline.load_state_dict(d["deadline"])

@@ -1,0 +1,34 @@
+"""Shared fixtures. One real local Ray cluster per test session (Ray's testing guide)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASETS = ROOT.parent / "shared" / "datasets"
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray with a fixed number of CPUs, shared by every test that needs Ray.
+
+    geofed's runner reuses an initialised Ray and leaves it running, so `geofed run` inside
+    tests costs no extra cluster start.
+    """
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def datasets() -> Path:
+    if not DATASETS.is_dir():
+        pytest.skip(f"shared datasets not found at {DATASETS}")
+    return DATASETS
