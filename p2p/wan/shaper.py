@@ -62,30 +62,46 @@ class LinkRuntime:
         self._lat_sum = 0.0
         self._lat_n = 0
 
-    def reserve(self, n: int, shape: Shape, now: float) -> float:
+    @staticmethod
+    def _burst(shape: Shape) -> float:
+        return max(16384.0, shape.rate_bps * 0.01)
+
+    def idle(self, shape: Shape, now: float) -> bool:
+        """Whether the link had spare capacity up to `now`: its bucket has refilled to the burst.
+
+        Bytes sent after idle time start a new goodput sample (the idle time is not the link's);
+        as BBR drops app-limited samples, so a small reply after a transfer does not count.
+        """
+        return self._t_tokens is None or self._tokens + (now - self._t_tokens) * shape.rate_bps >= self._burst(shape)
+
+    def reserve(self, n: int, shape: Shape, now: float, credit_s: float = 0.0) -> float:
         """Take n bytes of tokens; seconds to wait before they are paid for.
 
         Debt is allowed, so a late wake-up of the event loop is paid back by the tokens that
-        accrued meanwhile: the long-run rate is exact, whatever the sleep granularity.
+        accrued meanwhile: the long-run rate is exact, whatever the sleep granularity. The bucket
+        keeps at most a burst of unused tokens (an idle link does not bank capacity), plus
+        `credit_s`: how late the caller woke while it held a chunk waiting for tokens; that time
+        the link was busy, not idle, so a CPU-starved loop does not lose bandwidth.
         """
-        burst = max(16384.0, shape.rate_bps * 0.01)
+        burst = self._burst(shape)
         if self._t_tokens is None:
             self._tokens = burst
         else:
-            self._tokens = min(burst, self._tokens + (now - self._t_tokens) * shape.rate_bps)
+            # The cap limits what accrues; it never takes away tokens already credited.
+            cap = max(self._tokens, burst + credit_s * shape.rate_bps)
+            self._tokens = min(cap, self._tokens + (now - self._t_tokens) * shape.rate_bps)
         self._t_tokens = now
         self._tokens -= n
         return 0.0 if self._tokens >= 0 else -self._tokens / shape.rate_bps
 
-    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, limited: bool = True) -> None:
-        """Count n bytes handed to the receiver. `limited`: they had waited for tokens (the link was
-        the bottleneck); only such deliveries are goodput samples, as BBR drops app-limited ones, so
-        a small reply after a transfer does not stretch its busy time."""
+    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, fresh: bool = False) -> None:
+        """Count n bytes handed to the receiver; `fresh`: they were sent after the link was idle."""
         self.bytes += n
         self._lat_sum += one_way_s
         self._lat_n += 1
+        # A gap past 100 ms (an outage, a loss stall) also ends a sample: only time spent moving bytes counts.
         busy_gap = max(0.1, 3 * read_size(shape) / shape.rate_bps)
-        if limited and self._last_delivery is not None and now - self._last_delivery <= busy_gap:
+        if not fresh and self._last_delivery is not None and now - self._last_delivery <= busy_gap:
             self._busy_bytes += n
             self._busy_s += now - self._last_delivery
         self._last_delivery = now
@@ -131,6 +147,7 @@ class Pipe:
         await wait_outage(self.table, self.link.pair, self.clock)
 
     async def pump_in(self) -> None:
+        late = 0.0   # how late the last sleep for tokens woke: credited to the next reservation
         while True:
             shape = self._shape()
             while self.buffered >= buffer_limit(shape, self.cap):
@@ -139,16 +156,19 @@ class Pipe:
                 shape = self._shape()
             data = await self.reader.read(read_size(shape) if self.shape_bandwidth else MAX_READ)
             if not data:
-                self._push(self.clock(), self.clock(), _EOF, False)
+                self._push(self.clock(), self.clock(), _EOF, True)
                 return
             self.link.bytes_in += len(data)
             await self.wait_outage()
             shape = self._shape()
-            wait = self.link.reserve(len(data), shape, self.clock()) if self.shape_bandwidth else 0.0
-            if wait > 0:
+            # Kernel mode keeps the bucket too (without waiting on it): it still tells idle from busy.
+            fresh = self.link.idle(shape, self.clock())
+            wait = self.link.reserve(len(data), shape, self.clock(), credit_s=late)
+            late = 0.0
+            if wait > 0 and self.shape_bandwidth:
+                due = self.clock() + wait
                 await asyncio.sleep(wait)
-            # Without our own bucket (kernel mode) every delivery is a goodput sample.
-            limited = wait > 0 or not self.shape_bandwidth
+                late = max(0.0, self.clock() - due)
             if shape.loss > 0 and self.rng.random() < 1 - (1 - shape.loss) ** math.ceil(len(data) / MSS):
                 self.link.loss_stalls += 1
                 await asyncio.sleep(rto_s(shape))
@@ -156,10 +176,10 @@ class Pipe:
             delay = max(0.0, shape.latency_s + self.rng.uniform(-shape.jitter_s, shape.jitter_s)) if shape.jitter_s else shape.latency_s
             arrival = max(self._last_arrival, depart + delay)
             self._last_arrival = arrival
-            self._push(arrival, depart, data, limited)
+            self._push(arrival, depart, data, fresh)
 
-    def _push(self, arrival: float, depart: float, data: bytes, limited: bool) -> None:
-        self.queue.append((arrival, depart, data, limited))
+    def _push(self, arrival: float, depart: float, data: bytes, fresh: bool) -> None:
+        self.queue.append((arrival, depart, data, fresh))
         self.buffered += len(data)
         self.peak = max(self.peak, self.buffered)
         self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
@@ -170,7 +190,7 @@ class Pipe:
             while not self.queue:
                 self._has_data.clear()
                 await self._has_data.wait()
-            arrival, depart, data, limited = self.queue[0]
+            arrival, depart, data, fresh = self.queue[0]
             if arrival > self.clock():
                 await asyncio.sleep(arrival - self.clock())
             await self.wait_outage()   # bytes in flight when a link goes down arrive after it is back
@@ -180,8 +200,9 @@ class Pipe:
                     self.writer.write_eof()
                 return
             self.writer.write(data)
+            # Counted once handed to the socket: a reader may see the bytes before drain() returns.
+            now = self.clock()
+            self.link.delivered(len(data), now, now - depart, self._shape(), fresh)
             await self.writer.drain()
             self.buffered -= len(data)
             self._has_space.set()
-            now = self.clock()
-            self.link.delivered(len(data), now, now - depart, self._shape(), limited)

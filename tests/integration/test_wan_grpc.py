@@ -21,8 +21,7 @@ OPTS = [("grpc.max_send_message_length", 64 * MIB), ("grpc.max_receive_message_l
         ("grpc.max_reconnect_backoff_ms", 500)]
 
 
-@pytest.fixture
-def server():
+def _start_server():
     def push(chunks, ctx):
         return sum(len(c) for c in chunks).to_bytes(8, "big")
 
@@ -33,7 +32,13 @@ def server():
     srv.add_generic_rpc_handlers((handler,))
     port = srv.add_insecure_port("127.0.0.1:0")
     srv.start()
-    yield f"127.0.0.1:{port}"
+    return srv, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def server():
+    srv, address = _start_server()
+    yield address
     srv.stop(0)
 
 
@@ -90,3 +95,54 @@ def test_grpc_fails_during_a_reset_outage_and_recovers_after(server):
             channel.close()
         st = emu.link_stats()["a->b"]
     assert st["resets"] >= 1 and st["connections"] >= 2
+
+
+def main(argv=None) -> int:
+    """`python tests/integration/test_wan_grpc.py`: the gRPC table of docs/wan.md."""
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--mbps", type=float, nargs="+", default=[10, 50, 100, 1000])
+    p.add_argument("--latency-ms", type=float, default=40.0)
+    p.add_argument("--seconds", type=float, default=2.5, help="size each transfer to about this long")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    srv, address = _start_server()
+    print("| Mbit/s | MiB | goodput / configured | time / (bytes/rate + RTT) | ping RTT median | proxy measured Mbit/s |")
+    print("|---|---|---|---|---|---|")
+    try:
+        for mbps in args.mbps:
+            n_mib = max(1, min(64, round(mbps * 1e6 / 8 * args.seconds / MIB)))
+            print(_grpc_row(address, mbps, args.latency_ms, n_mib, args.repeats), flush=True)
+    finally:
+        srv.stop(0)
+    return 0
+
+
+def _grpc_row(address: str, mbps: float, latency_ms: float, n_mib: int, repeats: int) -> str:
+    cfg = EmulationConfig(preset=None, default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps))
+    with WanEmulator(cfg, ["a", "b"]) as emu:
+        channel = grpc.insecure_channel(emu.route("a", "b", address), options=OPTS)
+        try:
+            push, ping = channel.stream_unary("/wan.Test/Push"), channel.unary_unary("/wan.Test/Ping")
+            push(_chunks(n_mib), timeout=120)   # connect and grow the HTTP/2 windows, unmeasured
+            rtts = []
+            for _ in range(10):
+                t = time.monotonic()
+                ping(b"x", timeout=10)
+                rtts.append((time.monotonic() - t) * 1e3)
+            runs = []
+            for _ in range(repeats):
+                t = time.monotonic()
+                push(_chunks(n_mib), timeout=120)
+                runs.append(time.monotonic() - t)
+        finally:
+            channel.close()
+        measured = emu.link_stats()["a->b"]["measured_goodput_mbps"]
+    bits, rtt_s = n_mib * MIB * 8, 2 * latency_ms / 1e3
+    good = " ".join(f"{bits / (s - rtt_s) / 1e6 / mbps:.3f}" for s in runs)
+    ratio = " ".join(f"{s / (bits / (mbps * 1e6) + rtt_s):.3f}" for s in runs)
+    return f"| {mbps:g} | {n_mib} | {good} | {ratio} | {statistics.median(rtts):.1f} | {measured} |"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -283,6 +283,12 @@ def test_four_region_preset_links_measure_within_10_percent():
                 t.join(30)
             for *_, s, _ in jobs:
                 s.close()
+            # The proxy thread counts a write just after the socket call that let the client see
+            # it, so give it a moment to catch up (GIL hand-off) before reading the counters.
+            expect = sum(1 + 8 + n + 1 for *_, n in jobs)
+            deadline = time.monotonic() + 5
+            while sum(v["bytes"] for v in emu.link_stats().values()) < expect and time.monotonic() < deadline:
+                time.sleep(0.01)
             stats = emu.link_stats()
     finally:
         for s in sinks.values():

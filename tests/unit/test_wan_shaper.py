@@ -79,3 +79,40 @@ def test_goodput_counts_busy_time_only():
     assert lr.bytes == 2_000_000
     assert lr.measured_goodput_mbps() == pytest.approx(80.0, rel=1e-6)
     assert lr.measured_latency_ms() == pytest.approx(40.0)
+
+
+def test_idle_means_the_bucket_has_refilled():
+    s = shape(mbps=8.0)   # 1e6 bytes/s, burst 16384
+    lr = LinkRuntime(("a", "b"))
+    assert lr.idle(s, 0.0)                     # never used
+    lr.reserve(16384, s, now=0.0)
+    assert not lr.idle(s, 0.010)               # 10000 of 16384 back
+    assert lr.idle(s, 0.0164)
+
+
+def test_fresh_deliveries_start_a_new_sample():
+    # A 1-byte reply 50 ms after a transfer (sent on an idle link) must not stretch its busy time.
+    s = shape(mbps=80.0)
+    lr = LinkRuntime(("a", "b"))
+    t = 0.0
+    for i in range(40):
+        lr.delivered(50_000, t, 0.01, s, fresh=(i == 0))
+        t += 0.005
+    lr.delivered(1, t + 0.045, 0.01, s, fresh=True)
+    assert lr.measured_goodput_mbps() == pytest.approx(80.0, rel=1e-6)
+
+
+def test_lateness_credit_keeps_the_rate_when_the_loop_is_starved():
+    # Every sleep for tokens wakes 50 ms late (a loaded machine). Without credit, all but a burst
+    # of that time is lost capacity; with credit, the sender catches up and gets the full rate.
+    s = shape(mbps=20.0)   # 2.5e6 bytes/s; burst 25000 = 10 ms
+    for credit, expect_rate in ((False, False), (True, True)):
+        lr = LinkRuntime(("a", "b"))
+        now, late, sent = 0.0, 0.0, 0
+        while now < 2.0:
+            wait = lr.reserve(8192, s, now, credit_s=late if credit else 0.0)
+            sent += 8192
+            late = 0.05 if wait > 0 else 0.0
+            now += wait + late
+        rate = sent / now
+        assert (rate == pytest.approx(s.rate_bps, rel=0.05)) is expect_rate, rate
