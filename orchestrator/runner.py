@@ -36,6 +36,7 @@ def run_from_args(args) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = new_run_dir(_with_address(cfg, args.address), args.out)
     cfg = _with_address(cfg, args.address)
+    cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
     runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume))
     try:
         summary = runner.run()
@@ -55,6 +56,26 @@ def run_from_args(args) -> int:
         print(f"report: {write_report(run_dir)}")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def prepare_task(cfg: RunConfig, *, source: str) -> RunConfig:
+    """Resolve the task's data path against the driver's working directory (actors may run
+    elsewhere) and build the task once here, so a bad path fails before Ray starts."""
+    from geofed.regions.tasks import make_task
+
+    task = cfg.task
+    if isinstance(getattr(task, "path", None), str) and not Path(task.path).is_absolute():
+        task = dataclasses.replace(task, path=str(Path(task.path).resolve()))
+        cfg = dataclasses.replace(cfg, task=task)
+    try:
+        make_task(task, batch_size=cfg.sync.inner.batch_size, seed=cfg.run.seed)
+    except ValueError as exc:
+        msg = str(exc)
+        key, sep, rest = msg.partition(": ")
+        if sep and not key.startswith("task.") and " " not in key:
+            msg = f"task.{key}: {rest}"
+        raise ConfigError("", msg, source=str(source)) from None
+    return cfg
 
 
 def _with_address(cfg: RunConfig, address: str | None) -> RunConfig:
@@ -195,8 +216,7 @@ class Runner:
             del self.dead[region]
             self._connect_all()
             donors = [p for p in self.alive if p != region]
-            donor = donors[r % len(donors)]  # spread rejoins across peers, not one donor
-            ray.get(handle.catch_up.remote(donor), timeout=self.cfg.sync.deadline.max_s + 60)
+            donor, _ = ray.get(handle.catch_up.remote(donors), timeout=self.cfg.sync.deadline.max_s + 60)
             self.faults["region_restarts"] += 1
             self.events_log.write({"t": self.clock.now(), "round": r, "event": "region_rejoined", "region": region,
                                    "restored_round": restored, "donor": donor})
@@ -245,8 +265,8 @@ class Runner:
         for reg, rr in zip(self.regions, got):
             if rr != r:
                 # This region's checkpoint for round r is missing/corrupt: take state from a peer.
-                donor = next(p for p, q in zip(self.regions, got) if q == r)
-                ray.get(self.actors.handles[reg].catch_up.remote(donor), timeout=300)
+                donors = [p for p, q in zip(self.regions, got) if q == r]
+                ray.get(self.actors.handles[reg].catch_up.remote(donors), timeout=300)
         self.coordinator.load_state_dict(state["coordinator"])
         self.faults.update(state["faults"])
         self.clock = Clock(offset=state["clock"])

@@ -77,8 +77,11 @@ class Exchanger:
         result = ExchangeResult(received=dict(inbox.received), own_decoded=own_decoded,
                                 missing=sorted(inbox.missing), wait_s=wait_s)
         if not inbox.missing:
-            # Only complete rounds teach the deadline: a dead peer must not stretch it.
+            # Only complete rounds teach the deadline samples: a dead peer must not skew them...
             self.deadline.observe(wait_s)
+        else:
+            # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.
+            self.deadline.observe_miss()
         self._collect_sends(futures, payloads, result)
         for sender, (nbytes, seconds) in inbox.timings.items():  # payload bytes, receiver-timed
             result.bytes_received += nbytes

@@ -19,10 +19,11 @@ import torch
 
 from geofed.compression import CodecError, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
+from geofed.p2p.rejoin import fetch_state_from_any
 from geofed.p2p.topology import make_topology
 
 from . import checkpoint
-from .algorithms import ALGORITHMS, mix
+from .sync import ALGORITHMS, mix
 from .exchange import Exchanger
 from .tasks import make_task
 from .transport_factory import make_transport
@@ -180,9 +181,10 @@ class RegionWorker:
                     "algorithm": self.algorithm.state_dict()}, buf)
         return buf.getvalue()
 
-    def catch_up(self, peer: str) -> int:
-        """Pull current parameters from `peer` (FetchState); returns the round they are from."""
-        data = self.transport.fetch_state(peer, timeout_s=self.cfg.sync.deadline.max_s)
+    def catch_up(self, peers: list[str]) -> tuple[str, int]:
+        """Pull current parameters from one of `peers` (FetchState; each joiner tries the donors in
+        its own order, so rejoins spread across peers); returns (donor, round of its state)."""
+        peer, data = fetch_state_from_any(self.transport, peers, timeout_s=self.cfg.sync.deadline.max_s)
         try:
             state = torch.load(io.BytesIO(data), weights_only=True)
             self.model.load_state_dict(state["model"])
@@ -190,7 +192,7 @@ class RegionWorker:
         except Exception as exc:  # noqa: BLE001 - a bad donor must not take the region down with it
             raise ValueError(f"state from {peer} is unusable: {exc}") from None
         self.completed_round = int(state["round"])
-        return self.completed_round
+        return peer, self.completed_round
 
     def transport_stats(self) -> dict[str, Any]:
         return self.transport.stats()

@@ -1,0 +1,48 @@
+"""allreduce: the per-step data-parallel baseline: every step's gradient is averaged (fp32)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+
+from .common import exchange_metrics
+
+if TYPE_CHECKING:
+    from ..worker import RegionWorker, RoundPlan
+
+
+class AllReduceSync:
+    """Per-step gradient averaging in fp32: what plain data parallelism sends, as a baseline."""
+
+    def __init__(self, w: "RegionWorker"):
+        self.w = w
+
+    def run_round(self, plan: "RoundPlan") -> dict[str, Any]:
+        w = self.w
+        t0 = time.monotonic()
+        loss = w.forward_backward()
+        compute_s = time.monotonic() - t0
+        grads = [p.grad.detach().clone() for p in w.params]
+        t1 = time.monotonic()
+        res = w.exchange(plan, grads)
+        mixed = w.mix(plan, grads, res)
+        for p, g in zip(w.params, mixed):
+            p.grad.copy_(g)
+        t2 = time.monotonic()
+        w.optimizer_step(plan.lr_scale)
+        compute_s += time.monotonic() - t2
+        return {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s, "steps": 1,
+                "sync_s": t2 - t1, **exchange_metrics(res)}
+
+    def finish(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, d: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
