@@ -110,6 +110,22 @@ class Codec(ABC):
     def _default_shapes(self, numel: int) -> list[Shape]:
         return [(numel,)]
 
+    # ---- whole updates (the seam other layers call; see update.py) -----------------------
+    def encode(self, tensors: Sequence[torch.Tensor], state: CodecState | None = None) -> bytes:
+        """`encode_update(self, tensors, state)`."""
+        from .update import encode_update
+
+        return encode_update(self, tensors, state)
+
+    def decode(self, payload, *, max_bytes: int, expected_shapes: Sequence[Shape] | None = None) -> list[torch.Tensor]:
+        """`decode_update`, refusing a payload made by another codec (CodecError)."""
+        from .update import decode_update, inspect_update
+
+        made_by = inspect_update(payload, max_bytes=max_bytes).codec
+        if made_by != self:
+            raise CodecError(f"codec: payload was encoded with {made_by.name}, not {self.name}")
+        return decode_update(payload, max_bytes=max_bytes, expected_shapes=expected_shapes)
+
     # ---- the work ----------------------------------------------------------------------
     @abstractmethod
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:

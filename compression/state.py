@@ -25,6 +25,7 @@ class CodecState:
     (random-k, stochastic int8) EF diverges, so there it is skipped and `ef_applied` says so.
     seed: seeds the sampling/stochastic-rounding generator and random-k's seeds (default: fresh
     entropy, so two links never share random-k index sets by accident).
+    Not thread-safe: one stream is encoded by one thread at a time.
     """
 
     def __init__(self, error_feedback: bool = True, *, seed: int | None = None):
