@@ -34,9 +34,11 @@ def run_from_args(args) -> int:
         cfg, run_dir = _resume_config(Path(args.resume), args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
-        run_dir = new_run_dir(_with_address(cfg, args.address), args.out)
+        run_dir = None
     cfg = _with_address(cfg, args.address)
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
+    if run_dir is None:  # only once the config and its data are known to be good
+        run_dir = new_run_dir(cfg, args.out)
     runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume))
     try:
         summary = runner.run()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class PluginTaskConfig:
     """``kind: python:package.module:function``; every other key goes to the function."""
 
     kind: str
+    path: str | None = field(default=None, metadata={"doc": "folder put on sys.path before importing the module (relative to the working directory)"})
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"doc": "keyword arguments for the factory"})
 
     def __post_init__(self):
@@ -102,6 +104,8 @@ def make_task(config: Any, *, batch_size: int = 32, seed: int = 0) -> Task:
     _load_builtin()
     if isinstance(config, PluginTaskConfig):
         _, module_name, fn_name = config.kind.split(":")
+        if config.path is not None and config.path not in sys.path:
+            sys.path.insert(0, config.path)
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
         except (ImportError, AttributeError) as exc:
