@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, Section, Shape, check_int, register
+from .base import Codec, CodecError, Section, Shape, check_int, register
 
 _QINIT_SEED = 0x5EED
 
@@ -95,6 +95,8 @@ class PowerSGD(Codec):
             Qt = q_sec[qo: qo + m * r].view(r, m)
             qo += m * r
             torch.matmul(Pt, M, out=Qt)
+            if not bool(torch.isfinite(Qt).all()):  # the receiver would refuse it: say so here
+                raise CodecError(f"powersgd: tensor {i} overflows fp32 in its factors (values up to {M.abs().max():.3g})")
             warm[(i, m, r)] = Qt.clone()
 
     def decode_into(self, sections, shapes, out) -> None:

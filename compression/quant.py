@@ -1,7 +1,7 @@
 """Quantizing codecs with one fp32 scale per chunk: int8, int4 (two per byte), sign (1 bit).
 
 The work runs over cache-sized blocks of whole chunks: multiply by the chunk's inverse scale,
-round, clamp, narrow, each pass inside L2. Whole-array passes would stream the 4-byte input
+round, narrow, each pass inside L2. Whole-array passes would stream the 4-byte input
 through memory three or four times and lose to a five-line per-tensor quantizer.
 """
 
@@ -15,21 +15,22 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import Codec, Section, Shape, check_int, register, total_numel
+from .base import Codec, CodecError, Section, Shape, check_int, register, total_numel
 from .state import CodecState
 
 _BLOCK = 1 << 18  # elements per block: 1 MiB of fp32, inside L2 (measured best of 16K..256K)
+_TINY = 2.0 ** -100
 
 
 def _nchunks(n: int, chunk: int) -> int:
     return -(-n // chunk)
 
 
-def _blocks(n: int, chunk: int):
-    """(start, end, rows) of cache-sized runs of whole chunks covering [0, n)."""
+def _blocks(n: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of cache-sized runs of whole chunks covering [0, n)."""
     step = max(1, _BLOCK // chunk) * chunk
     for s in range(0, n, step):
-        yield s, min(n, s + step), -(-(min(n, s + step) - s) // chunk)
+        yield s, min(n, s + step)
 
 
 def _scale_rows(o: torch.Tensor, scales: torch.Tensor, start: int, chunk: int) -> None:
@@ -93,8 +94,9 @@ def _scales(x: torch.Tensor, chunk: int, levels: int, scales_out: torch.Tensor) 
     """Write the per-chunk scales (absmax/levels); return the inverse scales (0 for 0 chunks)."""
     absmax = _absmax_per_chunk(x, chunk)
     torch.div(absmax, levels, out=scales_out)
-    inv = torch.where(absmax > 0, levels / absmax, torch.zeros(()))
-    return inv
+    # levels/absmax overflows fp32 below ~4e-37 (then inf * 0 = NaN, cast to garbage): chunks
+    # whose values are all under 2^-100 are sent as zeros, an error no model update notices.
+    return torch.where(absmax > _TINY, levels / absmax, torch.zeros(()))
 
 
 class _ChunkedQuant(Codec):
@@ -141,7 +143,7 @@ class Int8(_ChunkedQuant):
     def decode_into(self, sections, shapes, out) -> None:
         q, scales = sections
         # Widen then scale in place: one mixed int8 x fp32 multiply ran 7x slower than the two.
-        for s, e, rows in _blocks(out.numel(), self.chunk):
+        for s, e in _blocks(out.numel(), self.chunk):
             o = out[s:e]
             o.copy_(q[s:e])
             _scale_rows(o, scales, s, self.chunk)
@@ -192,7 +194,7 @@ class Int4(_ChunkedQuant):
     def decode_into(self, sections, shapes, out) -> None:
         packed, scales = sections
         q = torch.empty(min(out.numel(), max(1, _BLOCK // self.chunk) * self.chunk) + 1, dtype=torch.int8)
-        for s, e, _ in _blocks(out.numel(), self.chunk):
+        for s, e in _blocks(out.numel(), self.chunk):
             p = packed[s // 2: (e + 1) // 2]
             pairs = q[: 2 * p.numel()].view(-1, 2)
             torch.bitwise_and(p, 15, out=pairs[:, 0])
@@ -241,6 +243,8 @@ class Sign(Codec):
             torch.ge(x[s:e], 0, out=positive[: e - s])
             packed = np.packbits(positive[: e - s].numpy(), bitorder="little")
             bits[s // 8: s // 8 + packed.size].copy_(torch.from_numpy(packed))
+        if scales.numel() and not bool(torch.isfinite(scales).all()):  # the receiver would refuse it
+            raise CodecError("sign: a chunk's mean magnitude overflows fp32 (values near 3e38)")
 
     def decode_into(self, sections, shapes, out) -> None:
         bits, scales = sections

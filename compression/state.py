@@ -78,7 +78,8 @@ class CodecState:
         return self.residual
 
     def scratch(self, numel: int) -> torch.Tensor:
-        """A reusable fp32 buffer of numel elements (its contents are garbage)."""
+        """A reusable fp32 buffer of numel elements (its contents are garbage); with error
+        feedback it swaps roles with the residual every update."""
         buf = self.store.get("scratch")
         if buf is None or buf.numel() != numel:
             buf = self.store["scratch"] = torch.empty(numel)

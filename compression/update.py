@@ -1,7 +1,7 @@
 """Encode and decode a whole model update (many tensors, one payload), error feedback, CHOCO.
 
-The tensors are concatenated into one flat fp32 buffer (with error feedback: added straight
-into the residual buffer, which then holds the corrected update), the codec writes its
+The tensors are concatenated into one flat fp32 buffer (with error feedback: residual +
+update, in the state's scratch buffer), the codec writes its
 sections straight into the outgoing payload, and decoding splits one flat fp32 result back
 into the original shapes.
 """
@@ -129,19 +129,22 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
     n = sum(t.numel() for t in tensors)
     ef = state.error_feedback and codec.contractive and not codec.lossless
     state.ef_applied = ef
-    x = _flatten(tensors, n, state.residual_buffer(n) if ef else None)
-    state.input_absmax = None if ef else absmax  # with EF, x is the input plus the residual
-
     buf, header = wire.build_header(codec, shapes, dtypes)
     views = wire.section_views(buf, header)
+    # With EF, x = residual + update is built in the scratch buffer; once encoded, the two
+    # buffers swap roles, so a failed encode leaves the residual untouched and nothing is copied.
+    x = _corrected(tensors, state.residual_buffer(n), state.scratch(n)) if ef else _flatten(tensors, n)
+    state.input_absmax = None if ef else absmax
     codec.encode_into(x, shapes, views, state)
     decoded = None
+    if ef:
+        state.store["scratch"], state.residual = state.residual, x
     if want_decoded:
         flat = torch.empty(n)
         codec.decode_into(views, shapes, flat)
         decoded = _split(flat, shapes)
         if ef:
-            x.sub_(flat)  # x is the residual buffer: corrected - decoded is what is left
+            x.sub_(flat)  # corrected - sent is what is left
     elif ef:
         codec.subtract_decoded(x, views, shapes, state.scratch(n))
     wire.seal(buf)
@@ -173,13 +176,15 @@ def _check_inputs(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], 
     return out, absmax
 
 
-def _flatten(tensors: list[torch.Tensor], n: int, residual: torch.Tensor | None) -> torch.Tensor:
-    if residual is not None:
-        off = 0
-        for t in tensors:
-            residual[off: off + t.numel()].add_(t.reshape(-1))
-            off += t.numel()
-        return residual
+def _corrected(tensors: list[torch.Tensor], residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    off = 0
+    for t in tensors:
+        torch.add(residual[off: off + t.numel()], t.reshape(-1), out=out[off: off + t.numel()])
+        off += t.numel()
+    return out
+
+
+def _flatten(tensors: list[torch.Tensor], n: int) -> torch.Tensor:
     if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous():
         return tensors[0].view(-1)  # codecs never write their input
     flat = torch.empty(n)

@@ -266,7 +266,7 @@ dtype_st = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=st.sampled_from(SPECS), shapes=shapes_st, dtype=dtype_st, seed=st.integers(0, 2 ** 31 - 1),
-       ef=st.booleans(), scale=st.sampled_from([0.0, 1e-6, 1.0, 1e4]))
+       ef=st.booleans(), scale=st.sampled_from([0.0, 1e-40, 1e-30, 1e-6, 1.0, 1e4]))
 def test_every_codec_round_trips_any_layout(spec, shapes, dtype, seed, ef, scale):
     g = torch.Generator().manual_seed(seed)
     ts = [(torch.randn(s, generator=g) * scale).to(dtype) for s in shapes]
@@ -308,3 +308,31 @@ def test_codec_encode_and_decode_methods_check_the_codec():
     assert torch.equal(int8.decode(payload, max_bytes=MAX)[0], decode_update(payload, max_bytes=MAX)[0])
     with pytest.raises(CodecError, match="codec: payload was encoded with int8, not fp16"):
         fp16.decode(payload, max_bytes=MAX)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", {"kind": "int8", "stochastic": True}, "sign",
+                                  {"kind": "topk", "fraction": 1.0, "inner": "int4"}])
+def test_tiny_and_subnormal_values_never_decode_to_garbage(spec):
+    x = torch.tensor([1e-38, -1e-39, 0.0, 3e-39, 1e-45, 2.0 ** -99])
+    _, (got,) = _roundtrip(spec, [x])
+    assert (got - x).abs().max() <= 2.0 ** -98  # sent as (near) zeros, never NaN-cast garbage
+
+
+def test_huge_values_either_encode_finite_or_fail_loudly_at_the_sender():
+    x = torch.full((64, 64), 3e37)
+    for spec in ["identity", "fp16", "bf16", "int8", "int4", "topk"]:
+        _, (got,) = _roundtrip(spec, [x])
+        assert torch.isfinite(got).all()
+    with pytest.raises(CodecError, match="powersgd: tensor 0 overflows fp32"):
+        encode_update("powersgd", [x])
+    with pytest.raises(CodecError, match="sign: a chunk's mean magnitude overflows"):
+        encode_update("sign", [torch.full((4096,), 3e38)])
+
+
+def test_a_failed_encode_leaves_the_error_feedback_residual_as_it_was():
+    state = CodecState(error_feedback=True)
+    encode_update("sign", [torch.randn(4096)], state)
+    before = state.residual.clone()
+    with pytest.raises(CodecError):
+        encode_update("sign", [torch.full((4096,), 3e38)], state)
+    assert torch.equal(state.residual, before) and state.counter == 1
