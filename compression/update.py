@@ -57,8 +57,7 @@ def decode_update(
     result, most of the decode time of a big update); the result is views of it.
     Anything malformed raises CodecError naming the problem; `out` may then hold garbage.
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-        raise ValueError(f"max_bytes: must be a positive integer, got {max_bytes!r}")
+    _check_max_bytes(max_bytes)
     mv = _as_bytes_view(payload)
     if out is not None and (out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu"):
         raise ValueError(f"out: must be a flat contiguous CPU float32 tensor, got {out.dtype} {tuple(out.shape)}")
@@ -82,6 +81,7 @@ def decode_update(
 
 def inspect_update(payload: bytes | bytearray | memoryview, *, max_bytes: int) -> wire.Header:
     """The validated header (codec, shapes, original dtypes, sections) without decoding."""
+    _check_max_bytes(max_bytes)
     return wire.parse(_as_bytes_view(payload), max_bytes=max_bytes, expected_shapes=None)
 
 
@@ -219,6 +219,11 @@ def _first_nonfinite(flat: torch.Tensor) -> int | None:
         return None
     bad = (~torch.isfinite(flat)).nonzero()
     return int(bad[0, 0]) if bad.numel() else None
+
+
+def _check_max_bytes(max_bytes: int) -> None:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(f"max_bytes: must be a positive integer, got {max_bytes!r}")
 
 
 def _as_bytes_view(payload) -> memoryview:
