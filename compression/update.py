@@ -1,9 +1,8 @@
 """Encode and decode a whole model update (many tensors, one payload), error feedback, CHOCO.
 
 The tensors are concatenated into one flat fp32 buffer (with error feedback: residual +
-update, in the state's scratch buffer), the codec writes its
-sections straight into the outgoing payload, and decoding splits one flat fp32 result back
-into the original shapes.
+update, in the state's scratch buffer), the codec writes its sections straight into the
+outgoing payload, and decoding splits one flat fp32 result back into the original shapes.
 """
 
 from __future__ import annotations
