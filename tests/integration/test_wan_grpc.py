@@ -71,7 +71,8 @@ def test_grpc_client_stream_reaches_the_configured_rate(server):
     assert got == n_mib * MIB
     ideal = n_mib * MIB * 8 / (mbps * 1e6) + 2 * latency_ms / 1e3
     assert ideal / seconds >= 0.95, f"{seconds:.3f} s for {n_mib} MiB, ideal {ideal:.3f} s"
-    assert statistics.median(rtts) == pytest.approx(2 * latency_ms, rel=0.15)
+    # gRPC's own threads add to the RTT on a loaded machine; the emulated part is a floor.
+    assert 2 * latency_ms <= statistics.median(rtts) <= 2 * latency_ms + 25
     assert st["measured_goodput_mbps"] == pytest.approx(mbps, rel=0.05)
     assert st["bytes"] > n_mib * MIB   # payload plus HTTP/2 framing
 

@@ -81,7 +81,7 @@ def test_rtt_is_twice_the_one_way_latency(sink):
             rtts = ping(sock, 10)
         st = emu.link_stats()["a->b"]
     assert statistics.median(rtts) == pytest.approx(80.0, rel=0.10)
-    assert st["configured_rtt_ms"] == 80.0 and st["measured_rtt_ms"] == pytest.approx(80.0, rel=0.05)
+    assert st["configured_rtt_ms"] == 80.0 and st["measured_rtt_ms"] == pytest.approx(80.0, rel=0.10)
     assert min(rtts) >= 80.0   # latency is a floor: nothing arrives early
 
 
