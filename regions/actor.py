@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
 
 from .worker import RegionWorker
 
+# Per-node override of the address peers dial (a node behind NAT, a public IP): set in the
+# environment of that node's `ray start`, which Ray's worker processes inherit.
+ADVERTISED_HOST_ENV = "GEOFED_ADVERTISED_HOST"
+_WILDCARD = ("0.0.0.0", "::", "")
+
+
+def advertised_host(cfg: Any) -> str | None:
+    """Where peers dial this region's gRPC server, decided on the node the actor landed on:
+    $GEOFED_ADVERTISED_HOST, else network.advertised_host, else (server on every interface) the
+    node's Ray address, which `ray start --node-ip-address` made reachable from the other nodes."""
+    env = os.environ.get(ADVERTISED_HOST_ENV, "").strip()
+    if env:
+        return env
+    net = cfg.network
+    if net.advertised_host:
+        return net.advertised_host
+    if net.bind_host in _WILDCARD:
+        return ray.util.get_node_ip_address()
+    return None
+
 
 class RegionActor(RegionWorker):
+    def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None):
+        # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
+        # once); the node never needs the driver's RUN_DIR/tls.
+        super().__init__(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg))
+
     def node_info(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
         node_id = ctx.get_node_id()

@@ -1,4 +1,8 @@
-"""Build a region's gRPC transport from the run config (TLS material from the run directory)."""
+"""Build a region's gRPC transport from the run config.
+
+TLS material normally arrives with the actor (the driver hands each region its own certificate
+and key when it creates the actor, so no node needs the driver's disk); reading it from
+RUN_DIR/tls is the fallback for workers built in-process (tests, benches)."""
 
 from __future__ import annotations
 
@@ -7,19 +11,24 @@ from pathlib import Path
 from typing import Any
 
 from geofed.p2p.grpc_transport import GrpcTransport
-from geofed.p2p.tls import load_tls
+from geofed.p2p.tls import TlsMaterial, load_tls
 
 log = logging.getLogger(__name__)
 
 
-def make_transport(cfg: Any, region: str, run_dir: Path) -> GrpcTransport:
+def make_transport(cfg: Any, region: str, run_dir: Path, *, tls: TlsMaterial | None = None,
+                   advertised_host: str | None = None) -> GrpcTransport:
+    """`advertised_host` overrides network.advertised_host (the actor passes its node's address)."""
     net, sec = cfg.network, cfg.security
-    tls = load_tls(run_dir / "tls", region) if sec.tls else None
+    if not sec.tls:
+        tls = None
+    elif tls is None:
+        tls = load_tls(run_dir / "tls", region)
     if tls is None:
         log.warning("region %s: security.tls is false: updates travel in plaintext and peers are not authenticated", region)
     port = 0
     if net.port_range is not None:
         port = net.port_range  # the transport tries each port of the range in turn
-    return GrpcTransport(region, bind_host=net.bind_host, port=port, advertised_host=net.advertised_host,
+    return GrpcTransport(region, bind_host=net.bind_host, port=port, advertised_host=advertised_host or net.advertised_host,
                          tls=tls, max_message_bytes=net.max_message_mb << 20, round_window=sec.round_window,
                          chunk_bytes=net.chunk_kb << 10)

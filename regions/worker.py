@@ -45,7 +45,8 @@ class RegionWorker:
     """`cfg` is the run config (geofed.orchestrator.config.RunConfig; duck-typed: regions must
     not import orchestrator)."""
 
-    def __init__(self, cfg: Any, region: str, run_dir: str | Path, *, transport=None):
+    def __init__(self, cfg: Any, region: str, run_dir: str | Path, *, transport=None, tls=None,
+                 advertised_host: str | None = None):
         self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
         self.regions = list(cfg.regions.names)
         self.index = self.regions.index(region)
@@ -62,7 +63,9 @@ class RegionWorker:
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
         # An injected transport (the in-memory one) lets algorithm tests run without sockets.
-        self.transport = transport if transport is not None else make_transport(cfg, region, self.run_dir)
+        # `tls` (TlsMaterial) and `advertised_host` come from the actor on a multi-node cluster.
+        self.transport = transport if transport is not None else make_transport(
+            cfg, region, self.run_dir, tls=tls, advertised_host=advertised_host)
         self.transport.set_validator(self._validate)
         self.transport.set_state_provider(self.state_bytes)
         d = cfg.sync.deadline
