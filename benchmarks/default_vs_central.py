@@ -1,0 +1,42 @@
+"""The default run (`geofed run`) against the same model trained centrally on the same data.
+
+    python benchmarks/default_vs_central.py [--seeds 3]
+
+Central training sees the same number of examples: regions x rounds x H steps of the same batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from geofed.orchestrator.cli import main as geofed
+from geofed.orchestrator.config import load_config
+from geofed.regions.tasks import make_task
+from geofed.regions.tasks.central import train_centrally
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=3)
+    args = ap.parse_args()
+    cfg = load_config()
+    steps = len(cfg.regions.names) * cfg.run.rounds * cfg.sync.policy.H
+    central, fed = [], []
+    for seed in range(args.seeds):
+        task = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed)
+        central.append(train_centrally(task, steps=steps, lr=cfg.sync.inner.lr, seed=seed).value)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "run"
+            assert geofed(["run", "--set", f"run.seed={seed}", "--out", str(out), "--no-report", "--quiet"]) == 0
+            fed.append(json.loads((out / "summary.json").read_text())["eval"]["value"])
+    print("| | accuracy (mean of seeds) | per seed |\n| --- | --- | --- |")
+    print(f"| central, {steps} steps | {100 * statistics.mean(central):.1f}% | {', '.join(f'{100 * v:.1f}' for v in central)} |")
+    print(f"| geofed run (default config) | {100 * statistics.mean(fed):.1f}% | {', '.join(f'{100 * v:.1f}' for v in fed)} |")
+
+
+if __name__ == "__main__":
+    main()
