@@ -115,12 +115,16 @@ class RegionWorker:
     def finish_pending(self) -> dict[str, Any]:
         return self.algorithm.finish()
 
-    def inner_steps(self, H: int, lr_scale: float) -> dict[str, Any]:
-        """H local optimizer steps; returns loss and timing (compute only, no network)."""
+    def inner_steps(self, H: int, lr_scale: float, *, before_step=None) -> dict[str, Any]:
+        """H local optimizer steps; returns loss and timing (compute only, no network).
+        `before_step(k)`, when given, runs between the k-th backward and step (e.g. gradient
+        tracking adds its drift correction to the gradients there)."""
         losses = []
         t0 = time.monotonic()
-        for _ in range(H):
+        for k in range(H):
             losses.append(self.forward_backward())
+            if before_step is not None:
+                before_step(k)
             self.optimizer_step(lr_scale)
         compute_s = time.monotonic() - t0
         loss = sum(losses) / len(losses)
@@ -161,7 +165,10 @@ class RegionWorker:
     def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:
         """Called by the transport for every incoming update: refuse (ValueError) what is not sane."""
         try:
-            return decode_update(payload, max_bytes=self.cfg.network.max_message_mb << 20, expected_shapes=self.shapes)
+            # An algorithm that sends more than the parameters (gossip with gradient tracking
+            # sends params + tracker) says what its messages hold.
+            shapes = getattr(self.algorithm, "wire_shapes", None) or self.shapes
+            return decode_update(payload, max_bytes=self.cfg.network.max_message_mb << 20, expected_shapes=shapes)
         except CodecError as exc:
             raise ValueError(f"undecodable update from {sender}: {exc}") from None
 
