@@ -10,7 +10,7 @@ All integers little-endian. Every section starts at a multiple of 8 bytes (so ze
     8       4     CRC-32 (zlib) of every byte from offset 12 to the end
     12      8     total length of the payload in bytes
     20      4     spec length S (JSON of the codec spec, UTF-8, <= 4096)
-    24      4     tensor count T
+    24      4     tensor count T (<= 2^16)
     28      4     section count C (<= 64)
     32      4     reserved (0)
     36      S     codec spec: {"kind": ..., every parameter}
@@ -51,6 +51,7 @@ MAX_SPEC_BYTES = 4096
 MAX_NDIM = 32
 MAX_DIM = 1 << 40  # also bounds empty tensors, whose element count bounds nothing
 MAX_SECTIONS = 64
+MAX_TENSORS = 1 << 16  # bounds per-tensor Python work (parse, views) of a hostile header to ~0.7 s
 _SECTION = struct.Struct("<BQ")
 
 TENSOR_DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.float64}
@@ -83,6 +84,8 @@ def build_header(codec: Codec, shapes: Sequence[Shape], dtypes: Sequence[torch.d
     spec = json.dumps(codec.spec(), separators=(",", ":"), sort_keys=True).encode()
     if len(spec) > MAX_SPEC_BYTES:
         raise ValueError(f"codec: spec of {len(spec)} bytes exceeds {MAX_SPEC_BYTES}")
+    if len(shapes) > MAX_TENSORS:
+        raise ValueError(f"tensors: {len(shapes)} tensors, at most {MAX_TENSORS} per update (concatenate small ones)")
     parts = [spec]
     for s, dt in zip(shapes, dtypes):
         if len(s) > MAX_NDIM:
@@ -188,6 +191,8 @@ def parse(mv: memoryview, *, max_bytes: int, expected_shapes: Sequence[Shape] | 
         raise CodecError(f"flags: unknown flags {flags:#x}")
     codec = _read_codec(mv, spec_len)
     rd = _Reader(mv, FIXED_BYTES + spec_len)
+    if ntensors > MAX_TENSORS:
+        raise CodecError(f"tensor count: {ntensors} exceeds {MAX_TENSORS}")
     if ntensors > (n - rd.pos) // 2:
         raise CodecError(f"tensor count: {ntensors} tensors cannot fit in {n - rd.pos} remaining bytes")
     shapes, dtypes = _read_tensors(rd, ntensors)
