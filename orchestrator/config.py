@@ -153,6 +153,9 @@ class DeadlineSection:
 class GossipSection:
     choco: bool = field(default=True, metadata=_doc("CHOCO-SGD: compress differences to public copies"))
     gamma: float = field(default=0.5, metadata=_doc("CHOCO consensus step size"))
+    tracking: bool = field(default=False, metadata=_doc(
+        "gradient tracking: gossip an estimate of the regions' average gradient with the parameters and "
+        "correct every local step by it (for non-IID regions, e.g. gcn-planetoid; doubles the bytes)"))
 
     def __post_init__(self):
         if not 0 < self.gamma <= 1:
@@ -176,6 +179,16 @@ class SyncSection:
 
         if self.topology not in topology_names():
             raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
+        if self.algorithm == "gossip" and self.gossip.choco and not _static_topology(self.topology):
+            # One public copy per region is consistent only if every neighbour gets every message.
+            raise ValueError(f"topology: CHOCO gossip (sync.gossip.choco) needs a static topology "
+                             f"(full, ring, exponential), got {self.topology!r}")
+
+
+def _static_topology(name: str) -> bool:
+    from geofed.p2p.topology import StaticTopology, make_topology
+
+    return isinstance(make_topology(name, 4), StaticTopology)
 
 
 @dataclass(frozen=True, kw_only=True)
