@@ -1,24 +1,37 @@
-"""Ray: start or join a cluster, place one region actor per region, fail fast when a region has no node."""
+"""Ray: start or join a cluster, place one region actor per region, fail fast when a region has no node.
+
+Only the control plane travels through Ray: coordinator calls, small metrics, and once per actor
+its TLS material. Updates (pseudo-gradients, gossip, rejoin state) go region to region over
+geofed's own mutual-TLS gRPC (regions/worker.py -> p2p/grpc_transport.py), never through Ray's
+object store.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 
+from geofed.p2p.tls import TlsMaterial, load_tls
 from geofed.regions.actor import region_actor_class
 
 from .config import RunConfig
 
 log = logging.getLogger(__name__)
 
+# How often the label check looks again while nodes may still be joining.
+_LABEL_POLL_S = 1.0
+
 
 class PlacementError(RuntimeError):
-    """A region actor cannot be placed (no node carries its label) or never came up."""
+    """The region actors cannot be placed: the cluster is unreachable, a region has no node
+    carrying its label, or an actor never came up."""
 
 
 @dataclass
@@ -41,10 +54,35 @@ def init_ray(cfg: RunConfig) -> RayHandle:
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}}}
     if address:
-        ray.init(address=address, **kwargs)
+        _wait_reachable(address, cfg.ray.init_timeout_s)
+        try:
+            ray.init(address=address, **kwargs)
+        except ConnectionError as exc:
+            raise PlacementError(f"cannot join the Ray cluster at {address}: {exc} (token auth: the driver needs "
+                                 f"RAY_AUTH_MODE=token and the cluster's token, see docs/launch.md)") from None
     else:
         ray.init(num_cpus=cfg.ray.num_cpus, **kwargs)
     return RayHandle(started_here=True, address=address)
+
+
+def _wait_reachable(address: str, timeout_s: float) -> None:
+    """A TCP connect to HOST:PORT within ray.init_timeout_s, so a wrong address fails in bounded
+    time with its name instead of inside Ray's own retries. `auto` and ray:// are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise PlacementError(f"ray.address: expected auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as exc:
+            last = exc
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    raise PlacementError(f"no Ray head answers at {address} within {timeout_s:.0f}s (ray.init_timeout_s): {last}")
 
 
 def node_labels(label_key: str) -> dict[str, list[str]]:
@@ -72,22 +110,36 @@ class RegionActors:
                 pass
 
 
+def region_tls(cfg: RunConfig, run_dir: str | Path) -> dict[str, TlsMaterial | None]:
+    """Each region's certificate and key, read on the driver from RUN_DIR/tls (security.tls)."""
+    if not cfg.security.tls:
+        return {r: None for r in cfg.regions.names}
+    return {r: load_tls(Path(run_dir) / "tls", r) for r in cfg.regions.names}
+
+
 def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionActors:
-    """One actor per region; with `pin`, each only on nodes labelled with its region."""
+    """One actor per region; with `pin`, each only on nodes labelled with its region.
+
+    Each actor gets its region's TLS material in its creation arguments: the driver's RUN_DIR
+    need not be on a shared filesystem, and a restarted actor gets the same material again.
+    """
     rc = cfg.regions
     if pin:
-        _check_labels(cfg)
+        wait_for_labels(cfg)
+    tls = region_tls(cfg, run_dir)
     handles = {}
     for region in rc.names:
         selector = {rc.label_key: rc.label_of(region)} if pin else None
         cls = region_actor_class(num_cpus=rc.num_cpus, max_restarts=rc.max_restarts, label_selector=selector)
-        handles[region] = cls.options(name=None).remote(cfg, region, run_dir)
+        handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
     actors = RegionActors(handles)
     try:
         actors.info = wait_ready(actors.handles, rc.placement_timeout_s, cfg)
     except BaseException:
         actors.kill()
         raise
+    if pin:
+        check_placement(cfg, actors.info)
     return actors
 
 
@@ -99,19 +151,46 @@ def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dic
         seen = node_labels(cfg.regions.label_key)
         raise PlacementError(
             f"region actors not placed within {timeout_s:.0f}s (regions.placement_timeout_s): {', '.join(missing)}; "
-            f"nodes by {cfg.regions.label_key}: {_fmt_seen(seen)}")
-    return {refs[ref]: ray.get(ref) for ref in ready}
+            f"nodes by {cfg.regions.label_key}: {_fmt_seen(seen)} (a labelled node may lack the free CPUs "
+            f"regions.num_cpus asks for, or the actor failed to start: see the node's Ray logs)")
+    info = {}
+    for ref in ready:
+        try:
+            info[refs[ref]] = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            # e.g. no free port in network.port_range, a data path missing on that node
+            raise PlacementError(f"region {refs[ref]}: its actor failed to start: {exc}") from None
+    return info
 
 
-def _check_labels(cfg: RunConfig) -> None:
+def wait_for_labels(cfg: RunConfig) -> None:
+    """Until every region has an alive node with its label, at most regions.placement_timeout_s
+    (nodes may still be joining); then PlacementError naming the missing regions and the labels seen."""
     rc = cfg.regions
-    seen = node_labels(rc.label_key)
-    missing = [r for r in rc.names if rc.label_of(r) not in seen]
-    if missing:
-        raise PlacementError(
-            f"no Ray node carries {rc.label_key}=<region> for: {', '.join(missing)}; "
-            f"labels seen: {_fmt_seen(seen)} (start nodes with `ray start --labels {rc.label_key}=<region>`, "
-            f"see `geofed launch plan`)")
+    deadline = time.monotonic() + rc.placement_timeout_s
+    while True:
+        seen = node_labels(rc.label_key)
+        missing = [r for r in rc.names if rc.label_of(r) not in seen]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(_LABEL_POLL_S, max(0.0, deadline - time.monotonic())))
+    wanted = ", ".join(f"{r} ({rc.label_key}={rc.label_of(r)})" for r in missing)
+    raise PlacementError(
+        f"no alive Ray node carries the label of region(s) {wanted} after {rc.placement_timeout_s:.0f}s "
+        f"(regions.placement_timeout_s); labels seen: {rc.label_key}: {_fmt_seen(seen)}; "
+        f"start a node per region with its label (see `geofed launch plan`)")
+
+
+def check_placement(cfg: RunConfig, info: dict[str, dict]) -> None:
+    """Each pinned actor reports the labels of the node it runs on: they must name its region."""
+    rc = cfg.regions
+    wrong = {r: i.get("labels", {}).get(rc.label_key) for r, i in info.items()
+             if i.get("labels", {}).get(rc.label_key) != rc.label_of(r)}
+    if wrong:
+        detail = ", ".join(f"{r} on a node labelled {v!r}" for r, v in sorted(wrong.items()))
+        raise PlacementError(f"region actors landed on the wrong nodes ({rc.label_key}): {detail}")
 
 
 def _fmt_seen(seen: dict[str, list[str]]) -> str:
