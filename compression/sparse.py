@@ -188,10 +188,10 @@ def _mix64(v: torch.Tensor) -> torch.Tensor:
     return v ^ shr(v, 31)
 
 
-def randomk_indices(seed: int, k: int, n: int) -> torch.Tensor:
-    """k indices in [0, n) drawn with replacement from `seed` (int64 on the wire)."""
+def randomk_indices(seed: int, start: int, stop: int, n: int) -> torch.Tensor:
+    """Indices start..stop-1 of the sequence in [0, n) drawn with replacement from `seed`."""
     golden = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64
-    v = torch.arange(1, k + 1, dtype=torch.int64) * golden + seed
+    v = torch.arange(start + 1, stop + 1, dtype=torch.int64) * golden + seed
     return (_mix64(v) & ((1 << 63) - 1)) % n
 
 
@@ -227,7 +227,7 @@ class RandomK(Codec):
         seed = _mix64(torch.tensor([state.seed ^ state.counter], dtype=torch.int64))
         out[0].copy_(seed)
         if k:
-            self.inner.encode_into(x.index_select(0, randomk_indices(int(seed.item()), k, n)), [(k,)], out[1:], state)
+            self.inner.encode_into(x.index_select(0, randomk_indices(int(seed.item()), 0, k, n)), [(k,)], out[1:], state)
 
     def decode_into(self, sections, shapes, out) -> None:
         out.zero_()
@@ -236,7 +236,11 @@ class RandomK(Codec):
         if k:
             vals = torch.empty(k)
             self.inner.decode_into(sections[1:], [(k,)], vals)
-            out.index_add_(0, randomk_indices(int(sections[0].item()), k, n), vals, alpha=n / k)
+            seed = int(sections[0].item())
+            # in blocks: int64 indices for all k would be 2x the result (k = n at fraction 1)
+            for s in range(0, k, _BLOCK):
+                e = min(k, s + _BLOCK)
+                out.index_add_(0, randomk_indices(seed, s, e, n), vals[s:e], alpha=n / k)
 
     def validate(self, sections, shapes) -> None:
         k = _k(self.fraction, total_numel(shapes))

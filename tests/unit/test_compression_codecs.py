@@ -206,7 +206,8 @@ def test_spec_round_trips_and_names():
     ({"kind": "int8", "stochastic": "yes"}, "stochastic: must be true or false"),
     ({"kind": "int4", "chunk": 7}, "chunk: must be even"),
     ({"kind": "int8", "chunks": 64}, "chunks: unknown parameter of codec 'int8' (known: chunk, stochastic)"),
-    ({"kind": "powersgd", "rank": 0}, "rank: must be in [1, 1024]"),
+    ({"kind": "powersgd", "rank": 0}, "rank: must be in [1, 64]"),
+    ({"kind": "powersgd", "rank": 65}, "rank: must be in [1, 64]"),
     ({"kind": "topk", "inner": "topk"}, "inner: 'topk' cannot be the inner codec"),
     ({"kind": "topk", "inner": "powersgd"}, "inner: 'powersgd' cannot be the inner codec"),
     ({"kind": "topk", "inner": {"kind": "int8", "chunk": -1}}, "inner.chunk: must be in"),
@@ -336,3 +337,12 @@ def test_a_failed_encode_leaves_the_error_feedback_residual_as_it_was():
     with pytest.raises(CodecError):
         encode_update("sign", [torch.full((4096,), 3e38)], state)
     assert torch.equal(state.residual, before) and state.counter == 1
+
+
+def test_randomk_decodes_in_blocks_with_the_senders_indices():
+    n = 150_001  # k = n > one 65536-block of generated indices
+    x = _randn(n).abs() + 1.0
+    _, (got,) = _roundtrip({"kind": "randomk", "fraction": 1.0, "inner": "identity"}, [x])
+    counts = got / x  # n/k = 1: each value comes back once per time its index was drawn
+    assert torch.allclose(counts, counts.round(), atol=1e-4)
+    assert int(counts.round().sum()) == n and 0.5 < float((counts.round() > 0).float().mean()) < 0.75  # ~1 - 1/e
