@@ -239,6 +239,24 @@ class RunConfig:
     security: SecuritySection = field(default_factory=SecuritySection, metadata=_doc("TLS and message validation"))
     ray: RaySection = field(default_factory=RaySection, metadata=_doc("the Ray cluster"))
 
+    def __post_init__(self):
+        if self.sync.algorithm == "gossip" and self.sync.gossip.choco:
+            _check_choco_compression(self.compression)
+
+
+def _check_choco_compression(c: CompressionSection) -> None:
+    """CHOCO sends Q(x - x_hat): what Q drops stays in the next difference, so error feedback
+    would count it twice, and an unbiased rescaled codec makes the public copies drift."""
+    from geofed.compression import make_codec
+
+    if c.error_feedback:
+        raise ValueError("compression.error_feedback: must be false with CHOCO gossip (sync.gossip.choco): "
+                         "the difference to the public copy already carries what the codec dropped")
+    for key, spec in [("codec", c.codec)] + [(f"ladder.{i}", s) for i, s in enumerate(c.ladder)]:
+        codec = make_codec(spec)
+        if not codec.contractive:
+            raise ValueError(f"compression.{key}: CHOCO gossip needs a contractive codec, {codec.name} is not")
+
 
 def default_config_path() -> Path:
     """configs/local-wan.yaml as installed (geofed.configs is a data-only namespace package)."""
