@@ -118,6 +118,8 @@ class Runner:
         self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
         self.alive = list(self.regions)
         self.addresses = dict(zip(self.regions, ray.get([self.actors.handles[r].start.remote() for r in self.regions])))
+        for region, address in self.addresses.items():
+            self.actors.info[region]["grpc_address"] = address  # summary.json placement
         self.emulator = start_emulation(self.cfg, self.regions)
         self._connect_all()
         info = self.actors.info[self.regions[0]]

@@ -54,8 +54,9 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "utilization_per_region": util,
         "links": _links(metrics, rounds, emulator),
         "H_history": [{"round": r["round"], "H": r["H"], "t": r["t_start"], "codecs": r.get("codecs", {})} for r in rounds],
-        "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host")}
+        "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host", "grpc_address")}
                       for reg, info in placement.items()},
+        "transport": _transport(transport_stats),
         "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values())},
         "refusals": refusals,
         "config": {"task": cfg.task.kind, "algorithm": cfg.sync.algorithm, "policy": cfg.sync.policy.kind,
@@ -96,6 +97,17 @@ def _links(metrics: list[dict], rounds: list[dict], emulator) -> dict[str, dict]
             entry["configured_bandwidth_mbps"] = spec.bandwidth_mbps
             entry["configured_rtt_ms"] = 2 * spec.latency_ms
     return links
+
+
+def _transport(transport_stats: dict[str, dict]) -> dict[str, dict]:
+    """Each region's own gRPC counters (the transport's, not the driver's): what crossed geofed's
+    gossip service, as opposed to Ray's control plane."""
+    return {reg: {"tls": s.get("tls"),
+                  "bytes_sent": sum((s.get("bytes_sent") or {}).values()),
+                  "messages_sent": sum((s.get("messages_sent") or {}).values()),
+                  "bytes_received": sum((s.get("bytes_received") or {}).values()),
+                  "messages_received": sum((s.get("messages_received") or {}).values())}
+            for reg, s in transport_stats.items()}
 
 
 def _refusals(transport_stats: dict[str, dict]) -> dict[str, Any]:
