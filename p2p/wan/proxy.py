@@ -66,8 +66,10 @@ class _Conn:
     client_w: asyncio.StreamWriter
     upstream_w: asyncio.StreamWriter | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    was_reset: bool = False
 
     def reset(self) -> None:
+        self.was_reset = True
         _rst(self.client_w)
         _rst(self.upstream_w)
         for t in self.tasks:
@@ -143,12 +145,12 @@ class Proxy:
             failed = [t for t in done if not t.cancelled() and t.exception() is not None]
             if failed or any(t.cancelled() for t in done):
                 # One side was reset or cut: the other side sees a reset too, as across a real path.
-                conn.reset()
+                if not conn.was_reset:   # else reset_links() already counted it
+                    fwd.resets += 1
+                    conn.reset()
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-                if failed:
-                    fwd.resets += 1
                 return
         for w in (conn.client_w, conn.upstream_w):
             assert w is not None
@@ -161,7 +163,7 @@ class Proxy:
 
     def reset_links(self, pairs: list[Pair]) -> int:
         """Reset every open connection that crosses one of `pairs` (either direction); returns how many."""
-        hit = [c for c in self._conns if c.route.pair in pairs or c.route.pair[::-1] in pairs]
+        hit = [c for c in self._conns if not c.was_reset and (c.route.pair in pairs or c.route.pair[::-1] in pairs)]
         for c in hit:
             self.links[c.route.pair].resets += 1
             c.reset()

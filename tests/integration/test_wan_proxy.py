@@ -153,15 +153,16 @@ def test_reset_outage_resets_open_and_refuses_new_connections(sink):
         with pytest.raises((ConnectionError, OSError)):
             ping(old, 1)
         old.close()
-        new = connect(addr)   # the listener is up: the connection is reset at once, like a refused one
+        # The listener is up: a new connection is reset at once, like a refused one (which may
+        # already show while connect() sets its socket options).
         with pytest.raises((ConnectionError, OSError)):
-            ping(new, 1)
-        new.close()
+            with connect(addr) as new:
+                ping(new, 1)
         time.sleep(max(0.0, t0 + start + length + 0.05 - time.monotonic()))
         with connect(addr) as after:
             assert len(ping(after, 3)) == 3
         st = emu.link_stats()["a->b"]
-    assert st["resets"] >= 1 and st["refused"] >= 1 and st["connections"] >= 2
+    assert (st["resets"], st["refused"], st["connections"]) == (1, 1, 2)
 
 
 def test_bounded_memory_under_a_64mb_transfer(sink):
@@ -298,7 +299,8 @@ def test_four_region_preset_links_measure_within_10_percent():
         st = stats[f"{a}->{b}"]
         assert st["bytes"] == 1 + 8 + n + 1   # op, length, payload; and the receipt of b's transfer to a
         assert st["measured_goodput_mbps"] == pytest.approx(st["configured_bandwidth_mbps"], rel=0.10), f"{a}->{b}"
-        assert st["measured_latency_ms"] == pytest.approx(st["configured_latency_ms"], rel=0.1, abs=3)
+        # Latency is a floor; above it, only the event loop's lateness (a few ms on a loaded machine).
+        assert st["configured_latency_ms"] <= st["measured_latency_ms"] <= st["configured_latency_ms"] + 10
 
 
 def _vm_hwm_kib() -> int:
