@@ -56,10 +56,11 @@ class ScheduleEvent:
     at_s: float | None = field(default=None, metadata={"doc": "seconds from the start of the emulator (the run)"})
     at_round: int | None = field(default=None, metadata={"doc": "or: when the run enters this round"})
     set: LinkSpec | None = field(default=None, metadata={"doc": "new link shape (unset fields unchanged; bandwidth_scale still applies)"})
-    outage_s: float | None = field(default=None, metadata={"doc": "cut the link for this many seconds"})
+    outage_s: float | None = field(default=None, metadata={"doc": "cut the link for this many seconds (1e9: until an end_outage event)"})
     outage_mode: Literal["stall", "reset"] = field(
         default="stall", metadata={"doc": "stall: bytes stop both ways and new connections wait, all resume after; "
                                           "reset: open connections are reset and new ones refused for the window"})
+    end_outage: bool = field(default=False, metadata={"doc": "end every outage in force on the link now"})
 
     def __post_init__(self):
         if self.link != "*":
@@ -70,9 +71,11 @@ class ScheduleEvent:
             raise ValueError(f"at_s: must be >= 0, got {self.at_s}")
         if self.at_round is not None and self.at_round < 0:
             raise ValueError(f"at_round: must be >= 0, got {self.at_round}")
-        if self.set is None and self.outage_s is None:
-            raise ValueError("set: give `set` (a new link shape) or `outage_s`")
-        if self.outage_s is not None and not 0 < self.outage_s < 1e9:
+        if self.set is None and self.outage_s is None and not self.end_outage:
+            raise ValueError("set: give `set` (a new link shape), `outage_s` or `end_outage: true`")
+        if self.outage_s is not None and self.end_outage:
+            raise ValueError("end_outage: an event either starts (outage_s) or ends an outage, not both")
+        if self.outage_s is not None and not 0 < self.outage_s <= 1e9:
             raise ValueError(f"outage_s: must be > 0, got {self.outage_s}")
 
 

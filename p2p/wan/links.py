@@ -115,6 +115,9 @@ class LinkTable:
                     prev = self._changes.get(p, LinkSpec())
                     self._changes[p] = prev.merged(event.set)
                     self._shapes[p] = self._shape_of(p)
+                if event.end_outage:
+                    self._outages[p] = [Outage(start_s=o.start_s, end_s=min(o.end_s, now_s), mode=o.mode)
+                                        for o in self._outages[p]]
                 if event.outage_s is not None:
                     # Kept after they end: outage_seconds() sums them for the stats.
                     self._outages[p] = [*self._outages[p], Outage(start_s=now_s, end_s=now_s + event.outage_s, mode=event.outage_mode)]

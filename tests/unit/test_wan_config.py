@@ -34,6 +34,7 @@ def test_defaults_build_and_every_field_documented():
     ("schedule: [{link: 'a->b', at_s: 1, at_round: 2, outage_s: 1}]", "network.emulation.schedule.0.at_s"),
     ("schedule: [{link: 'a->b', at_s: 1}]", "network.emulation.schedule.0.set"),
     ("schedule: [{link: 'a->b', at_s: 1, outage_s: 0}]", "network.emulation.schedule.0.outage_s"),
+    ("schedule: [{link: 'a->b', at_s: 1, outage_s: 1, end_outage: true}]", "network.emulation.schedule.0.end_outage"),
     ("schedule: [{link: 'a->b', at_s: 1, outage_s: 1, outage_mode: cut}]", "network.emulation.schedule.0.outage_mode"),
     ("schedule: [{link: 'ab', at_s: 1, outage_s: 1}]", "network.emulation.schedule.0"),
     ("default: {latency_ms: 5}", "network.emulation.default"),
@@ -133,6 +134,19 @@ def test_outage_windows_and_their_sum():
     assert t.outage("a", "b", 2.5).mode == "reset"
     assert t.outage_seconds("a", "b", now_s=10.0) == pytest.approx(3.0)
     assert t.outage_seconds("b", "a", now_s=2.0) == pytest.approx(1.0)
+
+
+def test_an_open_ended_outage_ends_by_event():
+    cfg = EmulationConfig(preset=None, schedule=(
+        ScheduleEvent(link="a<->b", at_round=5, outage_s=1e9),
+        ScheduleEvent(link="a->b", at_round=8, end_outage=True)))
+    emu = WanEmulator(cfg, ["a", "b"])
+    emu.set_round(5)
+    assert emu.link_stats()["a->b"]["in_outage"] and emu.link_stats()["b->a"]["in_outage"]
+    emu.set_round(8)
+    assert not emu.link_stats()["a->b"]["in_outage"]
+    assert emu.link_stats()["b->a"]["in_outage"]   # only the named direction was restored
+    emu.stop()
 
 
 def test_set_round_fires_each_event_once_in_round_order():
