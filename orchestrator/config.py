@@ -15,6 +15,7 @@ from geofed.p2p.wan.config import EmulationConfig
 from geofed.regions.tasks.base import task_config_class
 
 from . import strict
+from .launch_config import LaunchSection
 from .policies.config import FixedPolicyConfig, policy_config_class
 from .strict import ConfigError
 
@@ -238,6 +239,7 @@ class RunConfig:
     compression: CompressionSection = field(default_factory=CompressionSection, metadata=_doc("how updates are compressed"))
     security: SecuritySection = field(default_factory=SecuritySection, metadata=_doc("TLS and message validation"))
     ray: RaySection = field(default_factory=RaySection, metadata=_doc("the Ray cluster"))
+    launch: LaunchSection = field(default_factory=LaunchSection, metadata=_doc("multi-region cloud launch: `geofed launch plan` (docs/launch.md)"))
 
     def __post_init__(self):
         if self.sync.algorithm == "gossip" and self.sync.gossip.choco:

@@ -27,7 +27,7 @@ def _table(rows) -> str:
 
 
 def _clean_type(tp: str) -> str:
-    for prefix in ("geofed.orchestrator.config.", "geofed.p2p.wan.config.", "<class '", "'>"):
+    for prefix in ("geofed.orchestrator.config.", "geofed.orchestrator.launch_config.", "geofed.p2p.wan.config.", "<class '", "'>"):
         tp = tp.replace(prefix, "")
     return tp.replace("|", "\\|")
 
