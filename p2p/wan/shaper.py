@@ -24,6 +24,7 @@ MIN_RTO_S = 0.2             # Linux's minimum retransmission timeout
 MIN_READ, MAX_READ = 4096, 65536
 READ_TIME_S = 0.005         # read about 5 ms worth of bytes at a time: fine enough steps for the bucket
 MIN_BUFFER = 256 * 1024
+OUTAGE_POLL_S = 0.05
 
 
 def read_size(shape: Shape) -> int:
@@ -121,7 +122,8 @@ _EOF = b""
 async def wait_outage(table: LinkTable, pair: Pair, clock: Callable[[], float]) -> None:
     """Block while an outage holds `pair`; a reset outage also has its connections reset by the proxy."""
     while (o := table.outage(*pair, clock())) is not None:
-        await asyncio.sleep(max(0.001, o.end_s - clock()))
+        # Re-check at least every 50 ms: an end_outage event may cut the window short.
+        await asyncio.sleep(min(OUTAGE_POLL_S, max(0.001, o.end_s - clock())))
 
 
 class Pipe:

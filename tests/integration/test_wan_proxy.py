@@ -309,3 +309,22 @@ def _vm_hwm_kib() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def test_an_open_ended_outage_ends_at_a_round(sink):
+    cfg = EmulationConfig(preset=None, default=LinkSpec(latency_ms=5, bandwidth_mbps=50), schedule=(
+        ScheduleEvent(link="a->b", at_round=1, outage_s=1e9),
+        ScheduleEvent(link="a->b", at_round=2, end_outage=True)))
+    with WanEmulator(cfg, ["a", "b"]) as emu:
+        with connect(emu.route("a", "b", sink.address)) as sock:
+            ping(sock, 1)
+            emu.set_round(1)
+            sock.sendall(b"p")
+            sock.settimeout(0.5)
+            with pytest.raises(TimeoutError):   # stalled
+                sock.recv(1)
+            sock.settimeout(10)
+            t = time.monotonic()
+            emu.set_round(2)
+            assert sock.recv(1) == b"p"
+            assert time.monotonic() - t < 0.2
