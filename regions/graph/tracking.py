@@ -19,31 +19,41 @@ Cost: one more vector of the parameters' size on the wire per round.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+# A module (all its parameters, in order) or an explicit list of parameters: the runtime's
+# RegionWorker trains `params` (those that require grad), the simulation whole modules.
+Params = nn.Module | Sequence[torch.Tensor]
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+def _params(model: Params) -> list[torch.Tensor]:
+    return list(model.parameters()) if isinstance(model, nn.Module) else list(model)
 
 
-def load_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
+def flat_params(model: Params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in _params(model)])
+
+
+def load_flat_params(model: Params, flat: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
-        for p in model.parameters():
+        for p in _params(model):
             p.copy_(flat[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
     assert offset == flat.numel(), (offset, flat.numel())
 
 
-def flat_grad(model: nn.Module) -> torch.Tensor:
+def flat_grad(model: Params) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-                      for p in model.parameters()])
+                      for p in _params(model)])
 
 
-def add_to_grads(model: nn.Module, flat: torch.Tensor) -> None:
+def add_to_grads(model: Params, flat: torch.Tensor) -> None:
     offset = 0
-    for p in model.parameters():
+    for p in _params(model):
         piece = flat[offset: offset + p.numel()].view_as(p)
         p.grad = piece.clone() if p.grad is None else p.grad.add_(piece)
         offset += p.numel()
@@ -61,10 +71,19 @@ class GradientTracker:
         self.h: torch.Tensor | None = None
         self._c: torch.Tensor | None = None
 
-    def correct(self, model: nn.Module, first_step_of_round: bool) -> None:
+    def correct(self, model: Params, first_step_of_round: bool) -> None:
         if first_step_of_round or self._c is None:
             g = flat_grad(model)
             self.y = g.clone() if self.y is None else self.y + g - self.h
             self.h = g
             self._c = self.y - g
         add_to_grads(model, self._c)
+
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        # The correction c is recomputed at the first step of every round: y and h are the state.
+        return {"y": self.y, "h": self.h}
+
+    def load_state_dict(self, d: dict[str, torch.Tensor | None]) -> None:
+        self.y = None if d["y"] is None else d["y"].clone()
+        self.h = None if d["h"] is None else d["h"].clone()
+        self._c = None

@@ -1,83 +1,260 @@
-"""gossip: decentralized model mixing; CHOCO-SGD compressed gossip when enabled."""
+"""gossip: decentralized model mixing, no server in the data path (D-PSGD with H local steps).
+
+With `sync.gossip.choco`, CHOCO-SGD (Koloskova et al. 2019, arXiv 1902.00340) through
+geofed.p2p.gossip.ChocoGossip: each region keeps public copies x_hat of itself and its
+in-neighbours, sends Q(x - x_hat_self) and moves x += gamma * sum_j w_ij (x_hat_j - x_hat_self).
+
+With `sync.gossip.tracking`, gradient tracking (regions/graph/tracking.py explains why
+label-skewed regions need it): every inner step's gradient is corrected by the tracker, and the
+tracker vector y travels in the same message as the parameters (one list: params + y), so one
+exchange and one set of public copies serve both.
+
+A missed message must not corrupt a public copy: the sender's x_hat_self moved, the receiver's
+copy of it did not. The receiver marks that peer stale (ChocoGossip leaves it out of the mixing,
+its weight folding into the receiver's own); in its next round, after its own sends, it pulls
+the peer's public copy as it stood at the end of the peer's previous round (every region
+publishes one per round, served by FetchState), resyncs, and applies the peer's message of that
+round. A region that rejoins with a donor's state resets its own public copy and sends nothing
+for one round, so that every neighbour sees it missing and resyncs in turn. Resyncs are rare (a
+lost message, a crash) and cost one FetchState each (the peer's model and gossip state).
+"""
 
 from __future__ import annotations
 
+import io
+import logging
+import math
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from geofed.p2p.gossip import ChocoGossip
+from geofed.p2p.transport import TransportError
+
 from ..exchange import ExchangeResult
+from ..graph.tracking import GradientTracker
 from .common import exchange_metrics
 
 if TYPE_CHECKING:
     from ..worker import RegionWorker, RoundPlan
 
+log = logging.getLogger(__name__)
+KEEP_PUBLISHED = 2  # own public copies kept for resyncing peers: this round's and the last
+
+
+class _PublicCopies(ChocoGossip):
+    """ChocoGossip whose compressor is the round's exchange, with its state in and out.
+
+    ``outgoing(x)`` calls the compressor with Q's input; here that call encodes, pushes to the
+    out-neighbours and collects the in-neighbours' messages (``self.result``), and returns the
+    q every receiver decodes (bit for bit what the payload decodes to).
+    """
+
+    def __init__(self, *, gamma: float, shapes: Sequence[tuple[int, ...]]):
+        super().__init__(gamma=gamma, compressor=self._exchange_as_compressor)
+        self._self_hat = [torch.zeros(s) for s in shapes]  # every copy starts at zero everywhere
+        self.run_exchange = None
+        self.result: ExchangeResult | None = None
+
+    def _exchange_as_compressor(self, diff: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+        self.result = self.run_exchange(diff)
+        q = next(iter(self.result.own_decoded.values()), None)
+        # Sent to nobody: no copy of ours moved anywhere; take the exact difference.
+        return b"", q if q is not None else [d.clone() for d in diff]
+
+    def state(self) -> dict[str, Any]:
+        return {"self": list(self._self_hat), "peers": dict(self._hats), "stale": sorted(self.stale)}
+
+    def load(self, d: Mapping[str, Any]) -> None:
+        self._self_hat = [t.clone() for t in d["self"]]
+        self._hats = {p: [t.clone() for t in v] for p, v in d["peers"].items()}
+        self.stale = set(d["stale"])
+        self._fresh = set()
+
+    def reset(self, own: Sequence[torch.Tensor], peers: Sequence[str]) -> None:
+        """Start over: own copy `own`, every neighbour's copy unknown until resynced."""
+        self._self_hat = [t.detach().to(torch.float32).clone() for t in own]
+        self._hats = {}
+        self.stale = set(peers)
+        self._fresh = set()
+
 
 class GossipSync:
-    """Decentralized gossip on the parameters after H local steps (D-PSGD with local updates).
-
-    With `sync.gossip.choco`, CHOCO-SGD (Koloskova et al. 2019): each region keeps public copies
-    x_hat of itself and its neighbours, sends Q(x - x_hat_self), and moves
-    x += gamma * sum_j w_ij (x_hat_j - x_hat_self). Compression errors do not accumulate.
-    """
+    """Decentralized gossip on the parameters (and the gradient tracker) after H local steps."""
 
     def __init__(self, w: "RegionWorker"):
         self.w = w
-        self.choco = w.cfg.sync.gossip.choco
-        self.gamma = w.cfg.sync.gossip.gamma
-        self.hat_self = [torch.zeros_like(p) for p in w.params]
-        self.hat: dict[str, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
+        g = w.cfg.sync.gossip
+        self.choco_on, self.gamma = g.choco, g.gamma
+        self.tracker = GradientTracker() if g.tracking else None
+        # What worker._validate expects in a message: params, then y in the params' shapes.
+        self.wire_shapes = list(w.shapes) * (2 if self.tracker else 1)
+        self.choco = _PublicCopies(gamma=self.gamma, shapes=self.wire_shapes) if self.choco_on else None
+        self.published: dict[int, list[torch.Tensor]] = {}
+        self.region = w.region
+        self.round = -1
+        self.rejoined = False
+        self._lock = threading.Lock()  # against FetchState threads reading our state mid-round
+        # Dropout draws from torch's global generator: seed it per region so that a run repeats.
+        torch.manual_seed(w.cfg.run.seed * 1000 + w.index)
+        if self.choco is not None:
+            self._publish(-1)
 
+    # -- one round ---------------------------------------------------------------------------
     def run_round(self, plan: "RoundPlan") -> dict[str, Any]:
-        w = self.w
-        metrics = w.inner_steps(plan.H, plan.lr_scale)
+        hook = self._track if self.tracker is not None else None
+        metrics = self.w.inner_steps(plan.H, plan.lr_scale, before_step=hook)
         t0 = time.monotonic()
-        x = [p.detach() for p in w.params]
-        if self.choco:
-            res = self._choco(plan, x)
+        x = self._vector()
+        if self.choco is None:
+            metrics.update(exchange_metrics(self._plain_round(plan, x)))
         else:
-            res = w.exchange(plan, x)
-            mixed = w.mix(plan, x, res)
-            with torch.no_grad():
-                for p, m in zip(w.params, mixed):
-                    p.copy_(m)
+            res, resync = self._choco_round(plan, x)
+            metrics.update(exchange_metrics(res), **resync, stale_peers=sorted(self.choco.stale))
+            metrics["bytes_received"] += resync["resync_bytes"]
+            self._publish(plan.round)
         metrics["sync_s"] = time.monotonic() - t0
-        metrics.update(exchange_metrics(res))
+        self.round = plan.round
         return metrics
 
-    def _choco(self, plan, x) -> ExchangeResult:
-        w = self.w
-        diff = [xi - h for xi, h in zip(x, self.hat_self)]
-        res = w.exchange(plan, diff, single_codec=True)
-        q_self = next(iter(res.own_decoded.values()), diff)
-        for h, q in zip(self.hat_self, q_self):
-            h.add_(q)
-        in_w = w.in_weights(plan.round)
-        for peer, q in res.received.items():
-            copy = self.hat.setdefault(peer, [torch.zeros_like(p) for p in w.params])
-            for h, qi in zip(copy, q):
-                h.add_(qi)
+    def _track(self, k: int) -> None:
+        self.tracker.correct(self.w.params, first_step_of_round=(k == 0))
+
+    def _vector(self) -> list[torch.Tensor]:
+        params = [p.detach() for p in self.w.params]
+        if self.tracker is None:
+            return params
+        return params + _split(self.tracker.y, self.w.shapes)
+
+    def _store(self, mixed: Sequence[torch.Tensor]) -> None:
+        n = len(self.w.params)
         with torch.no_grad():
-            for k, p in enumerate(w.params):
-                step = torch.zeros_like(p)
-                for peer, weight in in_w.items():
-                    if peer in self.hat:
-                        step.add_(self.hat[peer][k] - self.hat_self[k], alpha=weight)
-                p.add_(step, alpha=self.gamma)
+            for p, m in zip(self.w.params, mixed[:n]):
+                p.copy_(m)
+        if self.tracker is not None:
+            self.tracker.y = torch.cat([t.reshape(-1) for t in mixed[n:]]).to(self.tracker.y.dtype)
+
+    def _plain_round(self, plan: "RoundPlan", x: list[torch.Tensor]) -> ExchangeResult:
+        res = self.w.exchange(plan, x)
+        self._store(self.w.mix(plan, x, res))
         return res
 
+    def _choco_round(self, plan: "RoundPlan", x: list[torch.Tensor]) -> tuple[ExchangeResult, dict[str, Any]]:
+        send = not self.rejoined
+        self.choco.run_exchange = lambda diff: self._exchange(plan, diff, send=send)
+        self.choco.outgoing(x)  # the exchange runs in here (no lock: peers may fetch meanwhile)
+        res = self.choco.result
+        # Resync after our own sends, so that fetching never delays our message to anyone; the
+        # copy fetched predates the peer's message of this round, which is applied next.
+        resync = self._resync(plan)
+        with self._lock:
+            for peer, q in res.received.items():
+                self.choco.incoming(peer, q)
+            # All in-neighbours of the topology, up or not: one without a message becomes stale.
+            mixed = self.choco.step(x, self.w.in_weights(plan.round))
+        self._store(mixed)
+        self.rejoined = False
+        return res, resync
+
+    def _exchange(self, plan: "RoundPlan", tensors, *, send: bool) -> ExchangeResult:
+        w = self.w
+        alive = set(plan.alive) if plan.alive is not None else None
+        in_peers = [p for p in w.in_weights(plan.round) if alive is None or p in alive]
+        # One codec for every out-link: all neighbours must apply the same q to our public copy.
+        return w.exchanger.exchange(plan.round, tensors, out_peers=w.out_peers(plan) if send else [],
+                                    in_peers=in_peers, codecs={}, default_codec=w.cfg.compression.codec)
+
+    # -- public copies: publish, resync ------------------------------------------------------
+    def _publish(self, round_: int) -> None:
+        """Own public copy at the end of `round_`, for peers that resync (never mutated later)."""
+        snap = self.choco.public_copy()
+        kept = {r: v for r, v in self.published.items() if r > round_ - KEEP_PUBLISHED}
+        kept[round_] = snap
+        self.published = kept  # rebinding, so a FetchState thread sees the old or the new dict
+
+    def _resync(self, plan: "RoundPlan") -> dict[str, Any]:
+        """Pull the public copy of every stale in-neighbour that is up; failures stay stale."""
+        alive = set(plan.alive) if plan.alive is not None else None
+        todo = sorted(p for p in self.choco.stale if alive is None or p in alive)
+        done, nbytes = [], 0
+        for peer in todo:
+            try:
+                data = self.w.transport.fetch_state(peer, timeout_s=self.w.cfg.sync.deadline.max_s)
+                nbytes += len(data)
+                snap = self._copy_from_state(peer, data, plan.round)
+            except (TransportError, ValueError) as exc:
+                log.warning("%s: resync with %s failed (%s); it stays out of the mixing", self.region, peer, exc)
+                continue
+            with self._lock:
+                self.choco.resync(peer, snap)
+            done.append(peer)
+        return {"resynced": done, "resync_bytes": nbytes}
+
+    def _copy_from_state(self, peer: str, data: bytes, round_: int) -> list[torch.Tensor]:
+        """`peer`'s public copy as of the end of its last round before `round_`, checked."""
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True)
+            published = state["algorithm"]["published"]
+        except Exception as exc:  # noqa: BLE001 - a peer's bytes: any failure means unusable
+            raise ValueError(f"state of {peer} is unreadable: {type(exc).__name__}: {exc}") from None
+        before = [r for r in published if isinstance(r, int) and r < round_]
+        if not before:
+            raise ValueError(f"{peer} published no public copy before round {round_}")
+        snap = published[max(before)]
+        shapes = [tuple(t.shape) for t in snap] if isinstance(snap, list) else None
+        if shapes != [tuple(s) for s in self.wire_shapes]:
+            raise ValueError(f"public copy of {peer} has shapes {shapes}, expected {self.wire_shapes}")
+        if not all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in snap):
+            raise ValueError(f"public copy of {peer} is not finite float32")
+        return snap
+
+    # -- state -------------------------------------------------------------------------------
     def finish(self) -> dict:
         return {}
 
     def state_dict(self) -> dict:
-        return {"hat_self": self.hat_self, "hat": self.hat}
+        with self._lock:
+            d: dict[str, Any] = {"region": self.region, "round": self.round, "published": dict(self.published)}
+            if self.choco is not None:
+                d["choco"] = self.choco.state()
+        if self.tracker is not None:
+            d["tracker"] = self.tracker.state_dict()
+        return d
 
     def load_state_dict(self, d: dict) -> None:
-        self.hat_self = [t.clone() for t in d["hat_self"]]
-        self.hat = {k: [t.clone() for t in v] for k, v in d["hat"].items()}
+        if d.get("region") != self.region:
+            self._rejoin_from(d)
+            return
+        self.round = int(d["round"])
+        self.published = {int(r): [t.clone() for t in v] for r, v in d["published"].items()}
+        if self.choco is not None:
+            self.choco.load(d["choco"])
+        if self.tracker is not None:
+            self.tracker.load_state_dict(d["tracker"])
+
+    def _rejoin_from(self, donor: dict) -> None:
+        """The worker loaded a donor's model (catch_up): our public copies no longer match
+        anyone's. The tracker stays ours (restored from our checkpoint, or fresh)."""
+        self.round = int(donor["round"])
+        if self.choco is None:
+            return
+        y = self.tracker.y if self.tracker is not None else None
+        own = [p.detach() for p in self.w.params]
+        if self.tracker is not None:
+            own += _split(y, self.w.shapes) if y is not None else [torch.zeros(s) for s in self.w.shapes]
+        with self._lock:
+            self.choco.reset(own, list(self.w.in_weights(self.round + 1)))
+        self.published = {}
+        self._publish(self.round)
+        self.rejoined = True
 
     def close(self) -> None:
         pass
+
+
+def _split(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    sizes = [math.prod(s) for s in shapes]
+    return [t.view(s) for t, s in zip(flat.split(sizes), shapes)]
