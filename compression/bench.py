@@ -2,8 +2,9 @@
 with two reference points measured in the same run: a bf16 cast into a preallocated buffer
 (the memory-bandwidth ceiling of any codec) and a five-line per-tensor absmax int8.
 
-Speeds are the best of --repeat timed runs after one warm-up, in MB/s of fp32 input (decode:
-of fp32 output; "decode into buffer" reuses one output buffer, as a receiver can with
+Speeds are the best of --repeat rounds (each round times every codec and reference once, so
+a burst of load hits one sample of each, not all of one) after a warm-up, in MB/s of fp32
+(encode: of the input; decode: of the output; "decode into buffer" reuses one output buffer, as a receiver can with
 `decode_update(..., out=buf)`, and so skips the page faults of a fresh result). The input is
 N(0, 1) noise shaped as the most square matrix with N elements (the worst case for PowerSGD
 and top-k, which gain from the structure real updates have).
@@ -34,13 +35,25 @@ FAST_KINDS = {"fp16", "bf16", "int8", "int4", "sign"}
 RATIO_TARGETS = {"int8": 3.9, "int4": 7.5, "sign": 30.0}
 
 
-def _best(fn: Callable[[], Any], repeat: int) -> float:
-    fn()  # warm-up: allocator, page faults, lazy inits
-    best = math.inf
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _round_robin(jobs: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Best time of each job over `repeat` rounds that each run every job once.
+
+    Other engineers' load comes in bursts of seconds: spreading each job's samples over the
+    whole run (instead of back to back) lets the best-of skip a burst, and keeps a codec and
+    the references it is compared with under the same conditions.
+    """
+    for fn in jobs.values():
+        fn()  # warm-up: allocator, page faults, lazy inits
+    best = dict.fromkeys(jobs, math.inf)
     for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+        for key, fn in jobs.items():
+            best[key] = min(best[key], _timed(fn))
     return best
 
 
@@ -58,35 +71,45 @@ def _int8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _references(x: torch.Tensor, repeat: int) -> dict[str, float]:
-    mb = 4 * x.numel() / 1e6
-    buf = torch.empty(x.numel(), dtype=torch.bfloat16)
-    flat = x.view(-1)
-    return {
-        "bf16-into-buffer": mb / _best(lambda: buf.copy_(flat), repeat),
-        "int8-per-tensor": mb / _best(lambda: _int8_per_tensor(flat), repeat),
-    }
-
-
-def measure_codec(spec: Any, x: torch.Tensor, repeat: int) -> dict[str, Any]:
+def _jobs(spec: Any, x: torch.Tensor, state: CodecState, ef_state: CodecState, buf: torch.Tensor):
+    """The timed jobs of one codec, and what is measured once (ratio, error). The states and
+    the output buffer are shared by every codec (a stream may switch codecs): 25M floats
+    times ten codecs of residuals would otherwise take gigabytes."""
     codec = make_codec(spec)
-    mb = 4 * x.numel() / 1e6
-    state = CodecState(error_feedback=False, seed=1)
     payload = encode_update(codec, [x], state)
-    enc = _best(lambda: encode_update(codec, [x], state), repeat)
-    ef_speed = None
-    if codec.contractive and not codec.lossless:
-        ef_state = CodecState(error_feedback=True, seed=1)
-        ef_speed = mb / _best(lambda: encode_update(codec, [x], ef_state), repeat)
     max_bytes = 4 * x.numel() + (1 << 20)
-    dec = _best(lambda: decode_update(payload, max_bytes=max_bytes), repeat)
-    buf = torch.empty(x.numel())
-    dec_buf = _best(lambda: decode_update(payload, max_bytes=max_bytes, out=buf), repeat)
+    jobs = {"encode": lambda: encode_update(codec, [x], state),
+            "decode": lambda: decode_update(payload, max_bytes=max_bytes),
+            "decode_buf": lambda: decode_update(payload, max_bytes=max_bytes, out=buf)}
+    if codec.contractive and not codec.lossless:
+        jobs["encode_ef"] = lambda: encode_update(codec, [x], ef_state)
     (out,) = decode_update(payload, max_bytes=max_bytes)
     rel = float(torch.linalg.vector_norm(out - x) / torch.linalg.vector_norm(x)) if x.numel() else 0.0
-    return {"codec": codec.name, "kind": codec.kind, "spec": codec.spec(), "numel": x.numel(),
-            "ratio": 4 * x.numel() / len(payload), "encode_mb_s": mb / enc, "encode_ef_mb_s": ef_speed,
-            "decode_mb_s": mb / dec, "decode_into_buffer_mb_s": mb / dec_buf, "rel_error": rel}
+    row = {"codec": codec.name, "kind": codec.kind, "spec": codec.spec(), "numel": x.numel(),
+           "ratio": 4 * x.numel() / len(payload), "rel_error": rel}
+    return jobs, row
+
+
+def measure(x: torch.Tensor, specs: Sequence[Any], repeat: int) -> tuple[list[dict], dict[str, float]]:
+    """Rows for every codec and the two references, all timed round-robin."""
+    mb = 4 * x.numel() / 1e6
+    flat = x.view(-1)
+    ceiling = torch.empty(x.numel(), dtype=torch.bfloat16)
+    jobs: dict[str, Callable[[], Any]] = {"ref/bf16-into-buffer": lambda: ceiling.copy_(flat),
+                                          "ref/int8-per-tensor": lambda: _int8_per_tensor(flat)}
+    rows = []
+    shared = CodecState(error_feedback=False, seed=1), CodecState(error_feedback=True, seed=1), torch.empty(x.numel())
+    for i, spec in enumerate(specs):
+        codec_jobs, row = _jobs(spec, x, *shared)
+        jobs.update({f"{i}/{k}": fn for k, fn in codec_jobs.items()})
+        rows.append(row)
+    best = _round_robin(jobs, repeat)
+    for i, row in enumerate(rows):
+        ef = best.get(f"{i}/encode_ef")
+        row.update(encode_mb_s=mb / best[f"{i}/encode"], encode_ef_mb_s=None if ef is None else mb / ef,
+                   decode_mb_s=mb / best[f"{i}/decode"], decode_into_buffer_mb_s=mb / best[f"{i}/decode_buf"])
+    refs = {k.split("/", 1)[1]: mb / v for k, v in best.items() if k.startswith("ref/")}
+    return rows, refs
 
 
 def _targets(results: list[dict], refs: dict[int, dict[str, float]], powersgd_ratio: float) -> list[dict]:
@@ -123,10 +146,7 @@ def run(numels: Sequence[int], specs: Sequence[Any], repeat: int) -> dict[str, A
     gen = torch.Generator().manual_seed(0)
     for n in numels:
         x = torch.randn(_shape(n), generator=gen)
-        before = _references(x, repeat)
-        rows = [measure_codec(s, x, repeat) for s in specs]
-        after = _references(x, repeat)  # others' load drifts: keep the better of two
-        refs[n] = {k: max(before[k], after[k]) for k in before}
+        rows, refs[n] = measure(x, specs, repeat)
         reference += [{"name": k, "numel": n, "encode_mb_s": v} for k, v in refs[n].items()]
         results += rows
         del x
@@ -141,7 +161,7 @@ def _print_table(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 120))
-    t = Table(title=f"codecs ({doc['threads']} torch thread, best of {doc['repeat']}; MB/s of fp32)")
+    t = Table(title=f"codecs ({doc['threads']} torch thread, best of {doc['repeat']} rounds; MB/s of fp32)")
     for col in ("codec", "numel", "ratio", "encode MB/s", "encode+EF MB/s", "decode MB/s", "decode→buf MB/s", "rel error"):
         t.add_column(col, justify="left" if col == "codec" else "right")
     for r in doc["results"]:
@@ -171,7 +191,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="update sizes in floats (default: 1000000 25000000)")
     p.add_argument("--codec", nargs="+", default=None, metavar="SPEC",
                    help='codecs as names or JSON specs, e.g. int8 \'{"kind":"topk","fraction":0.001}\' (default: all)')
-    p.add_argument("--repeat", type=int, default=5, help="timed runs per measurement; the best counts (default 5)")
+    p.add_argument("--repeat", type=int, default=7, help="timed rounds over every codec; the best counts (default 7)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: codecs run on one thread)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--check", action="store_true", help="exit 1 when an applicable target fails")
