@@ -163,7 +163,7 @@ class Runner:
                 t_end = self.clock.now()
                 self.coordinator.observe(results)
                 mb_sent += sum(m["bytes_sent"] for m in results.values()) / 1e6
-                self._log_round(r, results, t_start, t_end)
+                self._log_round(r, results, t_start, t_end, extra=self._consensus() if evaluate else None)
                 self.next_round = r + 1
                 if cfg.run.checkpoint_every and (r + 1) % cfg.run.checkpoint_every == 0:
                     self._checkpoint(r)
@@ -227,7 +227,19 @@ class Runner:
             if self.progress is not None:
                 self.progress.log(f"[green]region {region} rejoined at round {r} (checkpoint {restored}, state from {donor})")
 
-    def _log_round(self, r: int, results, t_start: float, t_end: float) -> None:
+    def _consensus(self) -> dict[str, Any]:
+        """Eval rounds: the averaged model's metric and how far apart the regions' models are
+        (what gossip drives to zero); rounds.jsonl keeps them, the report plots them."""
+        handles = [self.actors.handles[reg] for reg in self.alive]
+        try:
+            params = dict(zip(self.alive, ray.get([h.get_params.remote() for h in handles], timeout=600)))
+        except ray.exceptions.RayError as exc:  # a region died since its round: next eval round
+            log.warning("consensus distance skipped this round: %s", exc)
+            return {}
+        avg, consensus = evaluate_average(self.cfg, params)
+        return {"consensus_distance": consensus, "eval_avg": avg}
+
+    def _log_round(self, r: int, results, t_start: float, t_end: float, extra: dict | None = None) -> None:
         for region in self.regions:
             if region in results:
                 self.metrics_log.write(results[region])
@@ -249,7 +261,7 @@ class Runner:
             "links": links, "alive": list(self.alive),
             "mean_train_loss": sum(losses) / len(losses) if losses else None,
             "utilization": sum(m["utilization"] for m in results.values()) / max(1, len(results)),
-            "bytes_sent": sum(m["bytes_sent"] for m in results.values())})
+            "bytes_sent": sum(m["bytes_sent"] for m in results.values()), **(extra or {})})
 
     # -- checkpoints, resume, end ------------------------------------------------------------
     def _checkpoint(self, r: int) -> None:
