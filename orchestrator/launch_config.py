@@ -52,17 +52,20 @@ class RayPorts:
 @dataclass(frozen=True, kw_only=True)
 class SetupSection:
     venv: str = field(default="/opt/geofed/venv", metadata=_doc("virtual environment created on every node"))
-    python: str = field(default="python3.11", metadata=_doc("interpreter the venv is made from (the driver's version: Ray requires one Python across nodes)"))
+    python: str | None = field(
+        default=None, metadata=_doc("interpreter the venv is made from (null: pythonX.Y of the machine making the plan; Ray needs one Python version on every node and the driver)"))
     torch: str = field(default="torch==2.13.0", metadata=_doc("torch requirement, installed first so that pip does not pull another build"))
     torch_index_url: str | None = field(
         default="https://download.pytorch.org/whl/cpu",
         metadata=_doc("index of the torch wheel; the CPU index keeps a CPU node from pulling a multi-GB CUDA build (null: PyPI)"))
     package: str = field(default="geofed", metadata=_doc("pip requirement that installs geofed (a wheel path, a git URL, ...)"))
+    ray: str | None = field(
+        default=None, metadata=_doc("Ray requirement (null: ray[default]==the version installed where the plan is made; every node and the driver must run the same Ray)"))
     extra_commands: tuple[str, ...] = field(default=(), metadata=_doc("more shell commands run on every node after installing (data, sysctl, ...)"))
 
     def __post_init__(self):
-        for key in ("venv", "python", "torch", "package"):
-            if not getattr(self, key).strip():
+        for key in ("venv", "python", "torch", "package", "ray"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
                 raise ValueError(f"{key}: must not be empty")
         if not self.venv.startswith("/"):
             raise ValueError(f"venv: must be an absolute path, got {self.venv!r}")
