@@ -15,7 +15,14 @@ from . import quant as _quant  # noqa: F401
 from . import sparse as _sparse  # noqa: F401
 from .base import Codec, CodecError, Section, codec_names, make_codec
 from .state import CodecState
-from .update import choco_encode, choco_update, decode_update, encode_and_decode, encode_update, inspect_update
+from .update import (
+    choco_encode,
+    choco_update,
+    decode_update,
+    encode_and_decode,
+    encode_update,
+    inspect_update,
+)
 
 __all__ = [
     "Codec",

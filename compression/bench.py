@@ -112,30 +112,32 @@ def measure(x: torch.Tensor, specs: Sequence[Any], repeat: int) -> tuple[list[di
     return rows, refs
 
 
+def _codec_targets(r: dict, ref: dict[str, float]) -> list[tuple[str, float, float, bool]]:
+    """(text, value, threshold, applies at any size) of one result row."""
+    kind = r["kind"]
+    out = []
+    if kind in FAST_KINDS:
+        out.append(("encode >= 1000 MB/s", r["encode_mb_s"], 1000.0, False))
+    if kind in ("topk", "powersgd"):
+        out.append(("encode >= 300 MB/s", r["encode_mb_s"], 300.0, False))
+    out.append(("decode >= 1000 MB/s", r["decode_mb_s"], 1000.0, False))
+    out.append(("encode >= 0.1x bf16-into-buffer", r["encode_mb_s"] / ref["bf16-into-buffer"], 0.1, False))
+    if kind == "int8" and not r["spec"].get("stochastic"):
+        out.append(("encode >= 0.8x int8-per-tensor", r["encode_mb_s"] / ref["int8-per-tensor"], 0.8, False))
+    if kind in RATIO_TARGETS:
+        out.append((f"ratio >= {RATIO_TARGETS[kind]}", r["ratio"], RATIO_TARGETS[kind], True))
+    if kind == "topk" and math.isclose(r["spec"]["fraction"], 0.01):
+        out.append(("ratio >= 60", r["ratio"], 60.0, True))
+    return out
+
+
 def _targets(results: list[dict], refs: dict[int, dict[str, float]], powersgd_ratio: float) -> list[dict]:
     out = [{"target": "powersgd rank 4 ratio on a 1000x1000 matrix >= 100", "numel": 1_000_000,
             "value": powersgd_ratio, "threshold": 100.0, "applies": True}]
     for r in results:
-        n, kind, name = r["numel"], r["kind"], r["codec"]
-        ref = refs[n]
-        applies = n >= TARGET_NUMEL
-
-        def add(text, value, threshold, always=False):
-            out.append({"target": f"{name}: {text}", "numel": n, "value": value, "threshold": threshold,
-                        "applies": always or applies})
-
-        if kind in FAST_KINDS:
-            add("encode >= 1000 MB/s", r["encode_mb_s"], 1000.0)
-        if kind in ("topk", "powersgd"):
-            add("encode >= 300 MB/s", r["encode_mb_s"], 300.0)
-        add("decode >= 1000 MB/s", r["decode_mb_s"], 1000.0)
-        add("encode >= 0.1x bf16-into-buffer", r["encode_mb_s"] / ref["bf16-into-buffer"], 0.1)
-        if kind == "int8" and not r["spec"].get("stochastic"):
-            add("encode >= 0.8x int8-per-tensor", r["encode_mb_s"] / ref["int8-per-tensor"], 0.8)
-        if kind in RATIO_TARGETS:
-            add(f"ratio >= {RATIO_TARGETS[kind]}", r["ratio"], RATIO_TARGETS[kind], always=True)
-        if kind == "topk" and math.isclose(r["spec"]["fraction"], 0.01):
-            add("ratio >= 60", r["ratio"], 60.0, always=True)
+        for text, value, threshold, always in _codec_targets(r, refs[r["numel"]]):
+            out.append({"target": f"{r['codec']}: {text}", "numel": r["numel"], "value": value,
+                        "threshold": threshold, "applies": always or r["numel"] >= TARGET_NUMEL})
     for t in out:
         t["pass"] = bool(t["value"] >= t["threshold"])
     return out

@@ -6,9 +6,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from geofed.compression import (
     CodecError,
     CodecState,
@@ -19,6 +16,8 @@ from geofed.compression import (
     inspect_update,
     make_codec,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch.set_num_threads(1)
 MAX = 1 << 26
