@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from geofed.p2p.gossip import mix  # re-exported: weights of missing peers fold into self
@@ -14,4 +15,27 @@ def exchange_metrics(res: ExchangeResult) -> dict[str, Any]:
             "transfers": res.transfers, "peers_missing": res.missing, "wait_s": round(res.wait_s, 6),
             "send_failures": res.send_failures}
 
-__all__ = ["exchange_metrics", "mix"]
+
+def no_exchange_metrics() -> dict[str, Any]:
+    """The exchange keys of a round in which no exchange completed (overlap's first round):
+    every round's record has them, so sums over rounds never miss a key."""
+    return {"bytes_sent": 0, "bytes_received": 0, "transfers": [], "peers_missing": [], "wait_s": 0.0,
+            "send_failures": {}}
+
+
+def merge_exchange_metrics(into: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
+    """Add a second exchange's metrics to a round's (overlap: a round that also flushes the
+    exchange still in flight reports both); keys other than the exchange's are overwritten."""
+    for key, value in more.items():
+        if key in ("bytes_sent", "bytes_received", "wait_s") and key in into:
+            into[key] = into[key] + value
+        elif key in ("transfers", "peers_missing") and key in into:
+            into[key] = list(into[key]) + [v for v in value if key == "transfers" or v not in into[key]]
+        elif key == "send_failures" and key in into:
+            into[key] = {**into[key], **value}
+        else:
+            into[key] = value
+    return into
+
+
+__all__ = ["exchange_metrics", "merge_exchange_metrics", "mix", "no_exchange_metrics"]

@@ -1,6 +1,17 @@
 """diloco: H inner steps, pseudo-gradient delta = global - local, mixed over the topology, outer
-SGD+Nesterov on the global copy (DiLoCo, arXiv 2311.08105). With overlap the exchange of round r
-runs while round r+1 computes and is applied one round late."""
+SGD+Nesterov on the global copy (DiLoCo, arXiv 2311.08105).
+
+With overlap (streaming, as overlapped/streaming DiLoCo do) the exchange of round r runs in a
+background thread while round r+1 computes, and its outer update is applied one round late:
+round r+1 starts from the global model that includes rounds up to r-1, its pseudo-gradient is
+taken against that model, and at its end the region waits (only if the network was slower than
+the compute) for round r's exchange, applies it and hands round r+1's exchange to the thread.
+`finish()` applies the last one, so the final model includes every round.
+
+Metrics: a round reports the exchange that *completed* in it (overlap: the previous round's,
+`exchange_round` says which; none in the first round), `overlap_wait_s` the time the region sat
+blocked on it, and `sync_s` everything between the end of its compute and the end of the round.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..exchange import ExchangeResult
-from .common import exchange_metrics
+from .common import exchange_metrics, no_exchange_metrics
 
 if TYPE_CHECKING:
     from ..worker import RegionWorker, RoundPlan
@@ -28,22 +38,26 @@ class DilocoSync:
                                          nesterov=outer.nesterov and outer.momentum > 0)
         self.overlap = w.cfg.sync.overlap
         self._pending: Future | None = None
+        self._pending_round: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap") if self.overlap else None
 
     def run_round(self, plan: "RoundPlan") -> dict[str, Any]:
         w = self.w
-        snapshot = [p.detach().clone() for p in w.params] if self.overlap else self.global_params
         metrics = w.inner_steps(plan.H, plan.lr_scale)
-        delta = [s - p.detach() for s, p in zip(snapshot, w.params)]
+        # The region started this round from global_params (loaded at the end of the last one)
+        # and overlap changes global_params only below: no snapshot is needed.
+        delta = [g.detach() - p.detach() for g, p in zip(self.global_params, w.params)]
         t0 = time.monotonic()
         if not self.overlap:
             res = w.exchange(plan, delta)
-            self._apply(res, delta, plan)
+            self._outer_step(w.mix(plan, delta, res))
+            self._load_global()
             metrics.update(exchange_metrics(res))
         else:
-            if self._pending is not None:
-                metrics.update(self._finish_pending())
+            metrics.update(self._finish_pending() if self._pending is not None else
+                           {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
             self._pending = self._pool.submit(self._exchange_and_mix, plan, delta)
+            self._pending_round = plan.round
             self._load_global()
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
@@ -57,15 +71,15 @@ class DilocoSync:
         return res, self.w.mix(plan, delta, res)
 
     def _finish_pending(self) -> dict[str, Any]:
-        res, mixed = self._pending.result(timeout=self.w.cfg.sync.deadline.max_s * 2 + 60)
-        self._pending = None
+        t0 = time.monotonic()
+        try:
+            res, mixed = self._pending.result(timeout=self.w.cfg.sync.deadline.max_s * 2 + 60)
+        finally:
+            self._pending, exchange_round, self._pending_round = None, self._pending_round, None
+        waited = time.monotonic() - t0
         self._outer_step(mixed)
         self._load_global()
-        return exchange_metrics(res)
-
-    def _apply(self, res: ExchangeResult, delta, plan) -> None:
-        self._outer_step(self.w.mix(plan, delta, res))
-        self._load_global()
+        return {**exchange_metrics(res), "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6)}
 
     def _outer_step(self, mixed: list[torch.Tensor]) -> None:
         for g, m in zip(self.global_params, mixed):
