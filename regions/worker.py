@@ -24,6 +24,7 @@ from geofed.p2p.topology import make_topology
 
 from . import checkpoint
 from .sync import ALGORITHMS, mix
+from .sync.common import merge_exchange_metrics
 from .exchange import Exchanger
 from .tasks import make_task
 from .transport_factory import make_transport
@@ -39,6 +40,7 @@ class RoundPlan:
     lr_scale: float = 1.0
     evaluate: bool = False
     alive: tuple[str, ...] | None = None  # regions the coordinator believes are up (None: all)
+    final: bool = False  # the run's last round: apply an exchange still in flight (overlap) before returning
 
 
 class RegionWorker:
@@ -100,8 +102,10 @@ class RegionWorker:
         t_start = time.time()
         metrics = self.algorithm.run_round(plan)
         self.completed_round = plan.round
+        if plan.evaluate or plan.final:
+            # Overlap: the round's own exchange is still in flight; its bytes add to this round's.
+            merge_exchange_metrics(metrics, self.finish_pending())
         if plan.evaluate:
-            metrics.update(self.finish_pending())
             metrics["eval"] = self.evaluate()
         wall = time.time() - t_start
         metrics.update({"round": plan.round, "region": self.region, "H": plan.H,
