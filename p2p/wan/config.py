@@ -93,6 +93,10 @@ class EmulationConfig:
     bind_host: str = field(default="127.0.0.1", metadata={"doc": "address the proxy listens on (proxy mode)"})
     max_buffer_mb: float = field(default=32.0, metadata={"doc": "cap on the bytes one direction of one connection holds in flight"})
     endpoints_in_netns: bool = field(default=False, metadata={"doc": "kernel mode: servers and clients run inside the region namespaces (ip netns exec); false: in the host namespace, relayed through them"})
+    kernel_latency: Literal["proxy", "packet"] = field(
+        default="proxy", metadata={"doc": "kernel mode: proxy: latency/jitter/loss/outages by the TCP proxy over veth pairs; packet: by a user-space "
+                                          "IP packet delay line over TUN pairs (delays handshake and ACKs, TCP sees the RTT; Python: a few hundred Mbit/s)"})
+    kernel_mtu: int = field(default=1500, metadata={"doc": "kernel mode: MTU of the links between namespaces"})
     netns_prefix: str = field(default="gfw", metadata={"doc": "kernel mode: namespace name prefix (`geofed net cleanup` removes <prefix>*)"})
     tbf_burst_kb: int = field(default=64, metadata={"doc": "kernel mode: tbf burst in KiB (kept fixed: shrinking it mid-flow stalls)"})
 
@@ -110,5 +114,7 @@ class EmulationConfig:
             raise ValueError(f"max_buffer_mb: must be in [0.25, 4096], got {self.max_buffer_mb}")
         if not _NETNS_PREFIX_RE.match(self.netns_prefix):
             raise ValueError(f"netns_prefix: must match {_NETNS_PREFIX_RE.pattern}, got {self.netns_prefix!r}")
+        if not 576 <= self.kernel_mtu <= 65000:
+            raise ValueError(f"kernel_mtu: must be in [576, 65000], got {self.kernel_mtu}")
         if not 16 <= self.tbf_burst_kb <= 65536:
             raise ValueError(f"tbf_burst_kb: must be in [16, 65536], got {self.tbf_burst_kb}")

@@ -14,7 +14,7 @@ from .config import EmulationConfig, LinkSpec, ScheduleEvent
 from .links import LinkTable, Pair, link_name
 from .presets import load_preset
 from .proxy import Proxy, Route, open_tcp
-from .relay import Relay
+from .relay import Relay, tcp_opener
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,11 @@ class WanEmulator:
         self.kernel = None
         if config.mode == "kernel":
             from .kernel import KernelNet  # only kernel mode pays for (and checks) root + tc
-            self.kernel = KernelNet(self.regions, prefix=config.netns_prefix, burst_kb=config.tbf_burst_kb)
+            self.kernel = KernelNet(self.regions, prefix=config.netns_prefix, burst_kb=config.tbf_burst_kb,
+                                    tun=config.kernel_latency == "packet", mtu=config.kernel_mtu)
+        self.packet = self.kernel is not None and self.kernel.tun
+        self._packet_paths: list = []
+        self._packet_routes: dict[tuple[str, str, str], str] = {}
         self.proxy = Proxy(table=self.table, clock=self.clock, seed=config.seed,
                            cap_bytes=int(config.max_buffer_mb * 2**20),
                            open_upstream=self._open_kernel if self.kernel is not None else open_tcp,
@@ -94,11 +98,28 @@ class WanEmulator:
                 raise RuntimeError(f"WanEmulator: event loop did not start within {START_TIMEOUT_S} s")
             for route in self._routes.values():
                 self._call(self.proxy.serve(route))
+            if self.packet:
+                self._call(self._start_packet_paths())
             self._fire_due_time_events()
             self._timer = asyncio.run_coroutine_threadsafe(self._run_schedule(), self._loop)
             return self
 
+    async def _start_packet_paths(self) -> None:
+        import random
+
+        from .delayline import PacketPath
+        assert self.kernel is not None
+        loop = asyncio.get_running_loop()
+        for i, (a, b) in enumerate(self.table.pairs):
+            path = PacketPath(pair=(a, b), read_fd=self.kernel.tun_fds[(a, b)], write_fd=self.kernel.tun_fds[(b, a)],
+                              table=self.table, link=self.proxy.links[(a, b)], clock=self.clock,
+                              rng=random.Random(self.config.seed * 1_000_003 + i), cap_bytes=self.proxy.cap_bytes)
+            path.start(loop)
+            self._packet_paths.append(path)
+
     async def _close_all(self) -> None:
+        for path in self._packet_paths:
+            path.stop()
         await self.proxy.close()
         for relay in self._relays:
             await relay.close()
@@ -172,6 +193,12 @@ class WanEmulator:
             if self._stopped:
                 raise RuntimeError("WanEmulator: route() after stop()")
             key = (src, dst, target)
+            if self.kernel is not None and self._t0 is None:
+                raise RuntimeError("WanEmulator.route: kernel mode makes its namespaces in start(); call start() first")
+            if self.packet:
+                if key not in self._packet_routes:
+                    self._packet_routes[key] = self._packet_route(src, dst, host, port)
+                return self._packet_routes[key]
             if key in self._routes:
                 return self._routes[key].address
             sock = self._listen_socket(src)
@@ -186,35 +213,34 @@ class WanEmulator:
             return route.address
 
     def _kernel_upstream(self, src: str, dst: str, host: str, port: int) -> tuple[str, int]:
+        """Where the proxy's socket in `src`'s namespace dials: `dst`'s server or a relay to it."""
         assert self.kernel is not None
         peer = self.kernel.peer_address(src, dst)
         if self.config.endpoints_in_netns:
             return peer, port
-        sock = self.kernel.socket_in(dst, socket.AF_INET)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((peer, 0))
-            sock.listen(128)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        relay = Relay(sock, host, port)
+        return peer, self._relay(self._listen_on(self.kernel.socket_in(dst), peer), tcp_opener(host, port), f"{dst} in")
+
+    def _packet_route(self, src: str, dst: str, host: str, port: int) -> str:
+        """kernel_latency packet: no proxy; relays carry host endpoints into and out of the namespaces."""
+        assert self.kernel is not None and self._t0 is not None, "kernel mode: start() first"
+        peer = self.kernel.peer_address(src, dst)
+        if self.config.endpoints_in_netns:
+            return f"{peer}:{port}"
+        inner = self._relay(self._listen_on(self.kernel.socket_in(dst), peer), tcp_opener(host, port), f"{dst} in")
+        outer = self._listen_on(socket.socket(socket.AF_INET6 if ":" in self.config.bind_host else socket.AF_INET),
+                                self.config.bind_host)
+        self._relay(outer, lambda: self._open_in(src, (peer, inner)), f"{src} out")
+        bound_host, bound_port = outer.getsockname()[:2]
+        return f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
+
+    def _relay(self, sock: socket.socket, opener, name: str) -> int:
+        relay = Relay(sock, opener, name)
         self._call(relay.start())
         self._relays.append(relay)
-        return peer, sock.getsockname()[1]
+        return sock.getsockname()[1]
 
-    def _listen_socket(self, src: str) -> socket.socket:
-        # Bound on the caller's thread, so the address is known at once, also before start().
-        if self.kernel is not None and self._t0 is None:
-            raise RuntimeError("WanEmulator.route: kernel mode makes its namespaces in start(); call start() first")
-        if self.kernel is not None and self.config.endpoints_in_netns:
-            sock = self.kernel.socket_in(src, socket.AF_INET)
-            host = "127.0.0.1"
-        else:
-            family = socket.AF_INET6 if ":" in self.config.bind_host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            host = self.config.bind_host
+    @staticmethod
+    def _listen_on(sock: socket.socket, host: str) -> socket.socket:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, 0))
@@ -225,13 +251,24 @@ class WanEmulator:
             raise
         return sock
 
+    def _listen_socket(self, src: str) -> socket.socket:
+        # Bound on the caller's thread, so the address is known at once, also before start().
+        if self.kernel is not None and self.config.endpoints_in_netns:
+            return self._listen_on(self.kernel.socket_in(src), "127.0.0.1")
+        family = socket.AF_INET6 if ":" in self.config.bind_host else socket.AF_INET
+        return self._listen_on(socket.socket(family, socket.SOCK_STREAM), self.config.bind_host)
+
     async def _open_kernel(self, route: Route):
+        assert route.upstream is not None
+        return await self._open_in(route.src, route.upstream)
+
+    async def _open_in(self, region: str, address: tuple[str, int]):
+        """A connection to `address` from a socket in `region`'s namespace (so it crosses that region's links)."""
         assert self.kernel is not None
-        sock = self.kernel.socket_in(route.src, socket.AF_INET)
+        sock = self.kernel.socket_in(region, socket.AF_INET)
         sock.setblocking(False)
         try:
-            assert route.upstream is not None
-            await asyncio.get_running_loop().sock_connect(sock, route.upstream)
+            await asyncio.get_running_loop().sock_connect(sock, address)
         except BaseException:
             sock.close()
             raise

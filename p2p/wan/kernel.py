@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import logging
 import os
 import secrets
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -24,12 +26,14 @@ log = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
 TC_TIMEOUT_S = 10.0
 # tbf counts wire bytes; the proxy and the presets count payload. A full 1500-byte packet carries
-# 1448 bytes of TCP payload (timestamps on) in 1514 bytes on the veth, so tbf gets the rate x 1514/1448.
+# 1448 bytes of TCP payload (timestamps on) in 1514 bytes on a veth, so tbf gets the rate x 1514/1448
+# (KernelNet.overhead generalises it to other MTUs and to TUN devices).
 WIRE_OVERHEAD = 1514 / 1448
 TBF_QUEUE_S = 0.05
 # tbf needs a burst of a few ms at high rates (64 KiB at 500 Mbit/s reached only 70-80%), but a
 # burst is also a free head start, so it grows with the rate: max(configured, rate x 3 ms).
 TBF_BURST_S = 0.003
+TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
 
 
 def kernel_unavailable() -> str | None:
@@ -102,35 +106,52 @@ def _setns(path: str) -> None:
         os.close(fd)
 
 
-def socket_in_namespace(name: str, family: int = socket.AF_INET, kind: int = socket.SOCK_STREAM) -> socket.socket:
-    """A socket that lives in network namespace `name`.
+def in_namespace(name: str, make):
+    """`make()` run in network namespace `name`: what it creates (a socket, a TUN device) stays there.
 
-    The network namespace is per thread, and a socket stays in the namespace it was made in,
-    so a short-lived thread enters the namespace, makes the socket and ends.
+    The network namespace is per thread, so a short-lived thread enters the namespace, runs
+    `make` and ends.
     """
     box: dict = {}
 
-    def make():
+    def run():
         try:
             _setns(f"/var/run/netns/{name}")
-            box["sock"] = socket.socket(family, kind)
+            box["value"] = make()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = exc
 
-    t = threading.Thread(target=make, name=f"netns-{name}", daemon=True)
+    t = threading.Thread(target=run, name=f"netns-{name}", daemon=True)
     t.start()
     t.join(TC_TIMEOUT_S)
     if "error" in box:
         raise box["error"]
-    if "sock" not in box:
-        raise RuntimeError(f"kernel: making a socket in namespace {name} took more than {TC_TIMEOUT_S} s")
-    return box["sock"]
+    if "value" not in box:
+        raise RuntimeError(f"kernel: work in namespace {name} took more than {TC_TIMEOUT_S} s")
+    return box["value"]
+
+
+def socket_in_namespace(name: str, family: int = socket.AF_INET, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A socket that lives in network namespace `name`."""
+    return in_namespace(name, lambda: socket.socket(family, kind))
+
+
+def _open_tun(device: str) -> int:
+    """A non-blocking TUN device (IP packets, no header) made in the calling thread's namespace."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", device.encode(), IFF_TUN | IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 class KernelNet:
     """The namespaces, veths and qdiscs of one emulator; down() removes them (also at exit)."""
 
-    def __init__(self, regions: Sequence[str], *, prefix: str, burst_kb: int, run_id: str | None = None):
+    def __init__(self, regions: Sequence[str], *, prefix: str, burst_kb: int, run_id: str | None = None,
+                 tun: bool = False, mtu: int = 1500):
         reason = kernel_unavailable()
         if reason:
             raise RuntimeError(f"mode: kernel {reason}; use mode: proxy")
@@ -143,6 +164,13 @@ class KernelNet:
         self.min_burst = burst_kb * 1024
         self._burst: dict[tuple[str, str], int] = {}
         self._made: list[str] = []
+        # tun: each pair is joined by two TUN devices whose packets a user-space delay line carries
+        # (tun_fds[(a, b)] is a's end); else by a veth pair.
+        self.tun = tun
+        self.mtu = mtu
+        self.tun_fds: dict[tuple[str, str], int] = {}
+        # tbf counts what the device carries: IP packets on a TUN, plus the 14-byte Ethernet header on a veth.
+        self.overhead = (mtu + (0 if tun else 14)) / (mtu - 52)
 
     def namespace(self, region: str) -> str:
         return self.names[region]
@@ -176,10 +204,14 @@ class KernelNet:
     def _link(self, a: str, b: str, rates_bps: dict[tuple[str, str], float]) -> None:
         ns_a, dev_a, ip_a = self._end(a, b)
         ns_b, dev_b, ip_b = self._end(b, a)
-        _run("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
+        if self.tun:
+            self.tun_fds[(a, b)] = in_namespace(ns_a, lambda: _open_tun(dev_a))
+            self.tun_fds[(b, a)] = in_namespace(ns_b, lambda: _open_tun(dev_b))
+        else:
+            _run("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
         for ns, dev, ip in ((ns_a, dev_a, ip_a), (ns_b, dev_b, ip_b)):
             _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
+            _run("ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu), "up")
         self.set_rate((a, b), rates_bps[(a, b)])
         self.set_rate((b, a), rates_bps[(b, a)])
 
@@ -189,8 +221,8 @@ class KernelNet:
         The burst only ever grows: shrinking it under a running flow stalled the flow (FIELD-NOTES).
         """
         ns, dev, _ = self._end(*pair)
-        wire_bps = rate_bps * WIRE_OVERHEAD
-        burst = max(self._burst.get(pair, 0), self.min_burst, int(wire_bps * TBF_BURST_S))
+        wire_bps = rate_bps * self.overhead
+        burst = max(self._burst.get(pair, 0), self.min_burst, int(wire_bps * TBF_BURST_S), self.mtu + 64)
         self._burst[pair] = burst
         limit = max(4 * burst, int(wire_bps * TBF_QUEUE_S))
         _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
@@ -205,6 +237,9 @@ class KernelNet:
 
     def down(self) -> None:
         """Delete this emulator's namespaces (their veths and qdiscs go with them). Idempotent."""
+        for fd in self.tun_fds.values():
+            os.close(fd)
+        self.tun_fds = {}
         for name in self._made:
             try:
                 _run("ip", "netns", "delete", name)

@@ -174,17 +174,18 @@ def rate_between(log: Sequence[tuple[float, int]], t0: float, t1: float) -> floa
     return (upto - before) * 8 / (t1 - t0) / 1e6
 
 
-def _row(mode: str, in_netns: bool, mbps: float, latency_ms: float, nbytes: int, repeats: int) -> list[str]:
+def _row(mode: str, in_netns: bool, packet: bool, mbps: float, latency_ms: float, nbytes: int, repeats: int) -> list[str]:
     from .config import EmulationConfig, LinkSpec
     from .emulator import WanEmulator
-    cfg = EmulationConfig(mode=mode, preset=None, endpoints_in_netns=in_netns,
+    cfg = EmulationConfig(mode=mode, preset=None, endpoints_in_netns=in_netns, kernel_latency="packet" if packet else "proxy",
                           default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps))
     with WanEmulator(cfg, ["a", "b"]) as emu:
         if mode == "kernel" and in_netns:
             return _kernel_row(emu, mbps, latency_ms, nbytes, repeats)
         with SinkServer() as sink:
             sock = connect(emu.route("a", "b", sink.address))
-            return _measure(sock, mode, mbps, latency_ms, nbytes, repeats)
+            label = f"kernel {cfg.kernel_latency}" if mode == "kernel" else mode
+            return _measure(sock, label, mbps, latency_ms, nbytes, repeats)
 
 
 def _kernel_row(emu, mbps: float, latency_ms: float, nbytes: int, repeats: int) -> list[str]:
@@ -195,7 +196,7 @@ def _kernel_row(emu, mbps: float, latency_ms: float, nbytes: int, repeats: int) 
         sock.settimeout(IO_TIMEOUT_S)
         sock.connect((host, int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _measure(sock, "kernel (netns endpoints)", mbps, latency_ms, nbytes, repeats)
+        return _measure(sock, f"kernel {emu.config.kernel_latency} (netns endpoints)", mbps, latency_ms, nbytes, repeats)
 
 
 def _measure(sock: socket.socket, mode: str, mbps: float, latency_ms: float, nbytes: int, repeats: int) -> list[str]:
@@ -212,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m geofed.p2p.wan.measure", description=__doc__)
     p.add_argument("--mode", choices=["proxy", "kernel"], default="proxy")
     p.add_argument("--netns-endpoints", action="store_true", help="kernel mode: client and sink inside the namespaces")
+    p.add_argument("--packet", action="store_true", help="kernel mode: kernel_latency packet (TUN delay line)")
     p.add_argument("--mbps", type=float, nargs="+", default=[10, 50, 100, 200])
     p.add_argument("--latency-ms", type=float, default=40.0)
     p.add_argument("--seconds", type=float, default=1.5, help="size each transfer to take about this long")
@@ -222,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|" + "---|" * len(head))
     for mbps in args.mbps:
         nbytes = int(mbps * 1e6 / 8 * args.seconds)
-        print("| " + " | ".join(_row(args.mode, args.netns_endpoints, mbps, args.latency_ms, nbytes, args.repeats)) + " |", flush=True)
+        print("| " + " | ".join(_row(args.mode, args.netns_endpoints, args.packet, mbps, args.latency_ms, nbytes, args.repeats)) + " |", flush=True)
     return 0
 
 

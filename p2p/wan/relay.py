@@ -1,9 +1,11 @@
 """A plain TCP forwarder for kernel mode with endpoints in the host namespace.
 
-Path of one connection, src -> dst: client (host) -> shaping proxy (host; latency, jitter, loss,
-outages) -> a socket in src's namespace -> veth with tbf (bandwidth) -> this relay, listening in
-dst's namespace -> a socket in the host namespace -> the real server. The relay adds nothing but
-a copy; it exists so that processes need not run inside the namespaces.
+Path of one connection, src -> dst, kernel_latency proxy: client (host) -> shaping proxy (host;
+latency, jitter, loss, outages) -> a socket in src's namespace -> veth with tbf (bandwidth) ->
+a relay listening in dst's namespace -> a socket in the host namespace -> the real server.
+kernel_latency packet: client (host) -> a relay in the host whose next hop is a socket in src's
+namespace -> TUN, tbf, packet delay line -> a relay in dst's namespace -> the real server. A
+relay adds nothing but a copy; it exists so that processes need not run inside the namespaces.
 """
 
 from __future__ import annotations
@@ -11,11 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 from .proxy import CLOSE_TIMEOUT_S, CONNECT_TIMEOUT_S, STREAM_LIMIT, _rst
 
 log = logging.getLogger(__name__)
 COPY_BYTES = 256 * 1024
+
+Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+def tcp_opener(host: str, port: int) -> Opener:
+    return lambda: asyncio.open_connection(host, port, limit=STREAM_LIMIT)
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -27,9 +36,10 @@ async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 class Relay:
-    def __init__(self, sock: socket.socket, target_host: str, target_port: int):
-        self.sock = sock          # bound and listening, in the destination's namespace
-        self.target = (target_host, target_port)
+    def __init__(self, sock: socket.socket, opener: Opener, name: str = ""):
+        self.sock = sock          # bound and listening (in whichever namespace it was made)
+        self.opener = opener      # dials the next hop
+        self.name = name
         self.server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -38,9 +48,9 @@ class Relay:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(*self.target, limit=STREAM_LIMIT), CONNECT_TIMEOUT_S)
+            up_r, up_w = await asyncio.wait_for(self.opener(), CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
-            log.info("wan relay: %s:%s unreachable (%s)", *self.target, exc)
+            log.info("wan relay %s: next hop unreachable (%s)", self.name, exc)
             _rst(writer)
             return
         self._writers.update((writer, up_w))

@@ -8,6 +8,7 @@ import secrets
 import socket
 import statistics
 import subprocess
+import time
 
 import pytest
 
@@ -133,3 +134,45 @@ def test_not_root_is_refused_with_the_reason(monkeypatch):
 def test_ip_and_tc_exist_here():
     # The skip reason above names what is missing; this pins that detection on a host that has them.
     assert subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True).returncode == 0
+
+
+def _packet_emulator(prefix: str, mbps: float, latency_ms: float, **kw) -> WanEmulator:
+    cfg = EmulationConfig(mode="kernel", kernel_latency="packet", netns_prefix=prefix, preset=None,
+                          default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps), **kw)
+    return WanEmulator(cfg, ["a", "b"])
+
+
+def test_packet_delay_line_delays_the_handshake_and_tcp_sees_the_rtt(prefix):
+    mbps, latency_ms, nbytes = 50.0, 20.0, 2_500_000
+    with _packet_emulator(prefix, mbps, latency_ms, endpoints_in_netns=True) as emu:
+        with SinkServer("0.0.0.0", sock=kmod.socket_in_namespace(emu.kernel.namespace("b"))) as sink:
+            addr = emu.route("a", "b", f"0.0.0.0:{sink.port}")
+            assert addr.startswith(emu.kernel.peer_address("a", "b") + ":")   # dialled directly, no proxy
+            t = time.monotonic()
+            sock = _connect_in(emu, "a", addr)
+            connect_ms = (time.monotonic() - t) * 1e3
+            with sock:
+                rtt = statistics.median(ping(sock, 5))
+                cold = bulk(sock, nbytes)    # slow start over the emulated RTT
+                warm = bulk(sock, nbytes)
+            assert sink.digests == [pattern_digest(nbytes)] * 2
+        st = emu.link_stats()["a->b"]
+    assert connect_ms >= 2 * latency_ms * 0.95, f"handshake took {connect_ms:.1f} ms"
+    assert rtt == pytest.approx(2 * latency_ms, rel=0.10)
+    assert goodput_mbps(nbytes, warm, 2 * latency_ms) == pytest.approx(mbps, rel=0.05)
+    assert cold > warm + 2 * latency_ms / 1e3, (cold, warm)
+    assert st["bytes"] > nbytes * 2   # IP packets: payload plus headers
+
+
+def test_packet_delay_line_blackholes_an_outage_and_tcp_recovers(prefix):
+    nbytes = 2_000_000   # 0.8 s at 20 Mbit/s
+    schedule = (ScheduleEvent(link="a->b", at_s=0.4, outage_s=0.5),)
+    cfg = EmulationConfig(mode="kernel", kernel_latency="packet", netns_prefix=prefix, preset=None,
+                          default=LinkSpec(latency_ms=5, bandwidth_mbps=20, loss=0.001), schedule=schedule)
+    with WanEmulator(cfg, ["a", "b"]) as emu, SinkServer() as sink:
+        with connect(emu.route("a", "b", sink.address)) as sock:
+            seconds = bulk(sock, nbytes)
+        st = emu.link_stats()["a->b"]
+    assert sink.digests == [pattern_digest(nbytes)]
+    assert seconds > 0.8 + 0.5 * 0.9
+    assert st["loss_stalls"] >= 1   # packets dropped by `loss`, retransmitted by TCP
