@@ -134,7 +134,7 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
         handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
     actors = RegionActors(handles)
     try:
-        actors.info = wait_ready(actors.handles, rc.placement_timeout_s, cfg)
+        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg)
     except BaseException:
         actors.kill()
         raise
@@ -150,7 +150,7 @@ def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dic
         missing = sorted(refs[p] for p in pending)
         seen = node_labels(cfg.regions.label_key)
         raise PlacementError(
-            f"region actors not placed within {timeout_s:.0f}s (regions.placement_timeout_s): {', '.join(missing)}; "
+            f"region actors not started within {timeout_s:.0f}s (regions.start_timeout_s): {', '.join(missing)}; "
             f"nodes by {cfg.regions.label_key}: {_fmt_seen(seen)} (a labelled node may lack the free CPUs "
             f"regions.num_cpus asks for, or the actor failed to start: see the node's Ray logs)")
     info = {}

@@ -63,7 +63,8 @@ class RegionsSection:
     num_cpus: float = field(default=0.5, metadata=_doc("CPUs Ray reserves per region actor"))
     torch_threads: int = field(default=1, metadata=_doc("torch intra-op threads per region worker"))
     max_restarts: int = field(default=3, metadata=_doc("Ray restarts of a crashed region actor"))
-    placement_timeout_s: float = field(default=60.0, metadata=_doc("fail if a region actor is not placed within this"))
+    placement_timeout_s: float = field(default=60.0, metadata=_doc("fail if some region has no alive Ray node carrying its label within this (nodes may still be joining)"))
+    start_timeout_s: float = field(default=180.0, metadata=_doc("fail if a region actor has not started (placed, torch imported, model and data built) within this"))
 
     def __post_init__(self):
         if not 1 <= len(self.names) <= MAX_REGIONS:
@@ -82,6 +83,8 @@ class RegionsSection:
             raise ValueError(f"torch_threads: must be in [1, 256], got {self.torch_threads}")
         if self.max_restarts < 0 or self.placement_timeout_s <= 0:
             raise ValueError("max_restarts: must be >= 0 and placement_timeout_s > 0")
+        if not 0 < self.start_timeout_s <= 86400:
+            raise ValueError(f"start_timeout_s: must be in (0, 86400], got {self.start_timeout_s}")
 
     def label_of(self, region: str) -> str:
         return self.labels.get(region, region)
