@@ -36,9 +36,10 @@ class WanEmulator:
 
     Proxy mode: `route(src, dst, target)` returns a local address whose connections are
     forwarded to `target` with src->dst bytes shaped by link (src, dst) and reply bytes by
-    (dst, src). Kernel mode: the same proxy adds latency, jitter, loss and outages while tc tbf
-    on veth pairs between one network namespace per region does the bandwidth. Mode "none":
-    `route` returns `target` unchanged.
+    (dst, src). Kernel mode: tc tbf on the links between one network namespace per region does
+    the bandwidth, and the same proxy (veth links) or a packet delay line (TUN links,
+    `kernel_latency: packet`) adds latency, jitter, loss and outages. Mode "none": `route`
+    returns `target` unchanged.
     """
 
     def __init__(self, config: EmulationConfig, regions: Sequence[str]):
@@ -80,6 +81,14 @@ class WanEmulator:
         return self._t0
 
     def start(self) -> "WanEmulator":
+        """Start the loop thread (kernel mode: make the namespaces first); on failure, undo it all."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "WanEmulator":
         with self._lock:
             if self._stopped:
                 raise RuntimeError("WanEmulator: start() after stop(); make a new emulator")
