@@ -202,3 +202,16 @@ def test_route_checks_and_mode_none():
     proxy.stop()
     with pytest.raises(RuntimeError, match="after stop"):
         proxy.route("a", "b", "127.0.0.1:5001")
+
+
+def test_kernel_mode_says_what_is_missing(monkeypatch):
+    import os
+    import shutil
+
+    from geofed.p2p.wan import kernel
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match=r"mode: kernel needs root \(euid is 1000\); use mode: proxy"):
+        WanEmulator(EmulationConfig(mode="kernel", preset=None), ["a", "b"])
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "tc" else "/usr/sbin/" + name)
+    assert kernel.kernel_unavailable() == "needs `tc` (iproute2) on PATH"
