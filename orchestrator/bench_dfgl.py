@@ -25,7 +25,7 @@ import json
 import math
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"geofed bench dfgl: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out or Path(base.run.out_dir) / f"bench-dfgl-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
+    out = Path(args.out or Path(base.run.out_dir) / f"bench-dfgl-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
     say = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     name = args.dataset if not args.dataset.endswith(".npz") else Path(args.dataset).stem
     doc, details = run_bench(base, dataset=name, seeds=tuple(range(args.seeds)), epochs=args.epochs, out=out, say=say)
@@ -137,7 +137,6 @@ def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: 
               say=print) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """(the issue's document, per-run records by arm)."""
     import torch
-
     from geofed.regions.graph.simulate import centralized, local_only
     from geofed.regions.tasks import make_task
 
@@ -252,5 +251,5 @@ def target_lines(doc: dict[str, Any]) -> list[str]:
 
     return [f"geofed - centralized: {geo - cen:+.2f} points (target >= -{tol}): {mark(geo - cen >= -tol)}",
             f"geofed - local-only: {geo - loc:+.2f} points (target: clearly above, > 5): {mark(geo - loc > 5)}",
-            f"bytes, uncompressed / geofed: {ratio:.1f}x at {geo - unc:+.2f} points "
-            f"(target >= 10x within 0.5): {mark(ratio >= 10 and geo - unc >= -0.5)}"]
+            (f"bytes, uncompressed / geofed: {ratio:.1f}x at {geo - unc:+.2f} points "
+             f"(target >= 10x within 0.5): {mark(ratio >= 10 and geo - unc >= -0.5)}")]

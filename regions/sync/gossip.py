@@ -30,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from geofed.p2p.gossip import ChocoGossip
 from geofed.p2p.transport import TransportError
 
@@ -85,7 +84,7 @@ class _PublicCopies(ChocoGossip):
 class GossipSync:
     """Decentralized gossip on the parameters (and the gradient tracker) after H local steps."""
 
-    def __init__(self, w: "RegionWorker"):
+    def __init__(self, w: RegionWorker):
         self.w = w
         g = w.cfg.sync.gossip
         self.choco_on, self.gamma = g.choco, g.gamma
@@ -104,7 +103,7 @@ class GossipSync:
             self._publish(-1)
 
     # -- one round ---------------------------------------------------------------------------
-    def run_round(self, plan: "RoundPlan") -> dict[str, Any]:
+    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
         hook = self._track if self.tracker is not None else None
         metrics = self.w.inner_steps(plan.H, plan.lr_scale, before_step=hook)
         t0 = time.monotonic()
@@ -137,12 +136,12 @@ class GossipSync:
         if self.tracker is not None:
             self.tracker.y = torch.cat([t.reshape(-1) for t in mixed[n:]]).to(self.tracker.y.dtype)
 
-    def _plain_round(self, plan: "RoundPlan", x: list[torch.Tensor]) -> ExchangeResult:
+    def _plain_round(self, plan: RoundPlan, x: list[torch.Tensor]) -> ExchangeResult:
         res = self.w.exchange(plan, x)
         self._store(self.w.mix(plan, x, res))
         return res
 
-    def _choco_round(self, plan: "RoundPlan", x: list[torch.Tensor]) -> tuple[ExchangeResult, dict[str, Any]]:
+    def _choco_round(self, plan: RoundPlan, x: list[torch.Tensor]) -> tuple[ExchangeResult, dict[str, Any]]:
         send = not self.rejoined
         self.choco.run_exchange = lambda diff: self._exchange(plan, diff, send=send)
         self.choco.outgoing(x)  # the exchange runs in here (no lock: peers may fetch meanwhile)
@@ -159,7 +158,7 @@ class GossipSync:
         self.rejoined = False
         return res, resync
 
-    def _exchange(self, plan: "RoundPlan", tensors, *, send: bool) -> ExchangeResult:
+    def _exchange(self, plan: RoundPlan, tensors, *, send: bool) -> ExchangeResult:
         w = self.w
         alive = set(plan.alive) if plan.alive is not None else None
         in_peers = [p for p in w.in_weights(plan.round) if alive is None or p in alive]
@@ -175,7 +174,7 @@ class GossipSync:
         kept[round_] = snap
         self.published = kept  # rebinding, so a FetchState thread sees the old or the new dict
 
-    def _resync(self, plan: "RoundPlan") -> dict[str, Any]:
+    def _resync(self, plan: RoundPlan) -> dict[str, Any]:
         """Pull the public copy of every stale in-neighbour that is up; failures stay stale."""
         alive = set(plan.alive) if plan.alive is not None else None
         todo = sorted(p for p in self.choco.stale if alive is None or p in alive)
