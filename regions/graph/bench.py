@@ -2,7 +2,9 @@
 
 centralized (one process, whole graph), local_only (no exchange), gossip_uncompressed (fp32
 CHOCO gossip after every epoch) and geofed (int8 CHOCO gossip after every 5 local epochs);
-the last two track gradients (see tracking.py). The lead's CLI prints ``dfgl_arms``'s document.
+the last two track gradients (see tracking.py). This is the in-process variant (fast, for
+exploring settings: ``python -m geofed.regions.graph.bench``); ``geofed bench dfgl``
+(geofed.orchestrator.bench_dfgl) runs the two gossip arms through the real runtime instead.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def _summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
 def _parse(argv):
     import argparse
 
-    p = argparse.ArgumentParser(prog="geofed bench dfgl", description=(
-        "Decentralized federated graph learning on one partition: centralized, local-only, "
-        "uncompressed per-epoch gossip and geofed's default (int8 CHOCO, 5 local epochs per round)."))
+    p = argparse.ArgumentParser(prog="python -m geofed.regions.graph.bench", description=(
+        "Decentralized federated graph learning on one partition, all in process (geofed bench dfgl runs "
+        "the gossip arms through the runtime): centralized, local-only, uncompressed per-epoch gossip "
+        "and geofed's default (int8 CHOCO, 5 local epochs per round)."))
     p.add_argument("--dataset", default="cora", help="cora, citeseer, or a path to a graph .npz")
     p.add_argument("--data-dir", default="../shared/datasets/planetoid", help="where cora.npz / citeseer.npz live")
     p.add_argument("--regions", type=int, default=4)

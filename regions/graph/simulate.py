@@ -21,7 +21,7 @@ from torch import nn
 
 from geofed.compression import Codec, decode_update, make_codec
 from geofed.p2p.gossip import ChocoGossip, codec_compressor
-from geofed.p2p.topology import make_topology, topology_names
+from geofed.p2p.topology import StaticTopology, make_topology, topology_names
 from geofed.regions.tasks.base import Task
 
 from .tracking import GradientTracker, flat_params, load_flat_params
@@ -60,6 +60,9 @@ class DfglConfig:
             raise ValueError(f"eval_every: must be >= 0, got {self.eval_every}")
         if self.topology not in topology_names():
             raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
+        if not isinstance(make_topology(self.topology, self.n_regions), StaticTopology):
+            # One public copy per region: every neighbour must get every message (as the runtime).
+            raise ValueError(f"topology: CHOCO gossip needs a static topology, got {self.topology!r}")
         try:
             codec = make_codec(self.codec)
         except ValueError as exc:

@@ -84,6 +84,7 @@ def test_centralized_baseline_trains(cora):
     (dict(optimizer="lbfgs"), "optimizer"),
     (dict(local_epochs=0), "rounds"),
     (dict(topology="star"), "topology: unknown topology 'star'"),
+    (dict(topology="random-matching"), "topology: CHOCO gossip needs a static topology"),
     (dict(codec={"kind": "randomk", "fraction": 0.1}), "codec: CHOCO gossip needs a contractive codec"),
 ])
 def test_dfgl_config_errors(bad, needle):
