@@ -127,6 +127,9 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
     if pin:
         wait_for_labels(cfg)
     tls = region_tls(cfg, run_dir)
+    # Absolute: an actor's working directory is not the driver's, and on another node each region
+    # writes its checkpoints under this same path on its own disk.
+    run_dir = str(Path(run_dir).resolve())
     handles = {}
     for region in rc.names:
         selector = {rc.label_key: rc.label_of(region)} if pin else None

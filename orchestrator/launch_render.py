@@ -68,6 +68,8 @@ def driver_script(plan: LaunchPlan) -> str:
     venv = plan.venv
     lines = _header(plan, f"the driver, on the head node (region {plan.head_region})")
     lines.append('# usage: HEAD_IP=<head address> driver.sh CONFIG [more `geofed run` options]')
+    lines.append("# Pass --out DIR with a path writable on every node: each region writes its checkpoints under")
+    lines.append("# the same path on its own node (the driver keeps the logs, summary.json and tls/ there).")
     lines.append(': "${HEAD_IP:?set HEAD_IP to the address of the head node}"')
     lines.append('CONFIG="${1:?usage: driver.sh CONFIG [geofed run options]}"; shift')
     lines += _exports(plan.driver["env"])
