@@ -1,17 +1,36 @@
 """The coordinator: turns last round's measurements into this round's plan through the policy.
 
-It sits on the control plane only (Ray calls); no update bytes pass through it.
+It sits on the control plane only (Ray calls); no update bytes pass through it. What it feeds
+the policy:
+
+* links: ``policies.links.LinkTracker`` over every region's sender-timed transfers and RTTs
+  (p2p's own estimate ignores transfers under 256 KiB, which is every compressed update of a
+  small model);
+* step time: the slowest region's compute seconds per inner step;
+* round overhead: the driver's time per round that neither the slowest region's round nor the
+  network explains (plan, dispatch, collect, log, checkpoint), the median of the last few; with
+  overlap it is the part of a round that cannot be hidden;
+* loss, learning rate, model size, whether the exchange overlaps compute.
+
+``run.max_steps`` (when set) ends the run once every region has run that many inner steps:
+the last round's H is cut to fit and that round is marked final (the worker applies an
+overlapped exchange still in flight before it returns).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from typing import Any
 
 from geofed.regions.worker import RoundPlan
 
 from .config import RunConfig
 from .policies import LinkEstimate, Measurements, make_policy
+from .policies.links import LinkTracker
+
+OVERHEAD_WINDOW = 5  # rounds in the median of the per-round control-plane overhead
 
 
 class Coordinator:
@@ -21,20 +40,38 @@ class Coordinator:
         self.model_numel = model_numel
         self.clock = clock
         self.policy = make_policy(cfg.sync.policy, codec=cfg.compression.codec, ladder=cfg.compression.ladder)
-        self.links: dict[str, LinkEstimate] = {}
+        self.tracker = LinkTracker()
         self.step_time_s: float | None = None
         self.loss: float | None = None
         self.last_sync_s: float | None = None
         self.last_reason = ""
         self.last_codecs: dict[str, Any] = {}
+        self.last_H = 0
+        self.last_record: dict[str, Any] = {}
+        self.steps_done = 0
+        self.max_steps = getattr(cfg.run, "max_steps", 0) or 0
+        self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
+        self._plan_t: float | None = None       # clock at the last plan()
+        self._round_wall: float | None = None   # slowest region's wall time of the last observed round
+
+    @property
+    def done(self) -> bool:
+        """The step budget (run.max_steps) is spent: the runner stops after this round."""
+        return bool(self.max_steps) and self.steps_done >= self.max_steps
+
+    @property
+    def round_overhead_s(self) -> float | None:
+        return statistics.median(self._overheads) if self._overheads else None
 
     def lr_scale(self, round_: int) -> float:
         if self.cfg.sync.inner.lr_decay == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * round_ / max(1, self.cfg.run.rounds)))
+            progress = self.steps_done / self.max_steps if self.max_steps else round_ / max(1, self.cfg.run.rounds)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
     def plan(self, round_: int, *, alive: list[str], evaluate: bool) -> dict[str, RoundPlan]:
         """One RoundPlan per alive region (codecs differ per region: they are per out-link)."""
+        self._note_overhead()
         links = self._round_links(round_, alive)
         if self.cfg.sync.algorithm == "allreduce":
             H, codecs, reason = 1, {}, "allreduce: every step"
@@ -44,14 +81,28 @@ class Coordinator:
             H, reason = decision.H, decision.reason
             codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
             self.last_record = decision.to_record()
+        if self.max_steps and self.steps_done + H >= self.max_steps:
+            cut = self.max_steps - self.steps_done
+            if cut < H:
+                reason = f"{reason} | H cut to {cut}: run.max_steps={self.max_steps} reached"
+            H = cut
+        self.steps_done += H
+        final = self.done or round_ == self.cfg.run.rounds - 1
         self.last_reason, self.last_codecs, self.last_H = reason, codecs, H
         scale = self.lr_scale(round_)
         plans = {}
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
             plans[region] = RoundPlan(round=round_, H=H, codecs=mine, lr_scale=scale, evaluate=evaluate,
-                                      alive=tuple(alive))
+                                      alive=tuple(alive), final=final)
+        self._plan_t = self.clock.now()
         return plans
+
+    def _note_overhead(self) -> None:
+        """The last round's driver cycle (plan to plan) minus its slowest region's own wall time."""
+        if self._plan_t is not None and self._round_wall is not None:
+            self._overheads.append(max(0.0, self.clock.now() - self._plan_t - self._round_wall))
+        self._round_wall = None
 
     def _round_links(self, round_: int, alive: list[str]) -> list[str]:
         """The directed links that carry traffic this round (topology, alive regions only)."""
@@ -71,8 +122,9 @@ class Coordinator:
         lr0 = self.cfg.sync.inner.lr
         return Measurements(now_s=self.clock.now(), round=round_, step_time_s=self.step_time_s, loss=self.loss,
                             lr=lr0 * self.lr_scale(round_), lr0=lr0, model_numel=self.model_numel,
-                            links={k: self.links.get(k, LinkEstimate()) for k in links},
-                            overlap=self.cfg.sync.overlap, last_sync_s=self.last_sync_s)
+                            links={k: self.tracker.estimate(k) for k in links},
+                            overlap=self.cfg.sync.overlap, last_sync_s=self.last_sync_s,
+                            round_overhead_s=self.round_overhead_s)
 
     def observe(self, results: dict[str, dict[str, Any]]) -> None:
         """Fold one round of region metrics into the measurements the policy sees next."""
@@ -82,18 +134,22 @@ class Coordinator:
         losses = [m["train_loss"] for m in results.values() if m.get("train_loss") is not None]
         self.loss = sum(losses) / len(losses) if losses else self.loss
         self.last_sync_s = max(m.get("sync_s", 0.0) for m in results.values())
-        for m in results.values():
-            for link, est in m.get("links", {}).items():
-                bw, rtt = est.get("bandwidth_mbps"), est.get("rtt_ms")
-                self.links[link] = LinkEstimate(bandwidth_bps=bw * 1e6 if bw else None,
-                                                rtt_s=rtt / 1e3 if rtt is not None else None)
+        self._round_wall = max(m.get("wall_s", 0.0) for m in results.values())
+        self.tracker.observe_round(results)
+
+    @property
+    def links(self) -> dict[str, LinkEstimate]:
+        return {k: self.tracker.estimate(k) for k in self.tracker.links()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "step_time_s": self.step_time_s, "loss": self.loss,
-                "last_sync_s": self.last_sync_s,
-                "links": {k: [v.bandwidth_bps, v.rtt_s] for k, v in self.links.items()}}
+                "last_sync_s": self.last_sync_s, "steps_done": self.steps_done,
+                "overheads": list(self._overheads), "tracker": self.tracker.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.policy.load_state_dict(d["policy"])
         self.step_time_s, self.loss, self.last_sync_s = d["step_time_s"], d["loss"], d["last_sync_s"]
-        self.links = {k: LinkEstimate(bandwidth_bps=v[0], rtt_s=v[1]) for k, v in d["links"].items()}
+        self.steps_done = int(d.get("steps_done", 0))
+        self._overheads = deque(d.get("overheads", []), maxlen=OVERHEAD_WINDOW)
+        if "tracker" in d:
+            self.tracker.load_state_dict(d["tracker"])

@@ -72,12 +72,13 @@ class BandwidthPolicy:
     def _wanted(self, costs: Mapping[str, list[float]], m: Measurements) -> tuple[float, str]:
         """Real-valued H the links need, and the link that needs it (step 1)."""
         c = self.cfg
+        overhead = m.round_overhead_s or 0.0
         budget = cost.budget_for_H(c.target_H, m.step_time_s, overlap=m.overlap,
-                                   comm_fraction=c.target_comm_fraction, margin=c.overlap_margin)
+                                   comm_fraction=c.target_comm_fraction, margin=c.overlap_margin, overhead=overhead)
         D_of = {n: cs[cost.least_fitting(cs, budget)] for n, cs in costs.items()}
         link = max(D_of, key=lambda n: (D_of[n], n))
-        return cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap,
-                               comm_fraction=c.target_comm_fraction, margin=c.overlap_margin), link
+        return cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
+                               margin=c.overlap_margin, overhead=overhead), link
 
     def _held(self, round_: int) -> bool:
         return self._last_change is not None and round_ - self._last_change < self.cfg.hold_rounds
@@ -85,8 +86,8 @@ class BandwidthPolicy:
     def _fit(self, costs: Sequence[float], H: int, m: Measurements, current: int | None) -> int:
         """The codec (ladder index) of one link for a round of H steps, with hysteresis (step 3)."""
         c = self.cfg
-        budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap,
-                                   comm_fraction=c.target_comm_fraction, margin=c.overlap_margin)
+        budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
+                                   margin=c.overlap_margin, overhead=m.round_overhead_s or 0.0)
         fresh = cost.least_fitting(costs, budget)
         if current is None or fresh == current:
             return fresh

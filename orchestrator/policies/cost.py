@@ -111,19 +111,31 @@ def sync_time(link: LinkEstimate, nbytes: float, rtt_factor: float) -> float:
     return rtt_factor * (link.rtt_s or 0.0) + serial
 
 
-def H_for_sync(D: float, step_s: float, *, overlap: bool, comm_fraction: float, margin: float) -> float:
-    """The real-valued H that pays for a sync of D seconds (before rounding and bounds)."""
+def H_for_sync(D: float, step_s: float, *, overlap: bool, comm_fraction: float, margin: float,
+               overhead: float = 0.0) -> float:
+    """The real-valued H that pays for a sync of D seconds (before rounding and bounds).
+
+    ``overhead`` is the per-round control-plane time that overlap cannot hide: serial rounds
+    pay it with the sync (``D + overhead`` is at most the fraction ``f``); with overlap it alone
+    must stay under ``f`` (``H*step >= overhead*(1-f)/f``) besides hiding D.
+    """
     assert step_s > 0 and 0 < comm_fraction < 1
     if overlap:
-        return margin * D / step_s
-    return D * (1.0 - comm_fraction) / (comm_fraction * step_s)
+        return max(margin * D, compute_for_overhead(overhead, comm_fraction)) / step_s
+    return (D + overhead) * (1.0 - comm_fraction) / (comm_fraction * step_s)
 
 
-def budget_for_H(H: float, step_s: float, *, overlap: bool, comm_fraction: float, margin: float) -> float:
+def compute_for_overhead(overhead: float, comm_fraction: float) -> float:
+    """Compute seconds per round that keep a fixed per-round overhead under ``comm_fraction``."""
+    return overhead * (1.0 - comm_fraction) / comm_fraction
+
+
+def budget_for_H(H: float, step_s: float, *, overlap: bool, comm_fraction: float, margin: float,
+                 overhead: float = 0.0) -> float:
     """Seconds a link may spend on one sync when a round has H steps (inverse of H_for_sync)."""
     if overlap:
         return H * step_s / margin
-    return H * step_s * comm_fraction / (1.0 - comm_fraction)
+    return max(0.0, H * step_s * comm_fraction / (1.0 - comm_fraction) - overhead)
 
 
 def ceil_H(x: float) -> int:

@@ -48,8 +48,12 @@ def explain_bandwidth(cfg: BandwidthPolicyConfig, m: Measurements, measured: Map
                       bottleneck: str, H: int, H_prev: int, H_want: int, H_raw: float, need_link: str,
                       event: str, last_pred: float | None, since_change: int | None) -> tuple[dict, str]:
     D = D_of[bottleneck]
+    overhead = m.round_overhead_s or 0.0
     budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap, comm_fraction=cfg.target_comm_fraction,
-                               margin=cfg.overlap_margin)
+                               margin=cfg.overlap_margin, overhead=overhead)
+    # Which constraint set H_raw: hiding the sync, or (overlap) keeping the control plane's share small.
+    H_overhead = cost.compute_for_overhead(overhead, cfg.target_comm_fraction) / m.step_time_s
+    by_overhead = m.overlap and overhead > 0 and H_overhead >= H_raw * (1 - 1e-9)
     links = {n: describe_link(e, rungs[chosen[n]], m.model_numel, D_of[n]) if n in chosen else describe_link(e)
              for n, e in m.links.items()}
     details = {
@@ -57,6 +61,7 @@ def explain_bandwidth(cfg: BandwidthPolicyConfig, m: Measurements, measured: Map
         "H": H, "H_prev": H_prev, "H_wanted": H_want, "H_raw": round(H_raw, 3), "need_link": need_link,
         "step_time_s": m.step_time_s, "bottleneck": bottleneck, "sync_s": round(D, 6), "budget_s": round(budget, 6),
         "comm_fraction": round(exposed_fraction(D, H, m.step_time_s, m.overlap), 6),
+        "round_overhead_s": m.round_overhead_s, "bound_by": "overhead" if by_overhead else "sync",
         "rounds_since_change": since_change, "unmeasured": sorted(set(m.links) - set(measured)),
         "rtt_only": sorted(n for n, e in measured.items() if e.bandwidth_bps is None),
         "last_sync_predicted_s": last_pred, "last_sync_measured_s": m.last_sync_s, "links": links,
@@ -78,7 +83,10 @@ def _reason(cfg, m, measured, rungs, chosen, D, d) -> str:
     est = measured[b]
     bw = "bandwidth unknown" if est.bandwidth_bps is None else f"{_g(est.bandwidth_bps / 1e6)} Mbit/s"
     link = f"bottleneck {b} {bw}, {_g((est.rtt_s or 0) * 1e3)} ms RTT, {rungs[chosen[b]].label}: sync {_g(D)} s"
-    if m.overlap:
+    if m.overlap and d["bound_by"] == "overhead":
+        need = (f"control plane {_g(m.round_overhead_s * 1e3)} ms/round <= {cfg.target_comm_fraction:.0%} at "
+                f"{_g(m.step_time_s * 1e3)} ms/step needs H>={cost.ceil_H(d['H_raw'])}")
+    elif m.overlap:
         need = f"hiding it ({cfg.overlap_margin:g}x) behind {_g(m.step_time_s * 1e3)} ms steps needs H>={cost.ceil_H(d['H_raw'])}"
     else:
         need = (f"comm <= {cfg.target_comm_fraction:.0%} at {_g(m.step_time_s * 1e3)} ms/step "

@@ -49,12 +49,17 @@ class Measurements:
     links: Mapping[str, LinkEstimate]  # every directed link that carries traffic in the round being decided
     overlap: bool                  # the exchange runs while the next round computes
     last_sync_s: float | None = None   # measured sync wall time of the last round (its exposed part)
+    # Seconds per round that neither compute nor the exchange explain and overlap cannot hide:
+    # the control plane (plan, dispatch, collect, log, checkpoint). None: not measured.
+    round_overhead_s: float | None = None
 
     def __post_init__(self):
         if self.model_numel < 1:
             raise ValueError(f"model_numel: must be >= 1, got {self.model_numel}")
         if self.round < 0:
             raise ValueError(f"round: must be >= 0, got {self.round}")
+        if self.round_overhead_s is not None and not (self.round_overhead_s >= 0 and math.isfinite(self.round_overhead_s)):
+            raise ValueError(f"round_overhead_s: must be a finite number >= 0 or None, got {self.round_overhead_s}")
         for name in self.links:
             if "->" not in name:
                 raise ValueError(f"links: link names are 'src->dst', got {name!r}")

@@ -1,0 +1,77 @@
+"""What the coordinator tells the policy about each link, from what the regions measured.
+
+p2p's estimator measures bandwidth only from transfers of at least 256 KiB (on a real WAN a
+smaller transfer is shaped by TCP's window and slow start, FIELD-NOTES). A compressed update of
+a small model is much smaller than that, so a policy fed only p2p's estimate would see every
+link as RTT-only: any codec looks free, and a bandwidth drop goes unseen (geofed bench wan
+showed both). The tracker here takes every sender-timed transfer instead (over a warm gRPC
+channel: one connection per peer kept for the run) and reads each as
+
+    rate = bits / (seconds - RTT)
+
+with the transfer's exposed time floored at ``floor_fraction * RTT``. A transfer that took
+little more than one RTT therefore says "at least this fast" (a large rate) rather than the
+gross underestimate ``bits / seconds``: it is latency-bound, and the bandwidth term of its
+sync cost is small either way. Bandwidth is the windowed maximum of the last ``window`` rates
+(BBR's estimator: noise only ever slows a transfer down); RTT is what the sender's p2p
+estimator reports (windowed minimum of pings and small transfers). After a bandwidth drop the
+estimate follows within ``window`` transfers; after a rise, at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .types import LinkEstimate
+
+
+class LinkTracker:
+    def __init__(self, *, window: int = 3, floor_fraction: float = 0.02, min_bytes: int = 1024):
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window}")
+        if not 0 < floor_fraction <= 1:
+            raise ValueError(f"floor_fraction: must be in (0, 1], got {floor_fraction}")
+        self.window, self.floor_fraction, self.min_bytes = window, floor_fraction, min_bytes
+        self._rates: dict[str, deque[float]] = {}
+        self._rtt: dict[str, float] = {}
+
+    def observe(self, link: str, *, rtt_s: float | None, transfers: Iterable[tuple[int, float]] = ()) -> None:
+        """One region's view of its out-link ``link`` after a round: its RTT estimate and the
+        (payload bytes, sender-timed seconds) of the sends it completed."""
+        if rtt_s is not None and rtt_s > 0 and math.isfinite(rtt_s):
+            self._rtt[link] = rtt_s
+        rtt = self._rtt.get(link)
+        for nbytes, seconds in transfers:
+            if nbytes < self.min_bytes or not seconds > 0:
+                continue
+            exposed = seconds - (rtt or 0.0)
+            floor = self.floor_fraction * rtt if rtt else self.floor_fraction * seconds
+            self._rates.setdefault(link, deque(maxlen=self.window)).append(nbytes * 8.0 / max(exposed, floor))
+
+    def observe_round(self, results: Mapping[str, Mapping[str, Any]]) -> None:
+        """Every region's round metrics (``links`` snapshots and ``transfers``)."""
+        for region, m in results.items():
+            sends: dict[str, list[tuple[int, float]]] = {}
+            for t in m.get("transfers", []):
+                if t.get("direction") == "send":
+                    sends.setdefault(f"{region}->{t['peer']}", []).append((int(t["bytes"]), float(t["seconds"])))
+            for link in set(m.get("links", {})) | set(sends):
+                rtt_ms = m.get("links", {}).get(link, {}).get("rtt_ms")
+                self.observe(link, rtt_s=None if rtt_ms is None else rtt_ms / 1e3, transfers=sends.get(link, ()))
+
+    def estimate(self, link: str) -> LinkEstimate:
+        rates = self._rates.get(link)
+        return LinkEstimate(bandwidth_bps=max(rates) if rates else None, rtt_s=self._rtt.get(link))
+
+    def links(self) -> list[str]:
+        return sorted(set(self._rtt) | set(self._rates))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rates": {k: list(v) for k, v in self._rates.items()}, "rtt": dict(self._rtt)}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self._rates = {k: deque(v, maxlen=self.window) for k, v in d["rates"].items()}
+        self._rtt = dict(d["rtt"])
