@@ -32,6 +32,9 @@ def _doc(text: str, **kw) -> dict:
 class RunSection:
     name: str = field(default="geofed", metadata=_doc("run name; the run directory is runs/<name>-<UTC timestamp>"))
     rounds: int = field(default=30, metadata=_doc("number of sync rounds"))
+    max_steps: int = field(default=0, metadata=_doc(
+        "stop once every region has run this many inner steps, the last round's H cut to fit (0: no step limit; "
+        "run.rounds still bounds the run): equal compute for runs whose H differs"))
     seed: int = field(default=0, metadata=_doc("seed for models, data shards and sampling"))
     out_dir: str = field(default="runs", metadata=_doc("parent folder of run directories (relative to the working directory)"))
     checkpoint_every: int = field(default=1, metadata=_doc("checkpoint every N rounds (0: only at the end)"))
@@ -46,6 +49,8 @@ class RunSection:
             raise ValueError(f"name: must match {_NAME_RE.pattern}, got {self.name!r}")
         if not 1 <= self.rounds <= 10_000_000:
             raise ValueError(f"rounds: must be in [1, 10000000], got {self.rounds}")
+        if not 0 <= self.max_steps <= 10**12:
+            raise ValueError(f"max_steps: must be in [0, 1e12], got {self.max_steps}")
         for key in ("checkpoint_every", "eval_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
