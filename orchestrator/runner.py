@@ -169,6 +169,8 @@ class Runner:
                     self._checkpoint(r)
                 self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=mb_sent,
                                      note=f"down: {','.join(sorted(self.dead))}" if self.dead else "")
+                if self.coordinator.done:  # run.max_steps spent
+                    break
             return self._finish()
         finally:
             self.progress.stop()
