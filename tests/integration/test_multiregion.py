@@ -112,6 +112,20 @@ def test_a_region_without_a_node_fails_fast_naming_it_and_the_labels_seen(cluste
     assert "Traceback" not in out
 
 
+def test_an_address_where_no_head_answers_fails_within_init_timeout(tmp_path):
+    """No cluster needed: nothing listens on the port, the driver gives up after ray.init_timeout_s."""
+    from geofed.orchestrator.launch_local import free_ports
+
+    port = free_ports("127.0.0.1", 1)[0]
+    t0 = time.monotonic()
+    proc = subprocess.run([GEOFED, "run", str(CONFIG), "--address", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"),
+                           "--no-report", "--quiet", "--set", "ray.init_timeout_s=3"],
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode == 1, _why(proc)
+    assert f"no Ray head answers at 127.0.0.1:{port} within 3s (ray.init_timeout_s)" in proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
 def _ray_looking_pids_not_in(cluster: LocalCluster) -> set[int]:
     ours = set(cluster.alive_pids())
     out = set()
