@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-
 from geofed.p2p.tls import TlsMaterial, load_tls
 from geofed.regions.actor import region_actor_class
 

@@ -71,7 +71,7 @@ class LaunchPlan:
         return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "LaunchPlan":
+    def from_json(cls, text: str) -> LaunchPlan:
         data = json.loads(text)
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"version: plan.json version {data.get('version')!r}, this geofed reads {PLAN_VERSION}")

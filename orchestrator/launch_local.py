@@ -22,9 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from .launch import LaunchPlan, NodePlan, ray_start_argv
 
@@ -98,9 +98,7 @@ class LocalCluster:
         argv = ray_start_argv(node.plan, ray=str(Path(sys.executable).parent / "ray"), node_ip=node.ip,
                               head_address=None if node.plan.head else self.head_address,
                               extra=self._options[node.plan.name])
-        log = open(node.log, "wb")
-        with ExitStack() as stack:
-            stack.callback(log.close)
+        with open(node.log, "wb") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(argv, env=self.env(node.plan), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         node.pgid = proc.pid  # new session: its process group id is its pid
@@ -181,7 +179,7 @@ class LocalCluster:
     def _alive_groups(groups: list[int]) -> list[int]:
         return [g for g in groups if _group_members(g)]
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

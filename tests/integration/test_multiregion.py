@@ -10,7 +10,6 @@ the processes it started, in its finalizer, whatever the tests did.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from geofed.orchestrator.config import load_config
 from geofed.orchestrator.launch import build_plan
 from geofed.orchestrator.launch_local import LocalCluster
@@ -52,7 +50,8 @@ def _geofed_run(cluster: LocalCluster, out: Path, *overrides: str, timeout_s: fl
            "--set", "sync.policy={kind: fixed, H: 10}", "--set", f"network.port_range=[{lo}, {hi}]",
            "--set", f"regions.placement_timeout_s={PLACEMENT_TIMEOUT_S}", *overrides]
     env = {**cluster.env(), "RAY_DEDUP_LOGS": "0"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=out.parent)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=out.parent,
+                          check=False)
 
 
 def _why(proc: subprocess.CompletedProcess) -> str:
@@ -120,7 +119,7 @@ def test_an_address_where_no_head_answers_fails_within_init_timeout(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run([GEOFED, "run", str(CONFIG), "--address", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"),
                            "--no-report", "--quiet", "--set", "ray.init_timeout_s=3"],
-                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path, check=False)
     assert proc.returncode == 1, _why(proc)
     assert f"no Ray head answers at 127.0.0.1:{port} within 3s (ray.init_timeout_s)" in proc.stdout + proc.stderr
     assert time.monotonic() - t0 < 60

@@ -10,10 +10,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import config_from_mapping, load_config
-from geofed.orchestrator.launch import LaunchPlan, build_plan, ray_settings, ray_start_argv
+from geofed.orchestrator.launch import (
+    LaunchPlan,
+    build_plan,
+    ray_settings,
+    ray_start_argv,
+)
 from geofed.orchestrator.strict import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +74,7 @@ def test_scripts_start_ray_on_the_configured_ports(written):
         assert opts["--object-manager-port"] == str(p.object_manager)
         assert (opts["--min-worker-port"], opts["--max-worker-port"]) == (str(p.min_worker), str(p.max_worker))
     for script in written.glob("*.sh"):
-        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script.name
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True, check=False).returncode == 0, script.name
         assert os.access(script, os.X_OK)
 
 
@@ -126,7 +130,7 @@ def test_every_ray_setting_is_a_real_ray_config_and_takes_effect(written):
     env = {**os.environ, **{k: str(v["value"] + 1) for k, v in plan.ray_settings.items()}}
     code = ("import ray._raylet as r; c = r.Config; "
             "print(c.health_check_period_ms(), c.health_check_timeout_ms(), c.health_check_failure_threshold())")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     got = [int(x) for x in out.stdout.split()]
     assert got == [plan.ray_settings[f"RAY_health_check_{k}"]["value"] + 1 for k in ("period_ms", "timeout_ms", "failure_threshold")]
 

@@ -8,7 +8,6 @@ no tls/ in it, and still talk mutual TLS; the advertised address follows the nod
 from __future__ import annotations
 
 import pytest
-
 from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.tls import make_pki
 from geofed.regions.actor import ADVERTISED_HOST_ENV, advertised_host
