@@ -21,6 +21,8 @@ from .strict import ConfigError
 
 MAX_REGIONS = 256
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# Names the run directory uses for itself: checkpoints/driver/, tls/ca.pem.
+RESERVED_REGION_NAMES = ("driver", "ca")
 DEFAULT_CONFIG = "local-wan.yaml"
 
 
@@ -36,9 +38,13 @@ class RunSection:
         "stop once every region has run this many inner steps, the last round's H cut to fit (0: no step limit; "
         "run.rounds still bounds the run): equal compute for runs whose H differs"))
     seed: int = field(default=0, metadata=_doc("seed for models, data shards and sampling"))
-    out_dir: str = field(default="runs", metadata=_doc("parent folder of run directories (relative to the working directory)"))
+    out_dir: str = field(default="runs", metadata=_doc(
+        "parent folder of run directories: a relative path inside the working directory (no '..', not absolute); "
+        "to write elsewhere pass --out on the command line"))
     checkpoint_every: int = field(default=1, metadata=_doc("checkpoint every N rounds (0: only at the end)"))
-    keep_checkpoints: int = field(default=3, metadata=_doc("how many checkpoints to keep per region"))
+    keep_checkpoints: int = field(default=3, metadata=_doc(
+        "how many checkpoints to keep per region and for the driver (>= 2: a crash between the regions' and the "
+        "driver's checkpoint must leave a round both have)"))
     eval_every: int = field(default=0, metadata=_doc("evaluate every N rounds (0: only at the end)"))
     on_region_failure: Literal["elastic", "fail-fast"] = field(
         default="elastic", metadata=_doc("elastic: carry on without a crashed region while Ray restarts it; fail-fast: stop"))
@@ -54,8 +60,23 @@ class RunSection:
         for key in ("checkpoint_every", "eval_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+        if not 2 <= self.keep_checkpoints <= 1000:
+            raise ValueError(f"keep_checkpoints: must be in [2, 1000], got {self.keep_checkpoints}")
+        _check_out_dir(self.out_dir)
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """A config may be someone else's file: it must not make geofed write outside the working
+    directory. The operator's own --out is the way to put a run anywhere else."""
+    path = Path(out_dir)
+    if not out_dir.strip() or "\0" in out_dir:
+        raise ValueError("out_dir: must be a non-empty relative path")
+    if path.is_absolute() or out_dir.startswith("~"):
+        raise ValueError(f"out_dir: {out_dir!r} is outside the working directory (absolute); "
+                         "a config may only name a folder inside it; use --out DIR to write elsewhere")
+    if ".." in path.parts:
+        raise ValueError(f"out_dir: {out_dir!r} climbs out of the working directory ('..'); "
+                         "use --out DIR to write elsewhere")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +100,9 @@ class RegionsSection:
                 raise ValueError(f"names: region name {n!r} must match {_NAME_RE.pattern}")
         if len(set(self.names)) != len(self.names):
             raise ValueError("names: region names must be unique")
+        reserved = sorted(set(self.names) & set(RESERVED_REGION_NAMES))
+        if reserved:
+            raise ValueError(f"names: {', '.join(reserved)} is reserved (the run directory uses it for its own files)")
         for k in self.labels:
             if k not in self.names:
                 raise ValueError(f"labels: {k!r} is not a configured region")
@@ -181,6 +205,10 @@ class SyncSection:
     outer: OuterOptimizer = field(default_factory=OuterOptimizer, metadata=_doc("outer optimizer (diloco)"))
     overlap: bool = field(default=False, metadata=_doc("exchange round r while round r+1 computes; outer update applied one round late"))
     deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
+    resync_after_miss: bool = field(default=True, metadata=_doc(
+        "diloco/allreduce over the full topology without overlap: a region that missed an in-neighbour's update "
+        "(deadline, outage, a crashed peer) pulls the model from one that missed none (FetchState) after the round, "
+        "so every region trains one model; false: it keeps its own drifted copy"))
     gossip: GossipSection = field(default_factory=GossipSection, metadata=_doc("gossip algorithm settings"))
 
     def __post_init__(self):

@@ -14,6 +14,7 @@ import yaml
 from geofed.regions.checkpoint import write_bytes_atomic
 
 from .config import RunConfig, to_mapping
+from .strict import ConfigError
 
 
 def new_run_dir(cfg: RunConfig, out: str | None) -> Path:
@@ -22,9 +23,12 @@ def new_run_dir(cfg: RunConfig, out: str | None) -> Path:
     else:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         path = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
-    path.mkdir(parents=True, exist_ok=True)
-    if (path / "rounds.jsonl").exists():
-        raise FileExistsError(f"{path} already holds a run; use --resume {path} to continue it")
+    if (path / "rounds.jsonl").exists() or (path / "checkpoints").exists():
+        raise ConfigError("", f"{path} already holds a run; use --resume {path} to continue it", source="--out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("", f"cannot create the run directory {path}: {exc.strerror}", source="--out") from None
     (path / "config.yaml").write_text(yaml.safe_dump(to_mapping(cfg), sort_keys=False))
     return path
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +14,19 @@ import ray
 
 from geofed.p2p.tls import make_pki
 from geofed.regions import checkpoint
+from geofed.regions.worker import rss_mb
 
-from .cluster import PlacementError, RegionActors, create_region_actors, init_ray, wait_alive
+from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
 from .config import RunConfig, config_from_mapping, load_config
 from .coordinator import Coordinator
 from .emulation import start_emulation
 from .progress import RunProgress, print_summary
-from .rundir import Clock, JsonlLog, new_run_dir, truncate_jsonl, write_json
+from .recovery import Interrupted, StopSignals, plan_resync
+from .rundir import Clock, JsonlLog, new_run_dir, read_jsonl, truncate_jsonl, write_json
 from .strict import ConfigError, parse_yaml
 from .summary import build_summary, evaluate_average
+
+_ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +48,16 @@ def run_from_args(args) -> int:
     runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume))
     try:
         summary = runner.run()
+    except Interrupted as stop:
+        print(f"geofed: {stop}; checkpoint of round {stop.round} in {run_dir}; "
+              f"continue with: geofed run --resume {run_dir}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
-        runner.interrupted()
-        print(f"geofed: interrupted; checkpoint in {run_dir}; continue with: geofed run --resume {run_dir}")
+        print(f"geofed: stopped at once; the last checkpoint in {run_dir} stands; "
+              f"continue with: geofed run --resume {run_dir}", file=sys.stderr)
         return 130
     except (PlacementError, RunFailed) as exc:
-        print(f"geofed: {exc}")
+        print(f"geofed: {exc}", file=sys.stderr)
         return 1
     finally:
         runner.shutdown()
@@ -105,138 +115,239 @@ class Runner:
         self.addresses: dict[str, str] = {}
         self.alive: list[str] = []
         self.dead: dict[str, str] = {}
+        self._probes: dict[str, Any] = {}  # dead region -> node_info ref: answers once Ray restarted it
         self.next_round = 0
+        self._last_checkpoint = -1
+        self._mb_sent = 0.0
         self.clock = Clock()
-        self.faults = {"region_restarts": 0, "region_failures": 0, "peers_left_out": 0, "late_dropped": 0}
+        self.faults = {"region_restarts": 0, "region_failures": 0, "peers_left_out": 0, "late_dropped": 0,
+                       "resyncs": 0}
         self.progress: RunProgress | None = None
+        self.stop = StopSignals()
+        s = cfg.sync
+        self._resync_on = (s.resync_after_miss and s.algorithm in ("diloco", "allreduce") and s.topology == "full"
+                           and not s.overlap)
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
-        make_pki(self.run_dir / "tls", self.regions)  # idempotent: a resumed run keeps its CA
+        self._make_tls()
         self.ray = init_ray(self.cfg)
         pin = bool(self.cfg.ray.address)
         self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
         self.alive = list(self.regions)
-        self.addresses = dict(zip(self.regions, ray.get([self.actors.handles[r].start.remote() for r in self.regions])))
+        starts = [self.actors.handles[r].start.remote() for r in self.regions]
+        self.addresses = dict(zip(self.regions, ray.get(starts, timeout=120)))
         for region, address in self.addresses.items():
             self.actors.info[region]["grpc_address"] = address  # summary.json placement
         self.emulator = start_emulation(self.cfg, self.regions)
         self._connect_all()
         info = self.actors.info[self.regions[0]]
         self.coordinator = Coordinator(self.cfg, model_numel=info["params"], clock=self.clock)
+        # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
+        restored = self._load_driver_checkpoint() if self.resume else None
+        if restored is None:
+            self.clock = Clock()  # wall time counts training, not Ray start-up
+            self.coordinator.clock = self.clock
         self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
         self.rounds_log = JsonlLog(self.run_dir / "rounds.jsonl")
         self.events_log = JsonlLog(self.run_dir / "events.jsonl")
-        if self.resume:
-            self._restore()
+        self._event("started", driver_pid=os.getpid(), resume=self.resume,
+                    regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip")}
+                             for r, i in self.actors.info.items()})
+        if restored is not None:
+            self._restore(*restored)
+
+    def _make_tls(self) -> None:
+        tls = self.run_dir / "tls"
+        names = ["ca", *self.regions]
+        if self.resume and all((tls / f"{n}.pem").is_file() and (tls / f"{n}.key").is_file() for n in names):
+            return  # a resumed run keeps its CA and certificates
+        make_pki(tls, self.regions)
 
     def _connect_all(self) -> None:
-        refs = []
+        refs = {}
         for src in self.alive:
             peers = {dst: self._route(src, dst) for dst in self.alive if dst != src}
-            refs.append(self.actors.handles[src].connect.remote(peers))
-        ray.get(refs, timeout=60)
+            refs[self.actors.handles[src].connect.remote(peers)] = src
+        self._gather(refs, "connect", timeout=60)
 
     def _route(self, src: str, dst: str) -> str:
         if self.emulator is None:
             return self.addresses[dst]
         return self.emulator.route(src, dst, self.addresses[dst])
 
+    def _event(self, event: str, **fields) -> None:
+        self.events_log.write({"t": round(self.clock.now(), 4), "round": self.next_round, "event": event, **fields})
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        self.setup()
-        if not self.resume:
-            self.clock = Clock()  # wall time counts training, not Ray start-up
-            self.coordinator.clock = self.clock
+        with self.stop:
+            self.stop._notify = self._on_signal
+            self.setup()
+            self.progress = RunProgress(self.cfg.run.rounds, enabled=self.show_progress, start=self.next_round)
+            try:
+                for r in range(self.next_round, self.cfg.run.rounds):
+                    if self.stop.requested:
+                        self._stop_cleanly()
+                    self._round(r)
+                    if self.coordinator.done:  # run.max_steps spent
+                        break
+                if self.stop.requested:
+                    self._stop_cleanly()
+                return self._finish()
+            finally:
+                self.progress.stop()
+
+    def _on_signal(self, name: str) -> None:
+        # Runs in the signal handler: no Ray calls, no locks; the loop acts on it between rounds.
+        print(f"geofed: {name}: stopping after the round in flight (again to stop at once)", file=sys.stderr)
+
+    def _round(self, r: int) -> None:
         cfg = self.cfg
-        self.progress = RunProgress(cfg.run.rounds, enabled=self.show_progress, start=self.next_round)
-        mb_sent = 0.0
-        try:
-            for r in range(self.next_round, cfg.run.rounds):
-                self._revive_dead(r)
-                evaluate = bool(cfg.run.eval_every) and (r + 1) % cfg.run.eval_every == 0
-                if self.emulator is not None:
-                    self.emulator.set_round(r)
-                t_start = self.clock.now()
-                plans = self.coordinator.plan(r, alive=self.alive, evaluate=evaluate)
-                results = self._run_round(r, plans)
-                t_end = self.clock.now()
-                self.coordinator.observe(results)
-                mb_sent += sum(m["bytes_sent"] for m in results.values()) / 1e6
-                self._log_round(r, results, t_start, t_end, extra=self._consensus() if evaluate else None)
-                self.next_round = r + 1
-                if cfg.run.checkpoint_every and (r + 1) % cfg.run.checkpoint_every == 0:
-                    self._checkpoint(r)
-                self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=mb_sent,
-                                     note=f"down: {','.join(sorted(self.dead))}" if self.dead else "")
-                if self.coordinator.done:  # run.max_steps spent
-                    break
-            return self._finish()
-        finally:
-            self.progress.stop()
+        self._revive_dead(r)
+        evaluate = bool(cfg.run.eval_every) and (r + 1) % cfg.run.eval_every == 0
+        if self.emulator is not None:
+            self.emulator.set_round(r)
+        t_start = self.clock.now()
+        plans = self.coordinator.plan(r, alive=self.alive, evaluate=evaluate)
+        results = self._run_round(r, plans)
+        t_end = self.clock.now()
+        self.coordinator.observe(results)
+        self._mb_sent += sum(m["bytes_sent"] for m in results.values()) / 1e6
+        self._log_round(r, results, t_start, t_end, extra=self._consensus() if evaluate else None)
+        self.next_round = r + 1
+        self._resync(r, results)
+        if cfg.run.checkpoint_every and (r + 1) % cfg.run.checkpoint_every == 0:
+            self._checkpoint(r)
+        self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=self._mb_sent,
+                             note=f"down: {','.join(sorted(self.dead))}" if self.dead else "")
 
     def _run_round(self, r: int, plans) -> dict[str, dict[str, Any]]:
         refs = {self.actors.handles[reg].run_round.remote(plan): reg for reg, plan in plans.items()}
-        timeout = self.cfg.sync.deadline.max_s * 3 + 600
+        results = self._gather(refs, f"round {r}", timeout=self.cfg.sync.deadline.max_s * 3 + 600)
+        now = round(self.clock.now(), 4)
+        for region, m in results.items():
+            m["t_start"], m["t_end"] = round(now - m["wall_s"], 4), now
+            self.faults["peers_left_out"] += len(m.get("peers_missing", []))
+            if m.get("refusals"):
+                self._event("refused", region=region, by_reason=m["refusals"])
+        return results
+
+    # -- faults ------------------------------------------------------------------------------
+    def _gather(self, refs: dict, what: str, *, timeout: float) -> dict[str, Any]:
+        """region -> result of one call per region. A region whose actor died, or that did not
+        answer within `timeout` (then it is killed for Ray to restart), is failed: elastic runs
+        carry on without it, fail-fast runs stop. An exception inside the call stops the run."""
+        if not refs:
+            return {}
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-        results = {}
+        out = {}
         for ref in ready:
             region = refs[ref]
             try:
-                results[region] = ray.get(ref)
+                out[region] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                self._region_failed(region, r, f"actor died: {type(exc).__name__}")
+                self._region_failed(region, f"actor died during {what}: {_first_line(exc)}")
             except ray.exceptions.RayTaskError as exc:
-                raise RunFailed(f"region {region} failed in round {r}: {exc.cause!r}") from None
+                raise RunFailed(f"region {region} failed in {what}: {exc.cause!r}") from None
         for ref in pending:
-            self._region_failed(refs[ref], r, f"round {r} did not finish within {timeout:.0f}s")
-            ray.kill(self.actors.handles[refs[ref]], no_restart=False)
-        for region, m in results.items():
-            m["t_start"], m["t_end"] = round(self.clock.now() - m["wall_s"], 4), round(self.clock.now(), 4)
-            self.faults["peers_left_out"] += len(m.get("peers_missing", []))
-        return results
+            region = refs[ref]
+            self._region_failed(region, f"{what} did not finish within {timeout:.0f}s")
+            ray.kill(self.actors.handles[region], no_restart=False)
+        return out
 
-    def _region_failed(self, region: str, r: int, why: str) -> None:
+    def _call(self, regions, method: str, *args, timeout: float, **kwargs) -> dict[str, Any]:
+        refs = {getattr(self.actors.handles[r], method).remote(*args, **kwargs): r for r in regions}
+        return self._gather(refs, method, timeout=timeout)
+
+    def _region_failed(self, region: str, why: str) -> None:
+        r = self.next_round
         self.faults["region_failures"] += 1
-        self.events_log.write({"t": self.clock.now(), "round": r, "event": "region_failed", "region": region, "why": why})
+        self._event("region_failed", region=region, why=why)
         if self.cfg.run.on_region_failure == "fail-fast":
-            raise RunFailed(f"region {region} failed in round {r} ({why}); run.on_region_failure is fail-fast")
+            raise RunFailed(f"region {region} failed in round {r} ({why}); run.on_region_failure is fail-fast; "
+                            f"the checkpoint of round {self._last_checkpoint} stands: geofed run --resume {self.run_dir}")
         if region in self.alive:
             self.alive.remove(region)
         self.dead[region] = why
+        self._probes.pop(region, None)
         if not self.alive:
             raise RunFailed(f"every region has failed (last: {region} in round {r}: {why})")
         if self.progress is not None:
             self.progress.log(f"[yellow]region {region} failed in round {r}: {why}; carrying on without it")
 
     def _revive_dead(self, r: int) -> None:
-        """A region Ray restarted comes back: new server, reconnect, state from checkpoint + a peer."""
+        """A dead region is probed without blocking the round; once Ray has restarted it, it
+        rejoins. A region past its max_restarts keeps failing the probe and stays out."""
         for region in sorted(self.dead):
-            handle = self.actors.handles[region]
-            if wait_alive(handle, timeout_s=2.0) is None:
+            probe = self._probes.get(region)
+            if probe is None:
+                self._probes[region] = self.actors.handles[region].node_info.remote()
                 continue
-            self.addresses[region] = ray.get(handle.start.remote(), timeout=60)
-            restored = ray.get(handle.restore_checkpoint.remote(), timeout=120)
-            self.alive.append(region)
-            self.alive.sort(key=self.regions.index)
-            del self.dead[region]
-            self._connect_all()
-            donors = [p for p in self.alive if p != region]
-            donor, _ = ray.get(handle.catch_up.remote(donors), timeout=self.cfg.sync.deadline.max_s + 60)
-            self.faults["region_restarts"] += 1
-            self.events_log.write({"t": self.clock.now(), "round": r, "event": "region_rejoined", "region": region,
-                                   "restored_round": restored, "donor": donor})
-            if self.progress is not None:
-                self.progress.log(f"[green]region {region} rejoined at round {r} (checkpoint {restored}, state from {donor})")
+            if not ray.wait([probe], timeout=0)[0]:
+                continue
+            del self._probes[region]
+            try:
+                info = ray.get(probe)
+            except ray.exceptions.RayActorError:
+                continue  # still restarting, or gone for good: probe again next round
+            self._rejoin(region, r, info)
+
+    def _rejoin(self, region: str, r: int, info: dict) -> None:
+        """New server, reconnect everyone, own checkpoint, then the current model from a peer."""
+        handle = self.actors.handles[region]
+        try:
+            address = ray.get(handle.start.remote(), timeout=60)
+            restored = ray.get(handle.restore_checkpoint.remote(r - 1), timeout=120)
+        except _ACTOR_GONE as exc:
+            log.warning("region %s did not come back yet: %s", region, _first_line(exc))
+            return
+        self.addresses[region] = address
+        self.actors.info[region] = {**self.actors.info.get(region, {}), **info, "grpc_address": address}
+        self.alive = [reg for reg in self.regions if reg in self.alive or reg == region]
+        del self.dead[region]
+        self._connect_all()
+        donors = [p for p in self.alive if p != region]
+        donor, state_round = None, restored["round"]
+        if donors and region in self.alive:
+            try:
+                donor, state_round = ray.get(handle.catch_up.remote(donors), timeout=self.cfg.sync.deadline.max_s + 60)
+            except ray.exceptions.RayActorError as exc:
+                self._region_failed(region, f"died while catching up: {_first_line(exc)}")
+                return
+            except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as exc:
+                # Its own checkpoint is the best it has; a resync after its first round realigns it.
+                log.warning("region %s: no peer gave its state: %s", region, _first_line(exc))
+        self.faults["region_restarts"] += 1
+        self._event("region_rejoined", region=region, pid=info.get("pid"), grpc_address=address,
+                    restored_round=restored["round"], skipped_checkpoints=restored["skipped"],
+                    donor=donor, state_round=state_round)
+        if self.progress is not None:
+            self.progress.log(f"[green]region {region} rejoined at round {r} "
+                              f"(checkpoint {restored['round']}, state of round {state_round} from {donor})")
+
+    def _resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:
+        """Regions that missed an update this round take the model of one that did not."""
+        if not self._resync_on:
+            return
+        jobs = plan_resync(results, [reg for reg in self.regions if reg in self.alive])
+        timeout = self.cfg.sync.deadline.max_s
+        refs = {self.actors.handles[j.region].catch_up.remote(list(j.donors), timeout_s=timeout): j.region for j in jobs}
+        try:
+            got = self._gather(refs, "resync", timeout=timeout * len(self.regions) + 30)
+        except RunFailed as exc:  # no donor answered (a cut link): it stays on its own model
+            log.warning("resync after round %d incomplete: %s", r, exc)
+            self._event("resync_failed", why=str(exc))
+            return
+        for region, (donor, state_round) in got.items():
+            self.faults["resyncs"] += 1
+            self._event("resync", region=region, donor=donor, state_round=state_round)
 
     def _consensus(self) -> dict[str, Any]:
         """Eval rounds: the averaged model's metric and how far apart the regions' models are
         (what gossip drives to zero); rounds.jsonl keeps them, the report plots them."""
-        handles = [self.actors.handles[reg] for reg in self.alive]
-        try:
-            params = dict(zip(self.alive, ray.get([h.get_params.remote() for h in handles], timeout=600)))
-        except ray.exceptions.RayError as exc:  # a region died since its round: next eval round
-            log.warning("consensus distance skipped this round: %s", exc)
+        params = self._call(self.alive, "get_params", timeout=600)
+        if not params:
             return {}
         avg, consensus = evaluate_average(self.cfg, params)
         return {"consensus_distance": consensus, "eval_avg": avg}
@@ -260,62 +371,85 @@ class Runner:
             "round": r, "t_start": t_start, "t_end": t_end, "H": self.coordinator.last_H,
             "codecs": {k: _spec_str(v) for k, v in self.coordinator.last_codecs.items()},
             "reason": self.coordinator.last_reason, "policy": self.coordinator.last_record.get("policy", {}),
-            "links": links, "alive": list(self.alive),
+            "links": links, "alive": list(self.alive), "regions_reported": sorted(results),
             "mean_train_loss": sum(losses) / len(losses) if losses else None,
             "utilization": sum(m["utilization"] for m in results.values()) / max(1, len(results)),
-            "bytes_sent": sum(m["bytes_sent"] for m in results.values()), **(extra or {})})
+            "bytes_sent": sum(m["bytes_sent"] for m in results.values()), "driver_rss_mb": rss_mb(),
+            **(extra or {})})
 
-    # -- checkpoints, resume, end ------------------------------------------------------------
+    # -- checkpoints, resume, stop, end ------------------------------------------------------
     def _checkpoint(self, r: int) -> None:
-        ray.get([self.actors.handles[reg].save_checkpoint.remote() for reg in self.alive], timeout=300)
+        """Regions first, then the driver's: a driver checkpoint of round r means every region
+        alive then has one too (a crash between the two resumes from the previous pair)."""
+        self._call(self.alive, "save_checkpoint", timeout=300)
         state = {"round": r, "clock": self.clock.now(), "coordinator": self.coordinator.state_dict(),
                  "faults": dict(self.faults), "alive": list(self.alive)}
         d = self.run_dir / "checkpoints" / "driver"
         checkpoint.save_atomic(checkpoint.checkpoint_path(d, r), state)
         checkpoint.prune(d, self.cfg.run.keep_checkpoints)
+        self._last_checkpoint = r
 
-    def _restore(self) -> None:
-        found = checkpoint.load_latest(self.run_dir / "checkpoints" / "driver")
+    def _load_driver_checkpoint(self) -> tuple[int, dict, list[str], list[int]]:
+        """(round, state, skipped files, rounds logged after it) of the newest good driver
+        checkpoint; metrics.jsonl and rounds.jsonl are cut back to that round."""
+        skipped: list[str] = []
+        found = checkpoint.load_latest(self.run_dir / "checkpoints" / "driver",
+                                       on_skip=lambda path, why: skipped.append(why))
+        for why in skipped:
+            print(f"geofed: {why}; using the previous checkpoint", file=sys.stderr)
         if found is None:
-            raise RunFailed(f"{self.run_dir}: no usable driver checkpoint to resume from")
+            raise RunFailed(f"{self.run_dir}: no usable driver checkpoint to resume from"
+                            + (f" ({'; '.join(skipped)})" if skipped else ""))
         r, state = found
-        got = ray.get([self.actors.handles[reg].restore_checkpoint.remote(r) for reg in self.regions], timeout=300)
-        for reg, rr in zip(self.regions, got):
-            if rr != r:
-                # This region's checkpoint for round r is missing/corrupt: take state from a peer.
-                donors = [p for p, q in zip(self.regions, got) if q == r]
-                ray.get(self.actors.handles[reg].catch_up.remote(donors), timeout=300)
+        lost = sorted({rec["round"] for rec in read_jsonl(self.run_dir / "rounds.jsonl") if rec.get("round", -1) > r})
+        for name in ("metrics.jsonl", "rounds.jsonl"):
+            truncate_jsonl(self.run_dir / name, lambda rec: rec.get("round", -1) <= r)
+        return r, state, skipped, lost
+
+    def _restore(self, r: int, state: dict, skipped: list[str], lost: list[int]) -> None:
+        for why in skipped:
+            self._event("checkpoint_skipped", who="driver", why=why)
+        got = self._call(self.regions, "restore_checkpoint", r, timeout=300)
+        exact = [reg for reg, g in got.items() if g["round"] == r]
+        for reg, g in got.items():
+            for why in g["skipped"]:
+                self._event("checkpoint_skipped", who=reg, why=why)
+        behind = [reg for reg, g in got.items() if g["round"] != r]
+        if behind and not exact:
+            raise RunFailed(f"{self.run_dir}: no region has a usable checkpoint of round {r}")
+        for reg in behind:
+            # Its checkpoint of round r is missing or corrupt: the model of a region that has it.
+            donor, _ = ray.get(self.actors.handles[reg].catch_up.remote(exact), timeout=300)
+            self._event("region_state_from_peer", region=reg, own_round=got[reg]["round"], donor=donor)
         self.coordinator.load_state_dict(state["coordinator"])
         self.faults.update(state["faults"])
         self.clock = Clock(offset=state["clock"])
         self.coordinator.clock = self.clock
         self.next_round = r + 1
-        for name in ("metrics.jsonl", "rounds.jsonl"):
-            truncate_jsonl(self.run_dir / name, lambda rec: rec.get("round", -1) <= r)
-        self.events_log.write({"t": self.clock.now(), "event": "resumed", "round": r + 1})
+        self._last_checkpoint = r
+        self._event("resumed", from_checkpoint=r, lost_rounds=lost)
+
+    def _stop_cleanly(self) -> None:
+        last = self.next_round - 1
+        if last >= 0 and self._last_checkpoint != last:
+            self._checkpoint(last)
+        self._event("stopped", signal=signal_name(self.stop.signum), last_round=last)
+        raise Interrupted(self.stop.signum, last)
 
     def _finish(self) -> dict[str, Any]:
-        handles = [self.actors.handles[reg] for reg in self.alive]
-        ray.get([h.finish_pending.remote() for h in handles], timeout=self.cfg.sync.deadline.max_s * 2 + 120)
+        self._call(self.alive, "finish_pending", timeout=self.cfg.sync.deadline.max_s * 2 + 120)
         self._checkpoint(self.next_round - 1)
-        per_region = dict(zip(self.alive, ray.get([h.evaluate.remote() for h in handles], timeout=600)))
-        params = dict(zip(self.alive, ray.get([h.get_params.remote() for h in handles], timeout=600)))
+        per_region = self._call(self.alive, "evaluate", timeout=600)
+        params = self._call(self.alive, "get_params", timeout=600)
         avg_eval, consensus = evaluate_average(self.cfg, params)
-        stats = dict(zip(self.alive, ray.get([h.transport_stats.remote() for h in handles], timeout=60)))
+        stats = self._call(self.alive, "transport_stats", timeout=60)
+        tail = self._call(self.alive, "take_refusals", timeout=60)  # refused since each one's last round
         summary = build_summary(self.cfg, self.run_dir, eval_avg=avg_eval, eval_per_region=per_region,
                                 consensus=consensus, transport_stats=stats, faults=self.faults,
-                                placement=self.actors.info, emulator=self.emulator, wall_s=self.clock.now())
+                                placement=self.actors.info, emulator=self.emulator, wall_s=self.clock.now(),
+                                refusals_since_last_round=tail)
         write_json(self.run_dir / "summary.json", summary)
         return summary
-
-    def interrupted(self) -> None:
-        """Ctrl-C: keep the last completed round's checkpoint; the resume starts after it."""
-        if self.actors is None or self.next_round == 0:
-            return
-        try:
-            self._checkpoint(self.next_round - 1)
-        except Exception as exc:  # noqa: BLE001 - best effort on the way out; the previous checkpoint stays
-            log.warning("checkpoint on interrupt failed: %s", exc)
 
     def shutdown(self) -> None:
         for logf in ("metrics_log", "rounds_log", "events_log"):
@@ -331,6 +465,17 @@ class Runner:
             self.emulator.stop()
         if self.ray is not None:
             self.ray.shutdown()
+
+
+def signal_name(signum: int | None) -> str | None:
+    import signal
+
+    return None if signum is None else signal.Signals(signum).name
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _spec_str(spec: Any) -> str:

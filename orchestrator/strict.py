@@ -23,6 +23,7 @@ import yaml
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML, not a data file
 MAX_NODES = 20_000
+MAX_DEPTH = 64  # PyYAML composes recursively: 3000 nested brackets were a RecursionError
 
 
 class ConfigError(ValueError):
@@ -44,11 +45,12 @@ class ConfigError(ValueError):
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """SafeLoader that refuses aliases (billion-laughs bombs) and counts nodes."""
+    """SafeLoader that refuses aliases (billion-laughs bombs) and counts nodes and nesting."""
 
     def __init__(self, stream):
         super().__init__(stream)
         self._nodes = 0
+        self._depth = 0
 
     def compose_node(self, parent, index):  # noqa: D401 - PyYAML hook
         if self.check_event(yaml.AliasEvent):
@@ -57,7 +59,14 @@ class _NoAliasLoader(yaml.SafeLoader):
         self._nodes += 1
         if self._nodes > MAX_NODES:
             raise ConfigError("", f"more than {MAX_NODES} YAML nodes; a config this large is refused")
-        return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                line = self.peek_event().start_mark.line + 1
+                raise ConfigError("", f"line {line}: nested deeper than {MAX_DEPTH} levels; a config this deep is refused")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def parse_yaml(text: str | bytes, *, source: str) -> dict[str, Any]:
@@ -184,9 +193,14 @@ def _convert_float(value: Any, path: str) -> float:
             raise ConfigError(path, f"expected a number, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"expected a number, got {value!r}")
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        raise ConfigError(path, f"expected a finite number, got an integer of {len(str(value))} digits") from None
     if math.isnan(out):
         raise ConfigError(path, "expected a number, got NaN")
+    if math.isinf(out):
+        raise ConfigError(path, f"expected a finite number, got {out}")
     return out
 
 

@@ -37,13 +37,14 @@ def evaluate_average(cfg: RunConfig, params: dict[str, list[torch.Tensor]]) -> t
 
 
 def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, consensus, transport_stats,
-                  faults, placement, emulator, wall_s: float) -> dict[str, Any]:
+                  faults, placement, emulator, wall_s: float,
+                  refusals_since_last_round: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     rounds = read_jsonl(run_dir / "rounds.jsonl")
     last_round = max((m["round"] for m in metrics), default=-1)
     final_losses = [m["train_loss"] for m in metrics if m["round"] == last_round and m.get("train_loss") is not None]
     util = _utilization(metrics)
-    refusals = _refusals(transport_stats)
+    refusals = _refusals(metrics, refusals_since_last_round or {})
     return {
         "run": run_dir.name, "rounds": last_round + 1, "wall_s": round(wall_s, 3),
         "final_train_loss": sum(final_losses) / len(final_losses) if final_losses else None,
@@ -110,9 +111,13 @@ def _transport(transport_stats: dict[str, dict]) -> dict[str, dict]:
             for reg, s in transport_stats.items()}
 
 
-def _refusals(transport_stats: dict[str, dict]) -> dict[str, Any]:
+def _refusals(metrics: list[dict], tail: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Refusals by reason over the whole run: each round's (metrics.jsonl, kept across region
+    restarts and resumes) plus what each region refused after its last round."""
     by_reason: dict[str, int] = {}
-    for s in transport_stats.values():
-        for reason, n in (s.get("refused") or {}).items():
+    by_region: dict[str, int] = {}
+    for region, counts in [(m.get("region"), m.get("refusals") or {}) for m in metrics] + list(tail.items()):
+        for reason, n in counts.items():
             by_reason[reason] = by_reason.get(reason, 0) + n
-    return {"total": sum(by_reason.values()), "by_reason": by_reason}
+            by_region[region] = by_region.get(region, 0) + n
+    return {"total": sum(by_reason.values()), "by_reason": by_reason, "by_region": by_region}

@@ -3,6 +3,11 @@
 File layout: ``GFCK`` magic, 32-byte SHA-256 of the body, then the body (``torch.save`` of a
 state of tensors and plain values, loaded back with ``weights_only=True`` so a checkpoint can
 never run code).
+
+A process killed while writing leaves at most a ``.ckpt-*.tmp-<pid>`` file (never a torn
+``ckpt-*.pt``: the rename is the commit); ``prune`` removes such leftovers. A file that is torn
+or corrupt anyway (disk error, a copy gone wrong) fails the checksum: ``load_latest`` reports it
+and falls back to the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import io
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,7 @@ import torch
 
 MAGIC = b"GFCK"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_TMP = re.compile(r"^\.ckpt-\d+\.pt\.tmp-\d+$")
 log = logging.getLogger(__name__)
 
 
@@ -34,13 +41,18 @@ def save_atomic(path: Path, state: Any) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     # The rename is durable only once the directory entry is on disk too.
     fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -50,7 +62,10 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def load_verified(path: Path) -> Any:
-    data = Path(path).read_bytes()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from None
     if len(data) < 36 or data[:4] != MAGIC:
         raise CheckpointError(f"{path}: not a geofed checkpoint (too short or bad magic)")
     digest, body = data[4:36], data[36:]
@@ -73,18 +88,35 @@ def list_rounds(directory: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _NAME.match(p.name)))
 
 
-def load_latest(directory: Path, *, at_most: int | None = None) -> tuple[int, Any] | None:
-    """Newest checkpoint that verifies (round <= at_most); corrupt ones are reported and skipped."""
+def load_latest(directory: Path, *, at_most: int | None = None,
+                on_skip: Callable[[Path, str], None] | None = None) -> tuple[int, Any] | None:
+    """Newest checkpoint that verifies (round <= at_most), or None.
+
+    Each newer file that fails verification is logged and passed to ``on_skip(path, why)`` (the
+    runner writes it to events.jsonl), then the previous one is tried.
+    """
     for r in reversed(list_rounds(directory)):
         if at_most is not None and r > at_most:
             continue
+        path = checkpoint_path(directory, r)
         try:
-            return r, load_verified(checkpoint_path(directory, r))
+            return r, load_verified(path)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s", exc)
+            if on_skip is not None:
+                on_skip(path, str(exc))
     return None
 
 
 def prune(directory: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints; remove temp files a killed writer left behind."""
+    if keep < 1:
+        raise ValueError(f"keep: must be >= 1, got {keep}")
+    directory = Path(directory)
     for r in list_rounds(directory)[:-keep]:
         checkpoint_path(directory, r).unlink(missing_ok=True)
+    if directory.is_dir():
+        mine = f".tmp-{os.getpid()}"
+        for p in directory.iterdir():
+            if _TMP.match(p.name) and not p.name.endswith(mine):
+                p.unlink(missing_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,17 +47,25 @@ class ExchangeResult:
 
 
 class Exchanger:
-    """Codec state per (out-link codec), link estimators per out-link, the adaptive deadline."""
+    """Codec state per (out-link codec), link estimators per out-link, the adaptive deadline.
+
+    A push that has not finished a grace period after this region's own receive deadline is left
+    running and not waited for: a stalled link (an outage that blackholes bytes) must cost the
+    sender a deadline, not the push's whole timeout. Until that push ends (delivered late, refused
+    or timed out) the peer is skipped, so a stalled link holds at most one push and one thread.
+    """
 
     def __init__(self, transport: Transport, *, error_feedback: bool, deadline: AdaptiveDeadline,
-                 send_timeout_s: float):
+                 send_timeout_s: float, max_peers: int = 8):
         self.transport = transport
         self.error_feedback = error_feedback
         self.deadline = deadline
         self.send_timeout_s = send_timeout_s
         self.states: dict[str, CodecState] = {}
         self.estimators: dict[str, LinkEstimator] = {}
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="geofed-send")
+        self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
+        # One push per peer plus one stalled push per peer never queue behind each other.
+        self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -70,19 +78,24 @@ class Exchanger:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`."""
         self.transport.expect(round_, list(in_peers))
         payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec)
-        futures = {p: self._pool.submit(self._send, p, round_, payloads[p]) for p in out_peers}
+        skipped = self._still_stalled()
+        futures = {p: self._pool.submit(self._send, p, round_, payloads[p]) for p in out_peers if p not in skipped}
         t0 = time.monotonic()
-        inbox = self.transport.receive(round_, self.deadline.current())
+        deadline_s = self.deadline.current()
+        inbox = self.transport.receive(round_, deadline_s)
         wait_s = time.monotonic() - t0
         result = ExchangeResult(received=dict(inbox.received), own_decoded=own_decoded,
                                 missing=sorted(inbox.missing), wait_s=wait_s)
+        for peer in out_peers:
+            if peer in skipped:
+                result.send_failures[peer] = f"skipped: its push of round {skipped[peer]} is still in flight"
         if not inbox.missing:
             # Only complete rounds teach the deadline samples: a dead peer must not skew them...
             self.deadline.observe(wait_s)
         else:
             # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.
             self.deadline.observe_miss()
-        self._collect_sends(futures, payloads, result)
+        self._collect_sends(futures, round_, result, grace_s=max(1.0, deadline_s))
         for sender, (nbytes, seconds) in inbox.timings.items():  # payload bytes, receiver-timed
             result.bytes_received += nbytes
             result.transfers.append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
@@ -111,11 +124,26 @@ class Exchanger:
             payloads[peer], own[peer] = by_key[key]
         return payloads, own
 
-    def _collect_sends(self, futures, payloads, result: ExchangeResult) -> None:
+    def _still_stalled(self) -> dict[str, int]:
+        """Peers whose push from an earlier round is still running -> that round."""
+        for peer in [p for p, (_, fut) in self._stalled.items() if fut.done()]:
+            del self._stalled[peer]
+        return {p: r for p, (r, _) in self._stalled.items()}
+
+    def _collect_sends(self, futures: dict[str, Future], round_: int, result: ExchangeResult, *,
+                       grace_s: float) -> None:
+        wait(list(futures.values()), timeout=grace_s)
         for peer, fut in futures.items():
+            if not fut.done():
+                # Still running (a stalled link): leave it, skip the peer until it ends.
+                self._stalled[peer] = (round_, fut)
+                fut.add_done_callback(lambda f, p=peer, r=round_: _log_stalled_end(p, r, f))
+                result.send_failures[peer] = f"still in flight {grace_s:.1f}s after the receive deadline; left running"
+                log.warning("push of round %d to %s still in flight after the deadline; not waiting for it", round_, peer)
+                continue
             try:
-                stats = fut.result(timeout=self.send_timeout_s + 5.0)
-            except (TransportError, TimeoutError) as exc:
+                stats = fut.result()
+            except TransportError as exc:
                 result.send_failures[peer] = str(exc)
                 log.warning("send to %s failed: %s", peer, exc)
                 continue
@@ -128,10 +156,44 @@ class Exchanger:
         return {f"{region}->{peer}": est.snapshot() for peer, est in self.estimators.items()}
 
     def state_dict(self) -> dict:
-        # Codec states (EF residuals) are not checkpointed: after a restore they start from zero,
-        # which costs at most one round's dropped mass, never correctness.
-        return {"deadline": self.deadline.state_dict()}
+        """The deadline's samples and every codec stream's state (error-feedback residual,
+        warm starts, seed and counter), so a restored region encodes exactly as it would have."""
+        return {"deadline": self.deadline.state_dict(),
+                "codecs": {key: _codec_state_dict(st) for key, st in self.states.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         if "deadline" in d:
             self.deadline.load_state_dict(d["deadline"])
+        for key, sd in d.get("codecs", {}).items():
+            self.states[key] = _codec_state_from_dict(sd, error_feedback=self.error_feedback)
+
+
+# Scratch buffers whose contents are garbage between encodes: not worth a checkpoint's bytes.
+_SCRATCH_KEYS = ("scratch", "topk.mask")
+
+
+def _codec_state_dict(st: CodecState) -> dict:
+    return {"seed": st.seed, "residual": st.residual, "shapes": st.shapes, "ef_applied": st.ef_applied,
+            "counter": st.counter, "bytes_raw": st.bytes_raw, "bytes_wire": st.bytes_wire,
+            "store": {k: v for k, v in st.store.items() if k not in _SCRATCH_KEYS},
+            "generator": None if st._generator is None else st._generator.get_state()}
+
+
+def _codec_state_from_dict(d: dict, *, error_feedback: bool) -> CodecState:
+    st = CodecState(error_feedback=error_feedback, seed=d["seed"])
+    st.residual = None if d["residual"] is None else d["residual"].clone()
+    st.shapes = None if d["shapes"] is None else tuple(tuple(s) for s in d["shapes"])
+    st.ef_applied, st.counter = bool(d["ef_applied"]), int(d["counter"])
+    st.bytes_raw, st.bytes_wire = int(d["bytes_raw"]), int(d["bytes_wire"])
+    st.store.update(d["store"])
+    if d["generator"] is not None:
+        st.generator.set_state(d["generator"])
+    return st
+
+
+def _log_stalled_end(peer: str, round_: int, fut: Future) -> None:
+    exc = fut.exception()
+    if exc is None:
+        log.info("stalled push of round %d to %s completed late", round_, peer)
+    else:
+        log.info("stalled push of round %d to %s ended: %s", round_, peer, exc)

@@ -61,7 +61,9 @@ class RegionWorker:
         self.shapes = [tuple(p.shape) for p in self.params]
         self.shard = self.task.shard(self.index, len(self.regions), seed)
         self.generator = torch.Generator().manual_seed(seed * 1000 + self.index)
+        self._data_start = self.generator.get_state()
         self.batches = self.shard.batches(self.generator)
+        self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
         # An injected transport (the in-memory one) lets algorithm tests run without sockets.
@@ -73,9 +75,10 @@ class RegionWorker:
         d = cfg.sync.deadline
         self.exchanger = Exchanger(self.transport, error_feedback=cfg.compression.error_feedback,
                                    deadline=AdaptiveDeadline(d.initial_s, d.min_s, d.max_s, d.k),
-                                   send_timeout_s=d.max_s)
+                                   send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
         self.algorithm = ALGORITHMS[cfg.sync.algorithm](self)
         self.completed_round = -1
+        self._refusals_reported: dict[str, int] = {}
         self.model.train()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -95,7 +98,7 @@ class RegionWorker:
 
         return {"region": self.region, "pid": os.getpid(), "host": socket.gethostname(),
                 "params": sum(p.numel() for p in self.params), "examples": self.shard.num_examples,
-                "completed_round": self.completed_round}
+                "completed_round": self.completed_round, "rss_mb": rss_mb()}
 
     # -- one round -------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
@@ -113,8 +116,17 @@ class RegionWorker:
                                    for p in self.out_peers(plan)},
                         "wall_s": wall, "utilization": min(1.0, metrics.get("compute_s", 0.0) / wall) if wall > 0 else 0.0,
                         "links": self.exchanger.link_estimates(self.region),
-                        "refused": self.transport.stats().get("refused_total", 0)})
+                        "refused": self.transport.stats().get("refused_total", 0), "refusals": self.take_refusals(),
+                        "rss_mb": rss_mb()})
         return metrics
+
+    def take_refusals(self) -> dict[str, int]:
+        """Refusals by reason since the last call: metrics.jsonl sums to the run's total even
+        across region restarts and driver resumes (the transport's counters start at zero)."""
+        now = dict(self.transport.stats().get("refused", {}))
+        delta = {k: n - self._refusals_reported.get(k, 0) for k, n in now.items() if n > self._refusals_reported.get(k, 0)}
+        self._refusals_reported = now
+        return delta
 
     def finish_pending(self) -> dict[str, Any]:
         return self.algorithm.finish()
@@ -138,7 +150,9 @@ class RegionWorker:
 
     def forward_backward(self) -> float:
         self.inner.zero_grad(set_to_none=False)
-        loss = self.task.loss(self.model, next(self.batches))
+        batch = next(self.batches)
+        self.batches_drawn += 1
+        loss = self.task.loss(self.model, batch)
         loss.backward()
         return float(loss.detach())
 
@@ -186,7 +200,9 @@ class RegionWorker:
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.completed_round, "model": self.model.state_dict(), "inner": self.inner.state_dict(),
-                "algorithm": self.algorithm.state_dict(), "rng": self.generator.get_state()}
+                "algorithm": self.algorithm.state_dict(), "exchanger": self.exchanger.state_dict(),
+                "data": {"start": self._data_start, "drawn": self.batches_drawn},
+                "torch_rng": torch.get_rng_state()}  # dropout and other draws from the global generator
 
     def state_bytes(self) -> bytes:
         """What FetchState serves to a rejoining peer: the model and the algorithm's shared state."""
@@ -195,17 +211,22 @@ class RegionWorker:
                     "algorithm": self.algorithm.state_dict()}, buf)
         return buf.getvalue()
 
-    def catch_up(self, peers: list[str]) -> tuple[str, int]:
+    def catch_up(self, peers: list[str], *, timeout_s: float | None = None) -> tuple[str, int]:
         """Pull current parameters from one of `peers` (FetchState; each joiner tries the donors in
-        its own order, so rejoins spread across peers); returns (donor, round of its state)."""
-        peer, data = fetch_state_from_any(self.transport, peers, timeout_s=self.cfg.sync.deadline.max_s)
+        its own order, so rejoins spread across peers); returns (donor, round of its state).
+
+        The region's own inner optimizer, codec states and data position stay (they are its own,
+        not the model's); the state is checked whole before any of it is loaded."""
+        timeout_s = self.cfg.sync.deadline.max_s if timeout_s is None else timeout_s
+        peer, data = fetch_state_from_any(self.transport, peers, timeout_s=timeout_s)
         try:
             state = torch.load(io.BytesIO(data), weights_only=True)
+            round_ = int(state["round"])
             self.model.load_state_dict(state["model"])
             self.algorithm.load_state_dict(state["algorithm"])
         except Exception as exc:  # noqa: BLE001 - a bad donor must not take the region down with it
             raise ValueError(f"state from {peer} is unusable: {exc}") from None
-        self.completed_round = int(state["round"])
+        self._set_completed(round_)
         return peer, self.completed_round
 
     def transport_stats(self) -> dict[str, Any]:
@@ -215,9 +236,29 @@ class RegionWorker:
         self.model.load_state_dict(state["model"])
         self.inner.load_state_dict(state["inner"])
         self.algorithm.load_state_dict(state["algorithm"])
-        self.generator.set_state(state["rng"])
+        self.exchanger.load_state_dict(state.get("exchanger", {}))
+        self._seek_data(state["data"]["start"], int(state["data"]["drawn"]))
+        torch.set_rng_state(state["torch_rng"])
+        self._set_completed(int(state["round"]))
+
+    def _seek_data(self, start: torch.Tensor, drawn: int) -> None:
+        """Replay the data stream to where the checkpoint was: the batches after a restore are the
+        ones the region would have drawn had it not stopped (a shard's iterator holds its epoch's
+        permutation, which the generator state alone does not give back)."""
+        self.generator.set_state(start)
         self.batches = self.shard.batches(self.generator)
-        self.completed_round = int(state["round"])
+        for _ in range(drawn):
+            next(self.batches)
+        self.batches_drawn = drawn
+
+    def _set_completed(self, round_: int) -> None:
+        """Take up the run at `round_`: the mailbox closes every round up to it, so peers pushing
+        round_ + 1 are inside its window at once (a fresh mailbox would call them future rounds)."""
+        self.completed_round = round_
+        closed = self.transport.stats().get("closed_upto", -1)
+        if round_ > closed:
+            self.transport.expect(round_, [])
+            self.transport.receive(round_, 0.0)
 
     def save_checkpoint(self) -> str:
         d = self.run_dir / "checkpoints" / self.region
@@ -226,19 +267,31 @@ class RegionWorker:
         checkpoint.prune(d, self.cfg.run.keep_checkpoints)
         return str(path)
 
-    def restore_checkpoint(self, at_most: int | None = None) -> int:
-        """Load the newest verified checkpoint (<= at_most); -1 when there is none."""
-        found = checkpoint.load_latest(self.run_dir / "checkpoints" / self.region, at_most=at_most)
+    def restore_checkpoint(self, at_most: int | None = None) -> dict[str, Any]:
+        """Load the newest verified checkpoint (<= at_most). Returns {"round": its round, or -1
+        when there is none, "skipped": [why, ...] for newer files that failed verification}."""
+        skipped: list[str] = []
+        found = checkpoint.load_latest(self.run_dir / "checkpoints" / self.region, at_most=at_most,
+                                       on_skip=lambda path, why: skipped.append(why))
         if found is None:
-            return -1
+            return {"round": -1, "skipped": skipped}
         self.load_state_dict(found[1])
-        return found[0]
+        return {"round": found[0], "skipped": skipped}
 
     def _make_inner_optimizer(self) -> torch.optim.Optimizer:
         inner = self.cfg.sync.inner
         if inner.kind == "adamw":
             return torch.optim.AdamW(self.params, lr=inner.lr, weight_decay=inner.weight_decay)
         return torch.optim.SGD(self.params, lr=inner.lr, momentum=inner.momentum, weight_decay=inner.weight_decay)
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (Linux /proc; 0.0 where it is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _spec_name(spec: Any) -> str:
