@@ -32,7 +32,7 @@ class PacketPath:
                  clock: Callable[[], float], rng: random.Random, cap_bytes: int):
         self.pair, self.read_fd, self.write_fd = pair, read_fd, write_fd
         self.table, self.link, self.clock, self.rng, self.cap = table, link, clock, rng, cap_bytes
-        self.queue: collections.deque[tuple[float, float, bytes, bool]] = collections.deque()
+        self.queue: collections.deque[tuple[float, float, bytes]] = collections.deque()
         self.buffered = 0
         self.dropped = 0
         self._last_arrival = float("-inf")
@@ -71,13 +71,11 @@ class PacketPath:
         if shape.loss and self.rng.random() < shape.loss:
             self.link.loss_stalls += 1   # here a real drop: TCP recovers it
             return
-        # The bucket is not the shaper here (tbf is); it tells busy from idle for the goodput samples.
-        fresh = self.link.idle(shape, now)
-        self.link.reserve(len(packet), shape, now)
         delay = shape.latency_s + (self.rng.uniform(-shape.jitter_s, shape.jitter_s) if shape.jitter_s else 0.0)
         arrival = max(self._last_arrival, now + max(0.0, delay))
         self._last_arrival = arrival
-        self.queue.append((arrival, now, packet, fresh))
+        self.queue.append((arrival, now, packet))
+        self.link.queue(len(packet))
         self.buffered += len(packet)
         self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
 
@@ -90,18 +88,20 @@ class PacketPath:
         now = self.clock()
         shape = self.table.shape(*self.pair)
         while self.queue and self.queue[0][0] <= now + EARLY_S:
-            _, sent, packet, fresh = self.queue.popleft()
+            _, sent, packet = self.queue.popleft()
             self.buffered -= len(packet)
             if self.table.outage(*self.pair, now) is not None:
                 self.dropped += 1   # in flight when the link went down
+                self.link.discard(len(packet))
                 continue
             try:
                 os.write(self.write_fd, packet)
             except (BlockingIOError, InterruptedError):
                 self.dropped += 1   # the receiving device's queue is full: a router drop
+                self.link.discard(len(packet))
                 continue
             except OSError:
                 self.stop()
                 return
-            self.link.delivered(len(packet), now, now - sent, shape, fresh)
+            self.link.delivered(len(packet), now, now - sent, shape)
         self._schedule()

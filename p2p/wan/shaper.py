@@ -25,6 +25,7 @@ MIN_READ, MAX_READ = 4096, 65536
 READ_TIME_S = 0.005         # read about 5 ms worth of bytes at a time: fine enough steps for the bucket
 MIN_BUFFER = 256 * 1024
 OUTAGE_POLL_S = 0.05
+SAMPLE_MIN_BYTES = 1024
 
 
 def read_size(shape: Shape) -> int:
@@ -60,20 +61,17 @@ class LinkRuntime:
         self._busy_bytes = 0
         self._busy_s = 0.0
         self._last_delivery: float | None = None
+        # Bytes read from senders and not yet delivered, and chunks held waiting for tokens: while
+        # either is non-zero the link is busy, even when a starved event loop leaves a long gap.
+        self.queued = 0
+        self.holding = 0
+        self._backlogged = False
         self._lat_sum = 0.0
         self._lat_n = 0
 
     @staticmethod
     def _burst(shape: Shape) -> float:
         return max(16384.0, shape.rate_bps * 0.01)
-
-    def idle(self, shape: Shape, now: float) -> bool:
-        """Whether the link had spare capacity up to `now`: its bucket has refilled to the burst.
-
-        Bytes sent after idle time start a new goodput sample (the idle time is not the link's);
-        as BBR drops app-limited samples, so a small reply after a transfer does not count.
-        """
-        return self._t_tokens is None or self._tokens + (now - self._t_tokens) * shape.rate_bps >= self._burst(shape)
 
     def reserve(self, n: int, shape: Shape, now: float, credit_s: float = 0.0) -> float:
         """Take n bytes of tokens; seconds to wait before they are paid for.
@@ -95,17 +93,35 @@ class LinkRuntime:
         self._tokens -= n
         return 0.0 if self._tokens >= 0 else -self._tokens / shape.rate_bps
 
-    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, fresh: bool = False) -> None:
-        """Count n bytes handed to the receiver; `fresh`: they were sent after the link was idle."""
+    def queue(self, n: int) -> None:
+        self.queued += n
+
+    def discard(self, n: int) -> None:
+        """n queued bytes that will not be delivered (a packet dropped in flight)."""
+        self.queued -= n
+
+    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape) -> None:
+        """Count n queued bytes handed to the receiver, and sample goodput.
+
+        A sample is a run of deliveries while the link stays busy: it ends at a gap over 100 ms
+        that found nothing queued (idle time, outages and loss stalls are not the link's), but
+        not at a gap in which bytes were waiting (a CPU-starved event loop: the link was busy and
+        its catch-up follows). Bytes over the time of the run. Small writes (replies, acks, pings:
+        under 1 KiB) neither start nor extend a run, so the receipt that follows a transfer by
+        one latency does not stretch it.
+        """
         self.bytes += n
+        self.queued -= n
         self._lat_sum += one_way_s
         self._lat_n += 1
-        # A gap past 100 ms (an outage, a loss stall) also ends a sample: only time spent moving bytes counts.
+        if n < SAMPLE_MIN_BYTES:
+            return
         busy_gap = max(0.1, 3 * read_size(shape) / shape.rate_bps)
-        if not fresh and self._last_delivery is not None and now - self._last_delivery <= busy_gap:
+        if self._last_delivery is not None and (self._backlogged or now - self._last_delivery <= busy_gap):
             self._busy_bytes += n
             self._busy_s += now - self._last_delivery
         self._last_delivery = now
+        self._backlogged = self.queued > 0 or self.holding > 0
 
     def measured_goodput_mbps(self) -> float | None:
         if self._busy_s < 0.05:
@@ -135,12 +151,13 @@ class Pipe:
         self.link, self.table, self.reader, self.writer = link, table, reader, writer
         self.clock, self.rng, self.cap = clock, rng, cap_bytes
         self.shape_bandwidth = shape_bandwidth   # False in kernel mode: tbf does it
-        self.queue: collections.deque[tuple[float, float, bytes, bool]] = collections.deque()
+        self.queue: collections.deque[tuple[float, float, bytes]] = collections.deque()
         self.buffered = 0
         self.peak = 0
         self._has_data = asyncio.Event()
         self._has_space = asyncio.Event()
         self._last_arrival = float("-inf")
+        self._late = 0.0   # how late the last sleep for tokens woke
 
     def _shape(self) -> Shape:
         return self.table.shape(*self.link.pair)
@@ -149,7 +166,6 @@ class Pipe:
         await wait_outage(self.table, self.link.pair, self.clock)
 
     async def pump_in(self) -> None:
-        late = 0.0   # how late the last sleep for tokens woke: credited to the next reservation
         while True:
             shape = self._shape()
             while self.buffered >= buffer_limit(shape, self.cap):
@@ -158,30 +174,37 @@ class Pipe:
                 shape = self._shape()
             data = await self.reader.read(read_size(shape) if self.shape_bandwidth else MAX_READ)
             if not data:
-                self._push(self.clock(), self.clock(), _EOF, True)
+                self._push(self.clock(), self.clock(), _EOF)
                 return
             self.link.bytes_in += len(data)
-            await self.wait_outage()
-            shape = self._shape()
-            # Kernel mode keeps the bucket too (without waiting on it): it still tells idle from busy.
-            fresh = self.link.idle(shape, self.clock())
-            wait = self.link.reserve(len(data), shape, self.clock(), credit_s=late)
-            late = 0.0
-            if wait > 0 and self.shape_bandwidth:
-                due = self.clock() + wait
-                await asyncio.sleep(wait)
-                late = max(0.0, self.clock() - due)
-            if shape.loss > 0 and self.rng.random() < 1 - (1 - shape.loss) ** math.ceil(len(data) / MSS):
-                self.link.loss_stalls += 1
-                await asyncio.sleep(rto_s(shape))
-            depart = self.clock()
-            delay = max(0.0, shape.latency_s + self.rng.uniform(-shape.jitter_s, shape.jitter_s)) if shape.jitter_s else shape.latency_s
-            arrival = max(self._last_arrival, depart + delay)
-            self._last_arrival = arrival
-            self._push(arrival, depart, data, fresh)
+            self.link.holding += 1
+            try:
+                await self._pace(data)
+            finally:
+                self.link.holding -= 1
 
-    def _push(self, arrival: float, depart: float, data: bytes, fresh: bool) -> None:
-        self.queue.append((arrival, depart, data, fresh))
+    async def _pace(self, data: bytes) -> None:
+        """Wait out outages, tokens and loss stalls for one chunk, then put it on the delay line."""
+        await self.wait_outage()
+        shape = self._shape()
+        wait = self.link.reserve(len(data), shape, self.clock(), credit_s=self._late) if self.shape_bandwidth else 0.0
+        self._late = 0.0
+        if wait > 0:
+            due = self.clock() + wait
+            await asyncio.sleep(wait)
+            self._late = max(0.0, self.clock() - due)   # credited to the next reservation
+        if shape.loss > 0 and self.rng.random() < 1 - (1 - shape.loss) ** math.ceil(len(data) / MSS):
+            self.link.loss_stalls += 1
+            await asyncio.sleep(rto_s(shape))
+        depart = self.clock()
+        delay = max(0.0, shape.latency_s + self.rng.uniform(-shape.jitter_s, shape.jitter_s)) if shape.jitter_s else shape.latency_s
+        arrival = max(self._last_arrival, depart + delay)
+        self._last_arrival = arrival
+        self._push(arrival, depart, data)
+
+    def _push(self, arrival: float, depart: float, data: bytes) -> None:
+        self.queue.append((arrival, depart, data))
+        self.link.queue(len(data))
         self.buffered += len(data)
         self.peak = max(self.peak, self.buffered)
         self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
@@ -192,7 +215,7 @@ class Pipe:
             while not self.queue:
                 self._has_data.clear()
                 await self._has_data.wait()
-            arrival, depart, data, fresh = self.queue[0]
+            arrival, depart, data = self.queue[0]
             if arrival > self.clock():
                 await asyncio.sleep(arrival - self.clock())
             await self.wait_outage()   # bytes in flight when a link goes down arrive after it is back
@@ -204,7 +227,7 @@ class Pipe:
             self.writer.write(data)
             # Counted once handed to the socket: a reader may see the bytes before drain() returns.
             now = self.clock()
-            self.link.delivered(len(data), now, now - depart, self._shape(), fresh)
+            self.link.delivered(len(data), now, now - depart, self._shape())
             await self.writer.drain()
             self.buffered -= len(data)
             self._has_space.set()

@@ -81,24 +81,16 @@ def test_goodput_counts_busy_time_only():
     assert lr.measured_latency_ms() == pytest.approx(40.0)
 
 
-def test_idle_means_the_bucket_has_refilled():
-    s = shape(mbps=8.0)   # 1e6 bytes/s, burst 16384
-    lr = LinkRuntime(("a", "b"))
-    assert lr.idle(s, 0.0)                     # never used
-    lr.reserve(16384, s, now=0.0)
-    assert not lr.idle(s, 0.010)               # 10000 of 16384 back
-    assert lr.idle(s, 0.0164)
-
-
-def test_fresh_deliveries_start_a_new_sample():
-    # A 1-byte reply 50 ms after a transfer (sent on an idle link) must not stretch its busy time.
+def test_small_writes_do_not_stretch_a_sample():
+    # A 1-byte receipt 50 ms after a transfer must not stretch its busy time.
     s = shape(mbps=80.0)
     lr = LinkRuntime(("a", "b"))
     t = 0.0
-    for i in range(40):
-        lr.delivered(50_000, t, 0.01, s, fresh=(i == 0))
+    for _ in range(40):
+        lr.delivered(50_000, t, 0.01, s)
         t += 0.005
-    lr.delivered(1, t + 0.045, 0.01, s, fresh=True)
+    lr.delivered(1, t + 0.045, 0.01, s)
+    assert lr.bytes == 40 * 50_000 + 1
     assert lr.measured_goodput_mbps() == pytest.approx(80.0, rel=1e-6)
 
 
