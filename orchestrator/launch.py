@@ -24,7 +24,8 @@ from .strict import ConfigError
 REGION_LABEL = "ray.io/availability-region"   # what RAY_NODE_REGION sets
 PLAN_VERSION = 1
 _LOOPBACK = ("127.", "localhost", "::1")
-# Ray's defaults (Config accessors of ray 2.60, FIELD-NOTES): the plan never goes below them.
+# Ray's defaults (health checks: ray._raylet.Config of ray 2.60; GCS reconnects: src/ray/common/ray_config_def.h,
+# whose note says gcs_grpc_min_reconnect_backoff_ms is also the connect timeout, > 4x the latency). Never lowered.
 HEALTH_PERIOD_MS, HEALTH_TIMEOUT_MS, HEALTH_FAILURES = 3000, 10000, 5
 MIN_BACKOFF_MS, MAX_BACKOFF_MS, RECONNECT_TIMEOUT_S, CONNECT_TIMEOUT_S = 1000, 2000, 60, 5
 
