@@ -108,3 +108,18 @@ def test_lateness_credit_keeps_the_rate_when_the_loop_is_starved():
             now += wait + late
         rate = sent / now
         assert (rate == pytest.approx(s.rate_bps, rel=0.05)) is expect_rate, rate
+
+
+def test_a_gap_with_bytes_waiting_is_busy_time_and_one_without_is_idle():
+    s = shape(mbps=80.0)   # 10 MB/s
+    for waiting in (True, False):
+        lr = LinkRuntime(("a", "b"))
+        lr.queue(3 * 50_000 if waiting else 2 * 50_000)
+        lr.delivered(50_000, 0.000, 0.01, s)
+        lr.delivered(50_000, 0.005, 0.01, s)
+        if not waiting:
+            lr.queue(50_000)      # the sender only now sends again
+        # 300 ms later: a starved loop (bytes were queued all along) or an idle sender.
+        lr.delivered(50_000, 0.305, 0.01, s)
+        assert lr.queued == 0
+        assert lr._busy_s == pytest.approx(0.305 if waiting else 0.005)
