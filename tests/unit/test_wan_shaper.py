@@ -122,4 +122,7 @@ def test_a_gap_with_bytes_waiting_is_busy_time_and_one_without_is_idle():
         # 300 ms later: a starved loop (bytes were queued all along) or an idle sender.
         lr.delivered(50_000, 0.305, 0.01, s)
         assert lr.queued == 0
-        assert lr._busy_s == pytest.approx(0.305 if waiting else 0.005)
+        if waiting:   # 100 kB sampled over 305 ms
+            assert lr.measured_goodput_mbps() == pytest.approx(100_000 * 8 / 0.305 / 1e6)
+        else:         # only the first 5 ms are a sample: too short to report
+            assert lr.measured_goodput_mbps() is None
