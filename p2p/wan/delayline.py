@@ -75,7 +75,6 @@ class PacketPath:
         arrival = max(self._last_arrival, now + max(0.0, delay))
         self._last_arrival = arrival
         self.queue.append((arrival, now, packet))
-        self.link.queue(len(packet))
         self.buffered += len(packet)
         self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
 
@@ -88,20 +87,18 @@ class PacketPath:
         now = self.clock()
         shape = self.table.shape(*self.pair)
         while self.queue and self.queue[0][0] <= now + EARLY_S:
-            _, sent, packet = self.queue.popleft()
+            due, sent, packet = self.queue.popleft()
             self.buffered -= len(packet)
             if self.table.outage(*self.pair, now) is not None:
                 self.dropped += 1   # in flight when the link went down
-                self.link.discard(len(packet))
                 continue
             try:
                 os.write(self.write_fd, packet)
             except (BlockingIOError, InterruptedError):
                 self.dropped += 1   # the receiving device's queue is full: a router drop
-                self.link.discard(len(packet))
                 continue
             except OSError:
                 self.stop()
                 return
-            self.link.delivered(len(packet), now, now - sent, shape)
+            self.link.delivered(len(packet), now, now - sent, shape, due=due)
         self._schedule()

@@ -26,6 +26,9 @@ READ_TIME_S = 0.005         # read about 5 ms worth of bytes at a time: fine eno
 MIN_BUFFER = 256 * 1024
 OUTAGE_POLL_S = 0.05
 SAMPLE_MIN_BYTES = 1024
+# Deliveries further apart than this (as done and as scheduled) end a goodput sample. Under one
+# RTT of the presets, so a request/response turn between two transfers is idle time, not the link's.
+BUSY_GAP_S = 0.05
 
 
 def read_size(shape: Shape) -> int:
@@ -61,11 +64,7 @@ class LinkRuntime:
         self._busy_bytes = 0
         self._busy_s = 0.0
         self._last_delivery: float | None = None
-        # Bytes read from senders and not yet delivered, and chunks held waiting for tokens: while
-        # either is non-zero the link is busy, even when a starved event loop leaves a long gap.
-        self.queued = 0
-        self.holding = 0
-        self._backlogged = False
+        self._last_due = 0.0
         self._lat_sum = 0.0
         self._lat_n = 0
 
@@ -93,35 +92,27 @@ class LinkRuntime:
         self._tokens -= n
         return 0.0 if self._tokens >= 0 else -self._tokens / shape.rate_bps
 
-    def queue(self, n: int) -> None:
-        self.queued += n
+    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, due: float | None = None) -> None:
+        """Count n bytes handed to the receiver at `now` (they were due at `due`), and sample goodput.
 
-    def discard(self, n: int) -> None:
-        """n queued bytes that will not be delivered (a packet dropped in flight)."""
-        self.queued -= n
-
-    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape) -> None:
-        """Count n queued bytes handed to the receiver, and sample goodput.
-
-        A sample is a run of deliveries while the link stays busy: it ends at a gap over 100 ms
-        that found nothing queued (idle time, outages and loss stalls are not the link's), but
-        not at a gap in which bytes were waiting (a CPU-starved event loop: the link was busy and
-        its catch-up follows). Bytes over the time of the run. Small writes (replies, acks, pings:
-        under 1 KiB) neither start nor extend a run, so the receipt that follows a transfer by
-        one latency does not stretch it.
+        A sample is a run of deliveries no more than 50 ms apart, either as they happened or as
+        they were scheduled (a CPU-starved event loop delivers late, but the link was busy and its
+        catch-up follows); longer gaps (idle time, outages, loss stalls) are not the link's. Small
+        writes (replies, acks, pings: under 1 KiB) neither start nor extend a run, so the receipt
+        that follows a transfer by one latency does not stretch it.
         """
         self.bytes += n
-        self.queued -= n
         self._lat_sum += one_way_s
         self._lat_n += 1
         if n < SAMPLE_MIN_BYTES:
             return
-        busy_gap = max(0.1, 3 * read_size(shape) / shape.rate_bps)
-        if self._last_delivery is not None and (self._backlogged or now - self._last_delivery <= busy_gap):
+        due = now if due is None else due
+        busy_gap = max(BUSY_GAP_S, 3 * read_size(shape) / shape.rate_bps)
+        if self._last_delivery is not None and (now - self._last_delivery <= busy_gap or due - self._last_due <= busy_gap):
             self._busy_bytes += n
             self._busy_s += now - self._last_delivery
         self._last_delivery = now
-        self._backlogged = self.queued > 0 or self.holding > 0
+        self._last_due = due
 
     def measured_goodput_mbps(self) -> float | None:
         if self._busy_s < 0.05:
@@ -177,11 +168,7 @@ class Pipe:
                 self._push(self.clock(), self.clock(), _EOF)
                 return
             self.link.bytes_in += len(data)
-            self.link.holding += 1
-            try:
-                await self._pace(data)
-            finally:
-                self.link.holding -= 1
+            await self._pace(data)
 
     async def _pace(self, data: bytes) -> None:
         """Wait out outages, tokens and loss stalls for one chunk, then put it on the delay line."""
@@ -204,7 +191,6 @@ class Pipe:
 
     def _push(self, arrival: float, depart: float, data: bytes) -> None:
         self.queue.append((arrival, depart, data))
-        self.link.queue(len(data))
         self.buffered += len(data)
         self.peak = max(self.peak, self.buffered)
         self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
@@ -227,7 +213,7 @@ class Pipe:
             self.writer.write(data)
             # Counted once handed to the socket: a reader may see the bytes before drain() returns.
             now = self.clock()
-            self.link.delivered(len(data), now, now - depart, self._shape())
+            self.link.delivered(len(data), now, now - depart, self._shape(), due=arrival)
             await self.writer.drain()
             self.buffered -= len(data)
             self._has_space.set()

@@ -110,19 +110,15 @@ def test_lateness_credit_keeps_the_rate_when_the_loop_is_starved():
         assert (rate == pytest.approx(s.rate_bps, rel=0.05)) is expect_rate, rate
 
 
-def test_a_gap_with_bytes_waiting_is_busy_time_and_one_without_is_idle():
+def test_a_late_delivery_is_busy_time_and_an_idle_gap_is_not():
     s = shape(mbps=80.0)   # 10 MB/s
-    for waiting in (True, False):
+    for starved in (True, False):
         lr = LinkRuntime(("a", "b"))
-        lr.queue(3 * 50_000 if waiting else 2 * 50_000)
-        lr.delivered(50_000, 0.000, 0.01, s)
-        lr.delivered(50_000, 0.005, 0.01, s)
-        if not waiting:
-            lr.queue(50_000)      # the sender only now sends again
-        # 300 ms later: a starved loop (bytes were queued all along) or an idle sender.
-        lr.delivered(50_000, 0.305, 0.01, s)
-        assert lr.queued == 0
-        if waiting:   # 100 kB sampled over 305 ms
+        lr.delivered(50_000, 0.000, 0.01, s, due=0.000)
+        lr.delivered(50_000, 0.005, 0.01, s, due=0.005)
+        # Delivered 300 ms later: due 5 ms later but the loop was starved, or sent only then.
+        lr.delivered(50_000, 0.305, 0.01, s, due=0.010 if starved else 0.305)
+        if starved:   # 100 kB sampled over 305 ms
             assert lr.measured_goodput_mbps() == pytest.approx(100_000 * 8 / 0.305 / 1e6)
         else:         # only the first 5 ms are a sample: too short to report
             assert lr.measured_goodput_mbps() is None
