@@ -34,11 +34,12 @@ def cora(datasets):
 def test_small_dfgl_run_beats_local_only_and_survives_a_lost_message(cora, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the config's relative task.path, as a user runs it
     out = tmp_path / "run"
-    # Round 4's push us-east-1 -> eu-west-1 stalls for 6 s, far past the ~1 s deadline: lost.
+    # Round 4's push us-east-1 -> eu-west-1 stalls for 6 s, past any deadline (at most 4 s): lost.
     outage = '[{link: "us-east-1->eu-west-1", at_round: 4, outage_s: 6}]'
     code = main(["run", "configs/dfgl-cora.yaml", "--out", str(out), "--no-report", "--quiet",
                  "--set", f"regions.names=[{', '.join(REGIONS)}]", "--set", f"run.rounds={ROUNDS}",
-                 "--set", f"task.path={cora}", "--set", f"network.emulation.schedule={outage}"])
+                 "--set", f"task.path={cora}", "--set", f"network.emulation.schedule={outage}",
+                 "--set", "sync.deadline={initial_s: 4, min_s: 1, max_s: 4}"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -51,10 +52,10 @@ def test_small_dfgl_run_beats_local_only_and_survives_a_lost_message(cora, tmp_p
     assert 0 < summary["consensus_distance"] < 0.5
     assert summary["config"]["algorithm"] == "gossip" and summary["config"]["codec"] == "int8"
 
-    lost = [m for m in metrics if m["region"] == "eu-west-1" and "us-east-1" in m["peers_missing"]]
-    assert lost and lost[0]["round"] == 4
+    lost = [m["round"] for m in metrics if m["region"] == "eu-west-1" and "us-east-1" in m["peers_missing"]]
+    assert 4 in lost
     fixed = [m for m in metrics if m["region"] == "eu-west-1" and "us-east-1" in m["resynced"]]
-    assert fixed and fixed[0]["round"] > 4 and all(m["resync_bytes"] > 0 for m in fixed)
+    assert any(m["round"] > 4 for m in fixed) and all(m["resync_bytes"] > 0 for m in fixed)
     assert not any(m["stale_peers"] for m in metrics if m["round"] == ROUNDS - 1)
     _assert_public_copies_agree(out / "checkpoints")
 
