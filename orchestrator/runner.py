@@ -21,7 +21,7 @@ from .config import RunConfig, config_from_mapping, load_config
 from .coordinator import Coordinator
 from .emulation import start_emulation
 from .progress import RunProgress, print_summary
-from .recovery import Interrupted, StopSignals, plan_resync
+from .recovery import Interrupted, StopSignals, plan_resync, reap_previous, record_processes
 from .rundir import Clock, JsonlLog, new_run_dir, read_jsonl, truncate_jsonl, write_json
 from .strict import ConfigError, parse_yaml
 from .summary import build_summary, evaluate_average
@@ -131,9 +131,13 @@ class Runner:
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
         self._make_tls()
+        reaped = self._reap_previous_driver() if self.resume else []
         self.ray = init_ray(self.cfg)
+        self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
         self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
+        if self.ray.started_here:
+            record_processes(self.run_dir)
         self.alive = list(self.regions)
         starts = [self.actors.handles[r].start.remote() for r in self.regions]
         self.addresses = dict(zip(self.regions, ray.get(starts, timeout=120)))
@@ -154,8 +158,20 @@ class Runner:
         self._event("started", driver_pid=os.getpid(), resume=self.resume,
                     regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip")}
                              for r, i in self.actors.info.items()})
+        if reaped:
+            self._event("reaped_previous_driver", processes=reaped)
         if restored is not None:
             self._restore(*restored)
+
+    def _reap_previous_driver(self) -> list[dict]:
+        try:
+            reaped = reap_previous(self.run_dir)
+        except RuntimeError as exc:  # two drivers on one run directory would interleave its files
+            raise RunFailed(f"{exc}; stop it first") from None
+        if reaped:
+            print(f"geofed: ended {len(reaped)} processes the previous driver of {self.run_dir} left running: "
+                  f"{', '.join(sorted({p['name'] for p in reaped}))}", file=sys.stderr)
+        return reaped
 
     def _make_tls(self) -> None:
         tls = self.run_dir / "tls"

@@ -49,7 +49,7 @@ class BackgroundRun:
         finally:
             self.runner.shutdown()
 
-    def start(self) -> "BackgroundRun":
+    def start(self) -> BackgroundRun:
         self._thread.start()
         return self
 

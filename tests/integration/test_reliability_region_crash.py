@@ -9,10 +9,16 @@ import os
 import signal
 
 import pytest
-from reliability_harness import REGIONS3, BackgroundRun, events, pid_alive, small_config, wait_for
-
 from geofed.orchestrator.rundir import read_jsonl
 from geofed.orchestrator.runner import RunFailed
+from reliability_harness import (
+    REGIONS3,
+    BackgroundRun,
+    events,
+    pid_alive,
+    small_config,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(420)]
 
