@@ -97,6 +97,9 @@ class WanEmulator:
             if self.kernel is not None:
                 self.kernel.up({p: self.table.shape(*p).rate_bps for p in self.table.pairs})
             self._t0 = time.monotonic()
+            for ev in self.config.schedule:
+                if ev.at_s is not None and ev.outage_s is not None:
+                    self.table.add_outage(ev, ev.at_s)
             if self.config.mode == "none":
                 return self
             ready = threading.Event()
@@ -300,7 +303,7 @@ class WanEmulator:
     def _fire(self, i: int) -> None:
         ev: ScheduleEvent = self.config.schedule[i]
         self._fired.add(i)
-        pairs = self.table.apply(ev, self.clock())
+        pairs = self.table.apply(ev, self.clock(), with_outage=ev.at_s is None)
         log.info("wan: t=%.2fs event %d on %s: set=%s outage_s=%s", self.clock(), i, ev.link, ev.set, ev.outage_s)
         if ev.outage_s is not None and ev.outage_mode == "reset" and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.proxy.reset_links, pairs)

@@ -106,8 +106,11 @@ class LinkTable:
     def configured(self, src: str, dst: str) -> LinkSpec:
         return self.shape(src, dst).spec
 
-    def apply(self, event: ScheduleEvent, now_s: float) -> list[Pair]:
-        """Apply one schedule event at emulator time `now_s`; returns the links it touched."""
+    def apply(self, event: ScheduleEvent, now_s: float, with_outage: bool = True) -> list[Pair]:
+        """Apply one schedule event at emulator time `now_s`; returns the links it touched.
+
+        `with_outage=False`: its outage window was put in place ahead of time (add_outage).
+        """
         pairs = self.targets(event.link)
         with self._lock:
             for p in pairs:
@@ -115,13 +118,29 @@ class LinkTable:
                     prev = self._changes.get(p, LinkSpec())
                     self._changes[p] = prev.merged(event.set)
                     self._shapes[p] = self._shape_of(p)
-                if event.end_outage:
-                    self._outages[p] = [Outage(start_s=o.start_s, end_s=min(o.end_s, now_s), mode=o.mode)
-                                        for o in self._outages[p]]
-                if event.outage_s is not None:
-                    # Kept after they end: outage_seconds() sums them for the stats.
-                    self._outages[p] = [*self._outages[p], Outage(start_s=now_s, end_s=now_s + event.outage_s, mode=event.outage_mode)]
+                if event.end_outage:   # ends the windows in force, not those still to come
+                    self._outages[p] = [Outage(start_s=o.start_s, end_s=min(o.end_s, now_s) if o.start_s <= now_s else o.end_s,
+                                               mode=o.mode) for o in self._outages[p]]
+            if event.outage_s is not None and with_outage:
+                self._add_outage(pairs, event, now_s)
         return pairs
+
+    def add_outage(self, event: ScheduleEvent, start_s: float) -> list[Pair]:
+        """Put `event`'s outage window in place now, starting at `start_s` (may be in the future).
+
+        The emulator does this at start for every `at_s` outage, so a late schedule timer (a busy
+        machine) cannot let bytes through at the start of the window.
+        """
+        pairs = self.targets(event.link)
+        with self._lock:
+            self._add_outage(pairs, event, start_s)
+        return pairs
+
+    def _add_outage(self, pairs: list[Pair], event: ScheduleEvent, start_s: float) -> None:
+        assert event.outage_s is not None
+        for p in pairs:
+            # Kept after they end: outage_seconds() sums them for the stats.
+            self._outages[p] = [*self._outages[p], Outage(start_s=start_s, end_s=start_s + event.outage_s, mode=event.outage_mode)]
 
     def outage(self, src: str, dst: str, now_s: float) -> Outage | None:
         """The outage in force on src->dst at `now_s` (the one lasting longest), or None."""

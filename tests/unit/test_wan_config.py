@@ -215,3 +215,22 @@ def test_kernel_mode_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(shutil, "which", lambda name: None if name == "tc" else "/usr/sbin/" + name)
     assert kernel.kernel_unavailable() == "needs `tc` (iproute2) on PATH"
+
+
+def test_timed_outages_are_in_place_from_start_and_end_outage_spares_later_windows():
+    cfg = EmulationConfig(preset=None, schedule=(
+        ScheduleEvent(link="a->b", at_s=100, outage_s=10),
+        ScheduleEvent(link="a->b", at_round=1, outage_s=1e9),
+        ScheduleEvent(link="a->b", at_round=2, end_outage=True)))
+    emu = WanEmulator(cfg, ["a", "b"])
+    emu.start()
+    try:
+        t = emu.table
+        assert t.outage("a", "b", 105.0) is not None   # known ahead of its timer
+        assert t.outage("a", "b", 99.0) is None and t.outage("a", "b", 110.0) is None
+        emu.set_round(1)
+        emu.set_round(2)
+        assert not emu.link_stats()["a->b"]["in_outage"]
+        assert t.outage("a", "b", 105.0) is not None   # the later window survives the end_outage
+    finally:
+        emu.stop()
