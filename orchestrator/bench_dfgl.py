@@ -87,6 +87,8 @@ def base_config(dataset: str, *, config: str | None = None, regions: int | None 
     """The geofed arm's config: configs/dfgl-<dataset>.yaml (or `config`), a .npz dataset path
     replacing task.path, `regions` region names, then `overrides`."""
     extra = list(overrides)
+    if dataset not in TOLERANCE and not dataset.endswith(".npz"):
+        raise ConfigError("", f"--dataset: {dataset!r} is neither {' nor '.join(TOLERANCE)} nor a .npz graph file")
     if config is None:
         stem = dataset if dataset in TOLERANCE else "cora"
         config = str(_installed_config(f"dfgl-{stem}.yaml"))
@@ -98,6 +100,7 @@ def base_config(dataset: str, *, config: str | None = None, regions: int | None 
     cfg = load_config(config, extra)
     if cfg.task.kind != "gcn-planetoid" or cfg.sync.algorithm != "gossip":
         raise ConfigError("", "the dfgl bench needs task.kind gcn-planetoid and sync.algorithm gossip", source=config)
+    _fixed_H(cfg)
     return cfg
 
 
