@@ -68,10 +68,10 @@ def test_host_endpoints_are_relayed_through_the_namespaces(prefix):
     with WanEmulator(cfg, ["a", "b"]) as emu, SinkServer() as sink:
         with connect(emu.route("a", "b", sink.address)) as sock:
             rtt = statistics.median(ping(sock, 5))
-            seconds = bulk(sock, nbytes)
+            seconds = min(bulk(sock, nbytes) for _ in range(2))   # the link's best (see test_wan_proxy)
         sent = _sent_bytes(emu.kernel.qdisc(("a", "b")))
-        assert sink.digests == [pattern_digest(nbytes)]
-    assert sent >= nbytes
+        assert sink.digests == [pattern_digest(nbytes)] * 2
+    assert sent >= 2 * nbytes
     _assert_link(nbytes, seconds, mbps, rtt, latency_ms)
 
 
