@@ -6,7 +6,8 @@ the policy:
 * links: ``policies.links.LinkTracker`` over every region's sender-timed transfers and RTTs
   (p2p's own estimate ignores transfers under 256 KiB, which is every compressed update of a
   small model);
-* step time: the slowest region's compute seconds per inner step;
+* step time: the slowest region's compute seconds per inner step, the median of the last few
+  rounds (regions that share cores see their step time swing from round to round);
 * round overhead: the driver's time per round that neither the slowest region's round nor the
   network explains (plan, dispatch, collect, log, checkpoint), the median of the last few; with
   overlap it is the part of a round that cannot be hidden;
@@ -31,6 +32,8 @@ from .policies import LinkEstimate, Measurements, make_policy
 from .policies.links import LinkTracker
 
 OVERHEAD_WINDOW = 5  # rounds in the median of the per-round control-plane overhead
+STEP_WINDOW = 5      # rounds in the median of the step time (regions time-sharing cores read +-40% a round)
+WARMUP_ROUNDS = 2    # Ray's first calls and the first exchanges are slower: their overhead is not the run's
 
 
 class Coordinator:
@@ -51,8 +54,10 @@ class Coordinator:
         self.steps_done = 0
         self.max_steps = getattr(cfg.run, "max_steps", 0) or 0
         self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
+        self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._plan_t: float | None = None       # clock at the last plan()
         self._round_wall: float | None = None   # slowest region's wall time of the last observed round
+        self._rounds_seen = 0
 
     @property
     def done(self) -> bool:
@@ -81,11 +86,13 @@ class Coordinator:
             H, reason = decision.H, decision.reason
             codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
             self.last_record = decision.to_record()
-        if self.max_steps and self.steps_done + H >= self.max_steps:
-            cut = self.max_steps - self.steps_done
-            if cut < H:
-                reason = f"{reason} | H cut to {cut}: run.max_steps={self.max_steps} reached"
-            H = cut
+        left = self.max_steps - self.steps_done
+        # The last round takes what is left, also a remainder under H/2 (a round of a few steps
+        # would cost a whole exchange and report a loss over a handful of batches).
+        if self.max_steps and (H >= left or left - H < H // 2):
+            if left != H:
+                reason = f"{reason} | H {H}->{left}: what is left of run.max_steps={self.max_steps}"
+            H = left
         self.steps_done += H
         final = self.done or round_ == self.cfg.run.rounds - 1
         self.last_reason, self.last_codecs, self.last_H = reason, codecs, H
@@ -100,7 +107,7 @@ class Coordinator:
 
     def _note_overhead(self) -> None:
         """The last round's driver cycle (plan to plan) minus its slowest region's own wall time."""
-        if self._plan_t is not None and self._round_wall is not None:
+        if self._plan_t is not None and self._round_wall is not None and self._rounds_seen > WARMUP_ROUNDS:
             self._overheads.append(max(0.0, self.clock.now() - self._plan_t - self._round_wall))
         self._round_wall = None
 
@@ -130,11 +137,13 @@ class Coordinator:
         """Fold one round of region metrics into the measurements the policy sees next."""
         if not results:
             return
-        self.step_time_s = max(m["step_time_s"] for m in results.values())
+        self._steps.append(max(m["step_time_s"] for m in results.values()))
+        self.step_time_s = statistics.median(self._steps)
         losses = [m["train_loss"] for m in results.values() if m.get("train_loss") is not None]
         self.loss = sum(losses) / len(losses) if losses else self.loss
         self.last_sync_s = max(m.get("sync_s", 0.0) for m in results.values())
         self._round_wall = max(m.get("wall_s", 0.0) for m in results.values())
+        self._rounds_seen += 1
         self.tracker.observe_round(results)
 
     @property
@@ -144,12 +153,13 @@ class Coordinator:
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "step_time_s": self.step_time_s, "loss": self.loss,
                 "last_sync_s": self.last_sync_s, "steps_done": self.steps_done,
-                "overheads": list(self._overheads), "tracker": self.tracker.state_dict()}
+                "overheads": list(self._overheads), "steps": list(self._steps), "tracker": self.tracker.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.policy.load_state_dict(d["policy"])
         self.step_time_s, self.loss, self.last_sync_s = d["step_time_s"], d["loss"], d["last_sync_s"]
         self.steps_done = int(d.get("steps_done", 0))
         self._overheads = deque(d.get("overheads", []), maxlen=OVERHEAD_WINDOW)
+        self._steps = deque(d.get("steps", []), maxlen=STEP_WINDOW)
         if "tracker" in d:
             self.tracker.load_state_dict(d["tracker"])

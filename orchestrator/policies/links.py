@@ -13,9 +13,12 @@ with the transfer's exposed time floored at ``floor_fraction * RTT``. A transfer
 little more than one RTT therefore says "at least this fast" (a large rate) rather than the
 gross underestimate ``bits / seconds``: it is latency-bound, and the bandwidth term of its
 sync cost is small either way. Bandwidth is the windowed maximum of the last ``window`` rates
-(BBR's estimator: noise only ever slows a transfer down); RTT is what the sender's p2p
-estimator reports (windowed minimum of pings and small transfers). After a bandwidth drop the
-estimate follows within ``window`` transfers; after a rise, at once.
+(BBR's estimator: noise only ever slows a transfer down). RTT is the minimum over the last
+``rtt_window`` rounds of what the sender's p2p estimator reports (its windowed minimum of pings
+and small transfers) and of the transfers' own durations (a transfer takes at least one RTT):
+the first pings of a run go out while every region computes and every link carries its first
+update, and read 2-4x the emulated 80 ms. After a bandwidth drop the estimate follows within
+``window`` transfers; after a rise, at once.
 """
 
 from __future__ import annotations
@@ -29,23 +32,28 @@ from .types import LinkEstimate
 
 
 class LinkTracker:
-    def __init__(self, *, window: int = 3, floor_fraction: float = 0.02, min_bytes: int = 1024):
-        if window < 1:
-            raise ValueError(f"window: must be >= 1, got {window}")
+    def __init__(self, *, window: int = 3, rtt_window: int = 30, floor_fraction: float = 0.02, min_bytes: int = 1024):
+        if window < 1 or rtt_window < 1:
+            raise ValueError(f"window: need window >= 1 and rtt_window >= 1, got {window}, {rtt_window}")
         if not 0 < floor_fraction <= 1:
             raise ValueError(f"floor_fraction: must be in (0, 1], got {floor_fraction}")
-        self.window, self.floor_fraction, self.min_bytes = window, floor_fraction, min_bytes
+        self.window, self.rtt_window = window, rtt_window
+        self.floor_fraction, self.min_bytes = floor_fraction, min_bytes
         self._rates: dict[str, deque[float]] = {}
-        self._rtt: dict[str, float] = {}
+        self._rtts: dict[str, deque[float]] = {}
 
     def observe(self, link: str, *, rtt_s: float | None, transfers: Iterable[tuple[int, float]] = ()) -> None:
         """One region's view of its out-link ``link`` after a round: its RTT estimate and the
         (payload bytes, sender-timed seconds) of the sends it completed."""
+        transfers = [(int(b), float(s)) for b, s in transfers if s > 0 and math.isfinite(s)]
+        bounds = [s for _, s in transfers]
         if rtt_s is not None and rtt_s > 0 and math.isfinite(rtt_s):
-            self._rtt[link] = rtt_s
-        rtt = self._rtt.get(link)
+            bounds.append(rtt_s)
+        if bounds:
+            self._rtts.setdefault(link, deque(maxlen=self.rtt_window)).append(min(bounds))
+        rtt = self.rtt_s(link)
         for nbytes, seconds in transfers:
-            if nbytes < self.min_bytes or not seconds > 0:
+            if nbytes < self.min_bytes:
                 continue
             exposed = seconds - (rtt or 0.0)
             floor = self.floor_fraction * rtt if rtt else self.floor_fraction * seconds
@@ -62,16 +70,21 @@ class LinkTracker:
                 rtt_ms = m.get("links", {}).get(link, {}).get("rtt_ms")
                 self.observe(link, rtt_s=None if rtt_ms is None else rtt_ms / 1e3, transfers=sends.get(link, ()))
 
+    def rtt_s(self, link: str) -> float | None:
+        rtts = self._rtts.get(link)
+        return min(rtts) if rtts else None
+
     def estimate(self, link: str) -> LinkEstimate:
         rates = self._rates.get(link)
-        return LinkEstimate(bandwidth_bps=max(rates) if rates else None, rtt_s=self._rtt.get(link))
+        return LinkEstimate(bandwidth_bps=max(rates) if rates else None, rtt_s=self.rtt_s(link))
 
     def links(self) -> list[str]:
-        return sorted(set(self._rtt) | set(self._rates))
+        return sorted(set(self._rtts) | set(self._rates))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rates": {k: list(v) for k, v in self._rates.items()}, "rtt": dict(self._rtt)}
+        return {"rates": {k: list(v) for k, v in self._rates.items()},
+                "rtts": {k: list(v) for k, v in self._rtts.items()}}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self._rates = {k: deque(v, maxlen=self.window) for k, v in d["rates"].items()}
-        self._rtt = dict(d["rtt"])
+        self._rtts = {k: deque(v, maxlen=self.rtt_window) for k, v in d["rtts"].items()}

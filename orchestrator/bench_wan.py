@@ -1,0 +1,252 @@
+"""`geofed bench wan`: per-step sync vs fixed H vs adaptive, 4 regions over the emulated WAN.
+
+    geofed bench wan [--scenario steady|drop] [--quick] [--json] [--out DIR]
+
+Each arm is a real `geofed run` (Ray actors, mutual-TLS gRPC, the proxy WAN emulator) built
+by bench_wan_arms from configs/bench-wan.yaml; bench_wan_results reads each run directory back.
+Every arm's run directory is kept under ``--out``, with a comparison report (report.html).
+``--json`` prints issue 6's document on stdout and nothing else there (progress goes to stderr).
+docs/bench-wan.md has the scenarios, the scaling argument and measured tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .bench_wan_arms import QUICK, SCENARIOS, Arm, Scenario, build_arms
+from .bench_wan_results import ArmResult, measure, ratios
+
+TARGETS = {  # issue 6
+    "steady": {"time_vs_allreduce": 20.0, "bytes_vs_allreduce": 1000.0},
+    "drop": {"time_vs_best_fixed_before_drop": 1.3, "time_vs_best_fixed": 1 / 1.1},
+}
+STEADY_FINAL_LOSS_TOLERANCE = 0.02   # adaptive's final loss within 2% of per-step sync's
+STEADY_UTILIZATION = 0.97
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geofed bench wan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", choices=("steady", "drop"), default="steady",
+                   help="steady: every link 50 Mbit/s x scale, 80 ms RTT; drop: bandwidth falls 10x during the run")
+    p.add_argument("--quick", action="store_true", help="a smaller version (fewer steps and arms)")
+    p.add_argument("--json", action="store_true", help="print issue 6's JSON document on stdout")
+    p.add_argument("--out", help="folder for the arms' run directories (default runs/bench-wan-<scenario>-<UTC time>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config key in every arm (e.g. --set run.seed=1)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        args = _parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    scenario = (QUICK if args.quick else SCENARIOS)[args.scenario]
+    if args.overrides:
+        import dataclasses
+
+        scenario = dataclasses.replace(scenario, overrides=tuple(args.overrides))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out or f"runs/bench-wan-{scenario.name}-{stamp}")
+    console = Console(stderr=True)
+    doc, results, report = run_bench(scenario, out, console=console)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_results(Console(), scenario, results, doc)
+        print(f"report: {report}")
+        print(f"run directories: {out}")
+    return 0
+
+
+def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
+              base: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[ArmResult], Path]:
+    """Run every arm of ``scenario`` (run directories under ``out``); returns the --json document,
+    the per-arm results and the comparison report's path."""
+    import ray
+
+    from .report import write_comparison
+
+    console = console or Console(stderr=True)
+    arms = build_arms(scenario, base)
+    out.mkdir(parents=True, exist_ok=True)
+    started = False
+    if not ray.is_initialized():
+        cfg = arms[0].cfg
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
+        started = True
+    results: list[ArmResult] = []
+    try:
+        console.rule(f"geofed bench wan: {scenario.name}, {len(arms)} arms, links {scenario.link_mbps:g} Mbit/s "
+                     f"{scenario.rtt_ms:g} ms RTT" + (f", /{scenario.drop_factor:g} at {scenario.drop_at_s:g} s"
+                                                      if scenario.drop_at_s else ""))
+        for i, arm in enumerate(arms):
+            results.append(run_arm(arm, scenario, out, console=console, index=i, total=len(arms)))
+    finally:
+        if started:
+            ray.shutdown()
+    rt = ratios(results, scenario.name)
+    notes = rt.pop("_notes")
+    doc = {"scenario": scenario.name, "arms": [r.doc() for r in results], "ratios": rt}
+    report = write_comparison([Path(r.run_dir) for r in results], [r.name for r in results], out / "report",
+                              target_loss=scenario.target_loss,
+                              title=f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g})")
+    (out / "bench.json").write_text(json.dumps({**doc, "notes": notes, "scenario_config": _scenario_dict(scenario),
+                                                "details": [_detail(r) for r in results]}, indent=2))
+    return doc, results, report
+
+
+def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index: int, total: int) -> ArmResult:
+    from .rundir import new_run_dir
+    from .runner import Runner, prepare_task
+
+    cfg = prepare_task(arm.cfg, source=f"bench wan arm {arm.name}")
+    run_dir = new_run_dir(cfg, str(out / arm.name))
+    runner = Runner(cfg, run_dir, show_progress=False)
+    steps = cfg.run.max_steps or cfg.run.rounds
+    with _ProgressWatch(run_dir, steps, f"[{index + 1}/{total}] {arm.name}", console):
+        try:
+            summary = runner.run()
+            # at_s counts from the emulator's start, the run's clock from round 0: where the drop fell.
+            offset = (time.monotonic() - runner.clock.now()) - runner.emulator.start_time
+        finally:
+            runner.shutdown()
+    drop = None if scenario.drop_at_s is None else scenario.drop_at_s - offset
+    baseline = (scenario.allreduce_steps or scenario.max_steps) if scenario.allreduce else None
+    res = measure(run_dir, name=arm.name, kind=arm.kind, H=arm.H, target_loss=scenario.target_loss, drop_at_s=drop,
+                  baseline_steps=baseline)
+    tt = "not reached" if res.time_to_target_s is None else f"{res.time_to_target_s:.2f} s"
+    console.print(f"  {arm.name}: {summary.get('rounds')} rounds, {res.steps} steps, {res.wall_s or 0:.1f} s; "
+                  f"target {scenario.target_loss:g} {tt}; final loss {_f(res.final_loss)}; "
+                  f"utilisation {_f(res.utilization)}")
+    return res
+
+
+class _ProgressWatch:
+    """A rich progress bar for one arm, fed by polling its rounds.jsonl (the runner runs quiet)."""
+
+    def __init__(self, run_dir: Path, steps: int, label: str, console: Console):
+        self.path, self.steps = Path(run_dir) / "rounds.jsonl", steps
+        self.progress = Progress(TextColumn(label), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("steps  loss {task.fields[loss]}  H {task.fields[H]}"),
+                                 TimeElapsedColumn(), console=console, transient=True)
+        self.task = self.progress.add_task(label, total=steps, loss="-", H="-")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="bench-wan-progress", daemon=True)
+
+    def __enter__(self):
+        self.progress.start()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.progress.stop()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                lines = self.path.read_text().splitlines()
+            except OSError:
+                continue
+            done, last = 0, None
+            for line in lines:
+                try:
+                    last = json.loads(line)
+                except ValueError:
+                    continue  # a line being written
+                done += int(last.get("H") or 0)
+            if last is not None:
+                loss = last.get("mean_train_loss")
+                self.progress.update(self.task, completed=min(done, self.steps), H=str(last.get("H")),
+                                     loss="-" if loss is None else f"{loss:.4f}")
+
+
+def print_results(console: Console, scenario: Scenario, results: list[ArmResult], doc: dict[str, Any]) -> None:
+    t = Table(title=f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g}, "
+                    f"{scenario.max_steps} steps per region)")
+    for col in ("arm", "H", "time to target", "bytes to target", "final loss", "eval", "utilisation",
+                "wall utilisation", "wall time"):
+        t.add_column(col, justify="left" if col == "arm" else "right")
+    for r in results:
+        H = str(r.H) if r.kind != "adaptive" else _H_range(r)
+        t.add_row(r.name, H, "-" if r.time_to_target_s is None else f"{r.time_to_target_s:.2f} s",
+                  "-" if r.bytes_to_target is None else _bytes(r.bytes_to_target), _f(r.final_loss),
+                  _f(r.eval), _f(r.utilization), _f(r.utilization_wall), f"{r.wall_s or 0:.1f} s")
+    console.print(t)
+    for line in check_targets(scenario, results, doc):
+        console.print(line)
+
+
+def check_targets(scenario: Scenario, results: list[ArmResult], doc: dict[str, Any]) -> list[str]:
+    """One line per issue-6 target: the measured value, the target, met or not."""
+    lines = []
+    for key, want in TARGETS[scenario.name].items():
+        got = doc["ratios"].get(key)
+        lines.append(f"{key}: {_f(got)} (target >= {want:.3g}) {_mark(got is not None and got >= want)}")
+    by = {r.name: r for r in results}
+    ad, ar = by.get("adaptive"), by.get("allreduce")
+    if scenario.name == "steady" and ad is not None:
+        if ar is not None and ad.loss_at_baseline_steps is not None and ar.final_loss is not None:
+            ok = ad.loss_at_baseline_steps <= ar.final_loss * (1 + STEADY_FINAL_LOSS_TOLERANCE)
+            lines.append(f"final loss at {ar.steps} steps (equal compute): adaptive {ad.loss_at_baseline_steps:.4g} "
+                         f"vs per-step {ar.final_loss:.4g} (target: at most {STEADY_FINAL_LOSS_TOLERANCE:.0%} above) "
+                         f"{_mark(ok)}; adaptive after {ad.steps} steps {_f(ad.final_loss)}")
+        if ad.utilization is not None:
+            lines.append(f"utilisation adaptive {ad.utilization:.3f} (target >= {STEADY_UTILIZATION}) "
+                         f"{_mark(ad.utilization >= STEADY_UTILIZATION)}; wall {_f(ad.utilization_wall)}")
+    if scenario.name == "drop" and ad is not None and ad.drop_at_s is not None:
+        before = [h for _, e, h in ad.H_rounds if e <= ad.drop_at_s]
+        after = [h for s, _, h in ad.H_rounds if s >= ad.drop_at_s]
+        lines.append(f"adaptive H before the drop {_H_span(before)}, after {_H_span(after)} "
+                     f"(drop at {ad.drop_at_s:.2f} s of training)")
+    return lines
+
+
+def _scenario_dict(sc: Scenario) -> dict[str, Any]:
+    import dataclasses
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(sc).items()}
+
+
+def _detail(r: ArmResult) -> dict[str, Any]:
+    return {"name": r.name, "run_dir": r.run_dir, "steps": r.steps, "wall_s": r.wall_s, "bytes_sent": r.bytes_sent,
+            "utilization_wall": r.utilization_wall, "eval_metric": r.eval_metric, "drop_at_s": r.drop_at_s,
+            "H_rounds": r.H_rounds}
+
+
+def _H_range(r: ArmResult) -> str:
+    hs = [h for _, _, h in r.H_rounds]
+    return f"{min(hs)}-{max(hs)} (median {r.H})" if hs else "-"
+
+
+def _H_span(hs: list[int]) -> str:
+    return "-" if not hs else f"{min(hs)}-{max(hs)} (last {hs[-1]})" if min(hs) != max(hs) else str(hs[0])
+
+
+def _bytes(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _f(v: Any) -> str:
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _mark(ok: bool) -> str:
+    return "[green]met[/green]" if ok else "[red]NOT met[/red]"

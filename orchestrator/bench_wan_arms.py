@@ -1,0 +1,127 @@
+"""The scenarios and arms of `geofed bench wan`: one run config per arm, all from one base.
+
+Every arm is the base config (configs/bench-wan.yaml: task, data, seed, regions, links) with a
+few keys changed, so arms differ only in how they synchronise:
+
+* ``allreduce``: per-step fp32 gradient averaging (``sync.algorithm: allreduce``, H=1, codec
+  identity), the data-parallel baseline;
+* ``fixed-H<h>``: DiLoCo with overlap, ``sync.policy: {kind: fixed, H: h}`` and the base's
+  ``compression.codec`` on every link (a ladder is ignored by the fixed policy);
+* ``adaptive``: the base as written (bandwidth policy, overlap, the codec ladder).
+
+Every arm runs the same number of inner steps (``run.max_steps``) on the same data and seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import RunConfig, config_from_mapping, default_config_path
+from .strict import parse_yaml
+
+BASE_CONFIG = "bench-wan.yaml"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    bandwidth_mbps: float = 50.0     # every link, as issue 6 gives it (before bandwidth_scale)
+    rtt_ms: float = 80.0
+    bandwidth_scale: float = 1.0     # network.emulation.bandwidth_scale (docs/bench-wan.md: why)
+    drop_at_s: float | None = None   # every link's bandwidth falls drop_factor x at this emulator time
+    drop_factor: float = 10.0
+    target_loss: float = 0.1
+    max_steps: int = 1200
+    fixed_H: tuple[int, ...] = (25, 50, 100)
+    allreduce: bool = True
+    allreduce_steps: int | None = None   # None: max_steps
+    regions: tuple[str, ...] | None = None  # None: the base config's
+    overrides: tuple[str, ...] = ()  # --set style KEY=VALUE applied to every arm
+
+    def __post_init__(self):
+        if self.name not in ("steady", "drop"):
+            raise ValueError(f"name: a scenario is steady or drop, got {self.name!r}")
+        if (self.drop_at_s is None) != (self.name == "steady"):
+            raise ValueError("drop_at_s: the drop scenario needs drop_at_s, steady must not have it")
+        if self.drop_at_s is not None and not self.drop_at_s > 0:
+            raise ValueError(f"drop_at_s: must be > 0, got {self.drop_at_s}")
+        if not self.drop_factor > 1:
+            raise ValueError(f"drop_factor: must be > 1, got {self.drop_factor}")
+        if not 0 < self.bandwidth_scale <= 1000:
+            raise ValueError(f"bandwidth_scale: must be in (0, 1000], got {self.bandwidth_scale}")
+        if not self.target_loss > 0:
+            raise ValueError(f"target_loss: must be > 0, got {self.target_loss}")
+        if self.max_steps < 1 or any(h < 1 for h in self.fixed_H):
+            raise ValueError("max_steps: max_steps and every fixed H must be >= 1")
+
+    @property
+    def link_mbps(self) -> float:
+        """What the emulator enforces on every link before a drop."""
+        return self.bandwidth_mbps * self.bandwidth_scale
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    name: str
+    kind: str            # allreduce | fixed | adaptive
+    H: int | None        # fixed H (allreduce: 1; adaptive: None, the policy's)
+    cfg: RunConfig = field(repr=False)
+
+
+# The full bench: about 11 minutes for both scenarios on 2 shared cores (docs/bench-wan.md).
+SCENARIOS = {
+    "steady": Scenario(name="steady", bandwidth_scale=0.5, target_loss=0.01, max_steps=2400, allreduce_steps=600,
+                       fixed_H=(25, 50, 100, 200)),
+    "drop": Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=3.0, target_loss=0.005, max_steps=2400,
+                     fixed_H=(25, 50, 100, 200), allreduce=False),
+}
+# --quick: the same shape, smaller (a few minutes).
+QUICK = {
+    "steady": Scenario(name="steady", bandwidth_scale=0.5, target_loss=0.05, max_steps=600, allreduce_steps=200,
+                       fixed_H=(50,)),
+    "drop": Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=2.0, target_loss=0.01, max_steps=1200,
+                     fixed_H=(25, 100), allreduce=False),
+}
+
+
+def base_mapping() -> dict[str, Any]:
+    path = default_config_path().parent / BASE_CONFIG
+    return parse_yaml(path.read_bytes(), source=str(path))
+
+
+def build_arms(scenario: Scenario, base: dict[str, Any] | None = None) -> list[Arm]:
+    """The run config of every arm of ``scenario`` (allreduce first, adaptive last)."""
+    base = copy.deepcopy(base if base is not None else base_mapping())
+    _apply_scenario(base, scenario)
+    arms = []
+    if scenario.allreduce:
+        steps = scenario.allreduce_steps or scenario.max_steps
+        arms.append(Arm(name="allreduce", kind="allreduce", H=1, cfg=_config(base, scenario, [
+            "sync.algorithm=allreduce", "compression.codec=identity", "compression.error_feedback=false",
+            "compression.ladder=[]", "sync.overlap=false", f"run.rounds={steps}", f"run.max_steps={steps}"])))
+    for h in scenario.fixed_H:
+        arms.append(Arm(name=f"fixed-H{h}", kind="fixed", H=h, cfg=_config(base, scenario, [
+            f"sync.policy={{kind: fixed, H: {h}}}", f"run.rounds={math.ceil(scenario.max_steps / h) + 1}"])))
+    arms.append(Arm(name="adaptive", kind="adaptive", H=None, cfg=_config(base, scenario, [])))
+    return arms
+
+
+def _apply_scenario(base: dict[str, Any], sc: Scenario) -> None:
+    run = base.setdefault("run", {})
+    run.update({"max_steps": sc.max_steps, "rounds": max(int(run.get("rounds", 0) or 0), sc.max_steps),
+                "report": False, "checkpoint_every": 0})
+    if sc.regions is not None:
+        base.setdefault("regions", {})["names"] = list(sc.regions)
+    em = base.setdefault("network", {}).setdefault("emulation", {})
+    em.update({"mode": "proxy", "preset": None, "bandwidth_scale": sc.bandwidth_scale,
+               "default": {"latency_ms": sc.rtt_ms / 2, "bandwidth_mbps": sc.bandwidth_mbps,
+                           "jitter_ms": 0.0, "loss": 0.0}, "links": {}})
+    em["schedule"] = ([] if sc.drop_at_s is None else
+                      [{"link": "*", "at_s": sc.drop_at_s, "set": {"bandwidth_mbps": sc.bandwidth_mbps / sc.drop_factor}}])
+
+
+def _config(base: dict[str, Any], sc: Scenario, overrides: list[str]) -> RunConfig:
+    return config_from_mapping(copy.deepcopy(base), [*sc.overrides, *overrides], source=f"bench wan {sc.name}")
