@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
     rep.add_argument("--out", help="output folder (default: RUN_DIR/report)")
 
+    net = sub.add_parser("net", help="WAN emulation housekeeping", add_help=False)
+    net.add_argument("net_command", choices=["cleanup"], metavar="cleanup",
+                     help="remove network namespaces left by kernel-mode runs that crashed")
+    net.add_argument("rest", nargs=argparse.REMAINDER)
+
     launch = sub.add_parser("launch", help="multi-region cloud launch helpers")
     lsub = launch.add_subparsers(dest="launch_command", required=True, metavar="SUBCOMMAND")
     plan = lsub.add_parser("plan", help="write what an operator needs to bring up a multi-region Ray cluster")
@@ -105,6 +110,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(write_report(args.run_dir, compare=args.compare, out=args.out))
         return 0
+    if args.command == "net":
+        from geofed.p2p.wan.kernel import cleanup_main
+
+        return cleanup_main(args.rest)
     if args.command == "launch":
         from .launch import plan_from_args
 

@@ -17,3 +17,13 @@ def start_emulation(cfg: RunConfig, regions: Sequence[str]):
     emulator = WanEmulator(em, list(regions))
     emulator.start()
     return emulator
+
+
+def configured_link(emulator, src: str, dst: str) -> dict:
+    """What the emulator was told for src->dst (RTT = both one-way latencies, so asymmetric links
+    are right) and what it measured passing through."""
+    stats = emulator.link_stats().get(f"{src}->{dst}", {})
+    forward, back = emulator.configured(src, dst), emulator.configured(dst, src)
+    return {"configured_bandwidth_mbps": forward.bandwidth_mbps,
+            "configured_rtt_ms": (forward.latency_ms or 0.0) + (back.latency_ms or 0.0),
+            "emulator_goodput_mbps": stats.get("measured_goodput_mbps")}

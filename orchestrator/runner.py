@@ -19,7 +19,7 @@ from geofed.regions.worker import rss_mb
 from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
 from .config import RunConfig, config_from_mapping, load_config
 from .coordinator import Coordinator
-from .emulation import start_emulation
+from .emulation import configured_link, start_emulation
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, StopSignals, plan_resync, reap_previous, record_processes
 from .rundir import Clock, JsonlLog, new_run_dir, read_jsonl, truncate_jsonl, write_json
@@ -377,10 +377,7 @@ class Runner:
             for link, est in m.get("links", {}).items():
                 entry = dict(est)
                 if self.emulator is not None:
-                    src, dst = link.split("->", 1)
-                    spec = self.emulator.configured(src, dst)
-                    entry["configured_bandwidth_mbps"] = spec.bandwidth_mbps
-                    entry["configured_rtt_ms"] = 2 * spec.latency_ms
+                    entry.update(configured_link(self.emulator, *link.split("->", 1)))
                 links[link] = entry
         losses = [m["train_loss"] for m in results.values()]
         self.rounds_log.write({

@@ -11,6 +11,7 @@ from geofed.regions.exchange import spec_key
 from geofed.regions.tasks import make_task
 
 from .config import RunConfig
+from .emulation import configured_link
 from .rundir import read_jsonl
 
 
@@ -93,10 +94,7 @@ def _links(metrics: list[dict], rounds: list[dict], emulator) -> dict[str, dict]
         entry["bandwidth_mbps"] = est.get("bandwidth_mbps")
         entry["rtt_ms"] = est.get("rtt_ms")
         if emulator is not None:
-            src, dst = link.split("->", 1)
-            spec = emulator.configured(src, dst)
-            entry["configured_bandwidth_mbps"] = spec.bandwidth_mbps
-            entry["configured_rtt_ms"] = 2 * spec.latency_ms
+            entry.update(configured_link(emulator, *link.split("->", 1)))
     return links
 
 

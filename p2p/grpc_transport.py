@@ -134,7 +134,10 @@ class GrpcTransport(Transport):
             options = [("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT),
                        ("grpc.max_receive_message_length", _CORE_MESSAGE_LIMIT),
                        # one connection per peer, never shared with another channel
-                       ("grpc.use_local_subchannel_pool", 1)]
+                       ("grpc.use_local_subchannel_pool", 1),
+                       # grpcio's default 1 s first backoff would turn a short outage into a lost round
+                       ("grpc.initial_reconnect_backoff_ms", 100),
+                       ("grpc.max_reconnect_backoff_ms", 2000)]
             if self.tls is not None:
                 # The dialled address may be an emulator proxy: check the certificate names `peer`.
                 options.append(("grpc.ssl_target_name_override", peer))
