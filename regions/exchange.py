@@ -105,7 +105,11 @@ class Exchanger:
         est = self.estimator(peer)
         if est.rtt_s is None or round_ % PING_EVERY == 0:
             # Large transfers measure bandwidth, not latency: a ping now and then keeps the RTT honest.
+            # The first ping on a fresh channel also pays the TCP + TLS handshake (several RTTs), so
+            # warm up with an unrecorded one; the estimator's windowed min does the rest.
             try:
+                if est.rtt_s is None:
+                    self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s))
                 est.observe_rtt(self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s)))
             except TransportError as exc:
                 log.info("ping %s failed: %s", peer, exc)
