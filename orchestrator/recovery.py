@@ -81,7 +81,7 @@ class StopSignals:
 @dataclass(frozen=True, kw_only=True)
 class Resync:
     region: str
-    donors: tuple[str, ...]  # in preference order; the joiner's own rendezvous order spreads load
+    donors: tuple[str, ...]  # any of them will do; the joiner's rendezvous order spreads the load
 
 
 def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> list[Resync]:
@@ -93,6 +93,10 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) 
     (an outage of every link, a region that died mid-round) the one that missed fewest, first in
     `order`, is the donor and the others take its model: one model again, at the cost of one
     round of the others' local progress.
+
+    A region fetches only from donors whose update reached it this round when there are such:
+    that proves the donor -> region direction works, while the link that made it miss an update
+    may still be down (a FetchState over it would stall until its timeout).
     """
     missing = {r: len(m.get("peers_missing") or ()) for r, m in results.items()}
     if not any(missing.values()):
@@ -103,7 +107,12 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) 
     else:
         fewest = min(missing.values())
         donors = (next(r for r in order if missing.get(r) == fewest),)
-    return [Resync(region=r, donors=donors) for r in order if r in missing and missing[r] and r not in donors]
+    jobs = []
+    for r in order:
+        if r in missing and missing[r] and r not in donors:
+            heard = {t.get("peer") for t in results[r].get("transfers") or () if t.get("direction") == "recv"}
+            jobs.append(Resync(region=r, donors=tuple(d for d in donors if d in heard) or donors))
+    return jobs
 
 
 # -- processes a killed driver left behind -------------------------------------------------------
