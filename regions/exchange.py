@@ -7,6 +7,7 @@ back; this module owns the transport calls, codec states and per-link measuremen
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,7 +22,7 @@ from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
-PING_EVERY = 10  # rounds
+PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
 
 
 def spec_key(spec: Any) -> str:
@@ -63,6 +64,7 @@ class Exchanger:
         self.send_timeout_s = send_timeout_s
         self.states: dict[str, CodecState] = {}
         self.estimators: dict[str, LinkEstimator] = {}
+        self._est_lock = threading.Lock()  # probes update estimators from pool threads
         self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
         # One push per peer plus one stalled push per peer never queue behind each other.
         self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
@@ -96,24 +98,34 @@ class Exchanger:
             # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.
             self.deadline.observe_miss()
         self._collect_sends(futures, round_, result, grace_s=max(1.0, deadline_s))
+        if round_ % PING_EVERY == 0:
+            for peer in futures:
+                if peer not in result.send_failures:
+                    self._pool.submit(self._probe_rtt, peer)  # off the critical path
         for sender, (nbytes, seconds) in inbox.timings.items():  # payload bytes, receiver-timed
             result.bytes_received += nbytes
             result.transfers.append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
         return result
 
     def _send(self, peer: str, round_: int, payload: bytes):
-        est = self.estimator(peer)
-        if est.rtt_s is None or round_ % PING_EVERY == 0:
-            # Large transfers measure bandwidth, not latency: a ping now and then keeps the RTT honest.
-            # The first ping on a fresh channel also pays the TCP + TLS handshake (several RTTs), so
-            # warm up with an unrecorded one; the estimator's windowed min does the rest.
-            try:
-                if est.rtt_s is None:
-                    self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s))
-                est.observe_rtt(self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s)))
-            except TransportError as exc:
-                log.info("ping %s failed: %s", peer, exc)
+        if self.estimator(peer).rtt_s is None:
+            # The first ping on a fresh channel pays the TCP + TLS handshake (several RTTs): warm
+            # up with an unrecorded one, then measure.
+            self._probe_rtt(peer, warm_up=True)
         return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s)
+
+    def _probe_rtt(self, peer: str, *, warm_up: bool = False) -> None:
+        """Ping `peer`. Called when our links are quiet (after the round's exchange): a ping queued
+        behind a push in the emulator's (or a real router's) buffer measures the queue, not the path."""
+        try:
+            if warm_up:
+                self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s))
+            rtt = self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s))
+        except TransportError as exc:
+            log.info("ping %s failed: %s", peer, exc)
+            return
+        with self._est_lock:
+            self.estimator(peer).observe_rtt(rtt)
 
     def _encode(self, tensors, out_peers, codecs, default_codec):
         """One encode per distinct codec: peers on the same codec share its bytes and its EF state."""
@@ -152,12 +164,17 @@ class Exchanger:
                 log.warning("send to %s failed: %s", peer, exc)
                 continue
             result.bytes_sent += stats.bytes
-            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds)
+            with self._est_lock:
+                # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
+                # probes. Receiver timing was tried: it starts at the header, after the shaper's
+                # burst has already let the first chunks through, and overestimates by 5-15%.
+                self.estimator(peer).observe_transfer(stats.bytes, stats.seconds)
             result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
                                      "seconds": round(stats.seconds, 6)})
 
     def link_estimates(self, region: str) -> dict[str, dict]:
-        return {f"{region}->{peer}": est.snapshot() for peer, est in self.estimators.items()}
+        with self._est_lock:
+            return {f"{region}->{peer}": est.snapshot() for peer, est in self.estimators.items()}
 
     def state_dict(self) -> dict:
         """The deadline's samples and every codec stream's state (error-feedback residual,
