@@ -74,9 +74,9 @@ class Arm:
 # The full bench: about 11 minutes for both scenarios on 2 shared cores (docs/bench-wan.md).
 SCENARIOS = {
     "steady": Scenario(name="steady", bandwidth_scale=0.5, target_loss=0.01, max_steps=2400, allreduce_steps=600,
-                       fixed_H=(25, 50, 100, 200)),
-    "drop": Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=3.0, target_loss=0.005, max_steps=2400,
-                     fixed_H=(25, 50, 100, 200), allreduce=False),
+                       fixed_H=(50, 100, 200, 400)),
+    "drop": Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=2.5, target_loss=0.001, max_steps=2400,
+                     fixed_H=(50, 100, 200, 400), allreduce=False),
 }
 # --quick: the same shape, smaller (a few minutes).
 QUICK = {

@@ -6,10 +6,11 @@ the policy:
 * links: ``policies.links.LinkTracker`` over every region's sender-timed transfers and RTTs
   (p2p's own estimate ignores transfers under 256 KiB, which is every compressed update of a
   small model);
-* step time: the slowest region's compute seconds per inner step, the median of the last few
-  rounds (regions that share cores see their step time swing from round to round);
+* step time: the slowest region's compute seconds per inner step, the minimum over the last few
+  rounds: regions that share cores see their step time swing +-40% from round to round, and an
+  H sized on a slow round's step time leaves the exchange exposed in the next, faster one;
 * round overhead: the driver's time per round that neither the slowest region's round nor the
-  network explains (plan, dispatch, collect, log, checkpoint), the median of the last few; with
+  network explains (plan, dispatch, collect, log, checkpoint), the minimum of the last few; with
   overlap it is the part of a round that cannot be hidden;
 * loss, learning rate, model size, whether the exchange overlaps compute.
 
@@ -21,7 +22,6 @@ overlapped exchange still in flight before it returns).
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from typing import Any
 
@@ -31,8 +31,8 @@ from .config import RunConfig
 from .policies import LinkEstimate, Measurements, make_policy
 from .policies.links import LinkTracker
 
-OVERHEAD_WINDOW = 5  # rounds in the median of the per-round control-plane overhead
-STEP_WINDOW = 5      # rounds in the median of the step time (regions time-sharing cores read +-40% a round)
+OVERHEAD_WINDOW = 5  # rounds in the minimum of the per-round control-plane overhead
+STEP_WINDOW = 5      # rounds in the minimum of the step time (regions time-sharing cores read +-40% a round)
 WARMUP_ROUNDS = 2    # Ray's first calls and the first exchanges are slower: their overhead is not the run's
 
 
@@ -66,7 +66,8 @@ class Coordinator:
 
     @property
     def round_overhead_s(self) -> float | None:
-        return statistics.median(self._overheads) if self._overheads else None
+        # The floor of recent rounds: what every round pays; spikes (a loaded host) come and go.
+        return min(self._overheads) if self._overheads else None
 
     def lr_scale(self, round_: int) -> float:
         if self.cfg.sync.inner.lr_decay == "cosine":
@@ -138,7 +139,7 @@ class Coordinator:
         if not results:
             return
         self._steps.append(max(m["step_time_s"] for m in results.values()))
-        self.step_time_s = statistics.median(self._steps)
+        self.step_time_s = min(self._steps)
         losses = [m["train_loss"] for m in results.values() if m.get("train_loss") is not None]
         self.loss = sum(losses) / len(losses) if losses else self.loss
         self.last_sync_s = max(m.get("sync_s", 0.0) for m in results.values())

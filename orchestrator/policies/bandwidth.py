@@ -52,7 +52,11 @@ class BandwidthPolicy:
                         for g in rungs] for name, est in measured.items()}
         H_raw, need_link = self._wanted(costs, m)
         H_want = min(max(cost.ceil_H(H_raw), self.cfg.H_min), self.cfg.H_max)
-        held = self._held(m.round)
+        # Raise at once, lower slowly: a sync that no longer hides behind the current H costs every
+        # round it waits, while an H that is too large only costs sync frequency.
+        in_hold = self._held(m.round)
+        urgent = in_hold and H_want > self._H * (1 + self.cfg.hysteresis)
+        held = in_hold and not urgent
         current = {name: self._index(name, m.model_numel) for name in costs}
         if held:
             H = self._H
@@ -66,8 +70,10 @@ class BandwidthPolicy:
         H_prev = self._H
         self._commit(H, chosen, rungs, m.round, changed)
         codecs = self._codec_map(m, chosen, rungs)
-        return self._explain(m, measured, costs, chosen, rungs, codecs,
-                             H=H, H_prev=H_prev, H_want=H_want, H_raw=H_raw, need_link=need_link, event=event)
+        decision = self._explain(m, measured, costs, chosen, rungs, codecs, H=H, H_prev=H_prev, H_want=H_want,
+                                 H_raw=H_raw, need_link=need_link, event=event)
+        decision.details["hold_skipped"] = urgent
+        return decision
 
     def _wanted(self, costs: Mapping[str, list[float]], m: Measurements) -> tuple[float, str]:
         """Real-valued H the links need, and the link that needs it (step 1)."""

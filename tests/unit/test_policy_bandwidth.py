@@ -88,15 +88,24 @@ def test_small_changes_inside_the_band_leave_H_alone_and_big_ones_move_it():
     assert d.H > 1.5 * H0 and d.details["event"] == "changed"
 
 
-def test_after_a_change_the_policy_holds_for_hold_rounds():
+def test_after_a_change_the_policy_holds_a_lower_H_for_hold_rounds():
+    p = policy(hysteresis=0.25, hold_rounds=3)
+    H1 = p.decide(meas(1, mesh(5e6))).H
+    H2 = p.decide(meas(2, mesh(50e6))).H     # first measured decision, then a 10x rise one round later
+    assert H2 == H1
+    d = p.decide(meas(3, mesh(50e6)))
+    assert d.H == H1 and d.details["event"] == "held-hold" and "hold 3" in d.reason
+    d = p.decide(meas(4, mesh(50e6)))
+    assert d.H < H1 / 5 and d.details["event"] == "changed"
+
+
+def test_a_sync_that_no_longer_hides_raises_H_at_once_inside_the_hold():
     p = policy(hysteresis=0.25, hold_rounds=3)
     H1 = p.decide(meas(1, mesh(50e6))).H
-    H2 = p.decide(meas(2, mesh(5e6))).H      # first measured decision, then a 10x drop one round later
-    assert H2 == H1
-    d = p.decide(meas(3, mesh(5e6)))
-    assert d.H == H1 and d.details["event"] == "held-hold" and "hold 3" in d.reason
-    d = p.decide(meas(4, mesh(5e6)))
-    assert d.H > 5 * H1 and d.details["event"] == "changed"
+    d = p.decide(meas(2, mesh(5e6)))         # a 10x drop one round after a change
+    assert d.H > 5 * H1 and d.details["event"] == "changed" and d.details["hold_skipped"]
+    d = p.decide(meas(3, mesh(5.5e6)))       # within the band: no churn
+    assert d.details["hold_skipped"] is False
 
 
 def test_slow_links_get_stronger_codecs_than_fast_ones_in_the_same_round():

@@ -19,11 +19,15 @@ def test_small_transfers_measure_bandwidth_once_the_rtt_is_known():
     assert est.bandwidth_bps == pytest.approx(5e6, rel=1e-6)
 
 
-def test_a_latency_bound_transfer_reads_as_fast_not_as_bytes_over_seconds():
-    t = LinkTracker()
-    # 5 kB that took exactly one RTT: p2p's fallback would say 5 kB / 80 ms = 0.5 Mbit/s.
-    t.observe("a->b", rtt_s=0.08, transfers=[(5_000, 0.08)])
-    assert t.estimate("a->b").bandwidth_bps >= 5_000 * 8 / (0.02 * 0.08)
+def test_a_latency_bound_transfer_adds_no_bandwidth_sample():
+    t = LinkTracker(min_exposed_fraction=0.25)
+    t.observe("a->b", rtt_s=0.08, transfers=[(150_000, 0.08 + 150_000 * 8 / 25e6)])  # 48 ms exposed
+    # 5 kB 3 ms over one RTT: p2p's fallback would read 0.5 Mbit/s, bits/exposed 13 Mbit/s; both noise.
+    t.observe("a->b", rtt_s=0.08, transfers=[(5_000, 0.083)])
+    assert t.estimate("a->b").bandwidth_bps == pytest.approx(25e6)
+    u = LinkTracker()
+    u.observe("a->b", rtt_s=0.08, transfers=[(5_000, 0.083)])
+    assert u.estimate("a->b").bandwidth_bps is None and u.estimate("a->b").rtt_s == pytest.approx(0.08)
 
 
 def test_an_inflated_rtt_is_bounded_by_the_transfers_themselves():
