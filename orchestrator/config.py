@@ -55,6 +55,8 @@ class RunSection:
             raise ValueError(f"name: must match {_NAME_RE.pattern}, got {self.name!r}")
         if not 1 <= self.rounds <= 10_000_000:
             raise ValueError(f"rounds: must be in [1, 10000000], got {self.rounds}")
+        if not 0 <= self.seed < 2**32:  # torch seeds are 64-bit; regions derive seed * 1000 + index
+            raise ValueError(f"seed: must be in [0, 2**32), got {self.seed}")
         if not 0 <= self.max_steps <= 10**12:
             raise ValueError(f"max_steps: must be in [0, 1e12], got {self.max_steps}")
         for key in ("checkpoint_every", "eval_every"):
