@@ -34,6 +34,7 @@ from .policies.links import LinkTracker
 OVERHEAD_WINDOW = 5  # rounds in the minimum of the per-round control-plane overhead
 STEP_WINDOW = 5      # rounds in the minimum of the step time (regions time-sharing cores read +-40% a round)
 WARMUP_ROUNDS = 2    # Ray's first calls and the first exchanges are slower: their overhead is not the run's
+MIN_OVERHEAD_SAMPLES = 3
 
 
 class Coordinator:
@@ -66,8 +67,9 @@ class Coordinator:
 
     @property
     def round_overhead_s(self) -> float | None:
-        # The floor of recent rounds: what every round pays; spikes (a loaded host) come and go.
-        return min(self._overheads) if self._overheads else None
+        # The floor of recent rounds: what every round pays; spikes (a loaded host) come and go,
+        # and a floor needs a few rounds (one 34 ms spike once sent H from 53 to 448).
+        return min(self._overheads) if len(self._overheads) >= MIN_OVERHEAD_SAMPLES else None
 
     def lr_scale(self, round_: int) -> float:
         if self.cfg.sync.inner.lr_decay == "cosine":

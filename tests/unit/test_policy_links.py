@@ -127,7 +127,7 @@ def test_control_plane_overhead_reaches_the_policy_after_warmup():
     c = _coordinator({"kind": "bandwidth", "initial_H": 20, "hold_rounds": 0, "hysteresis": 0.0,
                       "target_comm_fraction": 0.05})
     assert isinstance(c.policy.cfg, BandwidthPolicyConfig)
-    for r in range(WARMUP_ROUNDS + 4):
+    for r in range(WARMUP_ROUNDS + 5):
         plans = c.plan(r, alive=["a", "b"], evaluate=False)
         c.clock.t += 0.25  # the driver's cycle: the slowest region's 0.24 s + 10 ms of control plane
         c.observe(_metrics(wall=0.24, H=plans["a"].H))
