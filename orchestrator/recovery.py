@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -26,6 +27,19 @@ from .rundir import write_json
 log = logging.getLogger(__name__)
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (fail-fast region loss, diverged training, no usable checkpoint...)."""
+
+
+def signal_name(signum: int | None) -> str | None:
+    return None if signum is None else signal.Signals(signum).name
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 class Interrupted(Exception):
@@ -190,3 +204,20 @@ def reap_previous(run_dir: Path, *, grace_s: float = 5.0) -> list[dict]:
         while time.monotonic() < deadline and any((i := _identity(p)) is not None and i[1] == s for p, s, _ in left):
             time.sleep(0.1)
     return [{"pid": pid, "name": name} for pid, _, name in left]
+
+
+def schedule_after(schedule: Sequence[Any], *, next_round: int, elapsed_s: float) -> tuple:
+    """The WAN emulator schedule a resumed run plays (it starts a fresh emulator, whose clock
+    and rounds would otherwise replay the whole schedule): events already past keep their link
+    changes, applied at once, and lose their outages, which are over; later `at_s` events move
+    earlier by the time already run."""
+    out = []
+    for ev in schedule:
+        past = ((ev.at_round is not None and ev.at_round < next_round)
+                or (ev.at_s is not None and ev.at_s < elapsed_s))
+        if not past:
+            out.append(ev if ev.at_s is None else dataclasses.replace(ev, at_s=ev.at_s - elapsed_s))
+        elif ev.set is not None:
+            when = {"at_s": 0.0} if ev.at_s is not None else {}
+            out.append(dataclasses.replace(ev, outage_s=None, end_outage=False, **when))
+    return tuple(out)

@@ -11,19 +11,32 @@ from pathlib import Path
 from typing import Any
 
 import ray
-
 from geofed.p2p.tls import make_pki
 from geofed.regions import checkpoint
 from geofed.regions.worker import rss_mb
 
 from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
-from .config import RunConfig, config_from_mapping, load_config
+from .config import RunConfig, load_config
 from .coordinator import Coordinator
 from .emulation import configured_link, start_emulation
 from .progress import RunProgress, print_summary
-from .recovery import Interrupted, StopSignals, plan_resync, reap_previous, record_processes
-from .rundir import Clock, JsonlLog, new_run_dir, read_jsonl, truncate_jsonl, write_json
-from .strict import ConfigError, parse_yaml
+from .recovery import (
+    Interrupted,
+    RunFailed,
+    StopSignals,
+    first_line,
+    plan_resync,
+    record_processes,
+    signal_name,
+)
+from .resume import (
+    emulation_for_resume,
+    load_driver_checkpoint,
+    reap_previous_driver,
+    resume_config,
+)
+from .rundir import Clock, JsonlLog, new_run_dir, write_json
+from .strict import ConfigError
 from .summary import build_summary, evaluate_average
 
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
@@ -31,13 +44,9 @@ _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
 log = logging.getLogger(__name__)
 
 
-class RunFailed(RuntimeError):
-    """The run cannot go on (fail-fast region loss, diverged training, ...)."""
-
-
 def run_from_args(args) -> int:
     if args.resume:
-        cfg, run_dir = _resume_config(Path(args.resume), args.overrides)
+        cfg, run_dir = resume_config(Path(args.resume), args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
@@ -96,14 +105,6 @@ def _with_address(cfg: RunConfig, address: str | None) -> RunConfig:
     return dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=address))
 
 
-def _resume_config(run_dir: Path, overrides) -> tuple[RunConfig, Path]:
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))
-    data = parse_yaml(path.read_bytes(), source=str(path))
-    return config_from_mapping(data, overrides, source=str(path)), run_dir
-
-
 class Runner:
     def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False):
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
@@ -131,7 +132,7 @@ class Runner:
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
         self._make_tls()
-        reaped = self._reap_previous_driver() if self.resume else []
+        reaped = reap_previous_driver(self.run_dir) if self.resume else []
         self.ray = init_ray(self.cfg)
         self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
@@ -143,12 +144,12 @@ class Runner:
         self.addresses = dict(zip(self.regions, ray.get(starts, timeout=120)))
         for region, address in self.addresses.items():
             self.actors.info[region]["grpc_address"] = address  # summary.json placement
-        self.emulator = start_emulation(self.cfg, self.regions)
+        # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
+        restored = load_driver_checkpoint(self.run_dir) if self.resume else None
+        self.emulator = start_emulation(emulation_for_resume(self.cfg, restored), self.regions)
         self._connect_all()
         info = self.actors.info[self.regions[0]]
         self.coordinator = Coordinator(self.cfg, model_numel=info["params"], clock=self.clock)
-        # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
-        restored = self._load_driver_checkpoint() if self.resume else None
         if restored is None:
             self.clock = Clock()  # wall time counts training, not Ray start-up
             self.coordinator.clock = self.clock
@@ -162,16 +163,6 @@ class Runner:
             self._event("reaped_previous_driver", processes=reaped)
         if restored is not None:
             self._restore(*restored)
-
-    def _reap_previous_driver(self) -> list[dict]:
-        try:
-            reaped = reap_previous(self.run_dir)
-        except RuntimeError as exc:  # two drivers on one run directory would interleave its files
-            raise RunFailed(f"{exc}; stop it first") from None
-        if reaped:
-            print(f"geofed: ended {len(reaped)} processes the previous driver of {self.run_dir} left running: "
-                  f"{', '.join(sorted({p['name'] for p in reaped}))}", file=sys.stderr)
-        return reaped
 
     def _make_tls(self) -> None:
         tls = self.run_dir / "tls"
@@ -263,7 +254,7 @@ class Runner:
             try:
                 out[region] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                self._region_failed(region, f"actor died during {what}: {_first_line(exc)}")
+                self._region_failed(region, f"actor died during {what}: {first_line(exc)}")
             except ray.exceptions.RayTaskError as exc:
                 raise RunFailed(f"region {region} failed in {what}: {exc.cause!r}") from None
         for ref in pending:
@@ -316,7 +307,7 @@ class Runner:
             address = ray.get(handle.start.remote(), timeout=60)
             restored = ray.get(handle.restore_checkpoint.remote(r - 1), timeout=120)
         except _ACTOR_GONE as exc:
-            log.warning("region %s did not come back yet: %s", region, _first_line(exc))
+            log.warning("region %s did not come back yet: %s", region, first_line(exc))
             return
         self.addresses[region] = address
         self.actors.info[region] = {**self.actors.info.get(region, {}), **info, "grpc_address": address}
@@ -329,11 +320,11 @@ class Runner:
             try:
                 donor, state_round = ray.get(handle.catch_up.remote(donors), timeout=self.cfg.sync.deadline.max_s + 60)
             except ray.exceptions.RayActorError as exc:
-                self._region_failed(region, f"died while catching up: {_first_line(exc)}")
+                self._region_failed(region, f"died while catching up: {first_line(exc)}")
                 return
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as exc:
                 # Its own checkpoint is the best it has; a resync after its first round realigns it.
-                log.warning("region %s: no peer gave its state: %s", region, _first_line(exc))
+                log.warning("region %s: no peer gave its state: %s", region, first_line(exc))
         self.faults["region_restarts"] += 1
         self._event("region_rejoined", region=region, pid=info.get("pid"), grpc_address=address,
                     restored_round=restored["round"], skipped_checkpoints=restored["skipped"],
@@ -402,24 +393,8 @@ class Runner:
         checkpoint.prune(d, self.cfg.run.keep_checkpoints)
         self._last_checkpoint = r
 
-    def _load_driver_checkpoint(self) -> tuple[int, dict, list[str], list[int]]:
-        """(round, state, skipped files, rounds logged after it) of the newest good driver
-        checkpoint; metrics.jsonl and rounds.jsonl are cut back to that round."""
-        skipped: list[str] = []
-        found = checkpoint.load_latest(self.run_dir / "checkpoints" / "driver",
-                                       on_skip=lambda path, why: skipped.append(why))
-        for why in skipped:
-            print(f"geofed: {why}; using the previous checkpoint", file=sys.stderr)
-        if found is None:
-            raise RunFailed(f"{self.run_dir}: no usable driver checkpoint to resume from"
-                            + (f" ({'; '.join(skipped)})" if skipped else ""))
-        r, state = found
-        lost = sorted({rec["round"] for rec in read_jsonl(self.run_dir / "rounds.jsonl") if rec.get("round", -1) > r})
-        for name in ("metrics.jsonl", "rounds.jsonl"):
-            truncate_jsonl(self.run_dir / name, lambda rec: rec.get("round", -1) <= r)
-        return r, state, skipped, lost
-
     def _restore(self, r: int, state: dict, skipped: list[str], lost: list[int]) -> None:
+        """Each region's own checkpoint of round r, or a peer's model when its own is missing or corrupt."""
         for why in skipped:
             self._event("checkpoint_skipped", who="driver", why=why)
         got = self._call(self.regions, "restore_checkpoint", r, timeout=300)
@@ -471,24 +446,13 @@ class Runner:
         if self.actors is not None:
             try:
                 ray.get([h.close.remote() for h in self.actors.handles.values()], timeout=10)
-            except Exception:  # noqa: BLE001 - dead actors cannot close; they are killed next
-                pass
+            except Exception as exc:  # noqa: BLE001 - dead actors cannot close; they are killed next
+                log.debug("closing the region actors: %s", first_line(exc))
             self.actors.kill()
         if self.emulator is not None:
             self.emulator.stop()
         if self.ray is not None:
             self.ray.shutdown()
-
-
-def signal_name(signum: int | None) -> str | None:
-    import signal
-
-    return None if signum is None else signal.Signals(signum).name
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _spec_str(spec: Any) -> str:

@@ -5,11 +5,11 @@ whose own checkpoint of that round is corrupt takes the model from a peer that h
 from __future__ import annotations
 
 import pytest
-from reliability_harness import REGIONS3, events, small_config
-
+from geofed.orchestrator.resume import resume_config
 from geofed.orchestrator.rundir import new_run_dir, read_jsonl
-from geofed.orchestrator.runner import Runner, _resume_config
+from geofed.orchestrator.runner import Runner
 from geofed.regions import checkpoint
+from reliability_harness import REGIONS3, events, small_config
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -37,7 +37,7 @@ def test_resume_detects_corrupt_checkpoints_and_falls_back(tmp_path, capsys):
     leftover = ckpts / "driver" / ".ckpt-00000005.pt.tmp-424242"
     leftover.write_bytes(b"half a checkpoint")
 
-    cfg, _ = _resume_config(tmp_path, ["run.rounds=7"])
+    cfg, _ = resume_config(tmp_path, ["run.rounds=7"])
     summary = _run(cfg, tmp_path, resume=True)
 
     err = capsys.readouterr().err
@@ -67,6 +67,6 @@ def test_resume_without_a_usable_checkpoint_fails_clearly(tmp_path):
     _run(small_config(rounds=2), tmp_path)
     for path in (tmp_path / "checkpoints" / "driver").iterdir():
         path.write_bytes(b"garbage")
-    cfg, _ = _resume_config(tmp_path, [])
+    cfg, _ = resume_config(tmp_path, [])
     with pytest.raises(Exception, match="no usable driver checkpoint to resume from .*not a geofed checkpoint"):
         _run(cfg, tmp_path, resume=True)

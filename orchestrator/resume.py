@@ -1,0 +1,74 @@
+"""`geofed run --resume RUN_DIR`: what a resumed run takes up from its run directory.
+
+The newest driver checkpoint that verifies (a torn or corrupt one is reported and the previous
+used), the logs cut back to that round (rounds logged after it are redone: at most one with
+checkpoint_every 1), the processes a killed driver left behind ended, and the WAN emulator's
+schedule minus the part already played. The regions' own state is restored by the Runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from geofed.regions import checkpoint
+
+from .config import RunConfig, config_from_mapping
+from .recovery import RunFailed, reap_previous, schedule_after
+from .rundir import read_jsonl, truncate_jsonl
+from .strict import ConfigError, parse_yaml
+
+
+class DriverCheckpoint(NamedTuple):
+    round: int
+    state: dict[str, Any]
+    skipped: list[str]  # newer driver checkpoints that failed verification, why
+    lost: list[int]  # rounds logged after `round`: they run again
+
+
+def resume_config(run_dir: Path, overrides) -> tuple[RunConfig, Path]:
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))
+    data = parse_yaml(path.read_bytes(), source=str(path))
+    return config_from_mapping(data, overrides, source=str(path)), Path(run_dir)
+
+
+def load_driver_checkpoint(run_dir: Path) -> DriverCheckpoint:
+    """The newest good driver checkpoint; metrics.jsonl and rounds.jsonl are cut back to it."""
+    skipped: list[str] = []
+    found = checkpoint.load_latest(Path(run_dir) / "checkpoints" / "driver",
+                                   on_skip=lambda path, why: skipped.append(why))
+    for why in skipped:
+        print(f"geofed: {why}; using the previous checkpoint", file=sys.stderr)
+    if found is None:
+        raise RunFailed(f"{run_dir}: no usable driver checkpoint to resume from"
+                        + (f" ({'; '.join(skipped)})" if skipped else ""))
+    r, state = found
+    lost = sorted({rec["round"] for rec in read_jsonl(Path(run_dir) / "rounds.jsonl") if rec.get("round", -1) > r})
+    for name in ("metrics.jsonl", "rounds.jsonl"):
+        truncate_jsonl(Path(run_dir) / name, lambda rec: rec.get("round", -1) <= r)
+    return DriverCheckpoint(r, state, skipped, lost)
+
+
+def emulation_for_resume(cfg: RunConfig, ckpt: DriverCheckpoint | None) -> RunConfig:
+    """A resumed run's emulator starts afresh: it must not replay outages already over."""
+    em = cfg.network.emulation
+    if ckpt is None or not em.schedule:
+        return cfg
+    em = dataclasses.replace(em, schedule=schedule_after(em.schedule, next_round=ckpt.round + 1,
+                                                          elapsed_s=ckpt.state["clock"]))
+    return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, emulation=em))
+
+
+def reap_previous_driver(run_dir: Path) -> list[dict]:
+    try:
+        reaped = reap_previous(run_dir)
+    except RuntimeError as exc:  # two drivers on one run directory would interleave its files
+        raise RunFailed(f"{exc}; stop it first") from None
+    if reaped:
+        print(f"geofed: ended {len(reaped)} processes the previous driver of {run_dir} left running: "
+              f"{', '.join(sorted({p['name'] for p in reaped}))}", file=sys.stderr)
+    return reaped
