@@ -71,11 +71,17 @@ def _int8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _jobs(spec: Any, x: torch.Tensor, state: CodecState, ef_state: CodecState, buf: torch.Tensor):
-    """The timed jobs of one codec, and what is measured once (ratio, error). The states and
-    the output buffer are shared by every codec (a stream may switch codecs): 25M floats
-    times ten codecs of residuals would otherwise take gigabytes."""
+def _jobs(spec: Any, x: torch.Tensor, ef_state: CodecState, buf: torch.Tensor):
+    """The timed jobs of one codec, and what is measured once (ratio, error).
+
+    Plain encodes get a state of their own, as a stream on one codec has (exchange.py keeps
+    one per codec), so its payload buffer is reused round to round. The error-feedback state
+    and the decode buffer are shared by every codec: 25M floats times ten codecs of residuals
+    would take gigabytes; so encode+EF is a stream that switches codec at every encode (a
+    fresh payload each time, the worst case).
+    """
     codec = make_codec(spec)
+    state = CodecState(error_feedback=False, seed=1)
     payload = encode_update(codec, [x], state)
     max_bytes = 4 * x.numel() + (1 << 20)
     jobs = {"encode": lambda: encode_update(codec, [x], state),
@@ -98,7 +104,7 @@ def measure(x: torch.Tensor, specs: Sequence[Any], repeat: int) -> tuple[list[di
     jobs: dict[str, Callable[[], Any]] = {"ref/bf16-into-buffer": lambda: ceiling.copy_(flat),
                                           "ref/int8-per-tensor": lambda: _int8_per_tensor(flat)}
     rows = []
-    shared = CodecState(error_feedback=False, seed=1), CodecState(error_feedback=True, seed=1), torch.empty(x.numel())
+    shared = CodecState(error_feedback=True, seed=1), torch.empty(x.numel())
     for i, spec in enumerate(specs):
         codec_jobs, row = _jobs(spec, x, *shared)
         jobs.update({f"{i}/{k}": fn for k, fn in codec_jobs.items()})

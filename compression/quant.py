@@ -181,7 +181,11 @@ class Int4(_ChunkedQuant):
         for start, t in _quantized_blocks(x, self.chunk, inv, self.levels, self._generator(state)):
             m = t.numel()
             u = u8[: m + (m & 1)]
-            u[:m].copy_(t.add_(8))  # 1..15; nibble 8 decodes to 0 and pads an odd tail
+            # -7..7 as int8 then + 8 as bytes: torch 2.13 casts float to int8 4x faster than to
+            # uint8, and adds on bytes 3x faster than on floats. Nibble 8 decodes to 0 and pads
+            # an odd tail.
+            u[:m].view(torch.int8).copy_(t)
+            u[:m].add_(8)
             if m & 1:
                 u[m] = 8
             # Each byte pair as one little-endian int16 (first value in the low byte): w | w >> 4
@@ -231,7 +235,7 @@ class Sign(Codec):
         bits, scales = out
         n, c, step = x.numel(), self.chunk, self._step()
         tmp = torch.empty(min(n, step))
-        positive = torch.empty(min(n, step), dtype=torch.bool)
+        xn, positive = x.numpy(), np.empty(min(n, step), dtype=np.bool_)
         for s in range(0, n, step):
             e = min(n, s + step)
             a = torch.abs(x[s:e], out=tmp[: e - s])
@@ -240,8 +244,9 @@ class Sign(Codec):
                 torch.sum(a[: full * c].view(full, c), 1, out=scales[s // c: s // c + full]).div_(c)
             if e - s > full * c:
                 scales[s // c + full] = a[full * c:].mean()
-            torch.ge(x[s:e], 0, out=positive[: e - s])
-            packed = np.packbits(positive[: e - s].numpy(), bitorder="little")
+            # numpy's compare into bool is SIMD, ~8x torch 2.13's on CPU
+            np.greater_equal(xn[s:e], 0, out=positive[: e - s])
+            packed = np.packbits(positive[: e - s], bitorder="little")
             bits[s // 8: s // 8 + packed.size].copy_(torch.from_numpy(packed))
         if scales.numel() and not bool(torch.isfinite(scales).all()):  # the receiver would refuse it
             raise CodecError("sign: a chunk's mean magnitude overflows fp32 (values near 3e38)")

@@ -2,8 +2,9 @@
 
 Holds what must survive from one round to the next on the *sending* side: the error-feedback
 residual, PowerSGD's warm-start Q, the random-k seed counter and the generator used for
-sampling and stochastic rounding, and byte counters. Receivers need no state: every payload
-carries what decoding needs.
+sampling and stochastic rounding, byte counters, and the last payloads it produced (reused
+in place once nobody else holds them; see buffers.py). Receivers need no state: every
+payload carries what decoding needs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from .buffers import PayloadPool
 
 Shape = tuple[int, ...]
 
@@ -42,6 +45,7 @@ class CodecState:
         self.store: dict[str, Any] = {}  # codec-private entries, keyed "<kind>.<what>"
         self.input_absmax: float | None = None  # max |x| of the buffer being encoded, when known
         self._generator: torch.Generator | None = None
+        self.payloads = PayloadPool()  # the last payloads, reused once the caller drops them
 
     @property
     def generator(self) -> torch.Generator:
@@ -70,6 +74,7 @@ class CodecState:
         self.residual = None
         self.shapes = None
         self.store.clear()
+        self.payloads.clear()
 
     def residual_buffer(self, numel: int) -> torch.Tensor:
         if self.residual is None:

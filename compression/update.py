@@ -2,7 +2,9 @@
 
 The tensors are concatenated into one flat fp32 buffer (with error feedback: residual +
 update, in the state's scratch buffer), the codec writes its sections straight into the
-outgoing payload, and decoding splits one flat fp32 result back into the original shapes.
+outgoing payload (a buffer of the state's that its previous holder has dropped, when there is
+one: fresh pages cost more than most codecs' work), and decoding splits one flat fp32 result
+back into the original shapes.
 """
 
 from __future__ import annotations
@@ -122,13 +124,14 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
     tensors, absmax = _check_inputs(tensors)
     shapes = [tuple(t.shape) for t in tensors]
     dtypes = [t.dtype for t in tensors]
+    pool = None if state is None else state.payloads  # a one-off encode keeps nothing
     if state is None:
         state = CodecState(error_feedback=False)
     state.bind(shapes)
     n = sum(t.numel() for t in tensors)
     ef = state.error_feedback and codec.contractive and not codec.lossless
     state.ef_applied = ef
-    buf, header = wire.build_header(codec, shapes, dtypes)
+    buf, header = wire.build_header(codec, shapes, dtypes, pool)
     views = wire.section_views(buf, header)
     # With EF, x = residual + update is built in the scratch buffer; once encoded, the two
     # buffers swap roles, so a failed encode leaves the residual untouched and nothing is copied.

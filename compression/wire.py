@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecError, Section, Shape, _padded, make_codec
+from .buffers import PayloadPool, new_bytes, writable
 
 if sys.byteorder != "little":  # sections are read in place with the host's byte order
     raise ImportError("geofed.compression: the wire format is little-endian; big-endian hosts are not supported")
@@ -78,9 +79,11 @@ class Header:
     total: int
 
 
-def build_header(codec: Codec, shapes: Sequence[Shape], dtypes: Sequence[torch.dtype]) -> tuple[bytes, Header]:
-    """The payload object of its final size, header and padding written, sections not yet
-    (the codec writes them in place through `section_views`; `seal` adds the checksum)."""
+def build_header(codec: Codec, shapes: Sequence[Shape], dtypes: Sequence[torch.dtype],
+                 pool: PayloadPool | None = None) -> tuple[bytes, Header]:
+    """The payload object of its final size (from `pool` when given), header and padding
+    written, sections not yet (the codec writes every byte of them in place through
+    `section_views`; `seal` adds the checksum)."""
     spec = json.dumps(codec.spec(), separators=(",", ":"), sort_keys=True).encode()
     if len(spec) > MAX_SPEC_BYTES:
         raise ValueError(f"codec: spec of {len(spec)} bytes exceeds {MAX_SPEC_BYTES}")
@@ -101,8 +104,8 @@ def build_header(codec: Codec, shapes: Sequence[Shape], dtypes: Sequence[torch.d
         offsets.append(pos)
         pos += _padded(sec.nbytes)
     _FIXED.pack_into(head, 0, MAGIC, VERSION, 0, 0, pos, len(spec), len(shapes), len(sections), 0)
-    buf = _new_bytes(pos)
-    w = _writable(buf)
+    buf = pool.take(pos) if pool is not None else new_bytes(pos)
+    w = writable(buf)
     w[: len(head)] = torch.frombuffer(head, dtype=torch.uint8)
     for sec, off in zip(sections, offsets):
         w[off + sec.nbytes: off + _padded(sec.nbytes)] = 0
@@ -112,37 +115,7 @@ def build_header(codec: Codec, shapes: Sequence[Shape], dtypes: Sequence[torch.d
 def seal(buf: bytes) -> None:
     """Write the checksum once every section is filled in."""
     crc = struct.pack("<I", zlib.crc32(memoryview(buf)[12:]))
-    _writable(buf)[8:12] = torch.frombuffer(bytearray(crc), dtype=torch.uint8)
-
-
-def _new_bytes(n: int) -> bytes:
-    """An uninitialised bytes object of n >= 36 bytes, filled in place before anyone sees it.
-
-    This is what C code does with PyBytes_FromStringAndSize(NULL, n). It saves a full copy of
-    the payload (bytearray, then bytes(...)) and a memset: for a 100 MB update on a memory-bound
-    box that is most of identity's and fp16's encode time. Without ctypes.pythonapi (not
-    CPython) a zeroed bytes object serves the same purpose.
-    """
-    assert n >= FIXED_BYTES  # sizes 0 and 1 may be shared singletons
-    if _PyBytes_FromStringAndSize is None:
-        return bytes(n)
-    return _PyBytes_FromStringAndSize(None, n)
-
-
-def _writable(buf: bytes) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": ours, not shared yet
-        return torch.frombuffer(buf, dtype=torch.uint8)
-
-
-try:
-    import ctypes
-
-    _PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
-    _PyBytes_FromStringAndSize.restype = ctypes.py_object
-    _PyBytes_FromStringAndSize.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-except (ImportError, AttributeError):  # pragma: no cover - PyPy and friends
-    _PyBytes_FromStringAndSize = None
+    writable(buf)[8:12] = torch.frombuffer(bytearray(crc), dtype=torch.uint8)
 
 
 def section_views(buf, header: Header) -> list[torch.Tensor]:

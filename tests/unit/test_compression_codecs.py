@@ -117,6 +117,21 @@ def test_topk_keeps_exactly_the_largest_magnitudes(n):
     assert n < 10_000 or 4 * n / len(payload) > 60  # small updates pay the header
 
 
+@pytest.mark.parametrize("top", [40, 0])
+def test_topk_sampled_path_keeps_exactly_k_among_ties(top):
+    # Thousands of values share the k-th largest magnitude (all of them when top = 0): the
+    # candidates' partition must keep exactly k of them, at distinct increasing indices
+    # (decode_update refuses anything else).
+    n = 400_003
+    x = torch.randint(-top, top + 1, (n,), generator=torch.Generator().manual_seed(3)).float()
+    k = math.ceil(0.01 * n)
+    assert int((x.abs() == top).sum()) > 2 * k
+    _, (got,) = _roundtrip({"kind": "topk", "fraction": 0.01, "inner": "identity"}, [x])
+    kept = got != 0
+    assert int(kept.sum()) == (k if top else 0)
+    assert torch.equal(got[kept], x[kept]) and bool((got[kept].abs() == top).all())
+
+
 def test_topk_inner_int8_quantizes_the_kept_values():
     x = _randn(50_000)
     _, (got,) = _roundtrip({"kind": "topk", "fraction": 0.02, "inner": "int8"}, [x])
