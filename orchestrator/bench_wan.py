@@ -178,9 +178,8 @@ class _ProgressWatch:
 def print_results(console: Console, scenario: Scenario, results: list[ArmResult], doc: dict[str, Any]) -> None:
     t = Table(title=f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g}, "
                     f"{scenario.max_steps} steps per region)")
-    for col in ("arm", "H", "time to target", "bytes to target", "final loss", "eval", "utilisation",
-                "wall utilisation", "wall time"):
-        t.add_column(col, justify="left" if col == "arm" else "right")
+    for col in ("arm", "H", "to target", "bytes to target", "final loss", "eval", "util", "wall util", "wall"):
+        t.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for r in results:
         H = str(r.H) if r.kind != "adaptive" else _H_range(r)
         t.add_row(r.name, H, "-" if r.time_to_target_s is None else f"{r.time_to_target_s:.2f} s",

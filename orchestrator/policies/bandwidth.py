@@ -55,9 +55,9 @@ class BandwidthPolicy:
         # Raise at once, lower slowly: a sync that no longer hides behind the current H costs every
         # round it waits, while an H that is too large only costs sync frequency.
         in_hold = self._held(m.round)
-        urgent = in_hold and H_want > self._H * (1 + self.cfg.hysteresis)
-        held = in_hold and not urgent
         current = {name: self._index(name, m.model_numel) for name in costs}
+        urgent = in_hold and (H_want > self._H * (1 + self.cfg.hysteresis) or self._over_budget(costs, current, m))
+        held = in_hold and not urgent
         if held:
             H = self._H
             chosen = {n: (i if i is not None else self._fit(costs[n], H, m, None)) for n, i in current.items()}
@@ -85,6 +85,14 @@ class BandwidthPolicy:
         link = max(D_of, key=lambda n: (D_of[n], n))
         return cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
                                margin=c.overlap_margin, overhead=overhead), link
+
+    def _over_budget(self, costs: Mapping[str, list[float]], current: Mapping[str, int | None], m: Measurements) -> bool:
+        """Some link's current codec no longer fits the current H's budget (by more than the band)."""
+        c = self.cfg
+        budget = cost.budget_for_H(self._H, m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
+                                   margin=c.overlap_margin, overhead=m.round_overhead_s or 0.0)
+        return any(i is not None and i < len(costs[n]) - 1 and costs[n][i] > budget * (1 + c.hysteresis)
+                   for n, i in current.items())
 
     def _held(self, round_: int) -> bool:
         return self._last_change is not None and round_ - self._last_change < self.cfg.hold_rounds

@@ -108,6 +108,15 @@ def test_a_sync_that_no_longer_hides_raises_H_at_once_inside_the_hold():
     assert d.details["hold_skipped"] is False
 
 
+def test_a_codec_that_no_longer_fits_changes_at_once_inside_the_hold():
+    p = policy(ladder=LADDER, target_H=100, hysteresis=0.25, hold_rounds=3)
+    first = p.decide(meas(1, mesh(400e6)))
+    d = p.decide(meas(2, mesh(4e6)))        # 100x slower one round after the first decision
+    assert d.details["hold_skipped"] and d.details["event"] == "changed"
+    rank = {spec: i for i, spec in enumerate(LADDER)}
+    assert rank[d.codecs["r0->r1"]] > rank[first.codecs["r0->r1"]]
+
+
 def test_slow_links_get_stronger_codecs_than_fast_ones_in_the_same_round():
     speeds = {"r0": 400e6, "r1": 100e6, "r2": 25e6, "r3": 6e6}   # the sender's egress sets the link speed
     links = mesh(lambda name: speeds[name.split("->")[0]], rtt=0.05)
