@@ -223,8 +223,16 @@ def _scenario_dict(sc: Scenario) -> dict[str, Any]:
 
 def _detail(r: ArmResult) -> dict[str, Any]:
     return {"name": r.name, "run_dir": r.run_dir, "steps": r.steps, "wall_s": r.wall_s, "bytes_sent": r.bytes_sent,
+            "loss_at_baseline_steps": r.loss_at_baseline_steps, "utilization_min_round": _min_round_util(r.run_dir),
             "utilization_wall": r.utilization_wall, "eval_metric": r.eval_metric, "drop_at_s": r.drop_at_s,
             "H_rounds": r.H_rounds}
+
+
+def _min_round_util(run_dir: str) -> float | None:
+    from .rundir import read_jsonl
+
+    utils = [r["utilization"] for r in read_jsonl(Path(run_dir) / "rounds.jsonl") if r.get("utilization") is not None]
+    return min(utils) if utils else None
 
 
 def _H_range(r: ArmResult) -> str:
