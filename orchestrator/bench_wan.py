@@ -16,12 +16,18 @@ import json
 import threading
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from .bench_wan_arms import QUICK, SCENARIOS, Arm, Scenario, build_arms
@@ -57,7 +63,7 @@ def main(argv: Sequence[str]) -> int:
         import dataclasses
 
         scenario = dataclasses.replace(scenario, overrides=tuple(args.overrides))
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out or f"runs/bench-wan-{scenario.name}-{stamp}")
     console = Console(stderr=True)
     doc, results, report = run_bench(scenario, out, console=console)

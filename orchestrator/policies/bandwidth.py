@@ -108,7 +108,7 @@ class BandwidthPolicy:
         if fresh > current:  # needs stronger compression: only once the current one is clearly over
             return fresh if costs[current] > budget * (1 + c.hysteresis) else current
         relaxed = cost.least_fitting(costs, budget / (1 + c.hysteresis))  # weaker only with room to spare
-        return relaxed if relaxed < current else current
+        return min(current, relaxed)
 
     def _index(self, link: str, numel: int) -> int | None:
         spec = self._codecs.get(link)

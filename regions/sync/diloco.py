@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class DilocoSync:
-    def __init__(self, w: "RegionWorker"):
+    def __init__(self, w: RegionWorker):
         self.w = w
         outer = w.cfg.sync.outer
         self.global_params = [p.detach().clone() for p in w.params]
@@ -48,7 +48,7 @@ class DilocoSync:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap") if self.overlap else None
         self._start = [p.detach().clone() for p in w.params] if self.overlap else None  # where this round began
 
-    def run_round(self, plan: "RoundPlan") -> dict[str, Any]:
+    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
         w = self.w
         metrics = w.inner_steps(plan.H, plan.lr_scale)
         start = self._start if self.overlap else self.global_params

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from geofed.orchestrator import bench_wan
 from geofed.orchestrator.bench_wan_arms import Scenario, base_mapping, build_arms
 from geofed.orchestrator.bench_wan_results import best_before_drop, measure

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
 from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.worker import RegionWorker, RoundPlan

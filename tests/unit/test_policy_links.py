@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.coordinator import WARMUP_ROUNDS, Coordinator
 from geofed.orchestrator.policies import BandwidthPolicyConfig
