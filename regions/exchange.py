@@ -66,6 +66,9 @@ class Exchanger:
         self.estimators: dict[str, LinkEstimator] = {}
         self._est_lock = threading.Lock()  # probes update estimators from pool threads
         self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
+        # Pushes left running that then succeeded, (peer, round, stats): reported with the next
+        # exchange, so a link that only got slow still teaches its estimator and the policy.
+        self._late: list[tuple[str, int, Any]] = []
         # One push per peer plus one stalled push per peer never queue behind each other.
         self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
 
@@ -91,6 +94,7 @@ class Exchanger:
         for peer in out_peers:
             if peer in skipped:
                 result.send_failures[peer] = f"skipped: its push of round {skipped[peer]} is still in flight"
+        self._report_late(result)
         if not inbox.missing:
             # Only complete rounds teach the deadline samples: a dead peer must not skew them...
             self.deadline.observe(wait_s)
@@ -153,7 +157,7 @@ class Exchanger:
             if not fut.done():
                 # Still running (a stalled link): leave it, skip the peer until it ends.
                 self._stalled[peer] = (round_, fut)
-                fut.add_done_callback(lambda f, p=peer, r=round_: _log_stalled_end(p, r, f))
+                fut.add_done_callback(lambda f, p=peer, r=round_: self._stalled_ended(p, r, f))
                 result.send_failures[peer] = f"still in flight {grace_s:.1f}s after the receive deadline; left running"
                 log.warning("push of round %d to %s still in flight after the deadline; not waiting for it", round_, peer)
                 continue
@@ -163,14 +167,31 @@ class Exchanger:
                 result.send_failures[peer] = str(exc)
                 log.warning("send to %s failed: %s", peer, exc)
                 continue
-            result.bytes_sent += stats.bytes
-            with self._est_lock:
-                # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
-                # probes. Receiver timing was tried: it starts at the header, after the shaper's
-                # burst has already let the first chunks through, and overestimates by 5-15%.
-                self.estimator(peer).observe_transfer(stats.bytes, stats.seconds)
-            result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
-                                     "seconds": round(stats.seconds, 6)})
+            self._count_send(result, peer, stats)
+
+    def _count_send(self, result: ExchangeResult, peer: str, stats, **extra) -> None:
+        result.bytes_sent += stats.bytes
+        with self._est_lock:
+            # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
+            # probes. Receiver timing was tried: it starts at the header, after the shaper's
+            # burst has already let the first chunks through, and overestimates by 5-15%.
+            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds)
+        result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
+                                 "seconds": round(stats.seconds, 6), **extra})
+
+    def _stalled_ended(self, peer: str, round_: int, fut: Future) -> None:
+        # Runs on the pool's thread: only a list append (atomic) crosses to the exchanging thread.
+        exc = fut.exception()
+        if exc is None:
+            self._late.append((peer, round_, fut.result()))
+            log.info("push of round %d to %s completed after its round", round_, peer)
+        else:
+            log.info("push of round %d to %s, left running, ended: %s", round_, peer, exc)
+
+    def _report_late(self, result: ExchangeResult) -> None:
+        while self._late:
+            peer, round_, stats = self._late.pop(0)
+            self._count_send(result, peer, stats, late_round=round_)
 
     def link_estimates(self, region: str) -> dict[str, dict]:
         with self._est_lock:
@@ -210,11 +231,3 @@ def _codec_state_from_dict(d: dict, *, error_feedback: bool) -> CodecState:
     if d["generator"] is not None:
         st.generator.set_state(d["generator"])
     return st
-
-
-def _log_stalled_end(peer: str, round_: int, fut: Future) -> None:
-    exc = fut.exception()
-    if exc is None:
-        log.info("stalled push of round %d to %s completed late", round_, peer)
-    else:
-        log.info("stalled push of round %d to %s ended: %s", round_, peer, exc)
