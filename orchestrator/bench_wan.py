@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -66,7 +67,18 @@ def main(argv: Sequence[str]) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out or f"runs/bench-wan-{scenario.name}-{stamp}")
     console = Console(stderr=True)
-    doc, results, report = run_bench(scenario, out, console=console)
+    from .cluster import PlacementError
+    from .recovery import Interrupted
+    from .runner import RunFailed
+
+    try:
+        doc, results, report = run_bench(scenario, out, console=console)
+    except (PlacementError, RunFailed) as exc:
+        print(f"geofed bench wan: {exc} (run directories so far: {out})", file=sys.stderr)
+        return 1
+    except Interrupted as stop:
+        print(f"geofed bench wan: {stop} (run directories so far: {out})", file=sys.stderr)
+        return stop.exit_code
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
