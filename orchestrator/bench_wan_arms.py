@@ -80,10 +80,10 @@ SCENARIOS = {
 }
 # --quick: the same shape, smaller (a few minutes).
 QUICK = {
-    "steady": Scenario(name="steady", bandwidth_scale=0.5, target_loss=0.05, max_steps=600, allreduce_steps=200,
-                       fixed_H=(50,)),
-    "drop": Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=2.0, target_loss=0.01, max_steps=1200,
-                     fixed_H=(25, 100), allreduce=False),
+    "steady": Scenario(name="steady", bandwidth_scale=0.5, target_loss=0.05, max_steps=800, allreduce_steps=200,
+                       fixed_H=(100,)),
+    "drop": Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=2.0, target_loss=0.002, max_steps=1600,
+                     fixed_H=(50, 200), allreduce=False),
 }
 
 
