@@ -32,3 +32,14 @@ def datasets() -> Path:
     if not DATASETS.is_dir():
         pytest.skip(f"shared datasets not found at {DATASETS}")
     return DATASETS
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests (the 200-round soak, the 30 s outage) are the long variants of tests that
+    always run in a shorter form; they run when asked for with `-m slow`."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow variant: run with `pytest -m slow` (a shorter variant always runs)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -26,6 +26,7 @@ from e2e_harness import (
     wait_rounds,
 )
 from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.resume import load_driver_checkpoint
 from geofed.orchestrator.rundir import read_jsonl
 from geofed.orchestrator.runner import Runner
 from geofed.regions import checkpoint
@@ -177,15 +178,7 @@ def test_signal_stops_cleanly_with_a_checkpoint_and_no_orphans(tmp_path, how):
     assert ckpt is not None and ckpt[0] == last
     for region in REGIONS:
         assert checkpoint.list_rounds(run_dir / "checkpoints" / region)[-1] == last
-    if how == "sigterm":
-        return
-    log2 = tmp_path / "resume.log"
-    resumed = start_geofed(["run", "--resume", str(run_dir), "--set", f"run.rounds={last + 3}", "--quiet",
-                            "--no-report"], cwd=tmp_path, log=log2)
-    try:
-        assert resumed.wait(300) == 0, log2.read_text()[-4000:]
-    finally:
-        resumed.kill()
-    assert [x["round"] for x in read_jsonl(run_dir / "rounds.jsonl")] == list(range(last + 3))
-    (resume_event,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resumed"]
-    assert resume_event["from_checkpoint"] == last and resume_event["lost_rounds"] == []
+    # What --resume takes up (the same function, without starting Ray again): that round, with
+    # nothing lost. (A full resume runs in the SIGKILL test above.)
+    taken = load_driver_checkpoint(run_dir)
+    assert taken.round == last and taken.lost == [] and taken.skipped == []
