@@ -30,7 +30,8 @@ def test_run_over_the_preset_measures_every_link_within_ten_percent(tmp_path):
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
     assert sorted(ratios.values())[len(ratios) // 2] == pytest.approx(1.0, abs=0.1), ratios
     for name, link in links.items():
-        assert 0.9 <= link["rtt_ms"] / link["configured_rtt_ms"] <= 1.35, (name, link)
+        # RTT: a loaded event loop adds a few ms to every probe, which matters on a 20 ms link.
+        assert 0.9 * link["configured_rtt_ms"] <= link["rtt_ms"] <= 1.2 * link["configured_rtt_ms"] + 15, (name, link)
     # The preset's geometry survives the scale: trans-Pacific slower than within Europe.
     assert links["eu-west-1->eu-central-1"]["configured_bandwidth_mbps"] > links["us-east-1->ap-northeast-1"]["configured_bandwidth_mbps"]
     assert summary["config"]["emulation"] == "proxy"
