@@ -11,10 +11,15 @@ Each round, in three steps (formulas in cost.py and docs/policies.md):
 3. Codecs for the H actually used: each link takes the least compression that fits the
    budget of a round of H steps, so slow links end up on stronger codecs than fast ones in the
    same round; a link keeps its codec while it is within ``hysteresis`` of the budget.
+
+``min_compression`` (a byte budget, off at 1) adds a second condition to "fits" in steps 1 and
+3: a codec of ratio r may carry a round of H steps only if ``H * r >= min_compression``, and H
+is at least ``min_compression / r`` for the codec each link needs.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,18 +44,19 @@ class BandwidthPolicy:
         self._last_change: int | None = None   # round of the last change of H or of any codec
         self._codecs: dict[str, Any] = {}      # link -> codec spec in use
         self._last_sync_pred: float | None = None
+        self._rungs: list[cost.Rung] = []
 
     # -- the decision ------------------------------------------------------------------------
 
     def decide(self, m: Measurements) -> Decision:
         measured = {name: est for name, est in m.links.items() if est.measured}
-        rungs = self.ladder.rungs(m.model_numel)
+        rungs = self._rungs = self.ladder.rungs(m.model_numel)
         self._start_spec = self._codec if self._codec_in_ladder else rungs[0].spec
         if not measured or not m.step_time_s or m.step_time_s <= 0:
             return self._initial(m, len(measured))
         costs = {name: [cost.sync_time(est, cost.payload_bytes(m.model_numel, g.ratio), self.cfg.rtt_factor)
                         for g in rungs] for name, est in measured.items()}
-        H_raw, need_link = self._wanted(costs, m)
+        H_raw, need_link, H_bytes = self._wanted(costs, m)
         H_want = min(max(cost.ceil_H(H_raw), self.cfg.H_min), self.cfg.H_max)
         # Raise at once, lower slowly: a sync that no longer hides behind the current H costs every
         # round it waits, while an H that is too large only costs sync frequency.
@@ -58,11 +64,11 @@ class BandwidthPolicy:
         current = {name: self._index(name, m.model_numel) for name in costs}
         urgent = in_hold and (H_want > self._H * (1 + self.cfg.hysteresis) or self._over_budget(costs, current, m))
         held = in_hold and not urgent
+        H = self._H if held else H_want if abs(H_want - self._H) > self.cfg.hysteresis * self._H else self._H
+        H = max(H, self._bytes_floor())  # the byte budget is a bound, not a preference: no hysteresis under it
         if held:
-            H = self._H
             chosen = {n: (i if i is not None else self._fit(costs[n], H, m, None)) for n, i in current.items()}
         else:
-            H = H_want if abs(H_want - self._H) > self.cfg.hysteresis * self._H else self._H
             chosen = {n: self._fit(costs[n], H, m, current[n]) for n in costs}
         changed = H != self._H or any(chosen[n] != current[n] for n in chosen if current[n] is not None)
         event = "changed" if changed else ("held-hold" if held and H_want != self._H else
@@ -73,25 +79,45 @@ class BandwidthPolicy:
         decision = self._explain(m, measured, costs, chosen, rungs, codecs, H=H, H_prev=H_prev, H_want=H_want,
                                  H_raw=H_raw, need_link=need_link, event=event)
         decision.details["hold_skipped"] = urgent
+        if self.cfg.min_compression > 1:
+            decision.details["H_bytes"] = round(H_bytes, 3)
+            if H_bytes >= H_raw * (1 - 1e-9):
+                decision.details["bound_by"] = "bytes"
         return decision
 
-    def _wanted(self, costs: Mapping[str, list[float]], m: Measurements) -> tuple[float, str]:
-        """Real-valued H the links need, and the link that needs it (step 1)."""
+    def _wanted(self, costs: Mapping[str, list[float]], m: Measurements) -> tuple[float, str, float]:
+        """Real-valued H the links need, the link that needs it, and the H the byte budget needs (step 1)."""
         c = self.cfg
         overhead = m.round_overhead_s or 0.0
         budget = cost.budget_for_H(c.target_H, m.step_time_s, overlap=m.overlap,
                                    comm_fraction=c.target_comm_fraction, margin=c.overlap_margin, overhead=overhead)
-        D_of = {n: cs[cost.least_fitting(cs, budget)] for n, cs in costs.items()}
+        pick = {n: cost.least_fitting(self._within_bytes(cs, c.target_H), budget) for n, cs in costs.items()}
+        D_of = {n: costs[n][i] for n, i in pick.items()}
         link = max(D_of, key=lambda n: (D_of[n], n))
-        return cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
-                               margin=c.overlap_margin, overhead=overhead), link
+        H_sync = cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
+                                 margin=c.overlap_margin, overhead=overhead)
+        H_bytes = max(c.min_compression / self._rungs[i].ratio for i in pick.values())
+        return max(H_sync, H_bytes), link, H_bytes
+
+    def _bytes_floor(self) -> int:
+        """The least H at which the strongest codec meets the byte budget (at most H_max)."""
+        need = self.cfg.min_compression
+        return 1 if need <= 1 else min(self.cfg.H_max, cost.ceil_H(need / self._rungs[-1].ratio))
+
+    def _within_bytes(self, costs: Sequence[float], H: float) -> list[float]:
+        """``costs`` with every codec the byte budget rules out at H (``H * ratio < min_compression``) as
+        infinite, so that it never fits a budget (the strongest codec stays the fallback)."""
+        need = self.cfg.min_compression
+        return [cs if need <= 1 or g.ratio * H >= need * (1 - 1e-9) else math.inf
+                for cs, g in zip(costs, self._rungs)]
 
     def _over_budget(self, costs: Mapping[str, list[float]], current: Mapping[str, int | None], m: Measurements) -> bool:
         """Some link's current codec no longer fits the current H's budget (by more than the band)."""
         c = self.cfg
         budget = cost.budget_for_H(self._H, m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
                                    margin=c.overlap_margin, overhead=m.round_overhead_s or 0.0)
-        return any(i is not None and i < len(costs[n]) - 1 and costs[n][i] > budget * (1 + c.hysteresis)
+        return any(i is not None and i < len(costs[n]) - 1
+                   and self._within_bytes(costs[n], self._H)[i] > budget * (1 + c.hysteresis)
                    for n, i in current.items())
 
     def _held(self, round_: int) -> bool:
@@ -102,6 +128,7 @@ class BandwidthPolicy:
         c = self.cfg
         budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
                                    margin=c.overlap_margin, overhead=m.round_overhead_s or 0.0)
+        costs = self._within_bytes(costs, H)
         fresh = cost.least_fitting(costs, budget)
         if current is None or fresh == current:
             return fresh
@@ -126,6 +153,8 @@ class BandwidthPolicy:
                 for name in m.links}
 
     def _initial(self, m: Measurements, n_measured: int) -> Decision:
+        if self.cfg.min_compression > 1 and not self._codecs and self._last_change is None:
+            self._start_spec, self._H = self._initial_within_bytes(m.model_numel)
         codecs = {name: self._codecs.get(name, self._start_spec) for name in m.links}
         why = (f"no link estimates yet ({n_measured}/{len(m.links)} links measured)" if n_measured == 0
                else "no step time measured yet")
@@ -133,6 +162,17 @@ class BandwidthPolicy:
                    "H_prev": self._H, "H_wanted": None, "links": {n: describe_link(e) for n, e in m.links.items()}}
         return Decision(H=self._H, codecs=codecs, default_codec=self._start_spec, details=details,
                         reason=f"{why}: initial H={self._H}, codec {cost.spec_label(self._start_spec)}")
+
+    def _initial_within_bytes(self, numel: int) -> tuple[Any, int]:
+        """Round 0 within the byte budget: the starting codec if ``initial_H`` times its ratio meets
+        ``min_compression``, else the least stronger codec that does, else the strongest with H raised."""
+        need, H = self.cfg.min_compression, self._H
+        start = self.ladder.index_of(self._start_spec, numel)
+        rungs = self._rungs[start or 0:]
+        for g in rungs:
+            if g.ratio * H >= need * (1 - 1e-9):
+                return g.spec, H
+        return rungs[-1].spec, min(self.cfg.H_max, max(H, cost.ceil_H(need / rungs[-1].ratio)))
 
     def _explain(self, m, measured, costs, chosen, rungs, codecs, *, H, H_prev, H_want, H_raw, need_link, event) -> Decision:
         from .explain import explain_bandwidth

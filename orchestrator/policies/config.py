@@ -43,8 +43,14 @@ class BandwidthPolicyConfig:
     hold_rounds: int = field(default=3, metadata=_doc("at least this many rounds between two changes of H (or of one link's codec)"))
     target_H: int = field(
         default=100, metadata=_doc("with a codec ladder: links compress only as much as a round of target_H steps needs"))
+    min_compression: float = field(
+        default=1.0, metadata=_doc(
+            "a byte budget: H x codec ratio >= this on every link, i.e. a region sends at most 1/min_compression "
+            "of the bytes per inner step that per-step fp32 sync would (egress cost); 1: no budget"))
 
     def __post_init__(self):
+        if not 1 <= self.min_compression <= 1e9:
+            raise ValueError(f"min_compression: must be in [1, 1e9], got {self.min_compression}")
         if not 1 <= self.H_min <= self.H_max <= H_LIMIT:
             raise ValueError(f"H_min: need 1 <= H_min <= H_max <= {H_LIMIT}, got H_min={self.H_min}, H_max={self.H_max}")
         if not self.H_min <= self.initial_H <= self.H_max:

@@ -1,0 +1,86 @@
+"""The bandwidth policy's byte budget (``min_compression``): H x codec ratio >= the budget on every
+link, reached by the least compression the ladder allows at target_H, with H raised where needed."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geofed.orchestrator.policies import BandwidthPolicyConfig, LinkEstimate, Measurements, make_policy
+from geofed.orchestrator.policies.simulate import table_ratio
+
+RATIOS = {"fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
+LADDER = ["int8", "int4", "topk"]
+NUMEL = 100_000
+ratio = table_ratio(RATIOS)
+
+
+def mesh(bw, rtt=0.08, n=4):
+    names = [f"r{i}" for i in range(n)]
+    return {f"{a}->{b}": LinkEstimate(bandwidth_bps=bw(f"{a}->{b}") if callable(bw) else bw, rtt_s=rtt)
+            for a in names for b in names if a != b}
+
+
+def meas(round_, links, *, step=0.01, overlap=True):
+    return Measurements(now_s=float(round_), round=round_, step_time_s=step, loss=1.0, lr=1e-3, lr0=1e-3,
+                        model_numel=NUMEL, links=links, overlap=overlap, last_sync_s=None)
+
+
+def policy(ladder=LADDER, codec="int8", **kw):
+    kw = {"H_min": 1, "initial_H": 50, "target_H": 50, "hysteresis": 0.0, "hold_rounds": 0, **kw}
+    return make_policy(BandwidthPolicyConfig(**kw), codec=codec, ladder=ladder, ratio=ratio)
+
+
+def test_off_by_default_the_least_compression_that_fits():
+    d = policy().decide(meas(1, mesh(50e6)))
+    assert set(d.codecs.values()) == {"int8"} and "H_bytes" not in d.details
+
+
+def test_a_budget_takes_the_least_compression_that_meets_it_at_target_H():
+    # int8 at H 50 gives 195x, int4 375x: a budget of 300 rules int8 out, int4 meets it
+    d = policy(min_compression=300).decide(meas(1, mesh(50e6)))
+    assert set(d.codecs.values()) == {"int4"} and d.H * 7.5 >= 300
+    # 1000x needs H 134 with int4 (past target_H 50) or H 20 with top-k: top-k, H from the sync
+    d = policy(min_compression=1000).decide(meas(1, mesh(50e6)))
+    assert set(d.codecs.values()) == {"topk"} and d.H * 50 >= 1000
+    assert d.details["H_bytes"] == pytest.approx(20.0)
+
+
+def test_H_is_raised_when_even_the_strongest_codec_needs_it():
+    d = policy(min_compression=10_000).decide(meas(1, mesh(50e6, rtt=0.001), step=0.05))
+    assert d.H == 200 and set(d.codecs.values()) == {"topk"} and d.details["bound_by"] == "bytes"
+    assert "H_max" not in d.reason
+    capped = policy(min_compression=10_000, H_max=100).decide(meas(1, mesh(50e6), step=0.05))
+    assert capped.H == 100 and set(capped.codecs.values()) == {"topk"}  # the bound wins; strongest codec
+
+
+def test_the_first_round_already_keeps_the_budget():
+    unmeasured = {k: LinkEstimate() for k in mesh(50e6)}
+    d = policy(min_compression=300).decide(meas(0, unmeasured, step=None))
+    assert d.H == 50 and set(d.codecs.values()) == {"int4"} and d.details["event"] == "initial"
+    d = policy(min_compression=5000).decide(meas(0, unmeasured, step=None))
+    assert d.H == 100 and set(d.codecs.values()) == {"topk"}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(0.3e6, 500e6), min_size=3, max_size=8), st.floats(1.0, 5000.0),
+       st.floats(0.001, 0.05), st.booleans(), st.integers(10, 400))
+def test_every_round_keeps_H_times_ratio_within_the_budget(bws, budget, step, overlap, target_H):
+    p = policy(min_compression=budget, target_H=target_H, hysteresis=0.25, hold_rounds=2, H_max=1_000_000)
+    for r, bw in enumerate(bws, start=1):
+        d = p.decide(meas(r, mesh(bw), step=step, overlap=overlap))
+        worst = min(RATIOS[spec] for spec in d.codecs.values())
+        assert d.H * worst >= budget * (1 - 1e-9) or math.isclose(d.H * worst, budget, rel_tol=1e-6), (r, d.reason)
+
+
+def test_slow_links_still_get_stronger_codecs_than_fast_ones_within_the_budget():
+    speeds = {"r0": 400e6, "r1": 100e6, "r2": 10e6, "r3": 0.5e6}
+    links = mesh(lambda name: speeds[name.split("->")[0]], rtt=0.05)
+    d = policy(min_compression=500, target_H=100).decide(meas(1, links))  # int8 would need H 129
+    assert d.codecs["r0->r1"] == "int4" and d.codecs["r3->r0"] == "topk"
+
+
+def test_the_key_is_checked():
+    with pytest.raises(ValueError, match="min_compression"):
+        BandwidthPolicyConfig(min_compression=0.5)
