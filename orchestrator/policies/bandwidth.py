@@ -19,6 +19,7 @@ is at least ``min_compression / r`` for the codec each link needs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -83,6 +84,8 @@ class BandwidthPolicy:
             decision.details["H_bytes"] = round(H_bytes, 3)
             if H_bytes >= H_raw * (1 - 1e-9):
                 decision.details["bound_by"] = "bytes"
+            decision = dataclasses.replace(
+                decision, reason=f"{decision.reason}; byte budget {self.cfg.min_compression:g}x needs H>={cost.ceil_H(H_bytes)}")
         return decision
 
     def _wanted(self, costs: Mapping[str, list[float]], m: Measurements) -> tuple[float, str, float]:

@@ -50,7 +50,7 @@ def test_a_budget_takes_the_least_compression_that_meets_it_at_target_H():
 def test_H_is_raised_when_even_the_strongest_codec_needs_it():
     d = policy(min_compression=10_000).decide(meas(1, mesh(50e6, rtt=0.001), step=0.05))
     assert d.H == 200 and set(d.codecs.values()) == {"topk"} and d.details["bound_by"] == "bytes"
-    assert "H_max" not in d.reason
+    assert "H_max" not in d.reason and "byte budget 10000x needs H>=200" in d.reason
     capped = policy(min_compression=10_000, H_max=100).decide(meas(1, mesh(50e6), step=0.05))
     assert capped.H == 100 and set(capped.codecs.values()) == {"topk"}  # the bound wins; strongest codec
 
