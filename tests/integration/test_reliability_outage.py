@@ -49,8 +49,9 @@ def _check(tmp_path, summary, outage_s: float, rounds: int) -> None:
     assert cut and cut[0] == START, cut
     surely_cut = [r for r in range(START, rounds) if t[r][0] + MAX_S + 0.5 < t_back]
     assert set(surely_cut) <= set(cut), (surely_cut, cut)
-    # ...and only then.
-    assert all(t[r][0] < t_back for r in cut), (cut, t_back)
+    # ...and only then (a round that starts just as the link comes back may still miss: the
+    # stalled bytes drain first, within one deadline).
+    assert all(t[r][0] < t_back + MAX_S + 1.0 for r in cut), (cut, t_back)
     # Only that pair was affected. (SRC may miss DST too: DST's pushes reach SRC but their acks
     # travel the cut direction, so DST skips SRC while such a push hangs, as TCP itself would.)
     misses = [(m["round"], m["region"], p) for m in metrics for p in m["peers_missing"]]
