@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -223,9 +224,12 @@ def check_targets(scenario: Scenario, results: list[ArmResult], doc: dict[str, A
                          f"vs per-step {ar.final_loss:.4g} (target: at most {STEADY_FINAL_LOSS_TOLERANCE:.0%} above) "
                          f"{_mark(ok)}; adaptive after {ad.steps} steps {_f(ad.final_loss)}")
         if ad.utilization is not None:
+            per_round = _round_utils(ad.run_dir)
+            rounds = (f"; per round min {min(per_round):.3f}, median {statistics.median(per_round):.3f}"
+                      if per_round else "")
             lines.append(f"utilisation adaptive {ad.utilization:.3f} (target >= {STEADY_UTILIZATION}) "
                          f"{_mark(ad.utilization >= STEADY_UTILIZATION)}; without the final flush "
-                         f"{_f(ad.utilization_training)}; wall {_f(ad.utilization_wall)}")
+                         f"{_f(ad.utilization_training)}; wall {_f(ad.utilization_wall)}{rounds}")
     if scenario.name == "drop" and ad is not None and ad.drop_at_s is not None:
         before = [h for _, e, h in ad.H_rounds if e <= ad.drop_at_s]
         after = [h for s, _, h in ad.H_rounds if s >= ad.drop_at_s]
@@ -249,10 +253,15 @@ def _detail(r: ArmResult) -> dict[str, Any]:
 
 
 def _min_round_util(run_dir: str) -> float | None:
+    utils = _round_utils(run_dir)
+    return min(utils) if utils else None
+
+
+def _round_utils(run_dir: str) -> list[float]:
+    """rounds.jsonl's utilisation (mean over regions) of every round."""
     from .rundir import read_jsonl
 
-    utils = [r["utilization"] for r in read_jsonl(Path(run_dir) / "rounds.jsonl") if r.get("utilization") is not None]
-    return min(utils) if utils else None
+    return [r["utilization"] for r in read_jsonl(Path(run_dir) / "rounds.jsonl") if r.get("utilization") is not None]
 
 
 def _H_range(r: ArmResult) -> str:

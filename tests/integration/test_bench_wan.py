@@ -1,6 +1,11 @@
 """`geofed bench wan`, small: both scenarios for real (4 region actors on Ray, mutual-TLS gRPC
 through the proxy WAN emulator), asserting the direction the full bench measures: adaptive sync
-reaches the target far sooner than per-step sync, and H rises when the bandwidth falls."""
+reaches the target far sooner than per-step sync, and H rises when the bandwidth falls.
+
+The full bench trains char-lm (configs/bench-wan.yaml); the small runs here train mlp-digits
+(configs/bench-wan-digits.yaml), whose step is a few ms and whose loss falls in a few rounds, so
+both scenarios fit in about two minutes. What they check (the bench's plumbing, the JSON
+document, the direction of the ratios, H after a drop) does not depend on the task."""
 
 from __future__ import annotations
 
@@ -10,10 +15,12 @@ import pytest
 from geofed.orchestrator import bench_wan
 from geofed.orchestrator.bench_wan_arms import Scenario, base_mapping, build_arms
 from geofed.orchestrator.bench_wan_results import best_before_drop, measure
+from geofed.orchestrator.runner import prepare_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 DOC_ARM_KEYS = {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization"}
+DIGITS = "bench-wan-digits.yaml"
 RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "time_vs_best_fixed", "time_vs_best_fixed_before_drop"}
 
 
@@ -30,10 +37,20 @@ def test_arms_differ_only_in_how_they_sync():
         em = cfg.network.emulation
         assert em.mode == "proxy" and em.default.latency_ms == 40 and em.default.bandwidth_mbps == 50
         assert [(e.at_s, e.set.bandwidth_mbps) for e in em.schedule] == [(5.0, 5.0)]
+    assert ad.task.kind == "char-lm" and ad.compression.codec == f10.compression.codec
+    prepare_task(ad, source="test")  # the text file is where the config says (run from the repository root)
+
+
+def test_the_byte_budget_reaches_the_adaptive_arm_only_through_its_config():
+    sc = Scenario(name="steady", max_steps=300, allreduce_steps=30, fixed_H=(50,),
+                  overrides=("sync.policy.min_compression=1000",))
+    arms = {a.name: a for a in build_arms(sc)}
+    assert arms["adaptive"].cfg.sync.policy.min_compression == 1000
+    assert arms["fixed-H50"].cfg.sync.policy.kind == "fixed" and arms["allreduce"].cfg.sync.algorithm == "allreduce"
 
 
 def test_steady_small_adaptive_beats_per_step_sync(tmp_path):
-    base = base_mapping()
+    base = base_mapping(DIGITS)
     base["sync"]["policy"]["initial_H"] = 60  # round 0 (nothing synced yet) stays above the target
     sc = Scenario(name="steady", bandwidth_scale=0.5, target_loss=0.5, max_steps=300, allreduce_steps=40,
                   fixed_H=())
@@ -57,7 +74,7 @@ def test_steady_small_adaptive_beats_per_step_sync(tmp_path):
 
 
 def test_drop_small_H_rises_after_the_drop(tmp_path):
-    base = base_mapping()
+    base = base_mapping(DIGITS)
     # A ladder whose strongest codec still needs the bandwidth (top-k payloads are latency-bound
     # even after the drop): the policy must answer the drop with H.
     base["compression"]["ladder"] = ["int8", "int4"]
