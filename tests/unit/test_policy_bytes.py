@@ -4,11 +4,15 @@ link, reached by the least compression the ladder allows at target_H, with H rai
 import math
 
 import pytest
+from geofed.orchestrator.policies import (
+    BandwidthPolicyConfig,
+    LinkEstimate,
+    Measurements,
+    make_policy,
+)
+from geofed.orchestrator.policies.simulate import table_ratio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from geofed.orchestrator.policies import BandwidthPolicyConfig, LinkEstimate, Measurements, make_policy
-from geofed.orchestrator.policies.simulate import table_ratio
 
 RATIOS = {"fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
 LADDER = ["int8", "int4", "topk"]
