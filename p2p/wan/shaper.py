@@ -29,6 +29,12 @@ SAMPLE_MIN_BYTES = 1024
 # Deliveries further apart than this (as done and as scheduled) end a goodput sample. Under one
 # RTT of the presets, so a request/response turn between two transfers is idle time, not the link's.
 BUSY_GAP_S = 0.05
+# The bucket's burst is line *time*, so bandwidth_scale scales it with the rate. A byte floor
+# does not scale: 16 KiB was 26 ms at 5 Mbit/s but 2.6 s at 0.05 Mbit/s, where it let whole
+# compressed updates through unshaped and hid a 10x drop from the coordinator for 5-7 rounds
+# (geofed bench wan, drop). The floor left is two packets.
+BURST_S = 0.01
+MIN_BURST = 2 * MSS
 
 
 def read_size(shape: Shape) -> int:
@@ -70,7 +76,7 @@ class LinkRuntime:
 
     @staticmethod
     def _burst(shape: Shape) -> float:
-        return max(16384.0, shape.rate_bps * 0.01)
+        return max(float(MIN_BURST), shape.rate_bps * BURST_S)
 
     def reserve(self, n: int, shape: Shape, now: float, credit_s: float = 0.0) -> float:
         """Take n bytes of tokens; seconds to wait before they are paid for.
