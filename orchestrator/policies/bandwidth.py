@@ -57,12 +57,12 @@ class BandwidthPolicy:
             return self._initial(m, len(measured))
         costs = {name: [cost.sync_time(est, cost.payload_bytes(m.model_numel, g.ratio), self.cfg.rtt_factor)
                         for g in rungs] for name, est in measured.items()}
-        H_raw, need_link, H_bytes = self._wanted(costs, m)
+        current = {name: self._index(name, m.model_numel) for name in costs}
+        H_raw, need_link, H_bytes = self._wanted(costs, current, m)
         H_want = min(max(cost.ceil_H(H_raw), self.cfg.H_min), self.cfg.H_max)
         # Raise at once, lower slowly: a sync that no longer hides behind the current H costs every
         # round it waits, while an H that is too large only costs sync frequency.
         in_hold = self._held(m.round)
-        current = {name: self._index(name, m.model_numel) for name in costs}
         urgent = in_hold and (H_want > self._H * (1 + self.cfg.hysteresis) or self._over_budget(costs, current, m))
         held = in_hold and not urgent
         H = self._H if held else H_want if abs(H_want - self._H) > self.cfg.hysteresis * self._H else self._H
@@ -88,13 +88,16 @@ class BandwidthPolicy:
                 decision, reason=f"{decision.reason}; byte budget {self.cfg.min_compression:g}x needs H>={cost.ceil_H(H_bytes)}")
         return decision
 
-    def _wanted(self, costs: Mapping[str, list[float]], m: Measurements) -> tuple[float, str, float]:
-        """Real-valued H the links need, the link that needs it, and the H the byte budget needs (step 1)."""
+    def _wanted(self, costs: Mapping[str, list[float]], current: Mapping[str, int | None],
+                m: Measurements) -> tuple[float, str, float]:
+        """Real-valued H the links need, the link that needs it, and the H the byte budget needs (step 1).
+
+        A link's codec here is the one step 3 would give it for a round of ``target_H``, hysteresis
+        included: judged without it, a link that step 3 keeps on top-k asked for int4's H, and
+        H swung 100 <-> 200 every few rounds while every codec stayed (bench wan, drop)."""
         c = self.cfg
         overhead = m.round_overhead_s or 0.0
-        budget = cost.budget_for_H(c.target_H, m.step_time_s, overlap=m.overlap,
-                                   comm_fraction=c.target_comm_fraction, margin=c.overlap_margin, overhead=overhead)
-        pick = {n: cost.least_fitting(self._within_bytes(cs, c.target_H), budget) for n, cs in costs.items()}
+        pick = {n: self._fit(cs, c.target_H, m, current.get(n)) for n, cs in costs.items()}
         D_of = {n: costs[n][i] for n, i in pick.items()}
         link = max(D_of, key=lambda n: (D_of[n], n))
         H_sync = cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,

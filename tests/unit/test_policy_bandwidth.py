@@ -223,3 +223,21 @@ def test_links_with_only_an_rtt_count_as_latency_bound():
     assert d.H == math.ceil(0.08 * 9 / 0.002 - 1e-9)      # serial, 10%: H*step >= 9*RTT
     assert d.details["rtt_only"] == sorted(links) and "RTT only" in d.reason
     assert d.details["links"]["r0->r1"]["bandwidth_mbps"] is None
+
+
+def test_H_wanted_follows_the_codec_a_link_keeps_not_the_one_it_could_move_to():
+    # A link on top-k whose int4 sync would just fit target_H's budget, but without the room step 3
+    # asks before a weaker codec: it stays on top-k, so H must be top-k's, not int4's (an H of
+    # int4's with top-k on the wire swung H 100 <-> 200 in bench wan's drop).
+    p = policy(ladder=("int4", "topk"), codec="int4", target_H=200, H_min=10, H_max=2000,
+               overlap_margin=1.0, hysteresis=0.25, hold_rounds=1)
+    int4_bits = 4 * NUMEL / RATIOS["int4"] * 8
+    slow = mesh(int4_bits / 2.92)            # int4 3.0 s against a 2.0 s budget: top-k
+    d = p.decide(meas(1, slow, overlap=True))
+    assert set(d.codecs.values()) == {"topk"} and d.H < 100
+    between = mesh(int4_bits / 1.72)         # int4 1.8 s: fits 2.0 s, not 2.0 / 1.25
+    d = p.decide(meas(5, between, overlap=True))
+    assert set(d.codecs.values()) == {"topk"}
+    D_topk = by_hand_D(between["r0->r1"], "topk")
+    assert d.details["H_wanted"] == max(10, math.ceil(D_topk / 0.01 - 1e-9)), d.reason
+    assert d.H < 100

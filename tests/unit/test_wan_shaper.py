@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from geofed.p2p.wan import LinkSpec
 from geofed.p2p.wan.links import Shape
-from geofed.p2p.wan.shaper import MAX_READ, MSS, MIN_BUFFER, LinkRuntime, buffer_limit, read_size, rto_s
+from geofed.p2p.wan.shaper import MAX_READ, MIN_BUFFER, LinkRuntime, buffer_limit, read_size, rto_s
 
 
 def shape(mbps=50.0, latency_ms=40.0, jitter_ms=0.0, loss=0.0) -> Shape:
@@ -32,12 +32,12 @@ def test_bucket_never_banks_more_than_the_burst():
 
 
 def test_burst_is_line_time_so_a_scaled_link_keeps_its_shape():
-    # 0.05 Mbit/s: a byte floor of 16 KiB would pass a 10 KiB update in no time; 10 ms is 62 bytes,
-    # so the floor of two packets applies and the update pays for all but those.
+    # 0.05 Mbit/s: a byte floor of 16 KiB would pass a 10 KiB update in no time; 10 ms is 62.5
+    # bytes, so the update pays for all but those.
     s = shape(mbps=0.05)
     lr = LinkRuntime(("a", "b"))
     lr.reserve(1, s, now=0.0)
-    assert lr.reserve(10_240, s, now=100.0) == pytest.approx((10_240 - 2 * MSS) / s.rate_bps)
+    assert lr.reserve(10_240, s, now=100.0) == pytest.approx((10_240 - 62.5) / s.rate_bps)
 
 
 @settings(max_examples=200, deadline=None)
@@ -52,7 +52,7 @@ def test_bucket_long_run_rate_is_exact_despite_late_wakeups(mbps, chunks, latene
     for n in chunks:
         wait = lr.reserve(n, s, now)
         now += wait + (lateness if wait > 0 else 0)
-    burst = max(2 * MSS, s.rate_bps * 0.01)
+    burst = s.rate_bps * 0.01
     ideal = (sum(chunks) - burst) / s.rate_bps
     assert now >= ideal - 1e-9
     assert now <= max(0.0, ideal) + lateness * len(chunks) + 1e-9
