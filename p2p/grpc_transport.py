@@ -108,7 +108,7 @@ class GrpcTransport(Transport):
         for candidate in self.ports:  # network.port_range: the first free port wins
             addr = f"{self.bind_host}:{candidate}"
             try:
-                port = (server.add_secure_port(addr, self.tls.server_credentials()) if self.tls
+                port = (server.add_secure_port(addr, self.tls.server_credentials(self._servicer.handshakes.accepted)) if self.tls
                         else server.add_insecure_port(addr))
             except RuntimeError:
                 port = 0
@@ -276,7 +276,13 @@ class GrpcTransport(Transport):
         with self._lock:
             own = {"region": self.region, "tls": self.tls is not None, "bytes_sent": dict(self._sent_bytes),
                    "messages_sent": dict(self._sent_messages), "send_failures": dict(self._send_failures)}
-        return own | self.mailbox.counters()
+        counters = self.mailbox.counters()
+        if self.tls is not None:
+            if n := self._servicer.handshakes.refused():
+                counters["refused"]["tls_handshake"] = n
+                counters["refused_total"] += n
+            counters["connections"] = self._servicer.handshakes.counts()
+        return own | counters
 
 
 def _close_all(channels: list[grpc.Channel]) -> None:

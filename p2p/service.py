@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
+from .handshakes import HandshakeLedger
 from .mailbox import Mailbox, Refusal
 from .proto import gossip_pb2, gossip_pb2_grpc
 
@@ -125,6 +126,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         self._state_provider = state_provider
         self._lock = threading.Lock()
         self._open: Counter[str] = Counter()
+        self.handshakes = HandshakeLedger(region)
 
     # -- helpers -------------------------------------------------------------------------
     def _identity(self, context: grpc.ServicerContext) -> str | None:
@@ -133,6 +135,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         names = context.auth_context().get("x509_common_name") or []
         if len(names) != 1:  # mutual TLS is required at the handshake, so this is our bug
             raise AssertionError(f"TLS peer without exactly one common name: {names!r}")
+        self.handshakes.authenticated(context.peer())
         return names[0].decode()
 
     def _refuse(self, context, reason: str, detail: str, sender: str, round: int = -1):

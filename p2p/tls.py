@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +37,23 @@ class TlsMaterial:
     def __repr__(self) -> str:  # never print the key
         return f"TlsMaterial(region={self.region!r})"
 
-    def server_credentials(self):
+    def server_credentials(self, on_connection: Callable[[], None] | None = None):
+        """Server credentials requiring a client certificate from the run's CA. With
+        ``on_connection``, it is called for every connection the server accepts, before the
+        handshake (``p2p/handshakes.py``: how refused handshakes are counted)."""
         import grpc
 
-        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
-                                           require_client_auth=True)
+        if on_connection is None:
+            return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
+                                               require_client_auth=True)
+
+        def fetch():  # called by gRPC core per accepted connection; None keeps the certificate
+            on_connection()
+            return None
+
+        config = grpc.ssl_server_certificate_configuration([(self.key_pem, self.cert_pem)],
+                                                           root_certificates=self.ca_pem)
+        return grpc.dynamic_ssl_server_credentials(config, fetch, require_client_authentication=True)
 
     def channel_credentials(self):
         import grpc

@@ -39,6 +39,8 @@ REASONS = (
     "busy",               # too many concurrent streams from this sender (flood)
     "no_deadline",        # the client set no deadline, or one above the server's limit
     "no_state",           # FetchState before a state provider was set
+    "tls_handshake",      # a connection that never carried an authenticated call: no client
+                          # certificate or one from another CA (refused by gRPC core; p2p/handshakes.py)
 )
 
 

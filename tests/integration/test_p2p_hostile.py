@@ -13,6 +13,7 @@ import torch
 
 from geofed.compression import encode_update
 from geofed.p2p.grpc_transport import GrpcTransport
+from geofed.p2p.handshakes import GRACE_S
 from geofed.p2p.proto import gossip_pb2, gossip_pb2_grpc
 from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.transport import TransportError
@@ -187,9 +188,11 @@ def test_push_without_a_deadline_is_refused(pkis, server):
 
 @pytest.mark.parametrize("who", ["no_certificate", "other_ca"])
 def test_handshake_without_a_run_certificate_is_refused(pkis, server, who):
-    # Refused by gRPC core during the TLS handshake: the handler never runs, so there is no
-    # application counter for it; the caller sees UNAVAILABLE and r0 keeps serving.
+    # Refused by gRPC core during the TLS handshake: the handler never runs; the caller sees
+    # UNAVAILABLE, r0 counts the connection as `tls_handshake` (once it is older than the
+    # ledger's grace: a good connection's first call comes within it) and keeps serving.
     ts, address = server
+    before = ts["r0"].stats()["refused"].get("tls_handshake", 0)
     pki_dir = pkis[1].directory if who == "other_ca" else pkis[0].directory
     if who == "other_ca":
         # A client certificate from another CA, trusting r0's real CA (so only r0 can refuse).
@@ -205,7 +208,12 @@ def test_handshake_without_a_run_certificate_is_refused(pkis, server, who):
     ch.close()
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     assert ts["r0"].stats()["messages_received"] == {}
+    time.sleep(GRACE_S + 0.2)
+    refused = ts["r0"].stats()["refused"].get("tls_handshake", 0) - before
+    assert refused >= 1  # gRPC's client may retry the connection within its 3 s
     _honest_round_still_works(ts)
+    time.sleep(GRACE_S + 0.2)  # the honest round's connections are not counted
+    assert ts["r0"].stats()["refused"].get("tls_handshake", 0) - before == refused
 
 
 def test_client_refuses_a_server_with_a_certificate_for_another_region(pkis, server):

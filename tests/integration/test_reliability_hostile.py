@@ -7,7 +7,9 @@ resident memory stays bounded.
 The attacker holds the run's real certificate of a region that is not the target's neighbour
 (a compromised peer; ring topology), plus forged or foreign certificates. Refusals at the TLS
 handshake (no certificate, another CA) happen inside gRPC core, before any geofed code runs:
-the attacker gets UNAVAILABLE and nothing is delivered, but geofed cannot count them.
+the attacker gets UNAVAILABLE and nothing is delivered; the region counts them as
+`tls_handshake` (accepted connections that never carried an authenticated call,
+p2p/handshakes.py), as it does the flood's raw TCP connections.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import grpc
 import pytest
@@ -26,6 +29,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from geofed.compression import encode_update
 from geofed.orchestrator.rundir import read_jsonl
+from geofed.p2p.handshakes import GRACE_S
 from geofed.p2p.proto import gossip_pb2, gossip_pb2_grpc
 from geofed.p2p.service import MAX_CHUNK_BYTES
 from geofed.p2p.tls import issue, load_tls, make_pki
@@ -162,7 +166,7 @@ def _identity_attacks(run, address: str, tmp_path) -> dict[str, int]:
             gossip_pb2_grpc.GossipStub(ch).Ping(gossip_pb2.PingRequest(sender=INSIDER, nonce=1), timeout=5)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, (name, ei.value.details())
         ch.close()
-    return {"unknown_sender": 2}
+    return {"unknown_sender": 2, "tls_handshake": 2}
 
 
 def _flood(run, address: str) -> dict[str, int]:
@@ -212,7 +216,7 @@ def _flood(run, address: str) -> dict[str, int]:
     for th in holders:
         th.join(60)
     assert sorted(ended) == ["truncated"] * 4, ended  # each held stream ended, refused, freed
-    return {"busy": 20, "truncated": 4}
+    return {"busy": 20, "truncated": 4, "tls_handshake": 300}  # raw connections never carry a call
 
 
 def _target_log(pid: int) -> str:
@@ -252,14 +256,17 @@ def test_hostile_input_against_a_running_region(tmp_path):
     assert attack_end > start_round, "the region stopped training under attack"
     assert rss_after - rss_before < RSS_BOUND_MB, (rss_before, rss_after)
 
-    live = ray.get(run.runner.actors.handles[TARGET].transport_stats.remote(), timeout=60)["refused"]
+    time.sleep(GRACE_S + 0.2)  # a connection counts as a refused handshake once older than this
+    live_stats = ray.get(run.runner.actors.handles[TARGET].transport_stats.remote(), timeout=60)
+    live = live_stats["refused"] | {"connections": live_stats.get("connections")}
     summary = run.join(timeout_s=300)
     assert run.error is None, run.error
     # Counted: by the region, in summary.json, round by round in events.jsonl.
     for reason, n in expected.items():
-        # Honest traffic on a loaded machine can add a late or cut-short push, never the others.
-        exact = reason not in ("late", "truncated")
-        assert (live.get(reason, 0) == n) if exact else (live.get(reason, 0) >= n), (reason, live)
+        # Honest traffic on a loaded machine can add a late or cut-short push, never the others;
+        # a refused client may retry its handshake, and the flood's raw connections count too.
+        exact = reason not in ("late", "truncated", "tls_handshake")
+        assert (live.get(reason, 0) == n) if exact else (live.get(reason, 0) >= n), (reason, str(live))
         assert (summary["refusals"]["by_reason"].get(reason, 0) >= n), (reason, summary["refusals"])
     assert summary["refusals"]["by_region"][TARGET] >= sum(expected.values())
     logged = {}
