@@ -14,7 +14,7 @@ def test_bench_link_json_document(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [(r["size_mb"], r["tls"]) for r in doc["loopback"]] == [(1, False), (2, False), (1, True), (2, True)]
     assert all(r["mb_s"] > 5 and len(r["mb_s_runs"]) == 2 for r in doc["loopback"])
-    keys = {"configured_mbps", "rtt_ms", "size_mb", "goodput_mbps", "sync_s", "limit_s", "estimated_mbps"}
+    keys = {"configured_mbps", "rtt_ms", "size_mb", "goodput_mbps", "goodput_ratio", "sync_s", "limit_s", "estimated_mbps"}
     assert [r["size_mb"] for r in doc["emulated"]] == [1, 4]
     for r in doc["emulated"]:
         assert keys <= r.keys() and r["configured_mbps"] == 80
@@ -23,6 +23,8 @@ def test_bench_link_json_document(capsys):
         # Loose bounds (2 shared cores); the documented target is <= 1.15 on a quiet machine.
         assert 0.7 < r["sync_s"] / r["limit_s"] < 1.6
         assert 0.6 * 80 < r["estimated_mbps"] < 1.5 * 80
+        assert r["goodput_ratio"] == pytest.approx(r["goodput_mbps"] / 80, abs=1e-3)
+        assert r["goodput_ratio"] > 0.6  # the documented target is >= 0.95 on a quiet machine
 
 
 def test_bench_link_table_and_argument_errors(capsys):

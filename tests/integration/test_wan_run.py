@@ -10,7 +10,7 @@ from geofed.orchestrator.runner import Runner
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def test_run_over_the_preset_measures_every_link_within_ten_percent(tmp_path):
+def test_run_over_the_preset_measures_every_link_near_its_configured_bandwidth(tmp_path):
     # 8192 hidden units: 2.4 MB fp32 updates, far above the estimator's 256 KiB floor, so each
     # transfer measures bandwidth (a small update measures only latency).
     cfg = load_config(None, ["run.rounds=4", "run.eval_every=0", "run.report=false", "task.hidden=8192",
