@@ -100,7 +100,6 @@ def base_config(dataset: str, *, config: str | None = None, regions: int | None 
     cfg = load_config(config, extra)
     if cfg.task.kind != "gcn-planetoid" or cfg.sync.algorithm != "gossip":
         raise ConfigError("", "the dfgl bench needs task.kind gcn-planetoid and sync.algorithm gossip", source=config)
-    _fixed_H(cfg)
     return cfg
 
 
@@ -116,24 +115,28 @@ def _installed_config(name: str) -> Path:
 def arm_config(base: RunConfig, arm: str, *, seed: int, epochs: int) -> RunConfig:
     """The run config of a runtime arm: same task, partition, regions, links and optimizer."""
     d = to_mapping(base)
-    H = _fixed_H(base)
+    H = nominal_H(base)
     d["run"].update(seed=seed, report=False, name=f"dfgl-{arm.replace('_', '-')}")
     if arm == "gossip_uncompressed":
-        # Same epochs, same evaluation and checkpoint epochs; exact (fp32) gossip every epoch.
+        # Same epochs, about the same evaluation and checkpoint epochs; exact (fp32) gossip every epoch.
+        d["run"].pop("max_steps", None)
         d["run"].update(rounds=epochs, eval_every=base.run.eval_every * H, checkpoint_every=base.run.checkpoint_every * H)
         d["sync"]["policy"] = {"kind": "fixed", "H": 1}
         d["compression"].update(codec="identity", ladder=[])
     elif arm == "geofed":
-        d["run"]["rounds"] = max(1, epochs // H)
+        # Equal epochs whatever H the policy picks: run.max_steps ends the run (rounds bound it).
+        d["run"].update(rounds=epochs, max_steps=epochs)
     else:
         raise ValueError(f"arm: {arm!r} is not a runtime arm ({', '.join(RUNTIME_ARMS)})")
     return config_from_mapping(d, source=f"bench dfgl {arm}")
 
 
-def _fixed_H(cfg: RunConfig) -> int:
-    if cfg.sync.policy.kind != "fixed":
-        raise ConfigError("sync.policy.kind", "the bench compares at equal epochs: use a fixed policy (H local epochs)")
-    return int(cfg.sync.policy.H)
+def nominal_H(cfg: RunConfig) -> int:
+    """The policy's H before it adapts (fixed: H; adacomm: its base's; bandwidth: initial_H):
+    only spaces the per-epoch arm's evaluations like the geofed arm's."""
+    policy = cfg.sync.policy
+    policy = getattr(policy, "base", policy)
+    return int(getattr(policy, "H", None) or policy.initial_H)
 
 
 def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: int, out: Path,
@@ -146,7 +149,6 @@ def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: 
     from .runner import prepare_task
 
     base = prepare_task(base, source="geofed bench dfgl")
-    _fixed_H(base)
     torch.set_num_threads(1)
     task = make_task(base.task, batch_size=base.sync.inner.batch_size, seed=0)
     n, lr = len(base.regions.names), base.sync.inner.lr

@@ -20,7 +20,7 @@ from geofed.regions.tasks.graph import GcnPlanetoidConfig, GcnPlanetoidTask
 pytestmark = pytest.mark.usefixtures("ray_session")
 ROOT = Path(__file__).resolve().parents[2]
 REGIONS = ["us-east-1", "eu-west-1", "eu-central-1"]
-ROUNDS, H = 10, 5
+ROUNDS = 10
 
 
 @pytest.fixture
@@ -44,7 +44,9 @@ def test_small_dfgl_run_beats_local_only_and_survives_a_lost_message(cora, tmp_p
     summary = json.loads((out / "summary.json").read_text())
     metrics = read_jsonl(out / "metrics.jsonl")
     task = GcnPlanetoidTask(GcnPlanetoidConfig(path=str(cora)))
-    alone = local_only(task, len(REGIONS), epochs=ROUNDS * H, seed=0)["acc"]
+    epochs = sum(r["H"] for r in read_jsonl(out / "rounds.jsonl"))  # AdaComm: 8 at first, fewer later
+    assert ROUNDS * 2 <= epochs <= ROUNDS * 8
+    alone = local_only(task, len(REGIONS), epochs=epochs, seed=0)["acc"]
     # Measured: ~0.70 for the averaged model against ~0.25 for regions alone (same epochs).
     assert summary["eval"]["value"] > alone + 0.2
     assert set(summary["eval_per_region"]) == set(REGIONS)
@@ -94,11 +96,12 @@ def test_bench_dfgl_json_document(cora, tmp_path, capsys, monkeypatch):
         assert 0 <= arm["acc_mean"] <= 1 and arm["acc_std"] == 0 and math.isfinite(arm["wall_s"])
     a = doc["arms"]
     assert a["centralized"]["bytes_per_region"] == a["local_only"]["bytes_per_region"] == 0
-    # fp32 every epoch against int8 every 5 epochs, both carrying params + tracker: ~20x.
+    # fp32 every epoch against int8 after 8 epochs (AdaComm's first H), both carrying params + tracker.
     assert a["gossip_uncompressed"]["bytes_per_region"] > 10 * a["geofed"]["bytes_per_region"] > 0
     details = json.loads((tmp_path / "bench" / "bench.json").read_text())["details"]
     for arm in ("gossip_uncompressed", "geofed"):
         run = details[arm][0]
         assert (Path(run["run_dir"]) / "summary.json").is_file()
-        assert run["rounds"] == (10 if arm == "gossip_uncompressed" else 2)
+        # geofed: 8 epochs (AdaComm's first H), then what is left joins it or makes a second round
+        assert run["rounds"] == 10 if arm == "gossip_uncompressed" else 1 <= run["rounds"] <= 2
     assert (tmp_path / "bench" / "report" / "report.html").is_file()
