@@ -56,7 +56,7 @@ BASE = "task: {kind: mlp-digits}\n"
     (BASE + "run: {rounds: ten}", "run.rounds: expected an integer, got 'ten'"),
     (BASE + "run: {roundz: 3}", "run.roundz: unknown key"),
     (BASE + "sync: {topology: donut}", "sync.topology: unknown topology 'donut'"),
-    (BASE + "compression: {codec: zip}", "compression.codec: "),
+    (BASE + "compression: {codec: zip}", "compression.codec: kind: unknown codec 'zip' (known: bf16, fp16, identity"),
     ("task: {kind: resnet}", "task.kind: unknown task 'resnet'"),
     ("run: {rounds: 3}", "task: required key is missing"),
     (BASE + "sync: {algorithm: ps}", "sync.algorithm: unknown value 'ps' (known: diloco, allreduce, gossip)"),
