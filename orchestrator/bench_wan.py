@@ -108,7 +108,9 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
         started = True
     results: list[ArmResult] = []
     try:
-        console.rule(f"geofed bench wan: {scenario.name}, {len(arms)} arms, links {scenario.link_mbps:g} Mbit/s "
+        em = arms[0].cfg.network.emulation  # after --set: what the links really are
+        mbps = em.default.bandwidth_mbps * em.bandwidth_scale
+        console.rule(f"geofed bench wan: {scenario.name}, {len(arms)} arms, links {mbps:g} Mbit/s "
                      f"{scenario.rtt_ms:g} ms RTT" + (f", /{scenario.drop_factor:g} at {scenario.drop_at_s:g} s"
                                                       if scenario.drop_at_s else ""))
         for i, arm in enumerate(arms):
