@@ -4,11 +4,15 @@ import json
 import math
 
 import pytest
+from geofed.orchestrator.policies import (
+    BandwidthPolicyConfig,
+    LinkEstimate,
+    make_policy,
+)
+from geofed.orchestrator.policies.simulate import table_ratio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from geofed.orchestrator.policies import BandwidthPolicyConfig, LinkEstimate, Measurements, make_policy
-from geofed.orchestrator.policies.simulate import table_ratio
+from policy_links import measurements, mesh
 
 RATIOS = {"fp32": 1.0, "fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
 LADDER = ["fp16", "int8", "int4", "topk"]
@@ -16,16 +20,8 @@ NUMEL = 1_000_000
 ratio = table_ratio(RATIOS)
 
 
-def mesh(bw, rtt=0.08, n=4):
-    """Full mesh of n regions; bw is one number or a function of the link name."""
-    names = [f"r{i}" for i in range(n)]
-    return {f"{a}->{b}": LinkEstimate(bandwidth_bps=bw(f"{a}->{b}") if callable(bw) else bw, rtt_s=rtt)
-            for a in names for b in names if a != b}
-
-
 def meas(round_, links, *, step=0.01, overlap=False, numel=NUMEL, last_sync=None):
-    return Measurements(now_s=float(round_), round=round_, step_time_s=step, loss=1.0, lr=1e-3, lr0=1e-3,
-                        model_numel=numel, links=links, overlap=overlap, last_sync_s=last_sync)
+    return measurements(round_, links, numel=numel, step=step, overlap=overlap, last_sync=last_sync)
 
 
 def policy(ladder=(), codec="fp16", **kw):

@@ -7,12 +7,12 @@ import pytest
 from geofed.orchestrator.policies import (
     BandwidthPolicyConfig,
     LinkEstimate,
-    Measurements,
     make_policy,
 )
 from geofed.orchestrator.policies.simulate import table_ratio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from policy_links import measurements, mesh
 
 RATIOS = {"fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
 LADDER = ["int8", "int4", "topk"]
@@ -20,15 +20,8 @@ NUMEL = 100_000
 ratio = table_ratio(RATIOS)
 
 
-def mesh(bw, rtt=0.08, n=4):
-    names = [f"r{i}" for i in range(n)]
-    return {f"{a}->{b}": LinkEstimate(bandwidth_bps=bw(f"{a}->{b}") if callable(bw) else bw, rtt_s=rtt)
-            for a in names for b in names if a != b}
-
-
 def meas(round_, links, *, step=0.01, overlap=True):
-    return Measurements(now_s=float(round_), round=round_, step_time_s=step, loss=1.0, lr=1e-3, lr0=1e-3,
-                        model_numel=NUMEL, links=links, overlap=overlap, last_sync_s=None)
+    return measurements(round_, links, numel=NUMEL, step=step, overlap=overlap)
 
 
 def policy(ladder=LADDER, codec="int8", **kw):
