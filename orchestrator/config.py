@@ -31,6 +31,19 @@ def _doc(text: str, **kw) -> dict:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TargetSection:
+    metric: str = field(metadata=_doc(
+        "the task's evaluation metric, as its evaluation names it: accuracy (mlp-digits, gcn-planetoid), loss (char-lm)"))
+    value: float = field(metadata=_doc(
+        "the run ends at the first evaluation that reaches this: at or above it when the metric is higher-is-better, "
+        "at or below otherwise"))
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.metric):
+            raise ValueError(f"metric: a metric name (letters, digits, _.-), got {self.metric!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunSection:
     name: str = field(default="geofed", metadata=_doc("run name; the run directory is runs/<name>-<UTC timestamp>"))
     rounds: int = field(default=30, metadata=_doc("number of sync rounds"))
@@ -45,7 +58,14 @@ class RunSection:
     keep_checkpoints: int = field(default=3, metadata=_doc(
         "how many checkpoints to keep per region and for the driver (>= 2: a crash between the regions' and the "
         "driver's checkpoint must leave a round both have)"))
-    eval_every: int = field(default=0, metadata=_doc("evaluate every N rounds (0: only at the end)"))
+    eval_every: int = field(default=0, metadata=_doc(
+        "evaluate every N rounds (0: only at the end, or every round when run.target is set). An evaluation reads the "
+        "synchronised model where it already is (DiLoCo: one region's global model): nothing crosses the wire, the "
+        "overlapped exchange is not waited for, and the trained model is the same with or without it; gossip's "
+        "average needs every region's model, a fetch counted as eval_fetch_bytes"))
+    target: TargetSection | None = field(default=None, metadata=_doc(
+        "stop when the evaluated model reaches a metric value, e.g. {metric: accuracy, value: 0.95}; summary.json then "
+        "has time_to_target_s, steps_to_target and bytes_to_target (null: run all rounds)"))
     on_region_failure: Literal["elastic", "fail-fast"] = field(
         default="elastic", metadata=_doc("elastic: carry on without a crashed region while Ray restarts it; fail-fast: stop"))
     report: bool = field(default=True, metadata=_doc("write report.html at the end"))
@@ -128,6 +148,12 @@ class NetworkSection:
     port_range: tuple[int, int] | None = field(default=None, metadata=_doc("[first, last] ports for gRPC servers; null: ephemeral"))
     max_message_mb: int = field(default=1024, metadata=_doc("largest update accepted from a peer, MiB"))
     chunk_kb: int = field(default=1024, metadata=_doc("client-stream chunk size, KiB (at most 1024)"))
+    probe_s: float = field(default=0.25, metadata=_doc(
+        "before round 0 every region warms each connection (TLS handshake, slow start, gRPC's flow-control windows) "
+        "and measures it with a probe that streams this long (at least 3 RTTs) to all its peers at once; the first "
+        "round's H and codecs then come from measured links. 0: no probes (the first rounds' pushes warm the links "
+        "and are not bandwidth samples)"))
+    probe_max_mb: int = field(default=8, metadata=_doc("most a probe sends to one peer, MiB (at most 16; a warm-up and a measuring probe per peer)"))
     emulation: EmulationConfig = field(default_factory=EmulationConfig, metadata=_doc("WAN emulation of every link"))
 
     def __post_init__(self):
@@ -139,13 +165,19 @@ class NetworkSection:
             raise ValueError(f"max_message_mb: must be in [1, 65536], got {self.max_message_mb}")
         if not 16 <= self.chunk_kb <= 1024:
             raise ValueError(f"chunk_kb: must be in [16, 1024], got {self.chunk_kb}")
+        if not 0 <= self.probe_s <= 60:
+            raise ValueError(f"probe_s: must be in [0, 60], got {self.probe_s}")
+        if not 1 <= self.probe_max_mb <= 16:
+            raise ValueError(f"probe_max_mb: must be in [1, 16], got {self.probe_max_mb}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class InnerOptimizer:
     kind: Literal["adamw", "sgd"] = field(default="adamw", metadata=_doc("inner (local) optimizer"))
     lr: float = field(default=1e-3, metadata=_doc("inner learning rate"))
-    weight_decay: float = field(default=0.0, metadata=_doc("inner weight decay"))
+    weight_decay: float = field(default=0.0, metadata=_doc(
+        "inner weight decay; 0 by choice (DiLoCo's small-model runs and the built-in tasks train best without), "
+        "where torch's AdamW defaults to 0.01: set 0.01 to match torch"))
     momentum: float = field(default=0.0, metadata=_doc("sgd momentum"))
     batch_size: int = field(default=32, metadata=_doc("examples per inner step"))
     lr_decay: Literal["none", "cosine"] = field(default="none", metadata=_doc("inner lr schedule over the run"))

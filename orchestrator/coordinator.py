@@ -3,9 +3,8 @@
 It sits on the control plane only (Ray calls); no update bytes pass through it. What it feeds
 the policy:
 
-* links: ``policies.links.LinkTracker`` over every region's sender-timed transfers and RTTs
-  (p2p's own estimate ignores transfers under 256 KiB, which is every compressed update of a
-  small model);
+* links: each region's own p2p link estimates (``policies.links.LinkView``), from the set-up
+  probes that warm and measure every connection before round 0 and from every push since;
 * step time: the slowest region's compute seconds per inner step, the minimum over the last few
   rounds: regions that share cores see their step time swing +-40% from round to round, and an
   H sized on a slow round's step time leaves the exchange exposed in the next, faster one;
@@ -29,7 +28,7 @@ from geofed.regions.worker import RoundPlan
 
 from .config import RunConfig
 from .policies import LinkEstimate, Measurements, make_policy
-from .policies.links import LinkTracker
+from .policies.links import LinkView
 
 OVERHEAD_WINDOW = 5  # rounds in the minimum of the per-round control-plane overhead
 STEP_WINDOW = 5      # rounds in the minimum of the step time (regions time-sharing cores read +-40% a round)
@@ -44,7 +43,7 @@ class Coordinator:
         self.model_numel = model_numel
         self.clock = clock
         self.policy = make_policy(cfg.sync.policy, codec=cfg.compression.codec, ladder=cfg.compression.ladder)
-        self.tracker = LinkTracker()
+        self.link_view = LinkView()
         self.step_time_s: float | None = None
         self.loss: float | None = None
         self.last_sync_s: float | None = None
@@ -101,12 +100,22 @@ class Coordinator:
         self.last_reason, self.last_codecs, self.last_H = reason, codecs, H
         scale = self.lr_scale(round_)
         plans = {}
+        evaluators = self.evaluators(alive) if evaluate else ()
+        sketch = evaluate and self.cfg.sync.algorithm != "gossip"  # gossip fetches the models themselves
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
-            plans[region] = RoundPlan(round=round_, H=H, codecs=mine, lr_scale=scale, evaluate=evaluate,
-                                      alive=tuple(alive), final=final)
+            plans[region] = RoundPlan(round=round_, H=H, codecs=mine, lr_scale=scale, evaluate=region in evaluators,
+                                      alive=tuple(alive), final=final, sketch=sketch)
         self._plan_t = self.clock.now()
         return plans
+
+    def evaluators(self, alive: list[str]) -> list[str]:
+        """Who evaluates in an eval round. DiLoCo and all-reduce: the first alive region, on its
+        synchronised model, which every region holds alike (nothing crosses the wire). Gossip:
+        every region its own model; the driver then averages them (a fetch, counted)."""
+        if self.cfg.sync.algorithm == "gossip":
+            return list(alive)
+        return list(alive[:1])
 
     def _note_overhead(self) -> None:
         """The last round's driver cycle (plan to plan) minus its slowest region's own wall time."""
@@ -132,7 +141,7 @@ class Coordinator:
         lr0 = self.cfg.sync.inner.lr
         return Measurements(now_s=self.clock.now(), round=round_, step_time_s=self.step_time_s, loss=self.loss,
                             lr=lr0 * self.lr_scale(round_), lr0=lr0, model_numel=self.model_numel,
-                            links={k: self.tracker.estimate(k) for k in links},
+                            links={k: self.link_view.estimate(k) for k in links},
                             overlap=self.cfg.sync.overlap, last_sync_s=self.last_sync_s,
                             round_overhead_s=self.round_overhead_s)
 
@@ -147,16 +156,22 @@ class Coordinator:
         self.last_sync_s = max(m.get("sync_s", 0.0) for m in results.values())
         self._round_wall = max(m.get("wall_s", 0.0) for m in results.values())
         self._rounds_seen += 1
-        self.tracker.observe_round(results)
+        self.link_view.observe_round(results)
 
     @property
     def links(self) -> dict[str, LinkEstimate]:
-        return {k: self.tracker.estimate(k) for k in self.tracker.links()}
+        return {k: self.link_view.estimate(k) for k in self.link_view.links()}
+
+    def links_record(self) -> dict[str, dict[str, Any]]:
+        """Every link's estimate as events.jsonl and the report show it (Mbit/s, ms)."""
+        return {k: {"bandwidth_mbps": None if e.bandwidth_bps is None else round(e.bandwidth_bps / 1e6, 4),
+                    "rtt_ms": None if e.rtt_s is None else round(e.rtt_s * 1e3, 3), "concurrent": e.concurrent}
+                for k, e in self.links.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "step_time_s": self.step_time_s, "loss": self.loss,
                 "last_sync_s": self.last_sync_s, "steps_done": self.steps_done,
-                "overheads": list(self._overheads), "steps": list(self._steps), "tracker": self.tracker.state_dict()}
+                "overheads": list(self._overheads), "steps": list(self._steps), "links": self.link_view.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.policy.load_state_dict(d["policy"])
@@ -164,5 +179,5 @@ class Coordinator:
         self.steps_done = int(d.get("steps_done", 0))
         self._overheads = deque(d.get("overheads", []), maxlen=OVERHEAD_WINDOW)
         self._steps = deque(d.get("steps", []), maxlen=STEP_WINDOW)
-        if "tracker" in d:
-            self.tracker.load_state_dict(d["tracker"])
+        if "links" in d:
+            self.link_view.load_state_dict(d["links"])

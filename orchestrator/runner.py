@@ -19,11 +19,12 @@ from .cluster import PlacementError, RegionActors, create_region_actors, init_ra
 from .config import RunConfig, load_config
 from .coordinator import Coordinator
 from .emulation import configured_link, start_emulation
+from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .faults import FaultHandling
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
-from .rundir import Clock, JsonlLog, new_run_dir, write_json
+from .rundir import Clock, JsonlLog, new_run_dir, process_age_s, write_json
 from .strict import ConfigError
 from .summary import build_summary, evaluate_average
 
@@ -106,8 +107,12 @@ class Runner(FaultHandling):
         self._probes: dict[str, Any] = {}  # dead region -> node_info ref: answers once Ray restarted it
         self.next_round = 0
         self._last_checkpoint = -1
-        self._mb_sent = 0.0
-        self.clock = Clock()
+        self._bytes_sent = 0  # updates pushed by every region so far (bytes_to_target)
+        self.evaluation = RunEvaluation(cfg)
+        self.clock = Clock()  # from launch until set-up is done, then from round 0
+        self.setup_s: float | None = None
+        self.startup_s: float | None = None
+        self.setup_phases: dict[str, float] = {}
         self.faults = {"region_restarts": 0, "region_failures": 0, "peers_left_out": 0, "late_dropped": 0,
                        "resyncs": 0}
         self.progress: RunProgress | None = None
@@ -118,12 +123,16 @@ class Runner(FaultHandling):
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
+        mark = self._phase_marker()
         self._make_tls()
+        mark("tls")
         reaped = reap_previous_driver(self.run_dir) if self.resume else []
         self.ray = init_ray(self.cfg)
+        mark("ray")
         self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
         self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
+        mark("actors")
         if self.ray.started_here:
             record_processes(self.run_dir)
         self.alive = list(self.regions)
@@ -135,11 +144,9 @@ class Runner(FaultHandling):
         restored = load_driver_checkpoint(self.run_dir) if self.resume else None
         self.emulator = start_emulation(emulation_for_resume(self.cfg, restored), self.regions)
         self._connect_all()
+        mark("servers_connected")
         info = self.actors.info[self.regions[0]]
         self.coordinator = Coordinator(self.cfg, model_numel=info["params"], clock=self.clock)
-        if restored is None:
-            self.clock = Clock()  # wall time counts training, not Ray start-up
-            self.coordinator.clock = self.clock
         self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
         self.rounds_log = JsonlLog(self.run_dir / "rounds.jsonl")
         self.events_log = JsonlLog(self.run_dir / "events.jsonl")
@@ -150,6 +157,29 @@ class Runner(FaultHandling):
             self._event("reaped_previous_driver", processes=reaped)
         if restored is not None:
             self._restore(*restored)
+        mark("logs_restore")
+        if probes := self._probe_links():
+            self._event("links_probed", links=self.coordinator.links_record(),
+                        probes={r: m["transfers"] for r, m in probes.items()})
+        mark("probes")
+        self.setup_s = self.clock.now() if restored is None else None
+        self.startup_s = process_age_s()  # from `geofed run` (this process) to round 0
+        self._event("setup_done", setup_s=self.setup_s, process_to_round0_s=self.startup_s, phases_s=self.setup_phases)
+        if restored is None:
+            # Wall time counts training; set-up (Ray, actors, TLS, warming the links) is setup_s.
+            self.clock = Clock()
+            self.coordinator.clock = self.clock
+
+    def _phase_marker(self):
+        """Seconds each set-up phase took, for the setup_done event (where start-up time goes)."""
+        self.setup_phases: dict[str, float] = {}
+        last = [self.clock.now()]
+
+        def mark(name: str) -> None:
+            now = self.clock.now()
+            self.setup_phases[name] = round(now - last[0], 3)
+            last[0] = now
+        return mark
 
     def _make_tls(self) -> None:
         tls = self.run_dir / "tls"
@@ -164,6 +194,16 @@ class Runner(FaultHandling):
             peers = {dst: self._route(src, dst) for dst in self.alive if dst != src}
             refs[self.actors.handles[src].connect.remote(peers)] = src
         self._gather(refs, "connect", timeout=60)
+
+    def _probe_links(self) -> dict[str, dict[str, Any]]:
+        """Every region warms and measures its connections at once (network.probe_s), so round 0
+        is planned from measured links and no round pays a handshake."""
+        if not self.cfg.network.probe_s or len(self.alive) < 2:
+            return {}
+        per_probe = self.cfg.network.probe_s + 30.0
+        results = self._call(self.alive, "probe_links", timeout=2 * per_probe + 30.0)
+        self.coordinator.link_view.observe_round(results)
+        return results
 
     def _route(self, src: str, dst: str) -> str:
         if self.emulator is None:
@@ -184,7 +224,7 @@ class Runner(FaultHandling):
                     if self.stop.requested:
                         self._stop_cleanly()
                     self._round(r)
-                    if self.coordinator.done:  # run.max_steps spent
+                    if self.coordinator.done or self.evaluation.hit is not None:  # run.max_steps spent, run.target reached
                         break
                 if self.stop.requested:
                     self._stop_cleanly()
@@ -199,7 +239,7 @@ class Runner(FaultHandling):
     def _round(self, r: int) -> None:
         cfg = self.cfg
         self._revive_dead(r)
-        evaluate = bool(cfg.run.eval_every) and (r + 1) % cfg.run.eval_every == 0
+        evaluate = self.evaluation.due(r)
         if self.emulator is not None:
             self.emulator.set_round(r)
         t_start = self.clock.now()
@@ -207,13 +247,17 @@ class Runner(FaultHandling):
         results = self._run_round(r, plans)
         t_end = self.clock.now()
         self.coordinator.observe(results)
-        self._mb_sent += sum(m["bytes_sent"] for m in results.values()) / 1e6
-        self._log_round(r, results, t_start, t_end, extra=self._consensus() if evaluate else None)
+        self._bytes_sent += sum(m["bytes_sent"] for m in results.values())
+        extra = self.evaluation.of_round(results, self.alive, self._fetch_params) if evaluate else None
+        self._log_round(r, results, t_start, t_end, extra=extra)
+        if extra and self.evaluation.check(r, extra.get("eval_avg"), t_s=t_end, steps=self.coordinator.steps_done,
+                                           bytes_sent=self._bytes_sent):
+            self._event("target_reached", **self.evaluation.hit)
         self.next_round = r + 1
         self._resync(r, results)
         if cfg.run.checkpoint_every and (r + 1) % cfg.run.checkpoint_every == 0:
             self._checkpoint(r)
-        self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=self._mb_sent,
+        self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=self._bytes_sent / 1e6,
                              note=f"down: {','.join(sorted(self.dead))}" if self.dead else "")
 
     def _run_round(self, r: int, plans) -> dict[str, dict[str, Any]]:
@@ -227,14 +271,8 @@ class Runner(FaultHandling):
                 self._event("refused", region=region, by_reason=m["refusals"])
         return results
 
-    def _consensus(self) -> dict[str, Any]:
-        """Eval rounds: the averaged model's metric and how far apart the regions' models are
-        (what gossip drives to zero); rounds.jsonl keeps them, the report plots them."""
-        params = self._call(self.alive, "get_params", timeout=600)
-        if not params:
-            return {}
-        avg, consensus = evaluate_average(self.cfg, params)
-        return {"consensus_distance": consensus, "eval_avg": avg}
+    def _fetch_params(self) -> dict[str, Any]:
+        return self._call(self.alive, "get_params", timeout=600)
 
     def _log_round(self, r: int, results, t_start: float, t_end: float, extra: dict | None = None) -> None:
         for region in self.regions:
@@ -299,20 +337,37 @@ class Runner(FaultHandling):
         if last >= 0 and self._last_checkpoint != last:
             self._checkpoint(last)
         self._event("stopped", signal=signal_name(self.stop.signum), last_round=last)
+        # What a scheduler's SIGTERM leaves: the run so far, marked; no final evaluation (it could
+        # outlast the grace period), the last one stands.
+        self._write_summary(self.evaluation.last, None, None,
+                            interrupted={"signal": signal_name(self.stop.signum), "last_round": last})
         raise Interrupted(self.stop.signum, last)
 
     def _finish(self) -> dict[str, Any]:
         self._call(self.alive, "finish_pending", timeout=self.cfg.sync.deadline.max_s * 2 + 120)
         self._checkpoint(self.next_round - 1)
         per_region = self._call(self.alive, "evaluate", timeout=600)
-        params = self._call(self.alive, "get_params", timeout=600)
-        avg_eval, consensus = evaluate_average(self.cfg, params)
+        if self.cfg.sync.algorithm == "gossip":
+            params = self._fetch_params()
+            self.evaluation.fetch_bytes += fetched_bytes(params)
+            avg_eval, consensus = evaluate_average(self.cfg, params)
+        else:  # every region holds the synchronised model now: one evaluation, no model fetched
+            sketches = self._call(self.alive, "sketch", timeout=600)
+            avg_eval = per_region.get(self.alive[0]) if self.alive else None
+            consensus = consensus_from_sketches([sketches[r] for r in self.alive if r in sketches])
+        return self._write_summary(avg_eval, per_region, consensus)
+
+    def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None) -> dict[str, Any]:
         stats = self._call(self.alive, "transport_stats", timeout=60)
         tail = self._call(self.alive, "take_refusals", timeout=60)  # refused since each one's last round
         summary = build_summary(self.cfg, self.run_dir, eval_avg=avg_eval, eval_per_region=per_region,
                                 consensus=consensus, transport_stats=stats, faults=self.faults,
                                 placement=self.actors.info, emulator=self.emulator, wall_s=self.clock.now(),
                                 refusals_since_last_round=tail)
+        summary.update(self.evaluation.summary_fields())
+        summary["setup_s"] = None if self.setup_s is None else round(self.setup_s, 3)
+        summary["startup"] = {"process_to_round0_s": self.startup_s, "phases_s": self.setup_phases}
+        summary["interrupted"] = interrupted
         write_json(self.run_dir / "summary.json", summary)
         return summary
 

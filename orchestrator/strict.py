@@ -335,6 +335,8 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         else:
             default = "(required)"
         rows.append((key, str(tp).replace("typing.", ""), default, f.metadata.get("doc", "")))
-        if dataclasses.is_dataclass(tp) and "choose" not in f.metadata:
-            rows.extend(field_docs(tp, key))
+        members = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+        nested = [a for a in members if dataclasses.is_dataclass(a)]
+        if len(nested) == 1 and "choose" not in f.metadata:  # a section, or an optional one
+            rows.extend(field_docs(nested[0], key))
     return rows

@@ -52,6 +52,8 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "eval": eval_avg, "eval_per_region": eval_per_region, "consensus_distance": consensus,
         "bytes_sent": sum(m.get("bytes_sent", 0) for m in metrics),
         "bytes_received": sum(m.get("bytes_received", 0) for m in metrics),
+        # The set-up probes that warmed and measured every connection (not in bytes_sent).
+        "probe_bytes_sent": sum(sum((s.get("probe_bytes_sent") or {}).values()) for s in transport_stats.values()),
         "compute_utilization": sum(util.values()) / len(util) if util else None,
         "utilization_per_region": util,
         "links": _links(metrics, rounds, emulator),
@@ -105,7 +107,8 @@ def _transport(transport_stats: dict[str, dict]) -> dict[str, dict]:
                   "bytes_sent": sum((s.get("bytes_sent") or {}).values()),
                   "messages_sent": sum((s.get("messages_sent") or {}).values()),
                   "bytes_received": sum((s.get("bytes_received") or {}).values()),
-                  "messages_received": sum((s.get("messages_received") or {}).values())}
+                  "messages_received": sum((s.get("messages_received") or {}).values()),
+                  "probe_bytes_sent": sum((s.get("probe_bytes_sent") or {}).values())}
             for reg, s in transport_stats.items()}
 
 

@@ -21,7 +21,7 @@ import grpc
 
 from .mailbox import Mailbox
 from .proto import gossip_pb2, gossip_pb2_grpc
-from .service import MAX_CHUNK_BYTES, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
+from .service import MAX_CHUNK_BYTES, MAX_PROBE_BYTES, PROBE_METHOD, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
 from .tls import TlsMaterial
 from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
 
@@ -82,7 +82,13 @@ class GrpcTransport(Transport):
         self._state_provider: Callable[[], bytes] | None = None
         self._server: grpc.Server | None = None
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[str, grpc.Channel, gossip_pb2_grpc.GossipStub, Callable]] = {}
+        self._channels: dict[str, tuple[str, grpc.Channel, gossip_pb2_grpc.GossipStub, Callable, Callable]] = {}
+        # A connection's epoch counts how often its channel became READY; a send finishing in an
+        # epoch no earlier send finished in ran on a fresh connection (handshakes, slow start):
+        # TransferStats.cold, which the link estimator does not take as a bandwidth sample.
+        self._epochs: Counter[str] = Counter()
+        self._warm_epoch: dict[str, int] = {}
+        self._probe_bytes: Counter[str] = Counter()
         self._sent_bytes: Counter[str] = Counter()
         self._sent_messages: Counter[str] = Counter()
         self._send_failures: Counter[str] = Counter()
@@ -147,13 +153,34 @@ class GrpcTransport(Transport):
             # Push sends pre-serialized messages (see service.encode_chunk).
             push = channel.stream_unary(PUSH_METHOD, request_serializer=None,
                                         response_deserializer=gossip_pb2.PushAck.FromString)
-            opened[peer] = (address, channel, gossip_pb2_grpc.GossipStub(channel), push)
+            probe = channel.stream_unary(PROBE_METHOD, request_serializer=None,
+                                         response_deserializer=gossip_pb2.PushAck.FromString)
+            channel.subscribe(lambda state, p=peer, c=channel: self._on_state(p, c, state), try_to_connect=False)
+            opened[peer] = (address, channel, gossip_pb2_grpc.GossipStub(channel), push, probe)
             if current is not None:
                 stale.append(current[1])
         with self._lock:
             self._channels.update(opened)
+            for peer in opened:
+                self._warm_epoch.pop(peer, None)
         self.mailbox.add_known(peers)
         _close_all(stale)
+
+    def _on_state(self, peer: str, channel: grpc.Channel, state: grpc.ChannelConnectivity) -> None:
+        # gRPC's connectivity thread; a replaced channel's late callbacks are ignored.
+        if state is grpc.ChannelConnectivity.READY:
+            with self._lock:
+                entry = self._channels.get(peer)
+                if entry is not None and entry[1] is channel:
+                    self._epochs[peer] += 1
+
+    def _note_warm(self, peer: str) -> bool:
+        """Whether the send that just finished on `peer`'s connection was its first (cold)."""
+        with self._lock:
+            epoch = self._epochs[peer]
+            cold = self._warm_epoch.get(peer) != epoch
+            self._warm_epoch[peer] = epoch
+        return cold
 
     def close(self) -> None:
         with self._lock:
@@ -215,7 +242,38 @@ class GrpcTransport(Transport):
             self._sent_bytes[peer] += wire
             self._sent_messages[peer] += 1
         return TransferStats(peer=peer, round=round, payload_bytes=n, wire_bytes=wire, seconds=seconds,
-                             receiver_seconds=ack.receiver_seconds, chunks=chunks)
+                             receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self._note_warm(peer))
+
+    def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
+        if not 0 < nbytes <= MAX_PROBE_BYTES:
+            raise ValueError(f"nbytes: need 0 < nbytes <= {MAX_PROBE_BYTES}, got {nbytes}")
+        probe = self._entry(peer, timeout_s)[4]
+        header = gossip_pb2.PushMessage(
+            header=gossip_pb2.PushHeader(sender=self.region, round=0, total_bytes=nbytes)).SerializeToString()
+        chunk = encode_chunk(memoryview(bytes(min(self.chunk_bytes, nbytes))))
+        size = min(self.chunk_bytes, nbytes)
+        full, rest = divmod(nbytes, size)
+
+        def messages():
+            yield header
+            for _ in range(full):
+                yield chunk
+            if rest:
+                yield encode_chunk(memoryview(bytes(rest)))
+
+        start = time.monotonic()
+        try:
+            ack = probe(messages(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(peer, "probe", exc) from None
+        seconds = time.monotonic() - start
+        if ack.received_bytes != nbytes:
+            raise TransportError(f"{peer} acknowledged {ack.received_bytes} of a {nbytes}-byte probe", peer=peer, reason="error")
+        wire = len(header) + 5 + full * (len(chunk) + 5) + (len(encode_chunk(memoryview(bytes(rest)))) + 5 if rest else 0)
+        with self._lock:
+            self._probe_bytes[peer] += wire
+        return TransferStats(peer=peer, round=-1, payload_bytes=nbytes, wire_bytes=wire, seconds=seconds,
+                             receiver_seconds=ack.receiver_seconds, chunks=full + bool(rest), cold=self._note_warm(peer))
 
     def ping(self, peer: str, *, timeout_s: float) -> float:
         stub = self._stub(peer, timeout_s)
@@ -275,7 +333,9 @@ class GrpcTransport(Transport):
     def stats(self) -> dict:
         with self._lock:
             own = {"region": self.region, "tls": self.tls is not None, "bytes_sent": dict(self._sent_bytes),
-                   "messages_sent": dict(self._sent_messages), "send_failures": dict(self._send_failures)}
+                   "messages_sent": dict(self._sent_messages), "send_failures": dict(self._send_failures),
+                   "probe_bytes_sent": dict(self._probe_bytes),
+                   "probe_bytes_received": dict(self._servicer.probe_bytes)}
         counters = self.mailbox.counters()
         if self.tls is not None:
             if n := self._servicer.handshakes.refused():

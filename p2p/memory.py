@@ -135,6 +135,14 @@ class InMemoryTransport(Transport):
         self._target(peer, timeout_s)
         return time.monotonic() - start + self.hub.link(peer, self.region)[0]
 
+    def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
+        # No link to measure in one process: the probe is one message's worth of the hub's delay.
+        start = time.monotonic()
+        self._target(peer, timeout_s)
+        seconds = time.monotonic() - start + self.hub.link(peer, self.region)[0]
+        return TransferStats(peer=peer, round=-1, payload_bytes=nbytes, wire_bytes=_HEADER_BYTES + nbytes,
+                             seconds=max(seconds, 1e-6), receiver_seconds=0.0, chunks=1)
+
     def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
         target = self._target(peer, timeout_s)
         if target._state_provider is None:

@@ -13,6 +13,7 @@ any byte is buffered; chunks are at most ``MAX_CHUNK_BYTES``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,8 +29,10 @@ from .proto import gossip_pb2, gossip_pb2_grpc
 log = logging.getLogger("geofed.p2p")
 
 MAX_CHUNK_BYTES = 1 << 20
+MAX_PROBE_BYTES = 16 << 20  # a probe needs a few hundred ms of the link, not more
 SERVICE = "geofed.p2p.Gossip"
 PUSH_METHOD = f"/{SERVICE}/Push"
+PROBE_METHOD = f"/{SERVICE}/Probe"
 _HEADER_TAG, _CHUNK_TAG = 0x0A, 0x12  # PushMessage fields 1 and 2, wire type 2 (length-delimited)
 
 _CODES = {
@@ -109,6 +112,9 @@ def add_to_server(servicer: "GossipServicer", server: grpc.Server) -> None:
         "Ping": grpc.unary_unary_rpc_method_handler(
             servicer.Ping, request_deserializer=gossip_pb2.PingRequest.FromString,
             response_serializer=gossip_pb2.PingReply.SerializeToString),
+        "Probe": grpc.stream_unary_rpc_method_handler(
+            servicer.Probe, request_deserializer=parse_push_message,
+            response_serializer=gossip_pb2.PushAck.SerializeToString),
         "FetchState": grpc.unary_stream_rpc_method_handler(
             servicer.FetchState, request_deserializer=gossip_pb2.FetchStateRequest.FromString,
             response_serializer=gossip_pb2.StateMessage.SerializeToString),
@@ -126,6 +132,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         self._state_provider = state_provider
         self._lock = threading.Lock()
         self._open: Counter[str] = Counter()
+        self.probe_bytes: Counter[str] = Counter()  # probe payload received, by sender
         self.handshakes = HandshakeLedger(region)
 
     # -- helpers -------------------------------------------------------------------------
@@ -153,16 +160,20 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
     def Push(self, request_iterator, context):
         identity = self._identity(context)
         caller = identity if identity is not None else context.peer()
+        with self._slot(context, caller):
+            return self._push(request_iterator, context, identity, caller)
+
+    @contextlib.contextmanager
+    def _slot(self, context, caller: str):
+        """One of the caller's max_inflight_per_sender streams (Push and Probe share them)."""
         with self._lock:
-            if self._open[caller] >= self.mailbox.max_inflight_per_sender:
-                busy = True
-            else:
-                busy = False
+            busy = self._open[caller] >= self.mailbox.max_inflight_per_sender
+            if not busy:
                 self._open[caller] += 1
         if busy:
-            self._refuse(context, "busy", f"{caller} already has {self.mailbox.max_inflight_per_sender} open pushes", caller)
+            self._refuse(context, "busy", f"{caller} already has {self.mailbox.max_inflight_per_sender} open streams", caller)
         try:
-            return self._push(request_iterator, context, identity, caller)
+            yield
         finally:
             with self._lock:
                 self._open[caller] -= 1
@@ -240,3 +251,32 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         yield gossip_pb2.StateMessage(total_bytes=len(state))
         for off in range(0, len(state), MAX_CHUNK_BYTES):
             yield gossip_pb2.StateMessage(chunk=bytes(state[off:off + MAX_CHUNK_BYTES]))
+
+    # -- Probe ---------------------------------------------------------------------------
+    def Probe(self, request_iterator, context):
+        """Count and drop a probe's bytes; ack with how many came and how long they took."""
+        identity = self._identity(context)
+        caller = identity if identity is not None else context.peer()
+        with self._slot(context, caller):
+            remaining = context.time_remaining()
+            if remaining is None or remaining > self.max_push_s:
+                self._refuse(context, "no_deadline", f"probe deadline must be set and at most {self.max_push_s:.0f} s", caller)
+            kind, h = next(request_iterator, ("malformed", "empty stream"))
+            if kind != "header" or not h.sender:
+                self._refuse(context, "bad_header", "a probe starts with a header naming the sender", caller)
+            self._check_caller(context, identity, h.sender, "probe")
+            if h.total_bytes > MAX_PROBE_BYTES:
+                self._refuse(context, "oversize", f"probe of {h.total_bytes} bytes, limit {MAX_PROBE_BYTES}", h.sender)
+            n, t0 = 0, time.monotonic()
+            t_last = t0
+            try:
+                for kind, chunk in request_iterator:
+                    if kind != "chunk" or len(chunk) > MAX_CHUNK_BYTES or n + len(chunk) > h.total_bytes:
+                        self._refuse(context, "overrun", f"probe past its declared {h.total_bytes} bytes or malformed", h.sender)
+                    n += len(chunk)
+                    t_last = time.monotonic()
+            except grpc.RpcError:
+                self._refuse(context, "aborted", f"probe cancelled after {n} bytes", h.sender)
+            with self._lock:
+                self.probe_bytes[h.sender] += n
+            return gossip_pb2.PushAck(received_bytes=n, receiver_seconds=t_last - t0)

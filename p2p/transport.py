@@ -65,6 +65,7 @@ class TransferStats:
     seconds: float           # send start -> ack received (includes one RTT)
     receiver_seconds: float  # header -> last chunk, measured by the receiver (no RTT)
     chunks: int
+    cold: bool = False       # the first on a fresh connection: it paid handshakes and slow start
 
     @property
     def bytes(self) -> int:
@@ -149,6 +150,11 @@ class Transport(ABC):
     @abstractmethod
     def ping(self, peer: str, *, timeout_s: float) -> float:
         """Round-trip time to `peer` in seconds."""
+
+    @abstractmethod
+    def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
+        """Send `nbytes` of filler that `peer` counts and drops, timed like a push (send -> ack):
+        warms the connection and measures the link. Raises TransportError."""
 
     @abstractmethod
     def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:

@@ -23,6 +23,8 @@ from geofed.p2p.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
+WARM_BYTES = 256 << 10      # a connection's first probe: about one BDP of a 25 Mbit/s, 80 ms link
+MIN_PROBE_BYTES = 64 << 10
 
 
 def spec_key(spec: Any) -> str:
@@ -66,6 +68,7 @@ class Exchanger:
         self.estimators: dict[str, LinkEstimator] = {}
         self._est_lock = threading.Lock()  # probes update estimators from pool threads
         self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
+        self._first_probe: dict[str, float] = {}  # peer -> seconds its warm-up probe took
         # Pushes left running that then succeeded, (peer, round, stats): reported with the next
         # exchange, so a link that only got slow still teaches its estimator and the policy.
         self._late: list[tuple[str, int, Any]] = []
@@ -157,7 +160,7 @@ class Exchanger:
             if not fut.done():
                 # Still running (a stalled link): leave it, skip the peer until it ends.
                 self._stalled[peer] = (round_, fut)
-                fut.add_done_callback(lambda f, p=peer, r=round_: self._stalled_ended(p, r, f))
+                fut.add_done_callback(lambda f, p=peer, r=round_, k=len(futures): self._stalled_ended(p, r, f, k))
                 result.send_failures[peer] = f"still in flight {grace_s:.1f}s after the receive deadline; left running"
                 log.warning("push of round %d to %s still in flight after the deadline; not waiting for it", round_, peer)
                 continue
@@ -167,31 +170,134 @@ class Exchanger:
                 result.send_failures[peer] = str(exc)
                 log.warning("send to %s failed: %s", peer, exc)
                 continue
-            self._count_send(result, peer, stats)
+            self._count_send(result, peer, stats, concurrent=len(futures))
 
-    def _count_send(self, result: ExchangeResult, peer: str, stats, **extra) -> None:
+    def _count_send(self, result: ExchangeResult, peer: str, stats, *, concurrent: int, **extra) -> None:
         result.bytes_sent += stats.bytes
+        self._observe(peer, stats, concurrent)
+        if stats.cold:
+            extra["cold"] = True
+        result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
+                                 "seconds": round(stats.seconds, 6), "concurrent": concurrent, **extra})
+
+    def _observe(self, peer: str, stats, concurrent: int) -> None:
         with self._est_lock:
             # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
             # probes. Receiver timing was tried: it starts at the header, after the shaper's
             # burst has already let the first chunks through, and overestimates by 5-15%.
-            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds)
-        result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
-                                 "seconds": round(stats.seconds, 6), **extra})
+            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold, concurrent=concurrent)
 
-    def _stalled_ended(self, peer: str, round_: int, fut: Future) -> None:
+    def probe_links(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
+        """Warm every connection to `peers` and measure it, before the first round.
+
+        Two phases, each with every peer at once (as a round's pushes share this region's egress):
+        a ping and a probe of WARM_BYTES that open the connection (TCP and TLS handshakes, slow
+        start, gRPC's flow-control windows; cold, not a sample), then a ping and a probe sized to
+        take about `duration_s` (at least 2 RTTs) at 1.5x the rate the first one read, which
+        measures it. Sizes, not durations: a sender can queue megabytes in socket buffers before
+        the link slows it, so a probe that stops on a timer measures the buffer. A peer that
+        fails is left to the rounds (logged); returns the probes as transfer records."""
+        records: list[dict] = []
+        timeout_s = min(self.send_timeout_s, 60.0)
+        warm = {p: min(max_bytes, WARM_BYTES) for p in peers}
+        for measured in (False, True):
+            sizes = warm if not measured else {p: self._probe_size(p, warm[p], duration_s, max_bytes) for p in peers}
+            futures = {p: self._pool.submit(self._probe_one, p, sizes[p], timeout_s, not measured)
+                       for p in peers if sizes.get(p)}
+            for peer, fut in futures.items():
+                try:
+                    stats = fut.result(timeout=timeout_s + 15.0)
+                except (TransportError, TimeoutError) as exc:
+                    log.warning("probe of the link to %s failed: %s", peer, exc)
+                    warm.pop(peer, None)
+                    continue
+                if measured:
+                    self._observe(peer, stats, len(futures))
+                else:
+                    self._first_probe[peer] = stats.seconds
+                records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
+                                "seconds": round(stats.seconds, 6), "concurrent": len(futures), "cold": stats.cold,
+                                "measured": measured})
+        return records
+
+    def _probe_size(self, peer: str, warm_bytes: int, duration_s: float, max_bytes: int) -> int | None:
+        seconds = self._first_probe.get(peer)
+        if seconds is None:
+            return None
+        rtt = self.estimator(peer).rtt_s or 0.0
+        rate = warm_bytes / max(seconds - rtt, 1e-3)  # bytes/s; a cold transfer reads low, hence 1.5x
+        return int(min(max_bytes, max(MIN_PROBE_BYTES, 1.5 * rate * max(duration_s, 2 * rtt))))
+
+    def _probe_one(self, peer: str, nbytes: int, timeout_s: float, first: bool):
+        self._probe_rtt(peer, warm_up=first)
+        return self.transport.probe(peer, nbytes, timeout_s=timeout_s)
+
+    def _encode(self, tensors, out_peers, codecs, default_codec):
+        """One encode per distinct codec: peers on the same codec share its bytes and its EF state."""
+        by_key: dict[str, tuple[bytes, list[torch.Tensor]]] = {}
+        payloads, own = {}, {}
+        for peer in out_peers:
+            spec = codecs.get(peer, default_codec)
+            key = spec_key(spec)
+            if key not in by_key:
+                state = self.states.setdefault(key, CodecState(error_feedback=self.error_feedback))
+                by_key[key] = encode_and_decode(make_codec(spec), tensors, state)
+            payloads[peer], own[peer] = by_key[key]
+        return payloads, own
+
+    def _still_stalled(self) -> dict[str, int]:
+        """Peers whose push from an earlier round is still running -> that round."""
+        for peer in [p for p, (_, fut) in self._stalled.items() if fut.done()]:
+            del self._stalled[peer]
+        return {p: r for p, (r, _) in self._stalled.items()}
+
+    def _collect_sends(self, futures: dict[str, Future], round_: int, result: ExchangeResult, *,
+                       grace_s: float) -> None:
+        wait(list(futures.values()), timeout=grace_s)
+        for peer, fut in futures.items():
+            if not fut.done():
+                # Still running (a stalled link): leave it, skip the peer until it ends.
+                self._stalled[peer] = (round_, fut)
+                fut.add_done_callback(lambda f, p=peer, r=round_, k=len(futures): self._stalled_ended(p, r, f, k))
+                result.send_failures[peer] = f"still in flight {grace_s:.1f}s after the receive deadline; left running"
+                log.warning("push of round %d to %s still in flight after the deadline; not waiting for it", round_, peer)
+                continue
+            try:
+                stats = fut.result()
+            except TransportError as exc:
+                result.send_failures[peer] = str(exc)
+                log.warning("send to %s failed: %s", peer, exc)
+                continue
+            self._count_send(result, peer, stats, concurrent=len(futures))
+
+    def _count_send(self, result: ExchangeResult, peer: str, stats, *, concurrent: int, **extra) -> None:
+        result.bytes_sent += stats.bytes
+        self._observe(peer, stats, concurrent)
+        if stats.cold:
+            extra["cold"] = True
+        result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
+                                 "seconds": round(stats.seconds, 6), "concurrent": concurrent, **extra})
+
+    def _observe(self, peer: str, stats, concurrent: int) -> None:
+        with self._est_lock:
+            # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
+            # probes. Receiver timing was tried: it starts at the header, after the shaper's
+            # burst has already let the first chunks through, and overestimates by 5-15%.
+            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold, concurrent=concurrent)
+
+    def _stalled_ended(self, peer: str, round_: int, fut: Future, concurrent: int) -> None:
         # Runs on the pool's thread: only a list append (atomic) crosses to the exchanging thread.
         exc = fut.exception()
         if exc is None:
-            self._late.append((peer, round_, fut.result()))
+            self._late.append((peer, round_, fut.result(), concurrent))
             log.info("push of round %d to %s completed after its round", round_, peer)
         else:
             log.info("push of round %d to %s, left running, ended: %s", round_, peer, exc)
 
     def _report_late(self, result: ExchangeResult) -> None:
         while self._late:
-            peer, round_, stats = self._late.pop(0)
-            self._count_send(result, peer, stats, late_round=round_)
+            peer, round_, stats, concurrent = self._late.pop(0)
+            self._count_send(result, peer, stats, concurrent=concurrent, late_round=round_)
 
     def link_estimates(self, region: str) -> dict[str, dict]:
         with self._est_lock:
@@ -200,7 +306,9 @@ class Exchanger:
     def state_dict(self) -> dict:
         """The deadline's samples and every codec stream's state (error-feedback residual,
         warm starts, seed and counter), so a restored region encodes exactly as it would have."""
-        return {"deadline": self.deadline.state_dict(),
+        with self._est_lock:
+            links = {peer: est.state_dict() for peer, est in self.estimators.items()}
+        return {"deadline": self.deadline.state_dict(), "links": links,
                 "codecs": {key: _codec_state_dict(st) for key, st in self.states.items()}}
 
     def load_state_dict(self, d: dict) -> None:
@@ -208,6 +316,9 @@ class Exchanger:
             self.deadline.load_state_dict(d["deadline"])
         for key, sd in d.get("codecs", {}).items():
             self.states[key] = _codec_state_from_dict(sd, error_feedback=self.error_feedback)
+        with self._est_lock:
+            for peer, sd in d.get("links", {}).items():
+                self.estimator(peer).load_state_dict(sd)
 
 
 # Scratch buffers whose contents are garbage between encodes: not worth a checkpoint's bytes.

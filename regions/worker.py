@@ -6,6 +6,7 @@ runs one round at a time as the coordinator plans it (DESIGN.md, "One round").
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import math
@@ -26,6 +27,7 @@ from . import checkpoint
 from .sync import ALGORITHMS, mix
 from .sync.common import merge_exchange_metrics
 from .exchange import Exchanger
+from .sketch import count_sketch
 from .tasks import make_task
 from .transport_factory import make_transport
 
@@ -41,6 +43,7 @@ class RoundPlan:
     evaluate: bool = False
     alive: tuple[str, ...] | None = None  # regions the coordinator believes are up (None: all)
     final: bool = False  # the run's last round: apply an exchange still in flight (overlap) before returning
+    sketch: bool = False  # report a count sketch of the synchronised model (the driver's consensus distance)
 
 
 class RegionWorker:
@@ -78,6 +81,7 @@ class RegionWorker:
                                    send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
         self.algorithm = ALGORITHMS[cfg.sync.algorithm](self)
         self.completed_round = -1
+        self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
         self.model.train()
 
@@ -87,6 +91,14 @@ class RegionWorker:
 
     def connect(self, peers: dict[str, str]) -> None:
         self.transport.connect({r: a for r, a in peers.items() if r != self.region})
+
+    def probe_links(self) -> dict[str, Any]:
+        """Warm and measure the connection to every peer before round 0 (network.probe_s)."""
+        net = self.cfg.network
+        peers = [p for p in self.regions if p != self.region]
+        records = (self.exchanger.probe_links(peers, duration_s=net.probe_s, max_bytes=net.probe_max_mb << 20)
+                   if net.probe_s > 0 and peers else [])
+        return {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region)}
 
     def close(self) -> None:
         self.algorithm.close()
@@ -105,11 +117,15 @@ class RegionWorker:
         t_start = time.time()
         metrics = self.algorithm.run_round(plan)
         self.completed_round = plan.round
-        if plan.evaluate or plan.final:
+        if plan.final:
             # Overlap: the round's own exchange is still in flight; its bytes add to this round's.
             merge_exchange_metrics(metrics, self.finish_pending())
         if plan.evaluate:
-            metrics["eval"] = self.evaluate()
+            t_eval = time.monotonic()
+            metrics["eval"] = self.evaluate_synced()
+            metrics["eval_s"] = round(time.monotonic() - t_eval, 6)
+        if plan.sketch:
+            metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
         wall = time.time() - t_start
         metrics.update({"round": plan.round, "region": self.region, "H": plan.H,
                         "codecs": {p: _spec_name(plan.codecs.get(p, self.cfg.compression.codec))
@@ -194,6 +210,29 @@ class RegionWorker:
     def evaluate(self) -> dict[str, Any]:
         r = self.task.evaluate(self.model)
         return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
+
+    def evaluate_synced(self) -> dict[str, Any]:
+        """The metric of the algorithm's synchronised model (DiLoCo: the global model after the
+        last outer step) on a scratch copy: training state, RNG and an overlapped exchange in
+        flight are left untouched, so a run trains the same model with or without evaluation."""
+        if self._eval_model is None:
+            self._eval_model = copy.deepcopy(self.model)  # deepcopy draws no random numbers
+        with torch.no_grad():
+            for dst, src in zip([p for p in self._eval_model.parameters() if p.requires_grad],
+                                self.algorithm.eval_params()):
+                dst.copy_(src)
+            for dst, src in zip(self._eval_model.buffers(), self.model.buffers()):
+                dst.copy_(src)  # running statistics are the region's own (they are not synced)
+        rng = torch.get_rng_state()
+        try:
+            r = self.task.evaluate(self._eval_model)
+        finally:
+            torch.set_rng_state(rng)  # a task may sample while evaluating: training must not see it
+        return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
+
+    def sketch(self) -> torch.Tensor:
+        """A count sketch of the synchronised model (regions/sketch.py): 32 KiB, whatever its size."""
+        return count_sketch(self.algorithm.eval_params(), seed=self.cfg.run.seed)
 
     def get_params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]

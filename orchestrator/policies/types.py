@@ -17,11 +17,14 @@ from typing import Any, Protocol, runtime_checkable
 class LinkEstimate:
     """p2p's LinkEstimator view of one directed link ``"a->b"``; None until measured.
 
-    ``bandwidth_bps`` is in bits per second of payload (application goodput), ``rtt_s`` in seconds.
+    ``bandwidth_bps`` is in bits per second of payload (application goodput) that a push got
+    while ``concurrent`` pushes of its sender ran at once (they share the sender's egress);
+    ``rtt_s`` in seconds.
     """
 
     bandwidth_bps: float | None = None
     rtt_s: float | None = None
+    concurrent: int | None = None
 
     def __post_init__(self):
         if self.bandwidth_bps is not None and not (self.bandwidth_bps > 0 and math.isfinite(self.bandwidth_bps)):

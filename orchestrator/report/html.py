@@ -74,6 +74,11 @@ def _tiles(run: Run) -> str:
              ("final train loss", _num_cell(h.final_train_loss), False)]
     if h.eval_value is not None:
         tiles.append((f"final {h.eval_metric}", f"{h.eval_value:.4g}", False))
+    target = run.summary.get("target") if isinstance(run.summary.get("target"), dict) else None
+    if target is not None:
+        reached = target.get("reached") and num(target.get("time_to_target_s")) is not None
+        tiles.append((f"time to {target.get('metric')} {target.get('value')}",
+                      human_seconds(target["time_to_target_s"]) if reached else "not reached", not reached))
     tiles.append(("compute utilisation", _num_cell(h.utilization, lambda v: f"{v:.0%}"), False))
     if failed:
         tiles.append(("region failures", str(failed), True))

@@ -96,10 +96,26 @@ def plot_eval(run: Run, out: Path) -> Plot | None:
     ax_t.set(xlabel=tlabel, ylabel=metric, title=f"Eval {metric} vs wall-clock time")
     ax_r.set(xlabel="round", title=f"Eval {metric} vs round")
     round_axis(ax_r, run)
+    caption = ("The synchronised model evaluated where it already is (DiLoCo, all-reduce: the first alive region's "
+               "global model; gossip: each region's own) on the rounds where evaluation ran; thick black: the mean.")
+    target = run.summary.get("target") if isinstance(run.summary.get("target"), dict) else None
+    if target and num(target.get("value")) is not None:
+        caption += _mark_target(ax_t, ax_r, target, div)
     ax_r.legend(loc="best")
     save(fig, out, "eval.png")
-    return Plot("eval.png", f"Evaluation ({metric})", "Each region's model evaluated on the rounds where "
-                "evaluation ran; thick black: the mean over regions.")
+    return Plot("eval.png", f"Evaluation ({metric})", caption)
+
+
+def _mark_target(ax_t, ax_r, target: dict, div: float) -> str:
+    """run.target: a dotted line at its value, a dashed one where the run reached it."""
+    for ax in (ax_t, ax_r):
+        ax.axhline(target["value"], color="grey", linestyle=":", linewidth=1, label="target")
+    if not target.get("reached"):
+        return f" Dotted: the target {target['value']:g}, not reached."
+    ax_t.axvline(target["time_to_target_s"] / div, color="tab:red", linestyle="--", linewidth=1)
+    ax_r.axvline(target["round"], color="tab:red", linestyle="--", linewidth=1, label="target reached")
+    return (f" Dotted: the target {target['value']:g}; dashed: reached in round {target['round']} after "
+            f"{target['time_to_target_s']:.3g} s, {target['steps_to_target']} steps.")
 
 
 def _codec_label(codecs: dict[str, str]) -> str:

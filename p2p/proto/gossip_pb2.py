@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgeofed/p2p/proto/gossip.proto\x12\ngeofed.p2p\"@\n\nPushHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"P\n\x0bPushMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.geofed.p2p.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\";\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x18\n\x10receiver_seconds\x18\x02 \x01(\x01\",\n\x0bPingRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x04\"*\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0e\n\x06region\x18\x02 \x01(\t\"#\n\x11\x46\x65tchStateRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\">\n\x0cStateMessage\x12\x15\n\x0btotal_bytes\x18\x01 \x01(\x04H\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind2\xc1\x01\n\x06Gossip\x12\x36\n\x04Push\x12\x17.geofed.p2p.PushMessage\x1a\x13.geofed.p2p.PushAck(\x01\x12\x36\n\x04Ping\x12\x17.geofed.p2p.PingRequest\x1a\x15.geofed.p2p.PingReply\x12G\n\nFetchState\x12\x1d.geofed.p2p.FetchStateRequest\x1a\x18.geofed.p2p.StateMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgeofed/p2p/proto/gossip.proto\x12\ngeofed.p2p\"@\n\nPushHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"P\n\x0bPushMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.geofed.p2p.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\";\n\x07PushAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x18\n\x10receiver_seconds\x18\x02 \x01(\x01\",\n\x0bPingRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x04\"*\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0e\n\x06region\x18\x02 \x01(\t\"#\n\x11\x46\x65tchStateRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\">\n\x0cStateMessage\x12\x15\n\x0btotal_bytes\x18\x01 \x01(\x04H\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind2\xfa\x01\n\x06Gossip\x12\x36\n\x04Push\x12\x17.geofed.p2p.PushMessage\x1a\x13.geofed.p2p.PushAck(\x01\x12\x36\n\x04Ping\x12\x17.geofed.p2p.PingRequest\x1a\x15.geofed.p2p.PingReply\x12G\n\nFetchState\x12\x1d.geofed.p2p.FetchStateRequest\x1a\x18.geofed.p2p.StateMessage0\x01\x12\x37\n\x05Probe\x12\x17.geofed.p2p.PushMessage\x1a\x13.geofed.p2p.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,5 +46,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATEMESSAGE']._serialized_start=381
   _globals['_STATEMESSAGE']._serialized_end=443
   _globals['_GOSSIP']._serialized_start=446
-  _globals['_GOSSIP']._serialized_end=639
+  _globals['_GOSSIP']._serialized_end=696
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class GossipStub:
                 request_serializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.FetchStateRequest.SerializeToString,
                 response_deserializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.StateMessage.FromString,
                 _registered_method=True)
+        self.Probe = channel.stream_unary(
+                '/geofed.p2p.Gossip/Probe',
+                request_serializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.PushMessage.SerializeToString,
+                response_deserializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.PushAck.FromString,
+                _registered_method=True)
 
 
 class GossipServicer:
@@ -77,6 +82,15 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request_iterator, context):
+        """Link probe: a header (total_bytes = the most the caller will send), then chunks that the
+        receiver counts and drops. Warms a fresh connection (handshakes, slow start, HTTP/2 windows)
+        and measures its bandwidth before round 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GossipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.FetchStateRequest.FromString,
                     response_serializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.StateMessage.SerializeToString,
+            ),
+            'Probe': grpc.stream_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.PushMessage.FromString,
+                    response_serializer=geofed_dot_p2p_dot_proto_dot_gossip__pb2.PushAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class Gossip:
             '/geofed.p2p.Gossip/FetchState',
             geofed_dot_p2p_dot_proto_dot_gossip__pb2.FetchStateRequest.SerializeToString,
             geofed_dot_p2p_dot_proto_dot_gossip__pb2.StateMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/geofed.p2p.Gossip/Probe',
+            geofed_dot_p2p_dot_proto_dot_gossip__pb2.PushMessage.SerializeToString,
+            geofed_dot_p2p_dot_proto_dot_gossip__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,6 +106,11 @@ class DilocoSync:
         if self.overlap:
             self._start = [p.detach().clone() for p in self.w.params]
 
+    def eval_params(self) -> list[torch.Tensor]:
+        """The global model (after the last applied outer step): what every region of a full
+        topology holds alike, and what the run's result is."""
+        return self.global_params
+
     def state_dict(self) -> dict:
         return {"global": [g.detach().clone() for g in self.global_params], "outer": self.outer_opt.state_dict()}
 

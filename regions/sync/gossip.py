@@ -214,6 +214,10 @@ class GossipSync:
     def finish(self) -> dict:
         return {}
 
+    def eval_params(self) -> list[torch.Tensor]:
+        """This region's own model: gossip's models differ until consensus."""
+        return self.w.params
+
     def state_dict(self) -> dict:
         with self._lock:
             d: dict[str, Any] = {"region": self.region, "round": self.round, "published": dict(self.published)}

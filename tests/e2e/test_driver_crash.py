@@ -178,6 +178,10 @@ def test_signal_stops_cleanly_with_a_checkpoint_and_no_orphans(tmp_path, how):
     assert ckpt is not None and ckpt[0] == last
     for region in REGIONS:
         assert checkpoint.list_rounds(run_dir / "checkpoints" / region)[-1] == last
+    # A scheduler's stop still leaves the run's summary, marked as interrupted.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] == {"signal": stopped["signal"], "last_round": last}
+    assert summary["rounds"] == last + 1 and summary["bytes_sent"] > 0
     # What --resume takes up (the same function, without starting Ray again): that round, with
     # nothing lost. (A full resume runs in the SIGKILL test above.)
     taken = load_driver_checkpoint(run_dir)

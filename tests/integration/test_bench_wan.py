@@ -81,12 +81,13 @@ def test_drop_small_H_rises_after_the_drop(tmp_path):
     # H set by the sync alone (the control plane's share, which sets it in the bench, can already
     # cover the slower sync), settled before the drop
     base["sync"]["policy"].update(initial_H=60, H_min=10, target_comm_fraction=0.5)
-    sc = Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=3.0, target_loss=0.02, max_steps=1500,
+    sc = Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=4.0, target_loss=0.02, max_steps=1500,
                   fixed_H=(100,), allreduce=False)
     doc, results, _ = bench_wan.run_bench(sc, tmp_path / "bench", base=base)
     assert doc["scenario"] == "drop" and doc["ratios"]["time_vs_allreduce"] is None
     fixed, ad = results
-    assert ad.drop_at_s is not None and 2.0 < ad.drop_at_s < 3.0  # at_s counts from the emulator's start
+    # at_s counts from the emulator's start; set-up (servers, connections, the link probes) comes first
+    assert ad.drop_at_s is not None and 1.5 < ad.drop_at_s < 4.0
     settled = [h for s, e, h in ad.H_rounds if e <= ad.drop_at_s and s > 0]  # round 0 is initial_H
     after = [h for s, _, h in ad.H_rounds if s >= ad.drop_at_s + 1.0]  # estimates follow within a few rounds
     assert settled and after, ad.H_rounds

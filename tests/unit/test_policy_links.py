@@ -1,4 +1,4 @@
-"""The coordinator's link tracker and its policy glue: what the policy sees from region metrics."""
+"""The coordinator's view of the regions' link estimates and its policy glue: what the policy sees."""
 
 from __future__ import annotations
 
@@ -7,65 +7,24 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.coordinator import WARMUP_ROUNDS, Coordinator
 from geofed.orchestrator.policies import BandwidthPolicyConfig
 from geofed.orchestrator.policies.cost import H_for_sync, budget_for_H
-from geofed.orchestrator.policies.links import LinkTracker
+from geofed.orchestrator.policies import LinkEstimate
+from geofed.orchestrator.policies.links import LinkView
 
 
-def test_small_transfers_measure_bandwidth_once_the_rtt_is_known():
-    t = LinkTracker()
-    t.observe("a->b", rtt_s=0.08, transfers=[(50_000, 0.08 + 50_000 * 8 / 5e6)])  # 50 kB at 5 Mbit/s
-    est = t.estimate("a->b")
-    assert est.rtt_s == pytest.approx(0.08)
-    assert est.bandwidth_bps == pytest.approx(5e6, rel=1e-6)
-
-
-def test_a_latency_bound_transfer_adds_no_bandwidth_sample():
-    t = LinkTracker(min_exposed_fraction=0.25)
-    t.observe("a->b", rtt_s=0.08, transfers=[(150_000, 0.08 + 150_000 * 8 / 25e6)])  # 48 ms exposed
-    # 5 kB 3 ms over one RTT: p2p's fallback would read 0.5 Mbit/s, bits/exposed 13 Mbit/s; both noise.
-    t.observe("a->b", rtt_s=0.08, transfers=[(5_000, 0.083)])
-    assert t.estimate("a->b").bandwidth_bps == pytest.approx(25e6)
-    u = LinkTracker()
-    u.observe("a->b", rtt_s=0.08, transfers=[(5_000, 0.083)])
-    assert u.estimate("a->b").bandwidth_bps is None and u.estimate("a->b").rtt_s == pytest.approx(0.08)
-
-
-def test_an_inflated_rtt_is_bounded_by_the_transfers_themselves():
-    t = LinkTracker()
-    t.observe("a->b", rtt_s=0.33, transfers=[(20_000, 0.09)])  # a ping under load read 330 ms
-    assert t.estimate("a->b").rtt_s == pytest.approx(0.09)
-    t.observe("a->b", rtt_s=0.081, transfers=[(20_000, 0.09)])
-    assert t.estimate("a->b").rtt_s == pytest.approx(0.081)
-
-
-def test_a_large_drop_shows_at_once_noise_within_the_window_and_a_rise_at_once():
-    t = LinkTracker(window=3, drop_ratio=3.0)
-    fast, slow = 0.08 + 100_000 * 8 / 25e6, 0.08 + 100_000 * 8 / 2.5e6
-    for _ in range(3):
-        t.observe("a->b", rtt_s=0.08, transfers=[(100_000, fast)])
-    t.observe("a->b", rtt_s=0.08, transfers=[(100_000, slow)])       # 10x: the link fell
-    assert t.estimate("a->b").bandwidth_bps == pytest.approx(2.5e6)
-    t.observe("a->b", rtt_s=0.08, transfers=[(100_000, fast)])       # a rise: at once
-    assert t.estimate("a->b").bandwidth_bps == pytest.approx(25e6)
-    noisy = 0.08 + 100_000 * 8 / 15e6                                # a loaded host: 40% slower
-    seen = []
-    for _ in range(3):
-        t.observe("a->b", rtt_s=0.08, transfers=[(100_000, noisy)])
-        seen.append(t.estimate("a->b").bandwidth_bps)
-    assert seen[0] == pytest.approx(25e6) and seen[-1] == pytest.approx(15e6)  # the window's maximum
-
-
-def test_observe_round_reads_region_metrics():
-    t = LinkTracker()
-    t.observe_round({"a": {"links": {"a->b": {"rtt_ms": 80.0}, "a->c": {"rtt_ms": 40.0}},
-                           "transfers": [{"peer": "b", "direction": "send", "bytes": 200_000, "seconds": 0.16},
-                                         {"peer": "b", "direction": "recv", "bytes": 9, "seconds": 9.0}]}})
-    assert t.links() == ["a->b", "a->c"]
-    assert t.estimate("a->b").bandwidth_bps == pytest.approx(200_000 * 8 / 0.08)
-    assert t.estimate("a->c").bandwidth_bps is None and t.estimate("a->c").rtt_s == pytest.approx(0.04)
-    state = t.state_dict()
-    u = LinkTracker()
-    u.load_state_dict(state)
-    assert u.estimate("a->b") == t.estimate("a->b")
+def test_the_view_keeps_each_links_last_known_figures():
+    v = LinkView()
+    v.observe_round({"a": {"links": {"a->b": {"bandwidth_mbps": 16.0, "rtt_ms": 80.0, "concurrent": 3},
+                                     "a->c": {"bandwidth_mbps": None, "rtt_ms": 40.0}}}})
+    assert v.links() == ["a->b", "a->c"]
+    assert v.estimate("a->b") == LinkEstimate(bandwidth_bps=16e6, rtt_s=0.08, concurrent=3)
+    assert v.estimate("a->c").bandwidth_bps is None and v.estimate("a->c").rtt_s == pytest.approx(0.04)
+    # A restarted region reports a link it has not measured yet: the last known bandwidth stays.
+    v.observe_round({"a": {"links": {"a->b": {"bandwidth_mbps": None, "rtt_ms": 81.0}}}})
+    assert v.estimate("a->b").bandwidth_bps == 16e6 and v.estimate("a->b").rtt_s == pytest.approx(0.081)
+    u = LinkView()
+    u.load_state_dict(v.state_dict())
+    assert u.estimate("a->b") == v.estimate("a->b")
+    assert v.estimate("x->y") == LinkEstimate()
 
 
 def test_overhead_raises_H_with_overlap_and_counts_as_sync_when_serial():
@@ -97,11 +56,11 @@ def _coordinator(policy, *, max_steps=0, rounds=100, overlap=True):
     return Coordinator(cfg, model_numel=100_000, clock=ManualClock())
 
 
-def _metrics(*, wall, step=0.005, H=20, transfer_s=0.1):
+def _metrics(*, wall, step=0.005, H=20):
     def one(src, dst):
+        # 100 kB updates at 40 Mbit/s over 80 ms: a sync of 0.1 s
         return {"step_time_s": step, "train_loss": 1.0, "wall_s": wall, "sync_s": 0.0, "steps": H,
-                "links": {f"{src}->{dst}": {"rtt_ms": 80.0}},
-                "transfers": [{"peer": dst, "direction": "send", "bytes": 100_000, "seconds": transfer_s}]}
+                "links": {f"{src}->{dst}": {"rtt_ms": 80.0, "bandwidth_mbps": 40.0}}}
     return {"a": one("a", "b"), "b": one("b", "a")}
 
 

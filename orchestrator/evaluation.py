@@ -1,0 +1,89 @@
+"""Evaluation rounds, the run's target (run.target) and what reaching it cost.
+
+Where the evaluated model comes from (docs/launch.md, "What travels where"): DiLoCo and
+all-reduce evaluate the synchronised model on the first alive region, which holds it already
+(every region of a full topology has the same global model after the outer step), so an
+evaluation sends no model and waits for nothing; how far apart the regions' models are (the
+consensus distance) comes from a 32 KiB count sketch of each (regions/sketch.py). Gossip's regions hold different models; their
+average needs each region's parameters at the driver, a fetch through Ray that is counted as
+``eval_fetch_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from geofed.regions.sketch import consensus_from_sketches
+
+from .config import RunConfig
+from .recovery import RunFailed
+from .summary import evaluate_average
+
+
+def fetched_bytes(params: Mapping[str, list[torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for tensors in params.values() for t in tensors)
+
+
+class RunEvaluation:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.target = cfg.run.target
+        self.every = cfg.run.eval_every or (1 if self.target is not None else 0)
+        self.hit: dict[str, Any] | None = None   # the round that reached the target, and its cost
+        self.last: dict[str, Any] | None = None  # the last evaluation's eval_avg
+        self.fetch_bytes = 0
+
+    def due(self, round_: int) -> bool:
+        return bool(self.every) and (round_ + 1) % self.every == 0
+
+    def of_round(self, results: Mapping[str, Mapping[str, Any]], alive: list[str],
+                 fetch_params: Callable[[], dict[str, list[torch.Tensor]]]) -> dict[str, Any]:
+        """An eval round's record for rounds.jsonl: eval_avg (and for gossip the consensus
+        distance and the fetch's bytes)."""
+        if self.cfg.sync.algorithm == "gossip":
+            params = fetch_params()
+            if not params:
+                return {}
+            avg, consensus = evaluate_average(self.cfg, params)
+            n = fetched_bytes(params)
+            self.fetch_bytes += n
+            self.last = avg
+            return {"eval_avg": avg, "consensus_distance": consensus, "eval_fetch_bytes": n}
+        sketches = [results[r].pop("sketch") for r in alive if "sketch" in results.get(r, {})]
+        out: dict[str, Any] = {"consensus_distance": consensus_from_sketches(sketches)} if sketches else {}
+        evaluator = next((r for r in alive if "eval" in results.get(r, {})), None)
+        if evaluator is not None:
+            self.last = results[evaluator]["eval"]
+            out.update(eval_avg=self.last, eval_region=evaluator)
+        return out
+
+    def reached(self, ev: Mapping[str, Any] | None) -> bool:
+        t = self.target
+        if t is None or not ev:
+            return False
+        if ev["metric"] != t.metric:
+            raise RunFailed(f"run.target.metric is {t.metric!r}, but task {self.cfg.task.kind} evaluates "
+                            f"{ev['metric']!r}: set run.target.metric to {ev['metric']!r}")
+        return ev["value"] >= t.value if ev["higher_is_better"] else ev["value"] <= t.value
+
+    def check(self, round_: int, ev: Mapping[str, Any] | None, *, t_s: float, steps: int, bytes_sent: int) -> bool:
+        """Whether this round's evaluation reached the target (the first time: its cost is kept)."""
+        if self.hit is not None or not self.reached(ev):
+            return False
+        self.hit = {"round": round_, "metric": ev["metric"], "value": ev["value"], "time_to_target_s": round(t_s, 4),
+                    "steps_to_target": steps, "bytes_to_target": bytes_sent + self.fetch_bytes}
+        return True
+
+    def summary_fields(self) -> dict[str, Any]:
+        t = self.target
+        out: dict[str, Any] = {"eval_fetch_bytes": self.fetch_bytes}
+        if t is None:
+            return out
+        out["target"] = {"metric": t.metric, "value": t.value, "reached": self.hit is not None,
+                         **({k: v for k, v in self.hit.items()} if self.hit else {})}
+        for key in ("time_to_target_s", "steps_to_target", "bytes_to_target"):
+            out[key] = self.hit[key] if self.hit else None
+        return out

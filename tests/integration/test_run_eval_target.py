@@ -1,0 +1,79 @@
+"""Evaluation changes nothing and costs nothing on the wire; run.target ends a run at its target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.rundir import read_jsonl
+from geofed.orchestrator.runner import Runner
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+
+REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
+
+
+def _cfg(**run):
+    return config_from_mapping({
+        "run": {"name": "t", "rounds": 5, "report": False, "checkpoint_every": 0, "seed": 3, **run},
+        "task": {"kind": "mlp-digits", "hidden": 32},
+        "regions": {"names": REGIONS, "num_cpus": 0.5},
+        "network": {"emulation": {"mode": "none"}},
+        # Overlap: the exchange of round r is still in flight when round r is evaluated.
+        "sync": {"overlap": True, "policy": {"kind": "fixed", "H": 10}, "inner": {"lr": 0.01},
+                 "outer": {"momentum": 0.5}, "deadline": {"initial_s": 30, "min_s": 30}},
+        "compression": {"codec": "int8"},
+    })
+
+
+def _train(cfg, run_dir):
+    runner = Runner(cfg, run_dir, show_progress=False)
+    try:
+        summary = runner.run()
+        params = runner._call(runner.alive, "get_params", timeout=60)
+    finally:
+        runner.shutdown()
+    return summary, params
+
+
+def test_evaluating_every_round_trains_the_same_model_and_sends_nothing_more(tmp_path):
+    quiet, quiet_params = _train(_cfg(eval_every=0), tmp_path / "quiet")
+    watched, watched_params = _train(_cfg(eval_every=1), tmp_path / "watched")
+    for region in REGIONS:
+        for a, b in zip(quiet_params[region], watched_params[region]):
+            assert torch.equal(a, b), f"{region}: evaluation changed the trained model"
+    assert watched["bytes_sent"] == quiet["bytes_sent"] and watched["eval_fetch_bytes"] == 0
+    rounds = read_jsonl(tmp_path / "watched" / "rounds.jsonl")
+    assert all(r["eval_avg"]["metric"] == "accuracy" for r in rounds)
+    assert all(r["eval_region"] == REGIONS[0] for r in rounds)
+    # Only the evaluating region spends the compute; no round waited for its overlapped exchange.
+    metrics = read_jsonl(tmp_path / "watched" / "metrics.jsonl")
+    assert {m["region"] for m in metrics if "eval" in m} == {REGIONS[0]}
+    assert all(m["exchange_round"] == m["round"] - 1 for m in metrics if 0 < m["round"] < 4)
+    assert rounds[-1]["eval_avg"]["value"] > rounds[0]["eval_avg"]["value"]
+    assert quiet["eval"]["value"] == pytest.approx(watched["eval"]["value"], abs=1e-12)
+
+
+def test_a_run_ends_at_its_target_and_says_what_reaching_it_cost(tmp_path):
+    cfg = _cfg(rounds=40, target={"metric": "accuracy", "value": 0.6})
+    summary, _ = _train(cfg, tmp_path)
+    rounds = read_jsonl(tmp_path / "rounds.jsonl")
+    hit = summary["target"]
+    assert hit["reached"] and hit["round"] == rounds[-1]["round"] < 39
+    assert rounds[-1]["eval_avg"]["value"] >= 0.6 > max(r["eval_avg"]["value"] for r in rounds[:-1])
+    assert summary["time_to_target_s"] == pytest.approx(rounds[-1]["t_end"], abs=0.05)
+    assert summary["steps_to_target"] == 10 * len(rounds)
+    assert summary["bytes_to_target"] == sum(r["bytes_sent"] for r in rounds)
+    (event,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "target_reached"]
+    assert event["round"] == hit["round"]
+    assert json.loads((tmp_path / "summary.json").read_text())["target"] == hit
+
+
+def test_a_target_on_a_metric_the_task_does_not_report_is_named(tmp_path):
+    from geofed.orchestrator.recovery import RunFailed
+
+    with pytest.raises(RunFailed, match=r"run.target.metric is 'loss', but task mlp-digits evaluates 'accuracy'"):
+        _train(_cfg(rounds=3, target={"metric": "loss", "value": 0.1}), tmp_path)

@@ -1,0 +1,113 @@
+"""The one link estimator's rules (p2p/estimator.py): cold connections, bursts, drops, latency-bound transfers."""
+
+from __future__ import annotations
+
+import pytest
+
+from geofed.p2p.estimator import LinkEstimator
+
+
+def _sent(nbytes: int, bw: float, rtt: float = 0.08) -> float:
+    """Sender-timed seconds of a transfer over a link of `bw` bit/s: one RTT plus the bytes."""
+    return rtt + nbytes * 8 / bw
+
+
+def test_a_small_transfer_measures_bandwidth_once_the_rtt_is_known():
+    est = LinkEstimator()
+    est.observe_rtt(0.08)
+    est.observe_transfer(50_000, _sent(50_000, 5e6))
+    assert est.rtt_s == pytest.approx(0.08)
+    assert est.bandwidth_bps == pytest.approx(5e6, rel=1e-6)
+
+
+def test_the_first_transfer_on_a_cold_connection_is_not_a_sample():
+    # Real 4-node cluster, 80 ms RTT: the first int8 push on a fresh mTLS channel (handshakes, slow
+    # start) read 3.7 Mbit/s on a link that gave 16.7 (issue 14).
+    est = LinkEstimator()
+    est.observe_rtt(0.08)
+    est.observe_transfer(90_000, 3 * 0.08 + 90_000 * 8 / 3.7e6, cold=True)
+    assert est.bandwidth_bps is None and est.cold_transfers == 1 and est.transfers == 1
+    assert est.rtt_s == pytest.approx(0.08)  # nor a bound on the RTT
+    est.observe_transfer(1 << 20, _sent(1 << 20, 16.7e6), concurrent=3)
+    assert est.bandwidth_bps == pytest.approx(16.7e6) and est.concurrent == 3
+    assert est.snapshot()["concurrent"] == 3 and est.snapshot()["cold_transfers"] == 1
+
+
+def test_a_small_transfer_can_lower_the_estimate_but_not_raise_it():
+    # A shaper's burst lets the first tens of KiB through at line rate: a small update reads fast.
+    est = LinkEstimator(raise_bytes=256 << 10)
+    est.observe_rtt(0.08)
+    est.observe_transfer(1 << 20, _sent(1 << 20, 16e6))             # a probe: 16 Mbit/s
+    est.observe_transfer(85_000, _sent(85_000 - 21_000, 16e6))      # 21 kB of burst: reads 21 Mbit/s
+    assert est.bandwidth_bps == pytest.approx(16e6)
+    est.observe_transfer(85_000, _sent(85_000, 12e6))               # slower: it may lower it in time
+    assert est.bandwidth_bps == pytest.approx(16e6)                  # (the window's maximum)
+    est.observe_transfer(600_000, _sent(600_000, 25e6))             # a large transfer raises at once
+    assert est.bandwidth_bps == pytest.approx(25e6)
+
+
+def test_a_latency_bound_transfer_adds_no_bandwidth_sample():
+    est = LinkEstimator(min_exposed_fraction=0.25)
+    est.observe_rtt(0.08)
+    est.observe_transfer(300_000, _sent(300_000, 25e6))  # 96 ms exposed
+    # 5 kB 3 ms over one RTT: bits/seconds would read 0.5 Mbit/s, bits/exposed 13 Mbit/s; both noise.
+    est.observe_transfer(5_000, 0.083)
+    assert est.bandwidth_bps == pytest.approx(25e6)
+    fresh = LinkEstimator()
+    fresh.observe_rtt(0.08)
+    fresh.observe_transfer(5_000, 0.083)
+    assert fresh.bandwidth_bps is None and fresh.rtt_s == pytest.approx(0.08)
+
+
+def test_an_inflated_rtt_is_bounded_by_the_transfers_themselves():
+    est = LinkEstimator()
+    est.observe_rtt(0.33)  # a ping while every region computed and pushed its first update
+    est.observe_transfer(20_000, 0.09)
+    assert est.rtt_s == pytest.approx(0.09)
+    est.observe_rtt(0.081)
+    assert est.rtt_s == pytest.approx(0.081)
+
+
+def test_a_large_drop_shows_at_once_and_noise_stays_within_the_window():
+    est = LinkEstimator(window=3, drop_ratio=3.0)
+    est.observe_rtt(0.08)
+    for _ in range(3):
+        est.observe_transfer(1 << 20, _sent(1 << 20, 25e6))
+    est.observe_transfer(200_000, _sent(200_000, 2.5e6))   # 10x: the link fell (a small update shows it too)
+    assert est.bandwidth_bps == pytest.approx(2.5e6)
+    est.observe_transfer(1 << 20, _sent(1 << 20, 25e6))     # back up: a large transfer shows it at once
+    assert est.bandwidth_bps == pytest.approx(25e6)
+    seen = []
+    for _ in range(3):                                       # a loaded host: 40% slower, not the link
+        est.observe_transfer(1 << 20, _sent(1 << 20, 15e6))
+        seen.append(est.bandwidth_bps)
+    assert seen[0] == pytest.approx(25e6) and seen[-1] == pytest.approx(15e6)
+
+
+def test_state_round_trips_and_bad_samples_are_refused():
+    est = LinkEstimator()
+    est.observe_rtt(0.05)
+    est.observe_transfer(1 << 20, _sent(1 << 20, 40e6, 0.05), concurrent=2)
+    again = LinkEstimator()
+    again.load_state_dict(est.state_dict())
+    assert again.snapshot() == est.snapshot()
+    for bad in (0.0, float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="seconds:"):
+            est.observe_transfer(10, bad)
+        with pytest.raises(ValueError, match="seconds:"):
+            est.observe_rtt(bad)
+
+
+def test_a_fall_read_by_latency_bound_transfers_needs_the_window_to_agree():
+    # 9.7 kB updates on a 52 Mbit/s, 72 ms link serialise in 1.5 ms; on a loaded host a push waited
+    # 25-65 ms for a core now and then, which reads as 1.4-3 Mbit/s.
+    est = LinkEstimator(window=3)
+    est.observe_rtt(0.072)
+    est.observe_transfer(2 << 20, _sent(2 << 20, 52e6, 0.072))
+    est.observe_transfer(9_700, 0.072 + 0.065)      # one stalled push
+    est.observe_transfer(9_700, 0.072 + 0.010)      # then a normal one
+    est.observe_transfer(9_700, 0.072 + 0.060)
+    assert est.bandwidth_bps == pytest.approx(52e6)
+    for _ in range(3):                               # the link really fell to 1 Mbit/s
+        est.observe_transfer(9_700, _sent(9_700, 1e6, 0.072))
+    assert est.bandwidth_bps == pytest.approx(1e6)
