@@ -7,6 +7,8 @@ the sklearn wheel, so nothing downloads). Run it with:
 
 The config names this file's factory as `task.kind: python:my_task:make_task`, puts this folder
 on the import path with `task.path: examples`, and passes `task.options` to `make_task`.
+`@task_factory` marks `make_task` as a function a config may name: geofed calls no other.
+(A config that names a plug-in is code: loading it imports this module, top-level code and all.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from sklearn.datasets import load_breast_cancer
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-from geofed.regions.tasks import EvalResult, Shard, Task
+from geofed.regions.tasks import EvalResult, Shard, Task, task_factory
 
 
 class ArrayShard(Shard):
@@ -67,6 +69,7 @@ class BreastCancerTask(Task):
         return EvalResult(metric="accuracy", value=float((pred == self.y_test).float().mean()))
 
 
+@task_factory
 def make_task(batch_size: int = 16) -> Task:
     """The factory `task.kind` names; `task.options` become its keyword arguments."""
     return BreastCancerTask(batch_size)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import RunConfig, config_from_mapping, default_config_path
-from .strict import parse_yaml
+from .strict import parse_yaml_file
 
 BASE_CONFIG = "bench-wan.yaml"
 
@@ -94,7 +94,7 @@ QUICK = {
 def base_mapping(name: str = BASE_CONFIG) -> dict[str, Any]:
     """A config of configs/ as a mapping (default the bench's base, configs/bench-wan.yaml)."""
     path = default_config_path().parent / name
-    return parse_yaml(path.read_bytes(), source=str(path))
+    return parse_yaml_file(path)
 
 
 def build_arms(scenario: Scenario, base: dict[str, Any] | None = None) -> list[Arm]:

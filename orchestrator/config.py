@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from geofed.p2p.wan.config import EmulationConfig
-from geofed.regions.tasks.base import task_config_class
+from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_config_class
 
 from . import strict
 from .launch_config import LaunchSection
@@ -347,11 +347,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Load and validate a run config; ConfigError names the file and the dotted key."""
     path = Path(path) if path is not None else default_config_path()
     source = str(path)
-    try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError("", f"cannot read config: {exc.strerror}", source=source) from None
-    data = strict.parse_yaml(text, source=source)
+    data = strict.parse_yaml_file(path, source=source)
     return config_from_mapping(data, overrides, source=source)
 
 
@@ -359,9 +355,24 @@ def config_from_mapping(data: dict, overrides=(), *, source: str = "<config>") -
     try:
         for assignment in overrides:
             strict.apply_override(data, assignment)
-        return strict.build(RunConfig, data)
+        cfg = strict.build(RunConfig, data)
+        _check_plugin_task(cfg.task)
+        return cfg
     except ConfigError as exc:
         raise exc.with_source(source) from None
+
+
+def _check_plugin_task(task: Any) -> None:
+    """Find a plug-in task's factory now, so `geofed validate` refuses one that is not marked as a
+    geofed task factory. Nothing is called; the module is imported (a config naming a plug-in is
+    code: regions/tasks/base.py)."""
+    if not isinstance(task, PluginTaskConfig):
+        return
+    try:
+        load_task_factory(task)
+    except ValueError as exc:
+        key, _, rest = str(exc).partition(": ")
+        raise ConfigError(f"task.{key}", rest) from None
 
 
 def to_mapping(cfg: Any) -> Any:

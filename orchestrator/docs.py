@@ -45,7 +45,10 @@ def config_docs_markdown() -> str:
         parts.append(f"\n### `task.kind: {kind}`\n\n")
         parts.append(_table(field_docs(task_config_class(kind), "task")))
     parts.append("\n### `task.kind: python:module:function`\n\nYour own task: `function(**task.options)` returns a "
-                 "`geofed.regions.tasks.Task` (see examples/).\n")
+                 "`geofed.regions.tasks.Task` (see examples/). The function must be marked "
+                 "`@geofed.regions.tasks.task_factory` or be a `geofed.tasks` entry point; geofed calls no other. "
+                 "Loading it imports the module (its top-level code runs, in `geofed validate` too): a config "
+                 "that names a plug-in is code.\n")
     parts.append("\n## `sync.policy` (by `sync.policy.kind`)\n")
     for kind in _policy_kinds():
         parts.append(f"\n### `sync.policy.kind: {kind}`\n\n")

@@ -18,7 +18,7 @@ from geofed.regions import checkpoint
 from .config import RunConfig, config_from_mapping
 from .recovery import RunFailed, reap_previous, schedule_after
 from .rundir import read_jsonl, truncate_jsonl
-from .strict import ConfigError, parse_yaml
+from .strict import ConfigError, parse_yaml_file
 
 
 class DriverCheckpoint(NamedTuple):
@@ -32,7 +32,7 @@ def resume_config(run_dir: Path, overrides) -> tuple[RunConfig, Path]:
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))
-    data = parse_yaml(path.read_bytes(), source=str(path))
+    data = parse_yaml_file(path)  # a regular file of at most 1 MiB: a run directory is anyone's file
     return config_from_mapping(data, overrides, source=str(path)), Path(run_dir)
 
 

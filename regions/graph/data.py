@@ -4,19 +4,35 @@ The format (documented in docs/graph.md and ../shared/datasets/README.md) is one
 holding ``x`` (N x F features), ``y`` (N class ids, -1 = unlabelled), ``edge_index`` (2 x E
 directed edges, both directions present) and the boolean split masks. It is read with
 ``allow_pickle=False`` so a file can never run code.
+
+A graph file is bounded before anything is decompressed (a 2 MB ``.npz`` can inflate to 2 GiB):
+a regular file (no FIFO, no device) of at most ``max_bytes`` on disk, a zip directory of at most
+``MAX_ZIP_DIRECTORY`` bytes, members stored or deflated (what ``np.savez``/``np.savez_compressed``
+write; bzip2/lzma inflate without a bound in zipfile), the six arrays' uncompressed sizes summing
+to at most ``max_bytes``, and each array's header (shape x dtype) no bigger than its member, so
+what numpy allocates is what was checked. zipfile never inflates past a member's declared size.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
+from numpy.lib import format as npy_format
+
+from geofed.regions.inputfiles import InputFileError, open_regular
 
 REQUIRED_KEYS = ("x", "y", "edge_index", "train_mask", "val_mask", "test_mask")
 MAX_NODES = 50_000_000
+MAX_GRAPH_BYTES = 1 << 30  # default cap (task.max_mb); Cora is 4 MB uncompressed, CiteSeer 15 MB
+MAX_ZIP_DIRECTORY = 1 << 20  # ~20k members' entries; the format has six
+_ZIP_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -49,15 +65,17 @@ class GraphData:
         return int(self.edge_index.shape[1])
 
 
-def load_graph_npz(path: str | Path) -> GraphData:
-    """Read and validate a graph ``.npz``; ValueError names the file and the offending key."""
+def load_graph_npz(path: str | Path, *, max_bytes: int = MAX_GRAPH_BYTES) -> GraphData:
+    """Read and validate a graph ``.npz`` of at most `max_bytes` (on disk and uncompressed);
+    ValueError names the file and the offending key."""
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as f:
-            missing = [k for k in REQUIRED_KEYS if k not in f.files]
-            if missing:
-                raise ValueError(f"{path}: missing arrays {missing} (need {list(REQUIRED_KEYS)})")
-            arrays = {k: f[k] for k in REQUIRED_KEYS}
+        with open_regular(path, max_bytes=max_bytes) as f:
+            arrays = _read_arrays(f, max_bytes, str(path))
+    except InputFileError as exc:
+        if exc.strerror is not None:
+            raise ValueError(f"{path}: cannot read graph file: {exc.strerror}") from None
+        raise ValueError(f"{path}: {exc.reason}") from None
     except (OSError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{path}: cannot read graph file: {exc}") from None
     except ValueError as exc:
@@ -71,6 +89,78 @@ def load_graph_npz(path: str | Path) -> GraphData:
         train_mask=arrays["train_mask"], val_mask=arrays["val_mask"], test_mask=arrays["test_mask"],
         source=str(path),
     )
+
+
+def _read_arrays(f: BinaryIO, max_bytes: int, src: str) -> dict[str, np.ndarray]:
+    if f.read(4) != b"PK\x03\x04":
+        raise ValueError(f"{src}: not a plain-array .npz graph file (not a zip archive)")
+    directory = _zip_directory_size(f)
+    if directory is not None and directory > MAX_ZIP_DIRECTORY:
+        raise ValueError(f"{src}: its zip directory is {directory} bytes (at most {MAX_ZIP_DIRECTORY}); "
+                         "a graph file holds six arrays")
+    f.seek(0)
+    with zipfile.ZipFile(f) as z:
+        members = {info.filename.removesuffix(".npy"): info for info in z.infolist()}
+        missing = [k for k in REQUIRED_KEYS if k not in members]
+        if missing:
+            raise ValueError(f"{src}: missing arrays {missing} (need {list(REQUIRED_KEYS)})")
+        infos = [members[k] for k in REQUIRED_KEYS]
+        for info in infos:
+            _check_member(info, max_bytes, src)
+        total = sum(info.file_size for info in infos)
+        if total > max_bytes:
+            raise ValueError(f"{src}: its arrays hold {total} bytes uncompressed; the limit is {max_bytes}")
+        return {k: _read_member(z, info, src) for k, info in zip(REQUIRED_KEYS, infos)}
+
+
+def _check_member(info: zipfile.ZipInfo, max_bytes: int, src: str) -> None:
+    name = info.filename
+    if info.flag_bits & 0x1:
+        raise ValueError(f"{src}: {name}: encrypted; a graph file is a plain np.savez archive")
+    if info.compress_type not in _ZIP_METHODS:
+        raise ValueError(f"{src}: {name}: zip compression method {info.compress_type}; graph files are stored "
+                         "or deflated (np.savez, np.savez_compressed)")
+    if info.file_size > max_bytes:
+        raise ValueError(f"{src}: {name}: {info.file_size} bytes uncompressed; the limit is {max_bytes}")
+
+
+def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, src: str) -> np.ndarray:
+    """One array, its header checked against its member's size before numpy allocates it."""
+    with z.open(info) as m:
+        version = npy_format.read_magic(m)
+        if version == (1, 0):
+            shape, _, dtype = npy_format.read_array_header_1_0(m)
+        else:
+            shape, _, dtype = npy_format.read_array_header_2_0(m)
+    if dtype.hasobject:
+        raise ValueError(f"{src}: not a plain-array .npz graph file: {info.filename} holds Python objects "
+                         "(refused: allow_pickle=False)")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > info.file_size:
+        raise ValueError(f"{src}: {info.filename}: its header declares {nbytes} bytes of data, the member holds "
+                         f"{info.file_size}")
+    with z.open(info) as m:
+        return npy_format.read_array(m, allow_pickle=False)
+
+
+def _zip_directory_size(f: BinaryIO) -> int | None:
+    """The central directory size a zip's end record declares (zipfile reads that many bytes and
+    makes an object per entry in them), or None when there is no end record (ZipFile says so)."""
+    size = f.seek(0, 2)
+    tail_len = min(size, 22 + 0xFFFF)  # the end record, and a comment of at most 64 KiB
+    f.seek(size - tail_len)
+    tail = f.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        return None
+    directory = struct.unpack("<I", tail[at + 12:at + 16])[0]
+    end_at = size - tail_len + at
+    if at >= 20 and end_at >= 20 + 56 and tail[at - 20:at - 16] == b"PK\x06\x07":
+        f.seek(end_at - 20 - 56)  # zip64: the end record sits just before its locator
+        record = f.read(56)
+        if record[:4] == b"PK\x06\x06":
+            directory = max(directory, struct.unpack("<Q", record[40:48])[0])
+    return directory
 
 
 def _validate(a: dict[str, np.ndarray], src: str) -> None:

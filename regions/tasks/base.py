@@ -2,13 +2,23 @@
 
 A task is a plain object built from its own frozen config dataclass. The registry maps the
 YAML ``task.kind`` to (config class, factory). ``python:module:function`` plugs in a user's
-own task: the function takes the task config mapping's extra keys and returns a Task.
+own task: the function takes ``task.options`` as keyword arguments and returns a Task.
+
+Trust model of plug-ins: a config that names a plug-in is code. Loading one imports the named
+module, which runs its top-level code (``geofed validate`` does so too), so a config naming
+``python:...`` deserves the trust you give a Python file. What the config cannot do is call
+an arbitrary function: only a callable its author marked as a geofed task factory (the
+``task_factory`` decorator, or a ``geofed.tasks`` entry point of an installed distribution) is
+ever called, and the mark is checked before the call. ``python:os:system`` is refused without
+importing anything (standard-library modules hold no task factories).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -71,8 +81,66 @@ class PluginTaskConfig:
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"doc": "keyword arguments for the factory"})
 
     def __post_init__(self):
-        if not self.kind.startswith("python:") or self.kind.count(":") != 2:
-            raise ValueError(f"kind: expected python:module:function, got {self.kind!r}")
+        if not _PLUGIN_KIND.fullmatch(self.kind):
+            raise ValueError(f"kind: expected python:module:function (dotted Python names), got {self.kind!r}")
+
+
+_PLUGIN_KIND = re.compile(r"python:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+ENTRY_POINT_GROUP = "geofed.tasks"
+# id -> the factory itself: a mark by identity, which no look-alike object (a proxy whose every
+# attribute is truthy, a module __getattr__) can fake. Holding the function keeps its id unique.
+_FACTORIES: dict[int, Callable[..., Any]] = {}
+
+
+def task_factory(fn: Callable[..., Task]) -> Callable[..., Task]:
+    """Mark `fn` as a geofed task factory: a config may then name it as
+    ``task.kind: python:module:function``; ``fn(**task.options)`` returns a Task.
+
+    A config can only make geofed call functions marked so (or declared as ``geofed.tasks``
+    entry points): naming any other callable, ``os:system`` say, is refused before a call.
+    """
+    if not callable(fn):
+        raise TypeError(f"task_factory: {fn!r} is not callable")
+    _FACTORIES[id(fn)] = fn
+    return fn
+
+
+def is_task_factory(fn: Any) -> bool:
+    return _FACTORIES.get(id(fn)) is fn
+
+
+def _declared_entry_point(module: str, attr: str) -> bool:
+    """Whether an installed distribution declares ``module:attr`` in the ``geofed.tasks`` entry
+    point group (read from metadata: nothing is imported)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.module == module and ep.attr == attr for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def load_task_factory(config: PluginTaskConfig) -> Callable[..., Task]:
+    """The factory `config.kind` names, once it is known to be marked; ValueError('kind: ...')
+    otherwise. Importing the module runs its top-level code (see the module docstring)."""
+    _, module_name, fn_name = config.kind.split(":")
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top == "geofed":
+        raise ValueError(f"kind: {config.kind!r} names {top!r}, which holds no geofed task factory "
+                         f"(a plug-in task is a function in your own module, marked @task_factory)")
+    declared = _declared_entry_point(module_name, fn_name)
+    if config.path is not None and config.path not in sys.path:
+        sys.path.insert(0, config.path)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - the user's module: any error it raises, on one line
+        raise ValueError(f"kind: cannot import {module_name!r} for {config.kind!r}: {type(exc).__name__}: {exc} "
+                         f"(python -c 'import {module_name}' shows the traceback)") from None
+    fn = vars(module).get(fn_name)  # no module __getattr__: a plain lookup
+    if fn is None:
+        raise ValueError(f"kind: {config.kind!r}: module {module_name!r} has no {fn_name!r}")
+    if not (declared or is_task_factory(fn)):
+        raise ValueError(f"kind: {config.kind!r} is not a geofed task factory; mark it with "
+                         f"@geofed.regions.tasks.task_factory or declare it as a {ENTRY_POINT_GROUP!r} entry point "
+                         f"(a config may only name marked factories)")
+    return fn
 
 
 _REGISTRY: dict[str, tuple[type, Callable[..., Task]]] = {}
@@ -103,13 +171,13 @@ def make_task(config: Any, *, batch_size: int = 32, seed: int = 0) -> Task:
     """Build the task; `batch_size` and `seed` come from the run config (sync.inner, run.seed)."""
     _load_builtin()
     if isinstance(config, PluginTaskConfig):
-        _, module_name, fn_name = config.kind.split(":")
-        if config.path is not None and config.path not in sys.path:
-            sys.path.insert(0, config.path)
+        fn = load_task_factory(config)
         try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"kind: cannot load {config.kind!r}: {exc}") from None
+            inspect.signature(fn).bind(**dict(config.options))
+        except TypeError as exc:
+            raise ValueError(f"options: {config.kind!r} does not take these options: {exc}") from None
+        except ValueError:  # no signature to read (a builtin): the call itself will say
+            pass
         task = fn(**dict(config.options))
         if not isinstance(task, Task):
             raise ValueError(f"kind: {config.kind!r} returned {type(task).__name__}, not a geofed Task")

@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import nn
+
+from geofed.regions.inputfiles import InputFileError, open_regular
 
 from .base import EvalResult, Shard, Task, register_task
 
 DEFAULT_TEXT = "../shared/datasets/tinyshakespeare/input.txt"
+# Characters are classes of the model's output layer: a "text" of 10^5 distinct code points is
+# a file built to blow the model up, not prose (the largest scripts in use need ~20k).
+MAX_VOCAB = 65_536
 
 
 @dataclass(frozen=True, kw_only=True)
 class CharLMConfig:
     kind: Literal["char-lm"] = "char-lm"
-    path: str = field(default=DEFAULT_TEXT, metadata={"doc": "UTF-8 text file (relative to the working directory)"})
-    max_chars: int = field(default=300_000, metadata={"doc": "use at most this many characters from the start of the file"})
+    path: str = field(default=DEFAULT_TEXT, metadata={"doc": (
+        "UTF-8 text file (relative to the working directory); a regular file of any size, of which only the "
+        "first max_chars characters are read")})
+    max_chars: int = field(default=300_000, metadata={"doc": (
+        "use at most this many characters from the start of the file (at most 4 bytes each are read)")})
     seq_len: int = field(default=64, metadata={"doc": "characters per training sequence"})
     embed: int = field(default=32, metadata={"doc": "character embedding size"})
     hidden: int = field(default=128, metadata={"doc": "GRU hidden size"})
@@ -72,17 +81,18 @@ class CharLMTask(Task):
     kind = "char-lm"
 
     def __init__(self, cfg: CharLMConfig, *, batch_size: int = 32, seed: int = 0):
-        path = Path(cfg.path)
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")[: cfg.max_chars]
-        except OSError as exc:
-            raise ValueError(f"path: cannot read {cfg.path!r}: {exc.strerror}") from None
+        text = read_text_prefix(cfg.path, cfg.max_chars)
         if len(text) < 1000:
             raise ValueError(f"path: {cfg.path!r} has {len(text)} characters; need at least 1000")
         self.cfg, self.batch_size = cfg, batch_size
-        self.vocab = sorted(set(text))
-        lookup = {c: i for i, c in enumerate(self.vocab)}
-        ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+        # Code points -> ids in numpy (4 + 8 bytes a character, not a Python int each); the
+        # vocabulary sorted by code point is sorted(set(text)).
+        points = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+        vocab, inverse = np.unique(points, return_inverse=True)
+        if len(vocab) > MAX_VOCAB:
+            raise ValueError(f"path: {cfg.path!r} has {len(vocab)} distinct characters; char-lm takes at most {MAX_VOCAB}")
+        self.vocab = [chr(c) for c in vocab.tolist()]
+        ids = torch.from_numpy(inverse.astype(np.int64).reshape(-1))
         cut = int(len(ids) * (1 - cfg.test_fraction))
         self.train_ids, self.test_ids = ids[:cut], ids[cut:]
 
@@ -113,6 +123,22 @@ class CharLMTask(Task):
 
     def describe(self) -> dict:
         return {"vocab": len(self.vocab), "train_chars": len(self.train_ids), "test_chars": len(self.test_ids)}
+
+
+def read_text_prefix(path: str, max_chars: int) -> str:
+    """The first `max_chars` characters of a UTF-8 text file, streamed: however big the file,
+    at most about 4 x max_chars bytes are read (undecodable bytes become U+FFFD, line ends
+    become \\n, as Path.read_text does). Only a regular file is opened (no FIFO, no device)."""
+    try:
+        with open_regular(path, max_bytes=None) as raw, \
+                io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as text:
+            return text.read(max_chars)
+    except InputFileError as exc:
+        if exc.strerror is not None:
+            raise ValueError(f"path: cannot read {path!r}: {exc.strerror}") from None
+        raise ValueError(f"path: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"path: cannot read {path!r}: {exc.strerror or exc}") from None
 
 
 register_task("char-lm", CharLMConfig, lambda cfg, **kw: CharLMTask(cfg, **kw))

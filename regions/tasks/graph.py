@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from geofed.regions.graph.data import GraphData, GraphView, build_view, full_view, load_graph_npz
+from geofed.regions.graph.data import MAX_GRAPH_BYTES, GraphData, GraphView, build_view, full_view, load_graph_npz
 from geofed.regions.graph.models import accuracy, build_gnn, gnn_loss
 from geofed.regions.graph.partition import extract_subgraph, partition_nodes, partition_stats, train_flags
 
@@ -51,6 +51,9 @@ class GcnPlanetoidConfig:
         "is the centralized one; regions: each region's plain mean"))
     halo: bool = field(default=False, metadata=_doc(
         "keep 1-hop out-of-region neighbours' features (not labels); their one-time bytes are counted"))
+    max_mb: int = field(default=MAX_GRAPH_BYTES >> 20, metadata=_doc(
+        "largest graph accepted, MiB: the file on disk and its arrays uncompressed, checked before anything "
+        "is decompressed (the driver and every region load the whole graph; Cora is 4 MB)"))
 
     def __post_init__(self):
         if not self.path:
@@ -63,6 +66,8 @@ class GcnPlanetoidConfig:
             raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
         if not self.alpha > 0:
             raise ValueError(f"alpha: must be > 0, got {self.alpha}")
+        if not 1 <= self.max_mb <= 1 << 20:
+            raise ValueError(f"max_mb: must be in [1, 1048576], got {self.max_mb}")
 
 
 class GraphShard(Shard):
@@ -87,7 +92,7 @@ class GcnPlanetoidTask(Task):
         # batch_size does not apply (full-batch: one step is one epoch on the whole subgraph);
         # seed does not move the partition (partition_seed does), see shard().
         self.config = config
-        self.data = load_task_graph(config.path)
+        self.data = load_task_graph(config.path, max_mb=config.max_mb)
         self._assign: dict[int, Any] = {}
         self._full: GraphView | None = None
         self._last_regions: int | None = None
@@ -154,16 +159,17 @@ class GcnPlanetoidTask(Task):
         return out
 
 
-def load_task_graph(path: str) -> GraphData:
+def load_task_graph(path: str, *, max_mb: int = MAX_GRAPH_BYTES >> 20) -> GraphData:
     resolved = Path(path).expanduser()
-    if not resolved.is_file():
+    if not resolved.exists():
         raise ValueError(
             f"task.path: no graph file at {str(resolved)!r} (resolved from the working directory "
             f"{str(Path.cwd())!r}); point task.path at a .npz in the documented graph format")
     try:
-        return load_graph_npz(resolved)
+        return load_graph_npz(resolved, max_bytes=max_mb << 20)
     except ValueError as exc:
-        raise ValueError(f"task.path: {exc}") from None
+        raise ValueError(f"task.path: {exc} (task.max_mb: {max_mb})" if "limit is" in str(exc)
+                         else f"task.path: {exc}") from None
 
 
 register_task("gcn-planetoid", GcnPlanetoidConfig, lambda cfg, **kw: GcnPlanetoidTask(cfg, **kw))

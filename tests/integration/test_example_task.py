@@ -23,7 +23,8 @@ def test_example_task_runs_and_learns(tmp_path, monkeypatch):
 
 
 def test_plugin_that_is_not_a_task_is_a_config_error(tmp_path, monkeypatch, capsys):
-    (tmp_path / "bad_task.py").write_text("def make_task():\n    return 42\n")
+    (tmp_path / "bad_task.py").write_text("from geofed.regions.tasks import task_factory\n\n"
+                                          "@task_factory\ndef make_task():\n    return 42\n")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"task: {{kind: 'python:bad_task:make_task', path: '{tmp_path}'}}\n")
     assert main(["run", str(cfg), "--out", str(tmp_path / "r"), "--quiet"]) == 2
