@@ -157,7 +157,7 @@ def _check_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, path: str, lin
             raise ConfigError(path, f"line {line}: an integer of {digits} digits; at most {MAX_INT_DIGITS} are accepted")
     try:
         loader.construct_object(node)
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+    except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError):
         raise ConfigError(path, f"line {line}: invalid YAML: {node.value[:40]!r} is not a valid {tag}") from None
 
 

@@ -11,6 +11,7 @@ directory that already holds a run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import typing
@@ -61,6 +62,20 @@ CASES = {
     "run_name_path": (BASE.replace("rounds: 1", "rounds: 1, name: ../escaped"), "run.name: must match"),
     "region_named_driver": (BASE + "regions: {names: [us-east-1, driver]}\n", "regions.names: driver is reserved"),
     "region_name_path": (BASE + "regions: {names: [us-east-1, ../x]}\n", "regions.names: region name '../x' must match"),
+    # issue 15: a config that runs code, duplicate keys, integers too wide, malformed YAML
+    "plugin_os_system": ("task: {kind: 'python:os:system', options: {command: 'touch pwned'}}\n",
+                         "task.kind: 'python:os:system' names 'os', which holds no geofed task factory"),
+    "duplicate_tls_off": (BASE + "security: {tls: true}\nsecurity: {tls: false}\n",
+                          "security: line 5: duplicate key (first on line 4)"),
+    "duplicate_nested": (BASE.replace("rounds: 1", "rounds: 1, rounds: 500"), "run.rounds: line 2: duplicate key"),
+    "wide_integer": (BASE + "sync: {policy: {kind: fixed, H: " + "9" * 5000 + "}}\n",
+                     "sync.policy.H: line 4: an integer of 5000 digits; at most 32 are accepted"),
+    "inline_merge": (BASE.replace("run: {rounds: 1", "run: {<<: {rounds: 9}, rounds: 1"),
+                     "run: line 2: YAML merge keys (<<) are not allowed in configs"),
+    "int_tag_on_text": (BASE + "sync: {policy: {kind: fixed, H: !!int abc}}\n", "sync.policy.H: line 4: invalid YAML: 'abc'"),
+    "binary_tag": (BASE + "task2: !!binary AAAA\n", "task2: line 4: invalid YAML: tag !!binary is not allowed"),
+    "newline_in_key": (BASE + '"x\\ngeofed: fake": 1\n', "x\\ngeofed: fake: unknown key"),
+    "invalid_utf8": (BASE.encode() + b"x: \xff\xfe\n", "invalid YAML"),
 }
 
 
@@ -69,7 +84,7 @@ CASES = {
 def test_hostile_config_is_refused_with_exit_2(tmp_path, monkeypatch, capsys, case, command):
     text, expected = CASES[case]
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     monkeypatch.chdir(tmp_path)
     code = main([command, str(path), "--quiet", "--no-report"] if command == "run" else [command, str(path)])
     err = capsys.readouterr().err
@@ -96,14 +111,64 @@ def test_hostile_set_overrides_and_out(tmp_path, monkeypatch, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
+def _geofed(args: list[str], cwd, timeout_s: float = 90) -> subprocess.CompletedProcess:
+    """The real command line, as a user runs it, its memory capped at 2 GiB (reading /dev/zero
+    whole ran it out of memory) and its time bounded (a FIFO hung it)."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
+            "from geofed.orchestrator.cli import entry; entry()")
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+
+
 def test_the_process_exits_2_before_starting_anything(tmp_path):
-    """The real command line, as a user runs it: the exit status and one line on stderr."""
     path = tmp_path / "bad.yaml"
     path.write_text(CASES["alias_bomb"][0])
-    proc = subprocess.run([sys.executable, "-c", "from geofed.orchestrator.cli import entry; entry()", "run", str(path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = _geofed(["run", str(path)], tmp_path)
     assert proc.returncode == 2 and "YAML aliases (*a) are not allowed" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def _plugin_files(tmp_path):
+    (tmp_path / "evil.py").write_text("from pathlib import Path\n\ndef run(**kw):\n    Path('pwned').touch()\n")
+    return "task: {kind: 'python:evil:run', path: '.'}\n" + BASE.split("\n", 1)[1]
+
+
+# Hostile inputs of issue 15 through the real process: (how to make the input, argv, the one line).
+HOSTILE_FILES = {
+    "plugin_os_system": (lambda d: (d / "c.yaml").write_text(CASES["plugin_os_system"][0]), ["c.yaml"],
+                         "geofed: c.yaml: task.kind: 'python:os:system' names 'os'"),
+    "plugin_unmarked": (lambda d: (d / "c.yaml").write_text(_plugin_files(d)), ["c.yaml"],
+                        "geofed: c.yaml: task.kind: 'python:evil:run' is not a geofed task factory"),
+    "duplicate_tls_off": (lambda d: (d / "c.yaml").write_text(CASES["duplicate_tls_off"][0]), ["c.yaml"],
+                          "geofed: c.yaml: security: line 5: duplicate key"),
+    "wide_integer_set": (lambda d: (d / "c.yaml").write_text(BASE), ["c.yaml", "--set", "run.rounds=" + "9" * 5000],
+                         "geofed: c.yaml: run.rounds: --set: an integer of 5000 digits"),
+    "config_fifo": (lambda d: os.mkfifo(d / "c.yaml"), ["c.yaml"],
+                    "geofed: c.yaml: is a FIFO (named pipe), not a regular file"),
+    "config_dev_zero": (lambda d: (d / "c.yaml").symlink_to("/dev/zero"), ["c.yaml"],
+                        "geofed: c.yaml: is a character device, not a regular file"),
+    "data_fifo": (lambda d: (os.mkfifo(d / "t.fifo"), (d / "c.yaml").write_text(
+        BASE.replace("mlp-digits", "char-lm, path: t.fifo"))), ["c.yaml"],
+                  "geofed: c.yaml: task.path: '{dir}/t.fifo' is a FIFO (named pipe), not a regular file"),
+    "data_dev_zero": (lambda d: (d / "c.yaml").write_text(BASE.replace("mlp-digits", "char-lm, path: /dev/zero")), ["c.yaml"],
+                      "geofed: c.yaml: task.path: '/dev/zero' is a character device, not a regular file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_FILES))
+def test_hostile_inputs_through_the_real_cli_exit_2_on_one_line(tmp_path, case):
+    """Issue 15, findings 1, 7, 8, 9, 10 as a user meets them: `geofed run` exits 2 within the
+    timeout with one line naming the file and the key, no traceback, nothing run or written
+    (the data files are only opened by `run`; the configs go through `validate` too)."""
+    make, args, expected = HOSTILE_FILES[case]
+    make(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    commands = ["run"] if case.startswith("data_") else ["run", "validate"]
+    for command in commands:
+        proc = _geofed([command, *args], tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith(expected.format(dir=tmp_path)), lines[0]
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == before  # no pwned, no runs/
 
 
 # -- every key, hostile values: a ConfigError or a valid config, never a crash ---------------------
