@@ -98,6 +98,7 @@ MALFORMED = {
     "bool_tag_on_text": ("a: !!bool abc\n", "a", "'abc' is not a valid bool"),
     "float_tag_on_text": ("a: !!float abc\n", "a", "'abc' is not a valid float"),
     "float_tag_empty": ("a: [!!float ]\n", "a.0", "'' is not a valid float"),
+    "int_tag_empty": ("a: {b: !!int }\n", "a.b", "'' is not a valid int"),
     "binary": ("a: !!binary AAAA\n", "a", "tag !!binary is not allowed"),
     "set": ("a: !!set {x, y}\n", "a", "tag !!set is not allowed"),
     "omap": ("a: !!omap [x: 1]\n", "a", "tag !!omap is not allowed"),
