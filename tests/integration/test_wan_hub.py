@@ -81,3 +81,26 @@ def test_the_router_counts_exactly_what_the_kernels_devices_sent(measured, net):
         q = net.qdisc(r)
         assert q["dropped"] == 0 or q["dropped"] < q["packets"] * 0.01
     assert net.router.no_route == 0 and net.router.dropped == 0 and net.router.error is None
+
+
+def test_cleanup_kills_what_still_runs_in_a_dead_runs_namespaces():
+    # A shaped cluster whose owner was killed (SIGKILL: no finalizer, no atexit) leaves its Ray
+    # nodes running in its namespaces; `geofed net cleanup --prefix P` must take them too.
+    import atexit
+    import subprocess
+    import time
+
+    prefix = "gft" + secrets.token_hex(2)
+    net = RegionNet(["a", "b"], RegionLinks.uniform(["a", "b"], egress_mbps=10, latency_ms=5), prefix=prefix).up()
+    atexit.unregister(net.down)
+    orphan = subprocess.Popen(["ip", "netns", "exec", net.namespace("b"), "sleep", "300"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        assert orphan.poll() is None
+        assert kmod.cleanup_main(["--prefix", prefix]) == 0
+        assert orphan.wait(timeout=10) != 0
+        assert kmod.list_namespaces(prefix) == []
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+        net.down()
