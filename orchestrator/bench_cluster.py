@@ -63,8 +63,10 @@ def probe_links(cluster, payload_bytes: int) -> dict[str, Any]:
 def link_truth(cluster, probed: dict[str, Any]):
     from .cluster_checks import LinkTruth
 
+    push = {link: round(probed["payload_bytes"] * 8 / max(1e-6, s - probed["rtt_ms"][link] / 1e3) / 1e6, 3)
+            for link, s in probed["warm_push_s"].items()}
     return LinkTruth(egress_mbps=cluster.net.links.egress_mbps[cluster.net.regions[0]],
-                     payload_efficiency=cluster.net.payload_efficiency, rtt_ms=probed["rtt_ms"])
+                     payload_efficiency=cluster.net.payload_efficiency, rtt_ms=probed["rtt_ms"], push_mbps=push)
 
 
 def link_report(cluster, run, truth) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ class LinkTruth:
     egress_mbps: float          # each region's tbf rate (IP bytes)
     payload_efficiency: float   # TCP payload per IP byte of a full segment (hub.RegionNet.payload_efficiency)
     rtt_ms: Mapping[str, float]  # per link "a->b", measured (hub_probe.probe)
+    # What plain TCP got per link for one update-sized push on a warm connection, all links at
+    # once (hub_probe warm_push_s, less one RTT): the congestion control's answer, for comparison.
+    push_mbps: Mapping[str, float] = field(default_factory=dict)
 
     def rate_mbps(self, concurrent: int) -> float:
         """Payload Mbit/s one of `concurrent` pushes gets from its region's egress."""
@@ -91,7 +94,8 @@ def estimator_check(run_dir: Path, truth: LinkTruth, *, by_round: int = 1) -> di
         true = truth.rate_mbps(fanout.get(link.split("->", 1)[0], 1))
         got = seen[link]["policy_mbps"]
         links[link] = {"estimate_mbps": got, "true_mbps": round(true, 3),
-                       "ratio": None if got is None else round(got / true, 4)}
+                       "ratio": None if got is None else round(got / true, 4),
+                       "tcp_push_mbps": truth.push_mbps.get(link)}
     return {"by_round": by_round, "decides_round": by_round + 1, "links": links}
 
 
@@ -197,15 +201,18 @@ def bytes_check(run: DriverRun, plan: LaunchPlan, addresses: Mapping[str, str]) 
         tx = run.nic_after[region]["tx_bytes"] - run.nic_before[region]["tx_bytes"]
         routed = sum(c["ip"] for link, by in flows.items() if link.startswith(region + "->") for c in by.values())
         sent = int(summary["transport"][region]["bytes_sent"])
+        q0, q1 = run.nic_before[region].get("qdisc", {}), run.nic_after[region].get("qdisc", {})
         nics[region] = {"nic_tx": tx, "router_ip": routed, "geofed_counted": sent,
-                        "nic_over_counted": None if not sent else round(tx / sent, 4)}
-    return {"links": links, "nics": nics}
+                        "nic_over_counted": None if not sent else round(tx / sent, 4),
+                        "tbf_dropped": q1.get("dropped", 0) - q0.get("dropped", 0)}
+    grpc = {r: p.get("grpc_address") for r, p in summary.get("placement", {}).items()}
+    return {"links": links, "nics": nics, "grpc_addresses": grpc}
 
 
 def ray_check(run: DriverRun, plan: LaunchPlan, addresses: Mapping[str, str]) -> dict[str, Any]:
     """Bytes between regions that are not geofed's, by phase and by Ray port; rounds from rounds.jsonl."""
     rounds = sum(1 for s in run.snapshots if s.label.startswith("round "))
-    last = f"round {rounds - 1}"
+    last = f"round {rounds - 1}" if rounds else "started"
     phases = {"startup": ("launch", "started"), "training": ("started", last), "end": (last, "end")}
     out: dict[str, Any] = {"rounds": rounds, "regions": len(addresses), "phases": {}}
     for name, (a, b) in phases.items():

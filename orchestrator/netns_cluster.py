@@ -178,8 +178,9 @@ class ShapedCluster:
     def exec_argv(self, region: str, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.net.namespace(region), *argv]
 
-    def nic_counters(self) -> dict[str, dict[str, int]]:
-        return {r: self.net.nic(r) for r in self.net.regions}
+    def nic_counters(self) -> dict[str, dict[str, Any]]:
+        """Each region's TUN counters (the kernel's) and its tbf's (sent, dropped, overlimits)."""
+        return {r: {**self.net.nic(r), "qdisc": self.net.qdisc(r)} for r in self.net.regions}
 
     def run(self, config: str | Path, out: Path, overrides: Sequence[str] = (), *, timeout_s: float = 600,
             geofed: str | None = None) -> DriverRun:
