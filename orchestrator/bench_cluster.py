@@ -201,7 +201,31 @@ def print_table(doc: dict[str, Any]) -> None:
     for row in doc["arms"]:
         table.add_row(row["arm"], _cell(row["time_to_target_s"], "s"), _cell(row["mb_per_region"], ""),
                       _cell(row["steps_to_target"], "", 0), _H_span(row["H"]), _cell(row["startup_s"], "s", 1))
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)   # piped: the whole table, not 80 columns of it
+    console.print(table)
+    for line in check_lines(doc):
+        console.print(line)
+
+
+def check_lines(doc: dict[str, Any]) -> list[str]:
+    """Issue 14's "done when": the adaptive arms reach the target no later than H=100 int8, with fewer bytes."""
+    rows = {r["arm"]: r for r in doc["arms"]}
+    base = rows.get("H100-int8")
+    if base is None or base["time_to_target_s"]["median"] is None:
+        return []
+    out = []
+    for arm in ("adaptive-overlap", "multi-region"):
+        row = rows.get(arm)
+        if row is None:
+            continue
+        t, mb = row["time_to_target_s"]["median"], row["mb_per_region"]["median"]
+        ok = t is not None and t <= base["time_to_target_s"]["median"] and mb < base["mb_per_region"]["median"]
+        out.append(f"{arm} vs H100-int8: {'-' if t is None else f'{t:.2f}'} s vs {base['time_to_target_s']['median']:.2f} s, "
+                   f"{'-' if mb is None else f'{mb:.2f}'} MB vs {base['mb_per_region']['median']:.2f} MB per region: "
+                   + ("[green]no later, fewer bytes[/green]" if ok else "[red]NOT (later or no fewer bytes)[/red]"))
+    return out
 
 
 def _seeds(doc: dict[str, Any]) -> int:

@@ -44,6 +44,7 @@ BYTES_TOLERANCE = 0.05
 # Ray between regions: what the driver's calls and the regions' answers take per region and round
 # (a RoundPlan, a metrics dict: a few kB; an int8 update of this model alone is 85 kB), and the
 # GCS's own chatter (health checks, resource reports) per second.
+NIC_READ_SKEW = 4096     # bytes: the kernel's counters and the router's are read a moment apart
 RAY_CALLS_PER_REGION_ROUND = 16 << 10
 RAY_GCS_PER_S = 48 << 10
 
@@ -133,7 +134,8 @@ def test_geofed_counts_what_the_wire_carries_on_its_flows(shaped):
         assert c["counted"] > ROUNDS * 80_000, (link, c)
         assert c["ratio"] == pytest.approx(1.0, abs=BYTES_TOLERANCE), (link, c)
     for region, n in b["nics"].items():
-        assert n["nic_tx"] == n["router_ip"], (region, n)   # the router saw every byte the NIC sent
+        # the router saw every byte the NIC sent, but for the odd Ray packet between the two readings
+        assert abs(n["nic_tx"] - n["router_ip"]) <= NIC_READ_SKEW, (region, n)
 
 
 def test_ray_carries_only_the_control_plane_between_regions(shaped):
