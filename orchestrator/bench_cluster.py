@@ -74,7 +74,10 @@ def link_report(cluster, run, truth) -> dict[str, Any]:
     from . import cluster_checks as cc
 
     addresses = dict(cluster.net.addresses)
-    return {"startup_s": run.startup_s, "estimator": cc.estimator_check(run.run_dir, truth),
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    return {"startup_s": run.startup_s, "process_to_round0_s": (summary.get("startup") or {}).get("process_to_round0_s"),
+            "setup_phases_s": (summary.get("startup") or {}).get("phases_s"),
+            "estimator": cc.estimator_check(run.run_dir, truth),
             "H": cc.replay_H(run.run_dir, truth), "bytes": cc.bytes_check(run, cluster.plan, addresses),
             "ray": cc.ray_check(run, cluster.plan, addresses), "first_push": cc.first_push(run.run_dir),
             "estimates_by_round": cc.estimates(run.run_dir)}

@@ -190,12 +190,13 @@ def bytes_check(run: DriverRun, plan: LaunchPlan, addresses: Mapping[str, str]) 
 
     summary = json.loads((Path(run.run_dir) / "summary.json").read_text())
     flows = traffic(run, plan, addresses, "launch", "end")
+    probes = probe_bytes(run.run_dir)
     links = {}
     for link, s in sorted(summary.get("links", {}).items()):
         wire = flows.get(link, {}).get("geofed", {"ip": 0, "payload": 0})
-        counted = int(s["bytes"])
-        links[link] = {"counted": counted, "wire_payload": wire["payload"], "wire_ip": wire["ip"],
-                       "ratio": None if not counted else round(wire["payload"] / counted, 4)}
+        counted = int(s["bytes"]) + probes.get(link, 0)
+        links[link] = {"counted": counted, "probes": probes.get(link, 0), "wire_payload": wire["payload"],
+                       "wire_ip": wire["ip"], "ratio": None if not counted else round(wire["payload"] / counted, 4)}
     nics = {}
     for region in addresses:
         tx = run.nic_after[region]["tx_bytes"] - run.nic_before[region]["tx_bytes"]
@@ -209,12 +210,26 @@ def bytes_check(run: DriverRun, plan: LaunchPlan, addresses: Mapping[str, str]) 
     return {"links": links, "nics": nics, "grpc_addresses": grpc}
 
 
+def probe_bytes(run_dir: Path) -> dict[str, int]:
+    """Bytes of the set-up link probes per link (events.jsonl ``links_probed``; not in summary ``links``)."""
+    out: dict[str, int] = {}
+    for ev in read_jsonl(Path(run_dir) / "events.jsonl"):
+        if ev.get("event") != "links_probed":
+            continue
+        for region, records in (ev.get("probes") or {}).items():
+            for t in records:
+                link = f"{region}->{t['peer']}"
+                out[link] = out.get(link, 0) + int(t["bytes"])
+    return out
+
+
 def ray_check(run: DriverRun, plan: LaunchPlan, addresses: Mapping[str, str]) -> dict[str, Any]:
     """Bytes between regions that are not geofed's, by phase and by Ray port; rounds from rounds.jsonl."""
     rounds = sum(1 for s in run.snapshots if s.label.startswith("round "))
-    last = f"round {rounds - 1}" if rounds else "started"
-    phases = {"startup": ("launch", "started"), "training": ("started", last), "end": (last, "end")}
-    out: dict[str, Any] = {"rounds": rounds, "regions": len(addresses), "phases": {}}
+    last = f"round {rounds - 1}" if rounds else run.round0
+    phases = {"startup": ("launch", run.round0), "training": (run.round0, last), "end": (last, "end")}
+    evals = sum(1 for r in read_jsonl(Path(run.run_dir) / "rounds.jsonl") if "eval_avg" in r or "consensus_distance" in r)
+    out: dict[str, Any] = {"rounds": rounds, "evaluations": evals, "regions": len(addresses), "phases": {}}
     for name, (a, b) in phases.items():
         by: dict[str, int] = {}
         for classes in traffic(run, plan, addresses, a, b).values():

@@ -113,7 +113,13 @@ class DriverRun:
     snapshots: list[Snapshot] = field(default_factory=list)
     nic_before: dict[str, dict[str, int]] = field(default_factory=dict)
     nic_after: dict[str, dict[str, int]] = field(default_factory=dict)
-    startup_s: float | None = None      # launch -> the driver's "started" event (round 0 starts next)
+    startup_s: float | None = None      # launch -> round 0's start (the driver's setup_done, else started, event)
+
+    @property
+    def round0(self) -> str:
+        """The snapshot taken as round 0 started: "setup_done" where the driver writes that event
+        (after its link probes), else "started"."""
+        return "setup_done" if any(s.label == "setup_done" for s in self.snapshots) else "started"
 
     def snapshot(self, label: str) -> Snapshot:
         for s in self.snapshots:
@@ -257,9 +263,11 @@ class _Watcher:
 
     def _poll_once(self) -> None:
         have = {s.label for s in self.run.snapshots}
-        if "started" not in have and _has_event(self.run_dir / "events.jsonl", "started"):
-            self._take("started")
-            self.run.startup_s = time.monotonic() - self.t0
+        events = _events(self.run_dir / "events.jsonl")
+        for name in ("started", "setup_done"):   # setup_done: drivers that probe the links after start
+            if name not in have and name in events:
+                self._take(name)
+                self.run.startup_s = time.monotonic() - self.t0
         for r in range(_count_lines(self.run_dir / "rounds.jsonl")):
             if f"round {r}" not in have:
                 self._take(f"round {r}")
@@ -273,11 +281,16 @@ def _count_lines(path: Path) -> int:
     return data.count(b"\n")
 
 
-def _has_event(path: Path, name: str) -> bool:
+def _events(path: Path) -> set[str]:
+    """Names of the events in events.jsonl so far (a torn last line is left for the next poll)."""
+    out: set[str] = set()
     try:
-        for line in path.read_text().splitlines():
-            if json.loads(line).get("event") == name:
-                return True
-    except (OSError, ValueError):
-        return False
-    return False
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            out.add(json.loads(line).get("event"))
+        except ValueError:
+            break
+    return out
