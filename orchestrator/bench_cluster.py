@@ -185,6 +185,7 @@ def _aggregate(runs: list[dict[str, Any]], arms: Sequence[str]) -> list[dict[str
         mine = [r for r in runs if r["arm"] == arm]
         rows.append({"arm": arm, "time_to_target_s": spread([r["reached"]["time_s"] for r in mine]),
                      "mb_per_region": spread([r["reached"]["mb_per_region"] for r in mine]),
+                     "probe_mb_per_region": spread([r["reached"].get("probe_mb_per_region") for r in mine]),
                      "steps_to_target": spread([r["reached"]["steps"] for r in mine]),
                      "startup_s": spread([r["report"]["startup_s"] for r in mine]),
                      "H": sorted({h for r in mine for h in r["reached"]["H"]})})
@@ -199,11 +200,13 @@ def print_table(doc: dict[str, Any]) -> None:
     table = Table(title=f"geofed bench cluster: {len(spec['regions'])} Ray nodes in shaped namespaces, "
                         f"{spec['egress_mbps']:g} Mbit/s egress per region, {spec['latency_ms']:g} ms one way; "
                         f"to {t['metric']} {t['value']:g}, medians of {_seeds(doc)} seed(s) [range]")
-    for col in ("arm", f"time to {t['value']:g}", "MB per region", "steps", "H", "start-up"):
+    for col in ("arm", f"time to {t['value']:g}", "MB per region", "steps", "H", "start-up", "probes MB/region"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for row in doc["arms"]:
+        probes = row.get("probe_mb_per_region") or {"median": None}
         table.add_row(row["arm"], _cell(row["time_to_target_s"], "s"), _cell(row["mb_per_region"], ""),
-                      _cell(row["steps_to_target"], "", 0), _H_span(row["H"]), _cell(row["startup_s"], "s", 1))
+                      _cell(row["steps_to_target"], "", 0), _H_span(row["H"]), _cell(row["startup_s"], "s", 1),
+                      "-" if probes["median"] is None else f"{probes['median']:.2f}")
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)   # piped: the whole table, not 80 columns of it

@@ -99,6 +99,7 @@ class Reached:
     H: list[int]
     final_eval: float | None
     source: str                # "summary" (run.target) or "rounds.jsonl"
+    probe_mb_per_region: float | None = None  # set-up link probes (summary probe_bytes_sent), not in mb_per_region
 
 
 def reached(run_dir: Path, target: Target) -> Reached:
@@ -109,7 +110,9 @@ def reached(run_dir: Path, target: Target) -> Reached:
     H = [int(r["H"]) for r in rounds]
     ev = summary.get("eval") if isinstance(summary.get("eval"), dict) else {}
     n = max(1, len((summary.get("placement") or {})) or len({m["region"] for m in read_jsonl(run_dir / "metrics.jsonl")}))
-    common = {"rounds": len(rounds), "total_steps": sum(H), "H": H, "final_eval": ev.get("value")}
+    probes = summary.get("probe_bytes_sent")
+    common = {"rounds": len(rounds), "total_steps": sum(H), "H": H, "final_eval": ev.get("value"),
+              "probe_mb_per_region": None if probes is None else probes / n / 1e6}
     if "time_to_target_s" in summary:
         t, b = summary.get("time_to_target_s"), summary.get("bytes_to_target")
         return Reached(time_s=t, steps=summary.get("steps_to_target"),
