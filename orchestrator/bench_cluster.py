@@ -26,7 +26,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .bench_cluster_arms import ARMS, REGIONS, Target, arm_mapping, common_mapping, reached, spread, target_supported, write_config
+from .bench_cluster_arms import (
+    ARMS,
+    REGIONS,
+    Target,
+    arm_mapping,
+    common_mapping,
+    reached,
+    spread,
+    target_supported,
+    write_config,
+)
 from .config import config_from_mapping
 
 PROBE_ROUNDS = 3
@@ -88,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="seeds per arm (medians over them; default 3)")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="arms to run (default: all)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (progress on stderr)")
-    p.add_argument("--out", help="folder for configs, run directories and bench.json (default runs/bench-cluster-<UTC time>)")
+    p.add_argument("--out", help="folder for configs, run directories and bench.json "
+                                 "(default runs/bench-cluster-<UTC time>)")
     p.add_argument("--egress-mbps", type=float, default=50.0, help="each region's shaped egress (default 50)")
     p.add_argument("--latency-ms", type=float, default=40.0, help="one-way latency of every path (default 40)")
     p.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach (default 0.95)")
@@ -227,9 +238,10 @@ def check_lines(doc: dict[str, Any]) -> list[str]:
         if row is None:
             continue
         t, mb = row["time_to_target_s"]["median"], row["mb_per_region"]["median"]
-        ok = t is not None and t <= base["time_to_target_s"]["median"] and mb < base["mb_per_region"]["median"]
-        out.append(f"{arm} vs H100-int8: {'-' if t is None else f'{t:.2f}'} s vs {base['time_to_target_s']['median']:.2f} s, "
-                   f"{'-' if mb is None else f'{mb:.2f}'} MB vs {base['mb_per_region']['median']:.2f} MB per region: "
+        t0, mb0 = base["time_to_target_s"]["median"], base["mb_per_region"]["median"]
+        ok = t is not None and t <= t0 and mb < mb0
+        got = "not reached" if t is None else f"{t:.2f} s, {mb:.2f} MB"
+        out.append(f"{arm} vs H100-int8: {got} vs {t0:.2f} s, {mb0:.2f} MB per region: "
                    + ("[green]no later, fewer bytes[/green]" if ok else "[red]NOT (later or no fewer bytes)[/red]"))
     return out
 
