@@ -19,6 +19,7 @@ BENCHES = {
     "link": ("geofed.p2p.bench", "gRPC transfer rate on loopback and over an emulated WAN link"),
     "wan": ("geofed.orchestrator.bench_wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
     "dfgl": ("geofed.orchestrator.bench_dfgl", "decentralized federated graph learning against centralized"),
+    "cluster": ("geofed.orchestrator.bench_cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),
 }
 
 

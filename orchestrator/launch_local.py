@@ -98,11 +98,21 @@ class LocalCluster:
         argv = ray_start_argv(node.plan, ray=str(Path(sys.executable).parent / "ray"), node_ip=node.ip,
                               head_address=None if node.plan.head else self.head_address,
                               extra=self._options[node.plan.name])
+        argv = self._command(node, argv)
         with open(node.log, "wb") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(argv, env=self.env(node.plan), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         node.pgid = proc.pid  # new session: its process group id is its pid
         return node, proc
+
+    def _command(self, node: LocalNode, argv: list[str]) -> list[str]:
+        """How a node's `ray start` runs (a subclass runs it in the node's network namespace).
+
+        A venv that shares another's packages (a worktree's) may have no `ray` script: then
+        Ray's CLI module, with this interpreter."""
+        if not os.access(argv[0], os.X_OK):
+            argv = [sys.executable, "-m", "ray.scripts.scripts", *argv[1:]]
+        return argv
 
     def _assign_ports(self) -> None:
         """Every port at once, so that no two nodes (nor geofed's range) get the same one: Ray

@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -64,10 +65,18 @@ def list_namespaces(prefix: str) -> list[str]:
 
 
 def cleanup(prefix: str = "gfw") -> list[str]:
-    """Delete every namespace whose name starts with `prefix` (their veths go with them)."""
+    """Delete every namespace whose name starts with `prefix` (their veths go with them).
+
+    Processes still running in one (the Ray nodes of a shaped cluster whose owner was killed)
+    are killed first: deleting the name alone would leave them, and their namespace, running."""
     removed = []
     for name in list_namespaces(prefix):
         try:
+            for pid in _run("ip", "netns", "pids", name).split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             _run("ip", "netns", "delete", name)
             removed.append(name)
         except RuntimeError as exc:

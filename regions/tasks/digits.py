@@ -16,7 +16,8 @@ from .sharding import TensorShard, label_histogram, partition_indices
 @dataclass(frozen=True, kw_only=True)
 class DigitsConfig:
     kind: Literal["mlp-digits"] = "mlp-digits"
-    hidden: int = field(default=64, metadata={"doc": "hidden units of the 2-layer MLP"})
+    hidden: int = field(default=64, metadata={"doc": "hidden units of each hidden layer of the MLP"})
+    layers: int = field(default=1, metadata={"doc": "hidden layers: 1 is 64-hidden-10, 2 is 64-hidden-hidden-10"})
     test_fraction: float = field(default=0.25, metadata={"doc": "held-out fraction (stratified) for evaluation"})
     partition: Literal["iid", "dirichlet"] = field(default="iid", metadata={"doc": "how training data is split across regions"})
     alpha: float = field(default=0.5, metadata={"doc": "Dirichlet concentration for partition: dirichlet (small = skewed)"})
@@ -25,6 +26,8 @@ class DigitsConfig:
     def __post_init__(self):
         if not 1 <= self.hidden <= 65536:
             raise ValueError(f"hidden: must be in [1, 65536], got {self.hidden}")
+        if not 1 <= self.layers <= 8:
+            raise ValueError(f"layers: must be in [1, 8], got {self.layers}")
         if not 0.05 <= self.test_fraction <= 0.9:
             raise ValueError(f"test_fraction: must be in [0.05, 0.9], got {self.test_fraction}")
         if not 0 < self.alpha <= 1e6:
@@ -50,7 +53,11 @@ class DigitsTask(Task):
 
     def build_model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(64, self.cfg.hidden), nn.ReLU(), nn.Linear(self.cfg.hidden, 10))
+        h = self.cfg.hidden
+        body = [nn.Linear(64, h), nn.ReLU()]
+        for _ in range(self.cfg.layers - 1):
+            body += [nn.Linear(h, h), nn.ReLU()]
+        return nn.Sequential(*body, nn.Linear(h, 10))
 
     def _partition(self, n_regions: int, seed: int) -> list[np.ndarray]:
         key = (n_regions, seed)

@@ -47,6 +47,16 @@ def test_digits_shards_are_disjoint_and_eval_is_held_out():
     assert len(task.x_test) > 0
 
 
+def test_digits_layers_sets_the_depth_of_the_mlp():
+    # 64-256-256-10: the model issue 14 measured on a shaped cluster (85,002 parameters).
+    deep = _task("mlp-digits", hidden=256, layers=2).build_model(0)
+    assert sum(p.numel() for p in deep.parameters()) == 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    shallow = _task("mlp-digits", hidden=256).build_model(0)
+    assert sum(p.numel() for p in shallow.parameters()) == 64 * 256 + 256 + 256 * 10 + 10
+    with pytest.raises(ValueError, match="layers: must be in"):
+        _task("mlp-digits", layers=0)
+
+
 def test_too_many_regions_for_the_data_is_a_clear_error():
     with pytest.raises(ValueError, match="regions: 5000 regions but only"):
         partition_indices(np.zeros(100, dtype=np.int64), 5000, kind="iid", alpha=1.0, seed=0)
