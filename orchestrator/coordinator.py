@@ -145,6 +145,14 @@ class Coordinator:
                             overlap=self.cfg.sync.overlap, last_sync_s=self.last_sync_s,
                             round_overhead_s=self.round_overhead_s)
 
+    def observe_probe(self, results: dict[str, dict[str, Any]]) -> None:
+        """The regions' set-up probes: link estimates, and the slowest region's step time (a
+        forward and backward pass), which round 0's own steps then replace."""
+        self.link_view.observe_round(results)
+        steps = [m["step_time_s"] for m in results.values() if m.get("step_time_s")]
+        if steps:
+            self.step_time_s = max(steps)
+
     def observe(self, results: dict[str, dict[str, Any]]) -> None:
         """Fold one round of region metrics into the measurements the policy sees next."""
         if not results:

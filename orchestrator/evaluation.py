@@ -35,15 +35,20 @@ class RunEvaluation:
         self.hit: dict[str, Any] | None = None   # the round that reached the target, and its cost
         self.last: dict[str, Any] | None = None  # the last evaluation's eval_avg
         self.fetch_bytes = 0
+        self._cost: dict[int, tuple[int, int]] = {}  # round -> (steps per region, bytes sent) by its end
 
     def due(self, round_: int) -> bool:
         return bool(self.every) and (round_ + 1) % self.every == 0
 
-    def of_round(self, results: Mapping[str, Mapping[str, Any]], alive: list[str],
-                 fetch_params: Callable[[], dict[str, list[torch.Tensor]]]) -> dict[str, Any]:
-        """An eval round's record for rounds.jsonl: eval_avg (and for gossip the consensus
-        distance and the fetch's bytes)."""
+    def of_round(self, round_: int, results: Mapping[str, Mapping[str, Any]], alive: list[str],
+                 fetch_params: Callable[[], dict[str, list[torch.Tensor]]], *, t_end: float) -> dict[str, Any]:
+        """A round's evaluation record for rounds.jsonl: eval_avg, the round whose synchronised
+        model it is (eval_round: with overlap it was evaluated during the next round, when its
+        exchange completed) and when (eval_t); for gossip also the consensus distance and the
+        fetch's bytes. Empty when nothing was evaluated."""
         if self.cfg.sync.algorithm == "gossip":
+            if not self.due(round_):
+                return {}
             params = fetch_params()
             if not params:
                 return {}
@@ -51,14 +56,22 @@ class RunEvaluation:
             n = fetched_bytes(params)
             self.fetch_bytes += n
             self.last = avg
-            return {"eval_avg": avg, "consensus_distance": consensus, "eval_fetch_bytes": n}
+            return {"eval_avg": avg, "eval_round": round_, "eval_t": round(t_end, 4), "consensus_distance": consensus,
+                    "eval_fetch_bytes": n}
         sketches = [results[r].pop("sketch") for r in alive if "sketch" in results.get(r, {})]
         out: dict[str, Any] = {"consensus_distance": consensus_from_sketches(sketches)} if sketches else {}
         evaluator = next((r for r in alive if "eval" in results.get(r, {})), None)
         if evaluator is not None:
-            self.last = results[evaluator]["eval"]
-            out.update(eval_avg=self.last, eval_region=evaluator)
+            m = results[evaluator]
+            ev = dict(m["eval"])
+            self.last = {k: ev[k] for k in ("metric", "value", "higher_is_better")}
+            out.update(eval_avg=self.last, eval_region=evaluator, eval_round=ev.get("round", round_),
+                       eval_t=round(t_end - m.get("eval_age_s", 0.0), 4))
         return out
+
+    def note_round(self, round_: int, *, steps: int, bytes_sent: int) -> None:
+        """Inner steps per region and bytes sent by the end of `round_` (what reaching a target cost)."""
+        self._cost[round_] = (steps, bytes_sent)
 
     def reached(self, ev: Mapping[str, Any] | None) -> bool:
         t = self.target
@@ -69,12 +82,15 @@ class RunEvaluation:
                             f"{ev['metric']!r}: set run.target.metric to {ev['metric']!r}")
         return ev["value"] >= t.value if ev["higher_is_better"] else ev["value"] <= t.value
 
-    def check(self, round_: int, ev: Mapping[str, Any] | None, *, t_s: float, steps: int, bytes_sent: int) -> bool:
-        """Whether this round's evaluation reached the target (the first time: its cost is kept)."""
+    def check(self, record: Mapping[str, Any]) -> bool:
+        """Whether this evaluation record reached the target (the first time: its cost is kept)."""
+        ev = record.get("eval_avg")
         if self.hit is not None or not self.reached(ev):
             return False
-        self.hit = {"round": round_, "metric": ev["metric"], "value": ev["value"], "time_to_target_s": round(t_s, 4),
-                    "steps_to_target": steps, "bytes_to_target": bytes_sent + self.fetch_bytes}
+        r = record["eval_round"]
+        steps, sent = self._cost.get(r, (None, None))
+        self.hit = {"round": r, "metric": ev["metric"], "value": ev["value"], "time_to_target_s": record["eval_t"],
+                    "steps_to_target": steps, "bytes_to_target": None if sent is None else sent + self.fetch_bytes}
         return True
 
     def summary_fields(self) -> dict[str, Any]:

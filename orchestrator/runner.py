@@ -158,9 +158,9 @@ class Runner(FaultHandling):
         if restored is not None:
             self._restore(*restored)
         mark("logs_restore")
-        if probes := self._probe_links():
-            self._event("links_probed", links=self.coordinator.links_record(),
-                        probes={r: m["transfers"] for r, m in probes.items()})
+        probes = self._probe()
+        self._event("links_probed", links=self.coordinator.links_record(), step_time_s=self.coordinator.step_time_s,
+                    probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
         mark("probes")
         self.setup_s = self.clock.now() if restored is None else None
         self.startup_s = process_age_s()  # from `geofed run` (this process) to round 0
@@ -195,14 +195,12 @@ class Runner(FaultHandling):
             refs[self.actors.handles[src].connect.remote(peers)] = src
         self._gather(refs, "connect", timeout=60)
 
-    def _probe_links(self) -> dict[str, dict[str, Any]]:
-        """Every region warms and measures its connections at once (network.probe_s), so round 0
-        is planned from measured links and no round pays a handshake."""
-        if not self.cfg.network.probe_s or len(self.alive) < 2:
-            return {}
+    def _probe(self) -> dict[str, dict[str, Any]]:
+        """Every region measures its step time and warms and measures its connections, all at
+        once (network.probe_s), so round 0 is planned from measurements and pays no handshake."""
         per_probe = self.cfg.network.probe_s + 30.0
-        results = self._call(self.alive, "probe_links", timeout=2 * per_probe + 30.0)
-        self.coordinator.link_view.observe_round(results)
+        results = self._call(self.alive, "probe", timeout=2 * per_probe + 60.0)
+        self.coordinator.observe_probe(results)
         return results
 
     def _route(self, src: str, dst: str) -> str:
@@ -248,10 +246,10 @@ class Runner(FaultHandling):
         t_end = self.clock.now()
         self.coordinator.observe(results)
         self._bytes_sent += sum(m["bytes_sent"] for m in results.values())
-        extra = self.evaluation.of_round(results, self.alive, self._fetch_params) if evaluate else None
+        self.evaluation.note_round(r, steps=self.coordinator.steps_done, bytes_sent=self._bytes_sent)
+        extra = self.evaluation.of_round(r, results, self.alive, self._fetch_params, t_end=t_end)
         self._log_round(r, results, t_start, t_end, extra=extra)
-        if extra and self.evaluation.check(r, extra.get("eval_avg"), t_s=t_end, steps=self.coordinator.steps_done,
-                                           bytes_sent=self._bytes_sent):
+        if extra.get("eval_avg") and self.evaluation.check(extra):
             self._event("target_reached", **self.evaluation.hit)
         self.next_round = r + 1
         self._resync(r, results)

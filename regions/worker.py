@@ -92,13 +92,30 @@ class RegionWorker:
     def connect(self, peers: dict[str, str]) -> None:
         self.transport.connect({r: a for r, a in peers.items() if r != self.region})
 
-    def probe_links(self) -> dict[str, Any]:
-        """Warm and measure the connection to every peer before round 0 (network.probe_s)."""
+    def probe(self) -> dict[str, Any]:
+        """Before round 0: the step time (so the first round's H is chosen, not a guess) and every
+        connection warmed and measured (network.probe_s)."""
         net = self.cfg.network
+        step_time = self.probe_step_time()
         peers = [p for p in self.regions if p != self.region]
         records = (self.exchanger.probe_links(peers, duration_s=net.probe_s, max_bytes=net.probe_max_mb << 20)
                    if net.probe_s > 0 and peers else [])
-        return {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region)}
+        return {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region),
+                "step_time_s": step_time}
+
+    def probe_step_time(self, steps: int = 5, warmup: int = 2) -> float:
+        """Median seconds of a forward and backward pass on a scratch copy of the model, on batches
+        from a generator of its own: the model, the optimiser and the data stream stay as they are.
+        The optimiser step is left out (a few percent of a step); round 0's own steps replace it."""
+        model = copy.deepcopy(self.model)
+        batches = self.shard.batches(torch.Generator().manual_seed(self.cfg.run.seed * 1000 + 999))
+        times = []
+        for k in range(warmup + steps):
+            t0 = time.monotonic()
+            self.task.loss(model, next(batches)).backward()
+            if k >= warmup:
+                times.append(time.monotonic() - t0)
+        return sorted(times)[len(times) // 2]
 
     def close(self) -> None:
         self.algorithm.close()
@@ -120,10 +137,14 @@ class RegionWorker:
         if plan.final:
             # Overlap: the round's own exchange is still in flight; its bytes add to this round's.
             merge_exchange_metrics(metrics, self.finish_pending())
-        if plan.evaluate:
+        if plan.evaluate and not getattr(self.algorithm, "evaluates_in_exchange", False):
             t_eval = time.monotonic()
-            metrics["eval"] = self.evaluate_synced()
+            metrics["eval"] = {**self.evaluate_synced(), "round": plan.round}
             metrics["eval_s"] = round(time.monotonic() - t_eval, 6)
+        if "eval_pending" in metrics:  # evaluated in the overlapped exchange, when its model existed
+            ev = metrics.pop("eval_pending")
+            metrics["eval_age_s"] = round(time.monotonic() - ev.pop("t_done"), 6)
+            metrics["eval"] = ev
         if plan.sketch:
             metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
         wall = time.time() - t_start
@@ -215,19 +236,25 @@ class RegionWorker:
         """The metric of the algorithm's synchronised model (DiLoCo: the global model after the
         last outer step) on a scratch copy: training state, RNG and an overlapped exchange in
         flight are left untouched, so a run trains the same model with or without evaluation."""
+        return self.evaluate_params(self.algorithm.eval_params())
+
+    def evaluate_params(self, params, *, restore_rng: bool = True) -> dict[str, Any]:
+        """Evaluate `params` (in the model's parameter order) on a scratch copy of the model. Off
+        the training thread pass restore_rng=False: the generator is shared with training, so a
+        task's evaluate must draw nothing from it (the built-in tasks draw nothing)."""
         if self._eval_model is None:
             self._eval_model = copy.deepcopy(self.model)  # deepcopy draws no random numbers
         with torch.no_grad():
-            for dst, src in zip([p for p in self._eval_model.parameters() if p.requires_grad],
-                                self.algorithm.eval_params()):
+            for dst, src in zip([p for p in self._eval_model.parameters() if p.requires_grad], params):
                 dst.copy_(src)
             for dst, src in zip(self._eval_model.buffers(), self.model.buffers()):
                 dst.copy_(src)  # running statistics are the region's own (they are not synced)
-        rng = torch.get_rng_state()
+        rng = torch.get_rng_state() if restore_rng else None
         try:
             r = self.task.evaluate(self._eval_model)
         finally:
-            torch.set_rng_state(rng)  # a task may sample while evaluating: training must not see it
+            if rng is not None:
+                torch.set_rng_state(rng)  # a task may sample while evaluating: training must not see it
         return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
 
     def sketch(self) -> torch.Tensor:

@@ -78,17 +78,48 @@ class DilocoSync:
 
     def _exchange_and_mix(self, plan, delta):
         res = self.w.exchange(plan, delta)
-        return res, self.w.mix(plan, delta, res)
+        mixed = self.w.mix(plan, delta, res)
+        # The synchronised model of this round exists now, a round before it is applied: an eval
+        # round evaluates it here, off the training thread, so time to target counts from when it
+        # existed (global params and momentum stay untouched until _finish_pending has waited).
+        ev = None
+        if plan.evaluate:
+            ev = {**self.w.evaluate_params(self._preview_outer_step(mixed), restore_rng=False),
+                  "round": plan.round, "t_done": time.monotonic()}
+        return res, mixed, ev
+
+    def _preview_outer_step(self, mixed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What _outer_step will make of the global model, computed on copies: torch's SGD update
+        (no dampening, no weight decay), momentum buffers read, not written."""
+        group = self.outer_opt.param_groups[0]
+        lr, mom, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        out = []
+        for g, d in zip(self.global_params, mixed):
+            step = d
+            if mom:
+                buf = self.outer_opt.state.get(g, {}).get("momentum_buffer")
+                buf = d.clone() if buf is None else buf * mom + d
+                step = d + mom * buf if nesterov else buf
+            out.append(g.detach() - lr * step)
+        return out
 
     def _finish_pending(self) -> dict[str, Any]:
         t0 = time.monotonic()
         try:
-            res, mixed = self._pending.result(timeout=self.w.cfg.sync.deadline.max_s * 2 + 60)
+            res, mixed, ev = self._pending.result(timeout=self.w.cfg.sync.deadline.max_s * 2 + 60)
         finally:
             self._pending, exchange_round, self._pending_round = None, self._pending_round, None
         waited = time.monotonic() - t0
         self._outer_step(mixed)
-        return {**exchange_metrics(res), "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6)}
+        out = {**exchange_metrics(res), "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6)}
+        if ev is not None:
+            out["eval_pending"] = ev  # the worker reports it with its age
+        return out
+
+    @property
+    def evaluates_in_exchange(self) -> bool:
+        """With overlap, an eval round's model is evaluated when its exchange completes."""
+        return self.overlap
 
     def _outer_step(self, mixed: list[torch.Tensor]) -> None:
         for g, m in zip(self.global_params, mixed):
