@@ -35,7 +35,8 @@ class RunEvaluation:
         self.hit: dict[str, Any] | None = None   # the round that reached the target, and its cost
         self.last: dict[str, Any] | None = None  # the last evaluation's eval_avg
         self.fetch_bytes = 0
-        self._cost: dict[int, tuple[int, int]] = {}  # round -> (steps per region, bytes sent) by its end
+        self._steps: dict[int, int] = {}   # round -> inner steps per region by its end
+        self._bytes: dict[int, int] = {}   # exchange round -> bytes every region sent for it
 
     def due(self, round_: int) -> bool:
         return bool(self.every) and (round_ + 1) % self.every == 0
@@ -69,9 +70,18 @@ class RunEvaluation:
                        eval_t=round(t_end - m.get("eval_age_s", 0.0), 4))
         return out
 
-    def note_round(self, round_: int, *, steps: int, bytes_sent: int) -> None:
-        """Inner steps per region and bytes sent by the end of `round_` (what reaching a target cost)."""
-        self._cost[round_] = (steps, bytes_sent)
+    def note_round(self, round_: int, results: Mapping[str, Mapping[str, Any]], *, steps: int) -> None:
+        """What the run had cost by the end of `round_`: inner steps per region, and the bytes of
+        each exchange by the round it belongs to (with overlap, round r's exchange is reported
+        with round r + 1's metrics: its exchange_round says so)."""
+        self._steps[round_] = steps
+        for m in results.values():
+            er = m.get("exchange_round", round_)
+            er = round_ if er is None else er
+            self._bytes[er] = self._bytes.get(er, 0) + int(m.get("bytes_sent", 0))
+
+    def _cost(self, round_: int) -> tuple[int | None, int]:
+        return self._steps.get(round_), sum(b for r, b in self._bytes.items() if r <= round_)
 
     def reached(self, ev: Mapping[str, Any] | None) -> bool:
         t = self.target
@@ -88,9 +98,9 @@ class RunEvaluation:
         if self.hit is not None or not self.reached(ev):
             return False
         r = record["eval_round"]
-        steps, sent = self._cost.get(r, (None, None))
+        steps, sent = self._cost(r)
         self.hit = {"round": r, "metric": ev["metric"], "value": ev["value"], "time_to_target_s": record["eval_t"],
-                    "steps_to_target": steps, "bytes_to_target": None if sent is None else sent + self.fetch_bytes}
+                    "steps_to_target": steps, "bytes_to_target": sent + self.fetch_bytes}
         return True
 
     def summary_fields(self) -> dict[str, Any]:

@@ -159,7 +159,7 @@ class Runner(FaultHandling):
             self._restore(*restored)
         mark("logs_restore")
         probes = self._probe()
-        self._event("links_probed", links=self.coordinator.links_record(), step_time_s=self.coordinator.step_time_s,
+        self._event("links_probed", links=self.coordinator.links_record(),
                     probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
         mark("probes")
         self.setup_s = self.clock.now() if restored is None else None
@@ -196,8 +196,8 @@ class Runner(FaultHandling):
         self._gather(refs, "connect", timeout=60)
 
     def _probe(self) -> dict[str, dict[str, Any]]:
-        """Every region measures its step time and warms and measures its connections, all at
-        once (network.probe_s), so round 0 is planned from measurements and pays no handshake."""
+        """Every region warms and measures its connections, all at once (network.probe_s), so
+        round 0 is planned from measured links and pays no handshake."""
         per_probe = self.cfg.network.probe_s + 30.0
         results = self._call(self.alive, "probe", timeout=2 * per_probe + 60.0)
         self.coordinator.observe_probe(results)
@@ -246,7 +246,7 @@ class Runner(FaultHandling):
         t_end = self.clock.now()
         self.coordinator.observe(results)
         self._bytes_sent += sum(m["bytes_sent"] for m in results.values())
-        self.evaluation.note_round(r, steps=self.coordinator.steps_done, bytes_sent=self._bytes_sent)
+        self.evaluation.note_round(r, results, steps=self.coordinator.steps_done)
         extra = self.evaluation.of_round(r, results, self.alive, self._fetch_params, t_end=t_end)
         self._log_round(r, results, t_start, t_end, extra=extra)
         if extra.get("eval_avg") and self.evaluation.check(extra):

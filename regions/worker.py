@@ -93,29 +93,12 @@ class RegionWorker:
         self.transport.connect({r: a for r, a in peers.items() if r != self.region})
 
     def probe(self) -> dict[str, Any]:
-        """Before round 0: the step time (so the first round's H is chosen, not a guess) and every
-        connection warmed and measured (network.probe_s)."""
+        """Before round 0: every connection warmed and measured (network.probe_s)."""
         net = self.cfg.network
-        step_time = self.probe_step_time()
         peers = [p for p in self.regions if p != self.region]
         records = (self.exchanger.probe_links(peers, duration_s=net.probe_s, max_bytes=net.probe_max_mb << 20)
                    if net.probe_s > 0 and peers else [])
-        return {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region),
-                "step_time_s": step_time}
-
-    def probe_step_time(self, steps: int = 5, warmup: int = 2) -> float:
-        """Median seconds of a forward and backward pass on a scratch copy of the model, on batches
-        from a generator of its own: the model, the optimiser and the data stream stay as they are.
-        The optimiser step is left out (a few percent of a step); round 0's own steps replace it."""
-        model = copy.deepcopy(self.model)
-        batches = self.shard.batches(torch.Generator().manual_seed(self.cfg.run.seed * 1000 + 999))
-        times = []
-        for k in range(warmup + steps):
-            t0 = time.monotonic()
-            self.task.loss(model, next(batches)).backward()
-            if k >= warmup:
-                times.append(time.monotonic() - t0)
-        return sorted(times)[len(times) // 2]
+        return {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region)}
 
     def close(self) -> None:
         self.algorithm.close()

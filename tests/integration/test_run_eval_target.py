@@ -74,7 +74,8 @@ def test_a_run_ends_at_its_target_and_says_what_reaching_it_cost(tmp_path):
     assert summary["time_to_target_s"] == last["eval_t"] and rounds[-2]["t_end"] <= last["eval_t"] <= last["t_end"]
     # What reaching it cost counts the rounds up to the evaluated one, not the round after it.
     assert summary["steps_to_target"] == 10 * (hit["round"] + 1)
-    assert summary["bytes_to_target"] == sum(r["bytes_sent"] for r in rounds[:-1])
+    # ...and the exchanges of those rounds: with overlap round r's is reported with round r + 1.
+    assert summary["bytes_to_target"] == sum(r["bytes_sent"] for r in rounds)
     (event,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "target_reached"]
     assert event["round"] == hit["round"]
     assert json.loads((tmp_path / "summary.json").read_text())["target"] == hit
