@@ -122,6 +122,14 @@ class LinkEstimator:
         self._rates.append(rate)
         self.concurrent = max(1, int(concurrent))
 
+    def set_bandwidth(self, bps: float) -> None:
+        """Replace the samples with one figure (a measurement corrected by what it shared with:
+        regions/exchange.py evens out concurrent probes of one egress)."""
+        if not (bps > 0 and math.isfinite(bps)):
+            raise ValueError(f"bps: must be a finite number > 0, got {bps}")
+        self._rates.clear()
+        self._rates.append(bps)
+
     @property
     def bandwidth_bps(self) -> float | None:
         """Bits per second of payload at the last sample's concurrency, or None before a sample."""

@@ -86,9 +86,11 @@ def test_each_region_runs_on_its_labelled_node_and_updates_cross_over_grpc(clust
         assert t["bytes_sent"] == sum(m["bytes_sent"] for m in metrics if m["region"] == region) > 0
         assert t["bytes_received"] > 0
     # What came back through Ray each round (the metrics record) is small next to the update the
-    # region pushed over gRPC that round: the update itself did not travel through Ray.
+    # region pushed over gRPC with it: the update itself did not travel through Ray. (Overlap:
+    # round r reports round r - 1's exchange, so round 0 reports none.)
     for m in metrics:
-        assert len(json.dumps(m)) * 4 < m["bytes_sent"], (m["region"], m["round"], m["bytes_sent"])
+        if m.get("exchange_round", m["round"]) is not None:
+            assert len(json.dumps(m)) * 4 < m["bytes_sent"], (m["region"], m["round"], m["bytes_sent"])
         assert not m["peers_missing"]
     assert summary["refusals"]["total"] == 0
     # The run joined the cluster; it did not start a Ray of its own.

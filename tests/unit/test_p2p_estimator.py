@@ -111,3 +111,29 @@ def test_a_fall_read_by_latency_bound_transfers_needs_the_window_to_agree():
     for _ in range(3):                               # the link really fell to 1 Mbit/s
         est.observe_transfer(9_700, _sent(9_700, 1e6, 0.072))
     assert est.bandwidth_bps == pytest.approx(1e6)
+
+
+def test_concurrent_probes_of_one_egress_read_as_even_shares_and_other_paths_as_measured():
+    from geofed.p2p.deadline import AdaptiveDeadline
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.exchange import Exchanger
+
+    ex = Exchanger(InMemoryTransport("a", InMemoryHub()), error_feedback=False,
+                   deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0), send_timeout_s=5.0)
+    try:
+        def probe(rates):
+            for peer, bw in rates.items():
+                est = ex.estimator(peer)
+                est.observe_rtt(0.08)
+                est.set_bandwidth(bw)
+            ex._even_out_shares(dict.fromkeys(rates))
+            return {p: ex.estimator(p).bandwidth_bps for p in rates}
+
+        # A real shaped cluster: 50 Mbit/s egress, three pushes, TCP split it 14.1 / 16.4 / 17.9.
+        even = probe({"b": 14.1e6, "c": 16.4e6, "d": 17.9e6})
+        assert all(v == pytest.approx(16.133e6, rel=1e-3) for v in even.values())
+        # One path of its own at 5 Mbit/s, the other two sharing the rest: kept as measured.
+        apart = probe({"b": 5e6, "c": 21e6, "d": 22e6})
+        assert apart == {"b": 5e6, "c": 21e6, "d": 22e6}
+    finally:
+        ex.close()
