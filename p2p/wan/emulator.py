@@ -239,7 +239,8 @@ class WanEmulator:
         if self.config.endpoints_in_netns:
             return f"{peer}:{port}"
         inner = self._relay(self._listen_on(self.kernel.socket_in(dst), peer), tcp_opener(host, port), f"{dst} in")
-        outer = self._listen_on(socket.socket(socket.AF_INET6 if ":" in self.config.bind_host else socket.AF_INET),
+        outer = self._listen_on(socket.socket(socket.AF_INET6 if ":" in self.config.bind_host else socket.AF_INET,
+                                              socket.SOCK_STREAM, socket.IPPROTO_TCP),
                                 self.config.bind_host)
         self._relay(outer, lambda: self._open_in(src, (peer, inner)), f"{src} out")
         bound_host, bound_port = outer.getsockname()[:2]
@@ -268,7 +269,8 @@ class WanEmulator:
         if self.kernel is not None and self.config.endpoints_in_netns:
             return self._listen_on(self.kernel.socket_in(src), "127.0.0.1")
         family = socket.AF_INET6 if ":" in self.config.bind_host else socket.AF_INET
-        return self._listen_on(socket.socket(family, socket.SOCK_STREAM), self.config.bind_host)
+        # IPPROTO_TCP named, so asyncio sets TCP_NODELAY on the accepted sockets (see kernel.socket_in_namespace).
+        return self._listen_on(socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP), self.config.bind_host)
 
     async def _open_kernel(self, route: Route):
         assert route.upstream is not None
