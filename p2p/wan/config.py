@@ -98,6 +98,11 @@ class EmulationConfig:
                                           "IP packet delay line over TUN pairs (delays handshake and ACKs, TCP sees the RTT; Python: a few hundred Mbit/s)"})
     kernel_mtu: int = field(default=1500, metadata={"doc": "kernel mode: MTU of the links between namespaces"})
     netns_prefix: str = field(default="gfw", metadata={"doc": "kernel mode: namespace name prefix (`geofed net cleanup` removes <prefix>*)"})
+    slow_start_after_idle: bool = field(
+        default=False, metadata={"doc": "proxy: after an idle gap longer than an RTO, a connection's congestion window restarts "
+                                        "(halved per RTO, down to 10 segments), as Linux reno/cubic do with "
+                                        "net.ipv4.tcp_slow_start_after_idle=1 (its default); false: the window stays open, as "
+                                        "with BBR (this host's and the issue-14 cluster's congestion control) or that sysctl at 0"})
     tbf_burst_kb: int = field(default=64, metadata={"doc": "kernel mode: tbf burst in KiB (kept fixed: shrinking it mid-flow stalls)"})
 
     def __post_init__(self):

@@ -67,7 +67,7 @@ class WanEmulator:
         self.proxy = Proxy(table=self.table, clock=self.clock, seed=config.seed,
                            cap_bytes=int(config.max_buffer_mb * 2**20),
                            open_upstream=self._open_kernel if self.kernel is not None else open_tcp,
-                           shape_bandwidth=self.kernel is None)
+                           shape_bandwidth=self.kernel is None, slow_start_after_idle=config.slow_start_after_idle)
 
     # -- life cycle -----------------------------------------------------------------------
 

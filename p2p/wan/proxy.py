@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .links import LinkTable, Pair
 from .shaper import LinkRuntime, Pipe, wait_outage
+from .window import CongestionWindow
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,15 @@ class _Conn:
 
 class Proxy:
     def __init__(self, *, table: LinkTable, clock: Callable[[], float], seed: int, cap_bytes: int,
-                 open_upstream: OpenUpstream = open_tcp, shape_bandwidth: bool = True):
+                 open_upstream: OpenUpstream = open_tcp, shape_bandwidth: bool = True,
+                 slow_start_after_idle: bool = False):
         self.table = table
         self.clock = clock
         self.seed = seed
         self.cap_bytes = cap_bytes
         self.open_upstream = open_upstream
         self.shape_bandwidth = shape_bandwidth
+        self.slow_start_after_idle = slow_start_after_idle
         self.links = {p: LinkRuntime(p) for p in table.pairs}
         self.routes: list[Route] = []
         self._conns: set[_Conn] = set()
@@ -120,6 +123,13 @@ class Proxy:
         # One RNG per connection, derived from the seed, so a run's jitter/loss draws do not depend on thread timing.
         rng = random.Random(zlib.crc32(f"{self.seed}:{fwd.name}:{self._n}".encode()))
         await wait_outage(self.table, fwd.pair, self.clock)   # a stalled link: the client's connect succeeded, its bytes wait
+        # The TCP handshake: the client's connect() returned at once (loopback), but its first byte
+        # may leave only once SYN and SYN-ACK have crossed; the server accepts when the ACK lands.
+        syn, syn_ack = (self._one_way(p, rng) for p in (fwd.pair, rev.pair))
+        t_connected = self.clock() + syn + syn_ack
+        await asyncio.sleep(syn + syn_ack)
+        if conn.was_reset:
+            return
         try:
             up_r, up_w = await asyncio.wait_for(self.open_upstream(route), CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -129,14 +139,22 @@ class Proxy:
             return
         conn.upstream_w = up_w
         common = dict(table=self.table, clock=self.clock, rng=rng, cap_bytes=self.cap_bytes, shape_bandwidth=self.shape_bandwidth)
-        first = Pipe(link=fwd, reader=client_r, writer=up_w, **common)
-        back = Pipe(link=rev, reader=up_r, writer=conn.client_w, **common)
+        first = Pipe(link=fwd, reader=client_r, writer=up_w, window=self._window(), **common)
+        back = Pipe(link=rev, reader=up_r, writer=conn.client_w, window=self._window(),
+                    start_at=t_connected + syn, **common)
         fwd.active += 1
         conn.tasks = [asyncio.ensure_future(c) for c in (first.pump_in(), first.pump_out(), back.pump_in(), back.pump_out())]
         try:
             await self._supervise(conn, fwd)
         finally:
             fwd.active -= 1
+
+    def _one_way(self, pair: Pair, rng: random.Random) -> float:
+        shape = self.table.shape(*pair)
+        return max(0.0, shape.latency_s + rng.uniform(-shape.jitter_s, shape.jitter_s)) if shape.jitter_s else shape.latency_s
+
+    def _window(self) -> CongestionWindow:
+        return CongestionWindow(restart_after_idle=self.slow_start_after_idle)
 
     async def _supervise(self, conn: _Conn, fwd: LinkRuntime) -> None:
         pending = set(conn.tasks)

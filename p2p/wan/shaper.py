@@ -1,12 +1,13 @@
 """One direction of one proxied connection: read, wait for tokens, delay, deliver in order.
 
-The model: a chunk read from the sender *departs* once the link's token bucket has paid for it
-(serialisation at the configured rate) and *arrives* `latency +- jitter` later, but never before
-the previous chunk of the same stream (so jitter never reorders). A loss is a stall of one RTO
-before departure: the stream stops, the link's tokens do not pile up past the burst, so loss
-costs goodput as it does for TCP. Bytes held between read and delivery are bounded (about two
-bandwidth-delay products): when full, the proxy stops reading and the sender's kernel buffers
-fill, which is the backpressure a real link applies.
+The model: a chunk read from the sender enters the link while the connection's congestion
+window has room (window.py: slow start on a fresh or idle connection), *departs* once the link's
+token bucket has paid for it (serialisation at the configured rate) and *arrives*
+`latency +- jitter` later, but never before the previous chunk of the same stream (so jitter
+never reorders). A loss is a stall of one RTO before departure: the stream stops, the link's
+tokens do not pile up meanwhile, so loss costs goodput as it does for TCP. Bytes held between
+read and delivery are bounded (about two bandwidth-delay products): when full, the proxy stops
+reading and the sender's kernel buffers fill, which is the backpressure a real link applies.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import random
 from collections.abc import Callable
 
 from .links import LinkTable, Pair, Shape, link_name
+from .window import MIN_RTO_S, MSS, CongestionWindow, idle_rto_s
 
-MSS = 1448                  # bytes of payload per TCP packet: loss is drawn per packet
-MIN_RTO_S = 0.2             # Linux's minimum retransmission timeout
 MIN_READ, MAX_READ = 4096, 65536
 READ_TIME_S = 0.005         # read about 5 ms worth of bytes at a time: fine enough steps for the bucket
 MIN_BUFFER = 256 * 1024
@@ -29,12 +29,11 @@ SAMPLE_MIN_BYTES = 1024
 # Deliveries further apart than this (as done and as scheduled) end a goodput sample. Under one
 # RTT of the presets, so a request/response turn between two transfers is idle time, not the link's.
 BUSY_GAP_S = 0.05
-# The bucket's burst is line *time*, so bandwidth_scale scales it with the rate. A byte floor
-# does not scale: 16 KiB was 26 ms at 5 Mbit/s but 2.6 s at 0.05 Mbit/s, where it let whole
-# compressed updates through unshaped and hid a 10x drop from the coordinator for 5-7 rounds
-# (geofed bench wan, drop); a floor of two packets still let a 3.3 KB top-k update read as 8x the
-# link's rate. A real bottleneck serialises every packet, so there is no floor.
-BURST_S = 0.01
+# The bucket has no burst: a real bottleneck serialises every byte, so B bytes take at least
+# B / rate. A burst of 10 ms of line time let 1 MB at 200 Mbit/s and 80 ms arrive, acked, in
+# 0.966 of bytes/rate + RTT (issue 14); a 16 KiB floor before it let whole compressed updates
+# through unshaped at 0.05 Mbit/s. Late wake-ups of the loop are made up by debt and the
+# lateness credit (LinkRuntime.reserve), not by banked tokens.
 
 
 def read_size(shape: Shape) -> int:
@@ -45,6 +44,13 @@ def buffer_limit(shape: Shape, cap_bytes: int) -> int:
     """Bytes one direction may hold in flight: 2 BDP (so the delay line never starves the link), capped."""
     bdp = shape.rate_bps * (shape.latency_s + shape.jitter_s + MIN_RTO_S * (shape.loss > 0))
     return int(min(cap_bytes, max(MIN_BUFFER, 2 * bdp + 2 * read_size(shape))))
+
+
+def window_cap(shape: Shape, rtt_s: float) -> float:
+    """Where slow start stops: 2 BDP (BBR's cwnd gain; a cubic window fills the bottleneck's queue
+    on top of the BDP), so a warm window never limits the link, plus two reads of slack for the
+    proxy's chunks."""
+    return 2 * shape.rate_bps * rtt_s + 2 * read_size(shape)
 
 
 def rto_s(shape: Shape) -> float:
@@ -74,25 +80,21 @@ class LinkRuntime:
         self._lat_sum = 0.0
         self._lat_n = 0
 
-    @staticmethod
-    def _burst(shape: Shape) -> float:
-        return shape.rate_bps * BURST_S
-
     def reserve(self, n: int, shape: Shape, now: float, credit_s: float = 0.0) -> float:
         """Take n bytes of tokens; seconds to wait before they are paid for.
 
         Debt is allowed, so a late wake-up of the event loop is paid back by the tokens that
         accrued meanwhile: the long-run rate is exact, whatever the sleep granularity. The bucket
-        keeps at most a burst of unused tokens (an idle link does not bank capacity), plus
-        `credit_s`: how late the caller woke while it held a chunk waiting for tokens; that time
-        the link was busy, not idle, so a CPU-starved loop does not lose bandwidth.
+        keeps no unused tokens (an idle link does not bank capacity: n bytes after idle wait
+        n / rate) except `credit_s`: how late the caller woke while it held a chunk waiting for
+        tokens; that time the link was busy, not idle, so a CPU-starved loop does not lose
+        bandwidth. Either way a chunk never departs before `first byte + bytes so far / rate`.
         """
-        burst = self._burst(shape)
         if self._t_tokens is None:
-            self._tokens = burst
+            self._tokens = 0.0
         else:
             # The cap limits what accrues; it never takes away tokens already credited.
-            cap = max(self._tokens, burst + credit_s * shape.rate_bps)
+            cap = max(self._tokens, credit_s * shape.rate_bps)
             self._tokens = min(cap, self._tokens + (now - self._t_tokens) * shape.rate_bps)
         self._t_tokens = now
         self._tokens -= n
@@ -144,10 +146,12 @@ class Pipe:
 
     def __init__(self, *, link: LinkRuntime, table: LinkTable, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, clock: Callable[[], float], rng: random.Random, cap_bytes: int,
-                 shape_bandwidth: bool = True):
+                 shape_bandwidth: bool = True, window: CongestionWindow | None = None, start_at: float = 0.0):
         self.link, self.table, self.reader, self.writer = link, table, reader, writer
         self.clock, self.rng, self.cap = clock, rng, cap_bytes
         self.shape_bandwidth = shape_bandwidth   # False in kernel mode: tbf does it
+        self.window = window                     # None: no slow start (bytes enter the link as read)
+        self.start_at = start_at                 # no byte departs before the emulated handshake let it
         self.queue: collections.deque[tuple[float, float, bytes]] = collections.deque()
         self.buffered = 0
         self.peak = 0
@@ -163,6 +167,8 @@ class Pipe:
         await wait_outage(self.table, self.link.pair, self.clock)
 
     async def pump_in(self) -> None:
+        if (wait := self.start_at - self.clock()) > 0:
+            await asyncio.sleep(wait)
         while True:
             shape = self._shape()
             while self.buffered >= buffer_limit(shape, self.cap):
@@ -177,7 +183,29 @@ class Pipe:
             await self._pace(data)
 
     async def _pace(self, data: bytes) -> None:
-        """Wait out outages, tokens and loss stalls for one chunk, then put it on the delay line."""
+        """Send one chunk, in pieces as large as the congestion window lets through."""
+        off = 0
+        while off < len(data):
+            n = len(data) - off if self.window is None else await self._window_room(len(data) - off)
+            await self._send(data[off:off + n])
+            off += n
+
+    async def _window_room(self, want: int) -> int:
+        """Wait until the window has room for a segment (or for all of `want`); how much may go."""
+        assert self.window is not None
+        while True:
+            now = self.clock()
+            shape, back = self._shape(), self.table.shape(*self.link.pair[::-1])
+            rtt = shape.latency_s + back.latency_s
+            room = self.window.room(now, rto_s=idle_rto_s(rtt, shape.jitter_s + back.jitter_s), cap=window_cap(shape, rtt))
+            if room >= min(want, MSS):
+                return min(room, want)
+            next_ack = self.window.next_ack()
+            assert next_ack is not None, "a window with nothing in flight has room"
+            await asyncio.sleep(max(0.0, next_ack - now))
+
+    async def _send(self, data: bytes) -> None:
+        """Wait out outages, tokens and loss stalls for one piece, then put it on the delay line."""
         await self.wait_outage()
         shape = self._shape()
         wait = self.link.reserve(len(data), shape, self.clock(), credit_s=self._late) if self.shape_bandwidth else 0.0
@@ -193,6 +221,8 @@ class Pipe:
         delay = max(0.0, shape.latency_s + self.rng.uniform(-shape.jitter_s, shape.jitter_s)) if shape.jitter_s else shape.latency_s
         arrival = max(self._last_arrival, depart + delay)
         self._last_arrival = arrival
+        if self.window is not None:   # its ack is back one reverse latency after it arrived
+            self.window.sent(len(data), depart, arrival + self.table.shape(*self.link.pair[::-1]).latency_s)
         self._push(arrival, depart, data)
 
     def _push(self, arrival: float, depart: float, data: bytes) -> None:

@@ -15,47 +15,43 @@ def shape(mbps=50.0, latency_ms=40.0, jitter_ms=0.0, loss=0.0) -> Shape:
     return Shape.of(LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps, jitter_ms=jitter_ms, loss=loss))
 
 
-def test_bucket_starts_with_a_burst_then_charges_at_the_rate():
-    s = shape(mbps=8.0)   # 1e6 bytes/s; burst = 10 ms = 10000
+def test_bucket_starts_empty_then_charges_at_the_rate():
+    # No burst (issue 14): a real bottleneck serialises every byte, so even the first chunk after
+    # idle waits for its own line time. A 10 ms burst let 1 MB at 200 Mbit/s beat bytes/rate + RTT.
+    s = shape(mbps=8.0)   # 1e6 bytes/s
     lr = LinkRuntime(("a", "b"))
-    assert lr.reserve(10_000, s, now=0.0) == 0.0
     assert lr.reserve(10_000, s, now=0.0) == pytest.approx(0.01)
+    assert lr.reserve(10_000, s, now=0.0) == pytest.approx(0.02)
     # 5 ms later 5000 bytes of the debt are paid; the next 1000 wait for the rest and their own.
-    assert lr.reserve(1000, s, now=0.005) == pytest.approx(0.006)
+    assert lr.reserve(1000, s, now=0.005) == pytest.approx(0.016)
 
 
-def test_bucket_never_banks_more_than_the_burst():
-    s = shape(mbps=8.0)
-    lr = LinkRuntime(("a", "b"))
-    lr.reserve(1, s, now=0.0)
-    assert lr.reserve(10_000 + 1000, s, now=100.0) == pytest.approx(0.001)
-
-
-def test_burst_is_line_time_so_a_scaled_link_keeps_its_shape():
-    # 0.05 Mbit/s: a byte floor of 16 KiB would pass a 10 KiB update in no time; 10 ms is 62.5
-    # bytes, so the update pays for all but those.
-    s = shape(mbps=0.05)
-    lr = LinkRuntime(("a", "b"))
-    lr.reserve(1, s, now=0.0)
-    assert lr.reserve(10_240, s, now=100.0) == pytest.approx((10_240 - 62.5) / s.rate_bps)
+def test_an_idle_bucket_banks_nothing():
+    for mbps in (8.0, 0.05):   # also a link scaled down by bandwidth_scale: 10 KiB still pays all its time
+        s = shape(mbps=mbps)
+        lr = LinkRuntime(("a", "b"))
+        lr.reserve(1, s, now=0.0)
+        assert lr.reserve(10_240, s, now=100.0) == pytest.approx(10_240 / s.rate_bps)
 
 
 @settings(max_examples=200, deadline=None)
 @given(mbps=st.floats(1, 10_000), chunks=st.lists(st.integers(1, 65536), min_size=20, max_size=200),
        lateness=st.floats(0, 0.003))
 def test_bucket_long_run_rate_is_exact_despite_late_wakeups(mbps, chunks, lateness):
-    # A sender that sleeps as told, always waking `lateness` late, still gets exactly the rate:
-    # debt is paid by what accrued while it overslept (burst is the only slack).
+    # A sender that sleeps as told, always waking `lateness` late, still gets exactly the rate
+    # (debt is paid by what accrued while it overslept), and never more: the last chunk is paid
+    # no sooner than all the bytes' line time.
     s = shape(mbps=mbps)
     lr = LinkRuntime(("a", "b"))
-    now = 0.0
+    now = late = paid = 0.0
     for n in chunks:
-        wait = lr.reserve(n, s, now)
-        now += wait + (lateness if wait > 0 else 0)
-    burst = s.rate_bps * 0.01
-    ideal = (sum(chunks) - burst) / s.rate_bps
-    assert now >= ideal - 1e-9
-    assert now <= max(0.0, ideal) + lateness * len(chunks) + 1e-9
+        wait = lr.reserve(n, s, now, credit_s=late)
+        paid += n
+        assert now + wait >= paid / s.rate_bps - 1e-9   # never before its line time
+        late = lateness if wait > 0 else 0.0
+        now += wait + late
+    ideal = sum(chunks) / s.rate_bps
+    assert now <= ideal + lateness + 1e-9   # the lateness of all but the last sleep was made up
 
 
 def test_read_size_and_buffer_limit_follow_the_rate():
