@@ -100,14 +100,17 @@ class LinkRuntime:
         self._tokens -= n
         return 0.0 if self._tokens >= 0 else -self._tokens / shape.rate_bps
 
-    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, due: float | None = None) -> None:
+    def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, due: float | None = None,
+                  fresh: bool = False) -> None:
         """Count n bytes handed to the receiver at `now` (they were due at `due`), and sample goodput.
 
         A sample is a run of deliveries no more than 50 ms apart, either as they happened or as
         they were scheduled (a CPU-starved event loop delivers late, but the link was busy and its
         catch-up follows); longer gaps (idle time, outages, loss stalls) are not the link's. Small
         writes (replies, acks, pings: under 1 KiB) neither start nor extend a run, so the receipt
-        that follows a transfer by one latency does not stretch it.
+        that follows a transfer by one latency does not stretch it. `fresh` bytes (sent after a
+        wait for the congestion window: slow start, where the window and not the link paced the
+        sender) start a new run, as after an idle gap.
         """
         self.bytes += n
         self._lat_sum += one_way_s
@@ -116,7 +119,7 @@ class LinkRuntime:
             return
         due = now if due is None else due
         busy_gap = max(BUSY_GAP_S, 3 * read_size(shape) / shape.rate_bps)
-        if self._last_delivery is not None and (now - self._last_delivery <= busy_gap or due - self._last_due <= busy_gap):
+        if self._last_delivery is not None and not fresh and (now - self._last_delivery <= busy_gap or due - self._last_due <= busy_gap):
             self._busy_bytes += n
             self._busy_s += now - self._last_delivery
         self._last_delivery = now
@@ -152,7 +155,7 @@ class Pipe:
         self.shape_bandwidth = shape_bandwidth   # False in kernel mode: tbf does it
         self.window = window                     # None: no slow start (bytes enter the link as read)
         self.start_at = start_at                 # no byte departs before the emulated handshake let it
-        self.queue: collections.deque[tuple[float, float, bytes]] = collections.deque()
+        self.queue: collections.deque[tuple[float, float, bytes, bool]] = collections.deque()   # arrival, depart, data, fresh
         self.buffered = 0
         self.peak = 0
         self._has_data = asyncio.Event()
@@ -177,7 +180,7 @@ class Pipe:
                 shape = self._shape()
             data = await self.reader.read(read_size(shape) if self.shape_bandwidth else MAX_READ)
             if not data:
-                self._push(self.clock(), self.clock(), _EOF)
+                self._push(self.clock(), self.clock(), _EOF, False)
                 return
             self.link.bytes_in += len(data)
             await self._pace(data)
@@ -186,25 +189,27 @@ class Pipe:
         """Send one chunk, in pieces as large as the congestion window lets through."""
         off = 0
         while off < len(data):
-            n = len(data) - off if self.window is None else await self._window_room(len(data) - off)
-            await self._send(data[off:off + n])
+            n, waited = (len(data) - off, False) if self.window is None else await self._window_room(len(data) - off)
+            await self._send(data[off:off + n], fresh=waited)
             off += n
 
-    async def _window_room(self, want: int) -> int:
-        """Wait until the window has room for a segment (or for all of `want`); how much may go."""
+    async def _window_room(self, want: int) -> tuple[int, bool]:
+        """Wait until the window has room for a segment (or for all of `want`): how much may go, and whether it waited."""
         assert self.window is not None
+        waited = False
         while True:
             now = self.clock()
             shape, back = self._shape(), self.table.shape(*self.link.pair[::-1])
             rtt = shape.latency_s + back.latency_s
             room = self.window.room(now, rto_s=idle_rto_s(rtt, shape.jitter_s + back.jitter_s), cap=window_cap(shape, rtt))
             if room >= min(want, MSS):
-                return min(room, want)
+                return min(room, want), waited
             next_ack = self.window.next_ack()
             assert next_ack is not None, "a window with nothing in flight has room"
             await asyncio.sleep(max(0.0, next_ack - now))
+            waited = True
 
-    async def _send(self, data: bytes) -> None:
+    async def _send(self, data: bytes, fresh: bool) -> None:
         """Wait out outages, tokens and loss stalls for one piece, then put it on the delay line."""
         await self.wait_outage()
         shape = self._shape()
@@ -223,10 +228,10 @@ class Pipe:
         self._last_arrival = arrival
         if self.window is not None:   # its ack is back one reverse latency after it arrived
             self.window.sent(len(data), depart, arrival + self.table.shape(*self.link.pair[::-1]).latency_s)
-        self._push(arrival, depart, data)
+        self._push(arrival, depart, data, fresh)
 
-    def _push(self, arrival: float, depart: float, data: bytes) -> None:
-        self.queue.append((arrival, depart, data))
+    def _push(self, arrival: float, depart: float, data: bytes, fresh: bool) -> None:
+        self.queue.append((arrival, depart, data, fresh))
         self.buffered += len(data)
         self.peak = max(self.peak, self.buffered)
         self.link.peak_buffered = max(self.link.peak_buffered, self.buffered)
@@ -237,7 +242,7 @@ class Pipe:
             while not self.queue:
                 self._has_data.clear()
                 await self._has_data.wait()
-            arrival, depart, data = self.queue[0]
+            arrival, depart, data, fresh = self.queue[0]
             if arrival > self.clock():
                 await asyncio.sleep(arrival - self.clock())
             await self.wait_outage()   # bytes in flight when a link goes down arrive after it is back
@@ -249,7 +254,7 @@ class Pipe:
             self.writer.write(data)
             # Counted once handed to the socket: a reader may see the bytes before drain() returns.
             now = self.clock()
-            self.link.delivered(len(data), now, now - depart, self._shape(), due=arrival)
+            self.link.delivered(len(data), now, now - depart, self._shape(), due=arrival, fresh=fresh)
             await self.writer.drain()
             self.buffered -= len(data)
             self._has_space.set()

@@ -127,3 +127,17 @@ def test_a_late_delivery_is_busy_time_and_an_idle_gap_is_not():
             assert lr.measured_goodput_mbps() == pytest.approx(100_000 * 8 / 0.305 / 1e6)
         else:         # only the first 5 ms are a sample: too short to report
             assert lr.measured_goodput_mbps() is None
+
+
+def test_bytes_sent_after_a_window_wait_start_a_new_sample():
+    # Slow start: flights 30 ms apart (under the 50 ms busy gap) paced by acks, not by the link.
+    # Each flight after a wait for the window starts a run, so the gaps are not the link's time.
+    s = shape(mbps=80.0)   # 10 MB/s
+    lr = LinkRuntime(("a", "b"))
+    t = 0.0
+    for flight in range(6):
+        for i in range(2 ** flight):
+            lr.delivered(50_000, t, 0.01, s, fresh=(i == 0))
+            t += 0.005
+        t += 0.030
+    assert lr.measured_goodput_mbps() == pytest.approx(80.0, rel=1e-6)
