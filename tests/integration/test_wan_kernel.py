@@ -51,10 +51,12 @@ def test_goodput_and_rtt_between_two_namespaces(prefix):
             addr = emu.route("a", "b", f"0.0.0.0:{sink.port}")
             with _connect_in(emu, "a", addr) as sock:
                 rtt = statistics.median(ping(sock, 10))
+                cold = bulk(sock, nbytes)   # slow start (the proxy's window model): ~1.76 s, 0.79 of the rate
                 seconds = bulk(sock, nbytes)
             qdisc = emu.kernel.qdisc(("a", "b"))
-        assert sink.digests == [pattern_digest(nbytes)]
+        assert sink.digests == [pattern_digest(nbytes)] * 2
     assert "tbf" in qdisc
+    assert cold > seconds + 2 * latency_ms / 1e3
     _assert_link(nbytes, seconds, mbps, rtt, latency_ms)
     assert _namespaces(prefix) == [], "stop() must remove the namespaces"
 
