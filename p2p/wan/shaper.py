@@ -1,11 +1,11 @@
-"""One direction of one proxied connection: read, wait for tokens, delay, deliver in order.
+"""One direction of one proxied connection: read, wait for the window and the link, delay, deliver in order.
 
 The model: a chunk read from the sender enters the link while the connection's congestion
-window has room (window.py: slow start on a fresh or idle connection), *departs* once the link's
-token bucket has paid for it (serialisation at the configured rate) and *arrives*
+window has room (window.py: slow start on a fresh or idle connection), *departs* once the link has
+serialised it (at the configured rate, after the bytes queued before it) and *arrives*
 `latency +- jitter` later, but never before the previous chunk of the same stream (so jitter
-never reorders). A loss is a stall of one RTO before departure: the stream stops, the link's
-tokens do not pile up meanwhile, so loss costs goodput as it does for TCP. Bytes held between
+never reorders). A loss is a stall of one RTO before departure: the stream stops and the link
+goes idle meanwhile, so loss costs goodput as it does for TCP. Bytes held between
 read and delivery are bounded (about two bandwidth-delay products): when full, the proxy stops
 reading and the sender's kernel buffers fill, which is the backpressure a real link applies.
 """
@@ -29,11 +29,14 @@ SAMPLE_MIN_BYTES = 1024
 # Deliveries further apart than this (as done and as scheduled) end a goodput sample. Under one
 # RTT of the presets, so a request/response turn between two transfers is idle time, not the link's.
 BUSY_GAP_S = 0.05
-# The bucket has no burst: a real bottleneck serialises every byte, so B bytes take at least
-# B / rate. A burst of 10 ms of line time let 1 MB at 200 Mbit/s and 80 ms arrive, acked, in
-# 0.966 of bytes/rate + RTT (issue 14); a 16 KiB floor before it let whole compressed updates
-# through unshaped at 0.05 Mbit/s. Late wake-ups of the loop are made up by debt and the
-# lateness credit (LinkRuntime.reserve), not by banked tokens.
+# The link has no burst: a real bottleneck serialises every byte, so B bytes take at least
+# B / rate from the first. A token bucket's burst of 10 ms of line time let 1 MB at 200 Mbit/s
+# and 80 ms arrive, acked, in 0.966 of bytes/rate + RTT (issue 14); a 16 KiB floor before it let
+# whole compressed updates through unshaped at 0.05 Mbit/s. The proxy's own hiccups within a busy
+# period (the time between serving one chunk and reading the next, a late wake-up) are bridged
+# instead (LinkRuntime.reserve), when the next bytes were already waiting for the proxy.
+SLACK_S = 0.002
+READ_WAIT_S = 0.001     # a read that waited longer than this found no bytes waiting: the sender was the limit
 
 
 def read_size(shape: Shape) -> int:
@@ -58,13 +61,12 @@ def rto_s(shape: Shape) -> float:
 
 
 class LinkRuntime:
-    """Loop-side state of one directed link: its token bucket (shared by its connections) and counters."""
+    """Loop-side state of one directed link: its serialisation clock (shared by its connections) and counters."""
 
     def __init__(self, pair: Pair):
         self.pair = pair
         self.name = link_name(pair)
-        self._tokens = 0.0
-        self._t_tokens: float | None = None
+        self._free_at: float | None = None   # when the link has serialised every byte given to it
         self.bytes = 0                  # delivered to the receiving side
         self.bytes_in = 0               # read from the sending side
         self.connections = 0
@@ -80,25 +82,23 @@ class LinkRuntime:
         self._lat_sum = 0.0
         self._lat_n = 0
 
-    def reserve(self, n: int, shape: Shape, now: float, credit_s: float = 0.0) -> float:
-        """Take n bytes of tokens; seconds to wait before they are paid for.
+    def reserve(self, n: int, shape: Shape, now: float, credit_s: float = 0.0, since: float = float("-inf")) -> float:
+        """Serialise n bytes on the link; seconds to wait until the last of them has left.
 
-        Debt is allowed, so a late wake-up of the event loop is paid back by the tokens that
-        accrued meanwhile: the long-run rate is exact, whatever the sleep granularity. The bucket
-        keeps no unused tokens (an idle link does not bank capacity: n bytes after idle wait
-        n / rate) except `credit_s`: how late the caller woke while it held a chunk waiting for
-        tokens; that time the link was busy, not idle, so a CPU-starved loop does not lose
-        bandwidth. Either way a chunk never departs before `first byte + bytes so far / rate`.
+        The link is busy until `_free_at`; n bytes go after whatever is queued (another
+        connection's bytes too), or from `now` if the link has gone idle, and never before
+        `since` (when the bytes reached the proxy, if it had to wait for them). So B bytes never
+        leave sooner than B / rate after the first of them arrived: there is no burst, an idle
+        link banks nothing. A gap since the link went free of at most SLACK_S + `credit_s` (how
+        late the caller's last sleep for the link woke) with the bytes already waiting is the
+        proxy's own lateness, not idle time: the link carries on from where it was, so a loaded
+        event loop does not lose bandwidth.
         """
-        if self._t_tokens is None:
-            self._tokens = 0.0
-        else:
-            # The cap limits what accrues; it never takes away tokens already credited.
-            cap = max(self._tokens, credit_s * shape.rate_bps)
-            self._tokens = min(cap, self._tokens + (now - self._t_tokens) * shape.rate_bps)
-        self._t_tokens = now
-        self._tokens -= n
-        return 0.0 if self._tokens >= 0 else -self._tokens / shape.rate_bps
+        start = self._free_at
+        if start is None or (start < now and now - start > SLACK_S + credit_s):
+            start = now
+        self._free_at = max(start, since) + n / shape.rate_bps
+        return max(0.0, self._free_at - now)
 
     def delivered(self, n: int, now: float, one_way_s: float, shape: Shape, due: float | None = None,
                   fresh: bool = False) -> None:
@@ -161,7 +161,7 @@ class Pipe:
         self._has_data = asyncio.Event()
         self._has_space = asyncio.Event()
         self._last_arrival = float("-inf")
-        self._late = 0.0   # how late the last sleep for tokens woke
+        self._late = 0.0   # how late the last sleep for the link woke
 
     def _shape(self) -> Shape:
         return self.table.shape(*self.link.pair)
@@ -178,19 +178,22 @@ class Pipe:
                 self._has_space.clear()
                 await self._has_space.wait()
                 shape = self._shape()
+            asked = self.clock()
             data = await self.reader.read(read_size(shape) if self.shape_bandwidth else MAX_READ)
+            got = self.clock()
             if not data:
-                self._push(self.clock(), self.clock(), _EOF, False)
+                self._push(got, got, _EOF, False)
                 return
             self.link.bytes_in += len(data)
-            await self._pace(data)
+            await self._pace(data, since=got if got - asked > READ_WAIT_S else float("-inf"))
 
-    async def _pace(self, data: bytes) -> None:
-        """Send one chunk, in pieces as large as the congestion window lets through."""
+    async def _pace(self, data: bytes, since: float) -> None:
+        """Send one chunk, read at `since` (-inf: it was waiting), in pieces as large as the congestion window lets through."""
         off = 0
         while off < len(data):
             n, waited = (len(data) - off, False) if self.window is None else await self._window_room(len(data) - off)
-            await self._send(data[off:off + n], fresh=waited)
+            # After a wait for the window the piece is sent only now: the link idled before it.
+            await self._send(data[off:off + n], since=self.clock() if waited else since, fresh=waited)
             off += n
 
     async def _window_room(self, want: int) -> tuple[int, bool]:
@@ -209,16 +212,16 @@ class Pipe:
             await asyncio.sleep(max(0.0, next_ack - now))
             waited = True
 
-    async def _send(self, data: bytes, fresh: bool) -> None:
-        """Wait out outages, tokens and loss stalls for one piece, then put it on the delay line."""
+    async def _send(self, data: bytes, since: float, fresh: bool) -> None:
+        """Wait out outages, the link and loss stalls for one piece, then put it on the delay line."""
         await self.wait_outage()
         shape = self._shape()
-        wait = self.link.reserve(len(data), shape, self.clock(), credit_s=self._late) if self.shape_bandwidth else 0.0
-        self._late = 0.0
+        wait = self.link.reserve(len(data), shape, self.clock(), credit_s=self._late, since=since) if self.shape_bandwidth else 0.0
         if wait > 0:
             due = self.clock() + wait
             await asyncio.sleep(wait)
-            self._late = max(0.0, self.clock() - due)   # credited to the next reservation
+            # Credited to the next reservations, until the link has caught up and is waited for again.
+            self._late = max(0.0, self.clock() - due)
         if shape.loss > 0 and self.rng.random() < 1 - (1 - shape.loss) ** math.ceil(len(data) / MSS):
             self.link.loss_stalls += 1
             await asyncio.sleep(rto_s(shape))
