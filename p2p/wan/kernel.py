@@ -146,7 +146,7 @@ def socket_in_namespace(name: str, family: int = socket.AF_INET, kind: int = soc
     A stream socket names its protocol (IPPROTO_TCP) so that asyncio sets TCP_NODELAY on it (it
     checks `sock.proto`, which is 0 for `socket.socket(family, SOCK_STREAM)`): with Nagle on, a
     relay held gRPC's small HTTP/2 frames behind an unacknowledged segment for one emulated RTT,
-    and a cold mTLS ping took 5 RTT where gRPC's own socket (TCP_NODELAY) takes 4.
+    and a cold mTLS ping took 5-6 RTT where gRPC's own socket (TCP_NODELAY) takes 4.
     """
     proto = socket.IPPROTO_TCP if kind == socket.SOCK_STREAM else 0
     return in_namespace(name, lambda: socket.socket(family, kind, proto))
