@@ -13,7 +13,7 @@ The model, per direction of each connection: bytes enter the link (the token buc
 `in flight < cwnd`; a byte counts as in flight from the moment it enters until its ack would be
 back, one RTT (this link's latency plus the reverse link's) after the bucket let it depart;
 each acked byte adds a byte to cwnd. There is no loss-driven back-off (loss is a stall, see
-shaper.py): cwnd grows until it no longer limits (it stops at the proxy's buffer bound, 2 BDP).
+shaper.py): cwnd grows until it no longer limits (it stops at 2 BDP, shaper.window_cap).
 """
 
 from __future__ import annotations
