@@ -8,7 +8,7 @@ few keys changed:
 * ``H100-int8``: ``sync.policy: {kind: fixed, H: 100}``, int8 on every link;
 * ``adaptive-overlap``: configs/bench-wan.yaml's sync settings (bandwidth policy, overlap, its
   outer optimiser) and compression (int4 and its ladder);
-* ``multi-region``: configs/multi-region.yaml's own settings (bandwidth policy, int8).
+* ``multi-region``: configs/multi-region.yaml's own settings (overlap, bandwidth policy, int4).
 
 Time to target counts from the start of round 0 (the run's clock: Ray start-up, placement and
 connecting are left out, and reported apart as start-up) to the end of the first round whose

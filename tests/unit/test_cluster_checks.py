@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from geofed.orchestrator.bench_wan_arms import base_mapping
+
 from geofed.orchestrator.bench_cluster_arms import common_mapping, write_config
 from geofed.orchestrator.cluster_checks import (
     LinkTruth,
@@ -96,6 +98,7 @@ def test_H_is_replayed_with_the_true_rates_on_the_runs_step_times(tmp_path):
     # same policy on the same step time wants about half
     d = _run_dir(tmp_path, [_round(0, 50, None), _round(1, 509, 3.7), _round(2, 509, 12.0)])
     rows = replay_H(d, TRUTH)
-    assert [r["H_true_rates"] for r in rows][0] == 50           # round 0: nothing measured either way
+    initial = base_mapping("multi-region.yaml")["sync"]["policy"]["initial_H"]
+    assert [r["H_true_rates"] for r in rows][0] == initial      # round 0: no step time measured either way
     assert rows[1]["H"] == 509 and rows[1]["H_true_rates"] < 509 / 1.25
     assert rows[1]["ratio"] == pytest.approx(509 / rows[1]["H_true_rates"], abs=1e-3)
