@@ -16,6 +16,7 @@ import hashlib
 import io
 import logging
 import os
+import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 MAGIC = b"GFCK"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 _TMP = re.compile(r"^\.ckpt-\d+\.pt\.tmp-\d+$")
+_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
 log = logging.getLogger(__name__)
 
 
@@ -71,10 +73,26 @@ def load_verified(path: Path) -> Any:
     digest, body = data[4:36], data[36:]
     if hashlib.sha256(body).digest() != digest:
         raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupt)")
+    return load_tensors(body, what=str(path))
+
+
+def load_tensors(body: bytes, *, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of `body` (a checkpoint's, or a peer's FetchState
+    state), with our own message on failure: torch's names the way to load the file anyway
+    ("re-run torch.load with weights_only set to False"), which for a hostile file is the one
+    thing never to do."""
     try:
         return torch.load(io.BytesIO(body), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-        raise CheckpointError(f"{path}: cannot load: {exc}") from None
+    except pickle.UnpicklingError as exc:
+        found = _GLOBAL.search(str(exc))
+        thing = f"a Python object ({found.group(1)})" if found else "a Python object"
+        raise CheckpointError(f"{what}: refused: it holds {thing} that loading would construct, i.e. run code; "
+                              "geofed loads only tensors and plain values, and what geofed writes never holds "
+                              "one: this was made or altered by someone else") from None
+    except Exception as exc:  # noqa: BLE001 - any other failure means an unusable file
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip() and "weights_only" not in ln]
+        detail = f": {lines[0][:200]}" if lines else ""
+        raise CheckpointError(f"{what}: cannot load ({type(exc).__name__}{detail})") from None
 
 
 def checkpoint_path(directory: Path, round_: int) -> Path:
