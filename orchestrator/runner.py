@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def run_from_args(args) -> int:
     if args.resume:
-        cfg, run_dir = resume_config(Path(args.resume), args.overrides)
+        cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or ())
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
