@@ -24,7 +24,7 @@ from .faults import FaultHandling
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
-from .rundir import Clock, JsonlLog, new_run_dir, process_age_s, write_json
+from .rundir import Clock, JsonlLog, ensure_private_dir, new_run_dir, process_age_s, write_json
 from .strict import ConfigError
 from .summary import build_summary, evaluate_average
 
@@ -123,6 +123,7 @@ class Runner(FaultHandling):
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
+        ensure_private_dir(self.run_dir)  # 0700, also for a Runner started without new_run_dir
         mark = self._phase_marker()
         self._make_tls()
         mark("tls")
