@@ -22,7 +22,7 @@ from .emulation import configured_link, start_emulation
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .faults import FaultHandling
 from .progress import RunProgress, print_summary
-from .recovery import Interrupted, RunFailed, StopSignals, first_line, record_processes, signal_name
+from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
 from .rundir import Clock, JsonlLog, ensure_private_dir, new_run_dir, process_age_s, write_json
 from .strict import ConfigError
@@ -128,14 +128,15 @@ class Runner(FaultHandling):
         self._make_tls()
         mark("tls")
         reaped = reap_previous_driver(self.run_dir) if self.resume else []
-        self.ray = init_ray(self.cfg)
+        with marked_processes(self.run_dir) as token:  # what a later --resume may end proves it is ours
+            self.ray = init_ray(self.cfg)
         mark("ray")
         self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
         self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
         mark("actors")
         if self.ray.started_here:
-            record_processes(self.run_dir)
+            record_processes(self.run_dir, token)
         self.alive = list(self.regions)
         starts = [self.actors.handles[r].start.remote() for r in self.regions]
         self.addresses = dict(zip(self.regions, ray.get(starts, timeout=120)))
