@@ -105,6 +105,7 @@ class Runner(FaultHandling):
         self.alive: list[str] = []
         self.dead: dict[str, str] = {}
         self._probes: dict[str, Any] = {}  # dead region -> node_info ref: answers once Ray restarted it
+        self._stalled: dict[str, dict] = {}  # stalled region (in dead; its probe is its pending call)
         self.next_round = 0
         self._last_checkpoint = -1
         self._bytes_sent = 0  # updates pushed by every region so far (bytes_to_target)
