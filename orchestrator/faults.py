@@ -111,9 +111,11 @@ class FaultHandling:
         return self._gather(refs, method, timeout=timeout)
 
     def _note(self, message: str, style: str = "yellow") -> None:
-        log.warning("%s", message)
+        """A line on the terminal (above the progress bar), or a warning before there is one."""
         if self.progress is not None:
             self.progress.log(f"[{style}]{message}")
+        else:
+            log.warning("%s", message)
 
     def _region_failed(self, region: str, why: str) -> None:
         r = self.next_round

@@ -129,3 +129,25 @@ def test_a_frozen_region_is_left_out_by_the_deadline_and_rejoins_when_it_answers
     assert undisturbed > 0.9  # the reference learned: the comparison means something
     assert abs(quality - undisturbed) <= 0.01, (quality, undisturbed)
     assert set(summary["eval_per_region"]) == set(REGIONS)
+
+
+def test_a_busy_region_answers_the_probe_and_is_waited_for_not_left_out(tmp_path):
+    """The probe must not mistake work for a stall: rounds of several seconds of Python-heavy
+    compute (the GIL held between torch ops), far past a 1 s heartbeat timeout, lose no region."""
+    cfg = config_from_mapping({
+        "run": {"name": "busy", "rounds": 2, "report": False, "checkpoint_every": 0, "seed": 0},
+        "task": {"kind": "mlp-digits", "hidden": 128},
+        "regions": {"names": REGIONS[:2], "num_cpus": 0.5, "heartbeat_timeout_s": 1.0},
+        "network": {"emulation": {"mode": "none"}, "max_message_mb": 4},
+        "sync": {"policy": {"kind": "fixed", "H": 4000}, "deadline": {"initial_s": 30.0, "min_s": 1.0, "max_s": 60.0}},
+    })
+    runner = Runner(cfg, tmp_path, show_progress=False)
+    try:
+        summary = runner.run()
+    finally:
+        runner.shutdown()
+    rounds = read_jsonl(tmp_path / "rounds.jsonl")
+    assert min(r["t_end"] - r["t_start"] for r in rounds) > 2.0  # the probe ran, several times a round
+    assert _events(tmp_path, "region_stalled") == []
+    assert all(r["regions_reported"] == sorted(REGIONS[:2]) for r in rounds)
+    assert "region_stalls" not in summary["faults"]
