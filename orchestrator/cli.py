@@ -24,7 +24,7 @@ BENCHES = {
 
 
 # config_record.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
-RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
+RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
                   "run.report", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
                   "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")
 

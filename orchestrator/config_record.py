@@ -33,6 +33,7 @@ RECORD_FILE = "config.record.json"
 SAFE_ON_RESUME: dict[str, str] = {
     "run.rounds": "run longer or stop sooner",
     "run.max_steps": "the step budget",
+    "run.target": "when to stop (metric and value)",
     "run.eval_every": "how often to evaluate",
     "run.checkpoint_every": "how often to checkpoint",
     "run.keep_checkpoints": "how many checkpoints to keep",
@@ -86,7 +87,7 @@ def check_resume(run_dir: Path, config_yaml: bytes, file_cfg: RunConfig, cfg: Ru
     recorded = config_from_mapping(copy.deepcopy(record["config"]), source=str(path))
     changes = diff(_plain(recorded), _plain(cfg))
     edited = diff(_plain(recorded), _plain(file_cfg))
-    refused = [k for k in changes if k not in allow]
+    refused = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in allow)]
     if refused:
         lines = [f"  {k}: {_show(changes[k][0])} -> {_show(changes[k][1])}"
                  f" ({'config.yaml' if k in edited else '--set'}"

@@ -119,3 +119,12 @@ def test_geofed_run_resume_exits_2_with_the_diff_and_starts_nothing(run_dir):
     assert "  task.hidden: 32 -> 64 (config.yaml)" in lines
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "events.jsonl").exists() and not (run_dir / "tls").exists()
+
+
+def test_a_named_section_allows_the_keys_inside_it(run_dir):
+    cfg, _ = resume_config(run_dir, ["run.target.metric=accuracy", "run.target.value=0.9"], ["run.target"])
+    assert cfg.run.target.value == 0.9
+    cfg, _ = resume_config(run_dir, ["run.target.value=0.95"], ["run.target"])
+    assert cfg.run.target.value == 0.95
+    with pytest.raises(ConfigError, match=r"run.target.value: 0.95 -> 0.97 \(--set\)"):
+        resume_config(run_dir, ["run.target.value=0.97"])
