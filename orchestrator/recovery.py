@@ -6,26 +6,20 @@
 - ``plan_resync``: after a round in which some regions missed an in-neighbour's update, which
   region pulls the model from which (DiLoCo/all-reduce over a full topology keep one model).
 - ``Interrupted``: raised by the runner after a clean stop.
+- what a killed driver left running: orchestrator/leftovers.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
-import secrets
 import signal
 import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Self
 
-from .rundir import read_json_file, write_json
-
-log = logging.getLogger(__name__)
+# What a killed driver left running lives in leftovers.py; its names stay importable from here.
+from .leftovers import DRIVER_FILE, marked_processes, process_tree, reap_previous, record_processes  # noqa: F401
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -128,145 +122,6 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) 
             heard = {t.get("peer") for t in results[r].get("transfers") or () if t.get("direction") == "recv"}
             jobs.append(Resync(region=r, donors=tuple(d for d in donors if d in heard) or donors))
     return jobs
-
-
-# -- processes a killed driver left behind -------------------------------------------------------
-# A SIGKILLed driver cannot stop the local Ray it started: gcs and raylet notice within seconds and
-# take the region actors with them, but Ray's agents linger for a minute or more. The driver lists
-# what it started in RUN_DIR/driver.json; `geofed run --resume` ends what is still there.
-#
-# driver.json is a file, and a run directory can be handed to you: it may list any pid. So a
-# listed process is signalled only when the process itself proves it is this run's: the same
-# start time (a reused pid never matches), an environment holding this run directory's path and
-# the token of the driver that wrote driver.json (set before that driver started Ray, inherited by
-# every Ray process and worker), and a command line of that Ray session (a `ray::` worker, or one
-# naming the session directory). /proc/PID/environ is readable only by the process's owner (and
-# root), and no other program puts geofed's marks in its environment.
-
-DRIVER_FILE = "driver.json"
-RUN_DIR_ENV, RUN_TOKEN_ENV = "GEOFED_RUN_DIR", "GEOFED_RUN_TOKEN"
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after its closing one.
-    return [text[: text.index(" ")], text[text.index("(") + 1: text.rindex(")")]] + text[text.rindex(")") + 2:].split()
-
-
-def _identity(pid: int) -> tuple[int, int, str] | None:
-    st = _stat(pid)
-    if st is None or st[2] == "Z":
-        return None
-    return pid, int(st[21]), st[1]  # pid, start time (clock ticks since boot), name
-
-
-def process_tree(root: int) -> list[tuple[int, int, str]]:
-    """(pid, start time, name) of every live process below `root`, from /proc ([] without it)."""
-    if not os.path.isdir("/proc"):
-        return []
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None:
-            children.setdefault(int(st[3]), []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if (ident := _identity(child)) is not None:
-                out.append(ident)
-                todo.append(child)
-    return out
-
-
-@contextmanager
-def marked_processes(run_dir: Path) -> Iterator[str]:
-    """Inside, processes this driver starts (Ray's, and the workers they start later) carry this
-    run directory and a fresh token in their environment; yields the token for driver.json."""
-    token = secrets.token_hex(16)
-    marks = {RUN_DIR_ENV: str(Path(run_dir).resolve()), RUN_TOKEN_ENV: token}
-    saved = {k: os.environ.get(k) for k in marks}
-    os.environ.update(marks)
-    try:
-        yield token
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def record_processes(run_dir: Path, token: str) -> None:
-    """Write the driver's own process tree (the local Ray it started, under `token`) to RUN_DIR/driver.json."""
-    me = _identity(os.getpid())
-    data = {"pid": os.getpid(), "start": me[1] if me else None, "token": token, "session_dir": _ray_session_dir(),
-            "processes": [list(p) for p in process_tree(os.getpid())]}
-    write_json(Path(run_dir) / DRIVER_FILE, data)
-
-
-def _ray_session_dir() -> str | None:
-    import ray
-
-    if not ray.is_initialized():  # get_runtime_context() would start a Ray of its own
-        return None
-    ctx = ray.get_runtime_context()
-    return os.path.join(ctx.get_temp_dir(), ctx.get_session_name())
-
-
-def belongs_to_run(pid: int, run_dir: Path, token: str, session_dir: str | None) -> bool:
-    """Whether process `pid` proves it was started for `run_dir` by the driver that recorded
-    `token` and `session_dir` (see above); False when /proc cannot say."""
-    if not isinstance(token, str) or len(token) < 16:
-        return False
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = set(f.read().split(b"\0"))
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ")
-    except OSError:  # gone, or another user's
-        return False
-    marked = (f"{RUN_DIR_ENV}={Path(run_dir).resolve()}".encode() in env
-              and f"{RUN_TOKEN_ENV}={token}".encode() in env)
-    ray_process = cmdline.startswith(b"ray::") or (
-        isinstance(session_dir, str) and len(session_dir) > 1 and session_dir.encode() in cmdline)
-    return marked and ray_process
-
-
-def reap_previous(run_dir: Path, *, grace_s: float = 5.0) -> list[dict]:
-    """End what a previous driver of this run directory started and left running, if that driver
-    is gone: only processes that prove they are that driver's (belongs_to_run). Returns what was
-    ended ({pid, name}); [] when nothing was left."""
-    data = read_json_file(Path(run_dir) / DRIVER_FILE)  # None when missing; a FIFO or 1 GB file is refused
-    if not isinstance(data, dict):
-        return []
-    try:
-        driver_pid, listed = int(data.get("pid", -1)), [(int(p), int(s), str(n)) for p, s, n in data.get("processes", [])]
-    except (ValueError, TypeError):  # a malformed list: nothing provably ours
-        return []
-    driver = _identity(driver_pid)
-    if driver is not None and driver[1] == data.get("start"):
-        raise RuntimeError(f"the driver of {run_dir} (pid {data['pid']}) is still running")
-    live = [(pid, start, name) for pid, start, name in listed if (ident := _identity(pid)) is not None and ident[1] == start]
-    left = [p for p in live if belongs_to_run(p[0], run_dir, data.get("token"), data.get("session_dir"))]
-    if len(left) < len(live):
-        others = sorted(p[0] for p in set(live) - set(left))
-        log.warning("%s: %d live processes listed in %s do not prove they belong to this run; left alone: %s",
-                    run_dir, len(others), DRIVER_FILE, others)
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        for pid, start, _ in left:
-            ident = _identity(pid)
-            if ident is not None and ident[1] == start:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any((i := _identity(p)) is not None and i[1] == s for p, s, _ in left):
-            time.sleep(0.1)
-    return [{"pid": pid, "name": name} for pid, _, name in left]
 
 
 def schedule_after(schedule: Sequence[Any], *, next_round: int, elapsed_s: float) -> tuple:

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 from geofed.regions import checkpoint
 
 from .config import RunConfig, config_from_mapping
-from .recovery import RunFailed, reap_previous, schedule_after
+from .leftovers import reap_previous
+from .recovery import RunFailed, schedule_after
 from .config_record import check_resume
 from .rundir import ensure_private_dir, read_jsonl, truncate_jsonl
 from .strict import ConfigError

@@ -1,8 +1,10 @@
 """Issue 15, finding 5: `--resume` signalled every pid listed in the run directory's driver.json
 whose start time matched. A run directory is a file anyone can hand you (as root, that reached
 any process). Now a listed process is ended only when its own environment and command line prove
-it is this run's Ray: this run directory and the recording driver's token in /proc/PID/environ,
-a `ray::` worker or the recorded Ray session in /proc/PID/cmdline.
+it is this run's Ray: this run directory and the recording driver's token in /proc/PID/environ
+(or, for a `ray::` process whose environment Ray's setproctitle zeroed, its output in the Ray
+session the driver bound to this run), a `ray::` worker or the recorded Ray session in
+/proc/PID/cmdline.
 
 Real processes throughout: the stand-ins for Ray's leftovers are real processes given the
 environment and command line a Ray worker of the run has (the full path, with Ray, is
@@ -112,6 +114,58 @@ def test_a_leftover_of_this_runs_ray_is_ended_and_only_it(tmp_path, procs):
     assert sorted(p["pid"] for p in reaped) == sorted([worker.pid, agent.pid])
     assert worker.wait(10) == -signal.SIGTERM and agent.wait(10) == -signal.SIGTERM
     assert bystander.poll() is None
+
+
+# A Ray agent as Ray starts it: the run's marks in its environment, its output in the session's
+# logs; then Ray's setproctitle, which zeroes the environment /proc shows.
+AGENT = ("import os, sys, time, ray._raylet; ray._raylet.setproctitle('ray::DashboardAgent'); "
+         "print('up', flush=True); time.sleep(300)")
+
+
+def _agent(run_dir: Path, session: Path) -> subprocess.Popen:
+    (session / "logs").mkdir(parents=True, exist_ok=True)
+    out = open(session / "logs" / "dashboard_agent.out", "wb")  # noqa: SIM115 - the child holds it
+    proc = subprocess.Popen([sys.executable, "-c", AGENT], env={**os.environ, **_marks(run_dir)}, stdout=out)
+    deadline = time.monotonic() + 30
+    while (session / "logs" / "dashboard_agent.out").read_bytes() != b"up\n":
+        assert time.monotonic() < deadline and proc.poll() is None, "the stand-in agent did not start"
+        time.sleep(0.05)
+    out.close()
+    return proc
+
+
+def _bind(session: Path, run_dir: Path, token: str = TOKEN) -> Path:
+    path = session / "geofed-run.json"  # what the driver writes into Ray's session at start
+    path.write_text(json.dumps({"run_dir": str(run_dir.resolve()), "token": token}))
+    os.chmod(path, 0o600)
+    return path
+
+
+@pytest.mark.parametrize("case", ["bound", "unbound", "bound to another run", "bound by another user"])
+def test_a_ray_process_whose_environment_was_overwritten_is_proved_by_its_session(tmp_path, procs, case):
+    run_dir, session = tmp_path / "run", tmp_path / "ray" / "session_x"
+    run_dir.mkdir()
+    agent = _agent(run_dir, session)
+    procs.append(agent)
+    with open(f"/proc/{agent.pid}/environ", "rb") as f:
+        assert b"GEOFED_RUN_TOKEN" not in f.read()  # what setproctitle leaves of its marks
+    if case == "bound":
+        _bind(session, run_dir)
+    elif case == "bound to another run":
+        (tmp_path / "other").mkdir()
+        _bind(session, tmp_path / "other")
+    elif case == "bound by another user":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the file away")
+        os.chown(_bind(session, run_dir), 65534, 65534)
+    (run_dir / "driver.json").write_text(json.dumps({
+        "pid": _dead_pid(), "start": 1, "token": TOKEN, "session_dir": str(session),
+        "processes": [[agent.pid, _start_time(agent.pid), "ray::DashboardA"]]}))
+    reaped = reap_previous(run_dir, grace_s=5.0)
+    if case == "bound":
+        assert [p["pid"] for p in reaped] == [agent.pid] and agent.wait(10) == -signal.SIGTERM
+    else:
+        assert reaped == [] and agent.poll() is None
 
 
 def test_a_malformed_driver_json_ends_nothing(tmp_path, procs):
