@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from geofed.regions.checkpoint import PRIVATE_DIR, PRIVATE_FILE, make_private_dirs, write_bytes_atomic
+from geofed.regions.inputfiles import InputFileError, read_regular
 
 from .config import RunConfig, to_mapping
 from .strict import ConfigError
@@ -137,14 +138,12 @@ def read_json_file(path: Path, *, limit: int = 4 << 20) -> Any:
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         return None
-    if path.is_symlink() or not path.is_file():
-        raise ConfigError("", "not a regular file", source=str(path))
-    if path.stat().st_size > limit:
-        raise ConfigError("", f"{path.stat().st_size} bytes; at most {limit} expected", source=str(path))
     try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise ConfigError("", f"unreadable: {exc}", source=str(path)) from None
+        return json.loads(read_regular(path, max_bytes=limit))
+    except InputFileError as exc:
+        raise ConfigError("", exc.reason, source=str(path)) from None
+    except ValueError as exc:
+        raise ConfigError("", f"not JSON: {exc}", source=str(path)) from None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
