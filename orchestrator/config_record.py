@@ -89,15 +89,16 @@ def check_resume(run_dir: Path, config_yaml: bytes, file_cfg: RunConfig, cfg: Ru
     edited = diff(_plain(recorded), _plain(file_cfg))
     refused = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in allow)]
     if refused:
-        lines = [f"  {k}: {_show(changes[k][0])} -> {_show(changes[k][1])}"
+        lines = [f"{k}: {_show(changes[k][0])} -> {_show(changes[k][1])}"
                  f" ({'config.yaml' if k in edited else '--set'}"
                  f"{'; never changes on resume' if k.startswith(NEVER_ON_RESUME) else ''})" for k in sorted(changes)]
         safe = [k for k in refused if k in SAFE_ON_RESUME]
-        hint = (f"to accept, name the key: --allow-config-change {' '.join(safe)}" if safe and len(safe) == len(refused)
-                else f"a resume continues the run as it started; keys that may change with --allow-config-change: "
+        hint = (f"To accept, name the key: --allow-config-change {' '.join(safe)}" if safe and len(safe) == len(refused)
+                else f"A resume continues the run as it started; keys that may change with --allow-config-change: "
                      f"{', '.join(SAFE_ON_RESUME)}")
+        # One line (ConfigError's rule), the changes in key order: "key: old -> new (where)".
         raise ConfigError("", f"differs from the run's record ({RECORD_FILE}, sha256 {record['sha256'][:12]}; "
-                          f"config.yaml now {sha256(config_yaml)[:12]}):\n" + "\n".join(lines) + f"\n{hint}",
+                          f"config.yaml now {sha256(config_yaml)[:12]}): " + "; ".join(lines) + f". {hint}",
                           source=str(run_dir / "config.yaml"))
     if changes or sha256(config_yaml) != record["sha256"]:
         from .rundir import write_config  # config.yaml now says what the run runs with

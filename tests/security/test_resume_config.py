@@ -113,10 +113,10 @@ def test_geofed_run_resume_exits_2_with_the_diff_and_starts_nothing(run_dir):
     proc = subprocess.run([sys.executable, "-c", "from geofed.orchestrator.cli import entry; entry()",
                            "run", "--resume", str(run_dir), "--quiet"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert lines[0].startswith(f"geofed: {run_dir / 'config.yaml'}: differs from the run's record")
-    assert "  security.tls: true -> false (config.yaml; never changes on resume)" in lines
-    assert "  task.hidden: 32 -> 64 (config.yaml)" in lines
+    (line,) = proc.stderr.strip().splitlines()  # one line, naming the file and every changed key
+    assert line.startswith(f"geofed: {run_dir / 'config.yaml'}: differs from the run's record")
+    assert ("security.tls: true -> false (config.yaml; never changes on resume); "
+            "task.hidden: 32 -> 64 (config.yaml)") in line
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "events.jsonl").exists() and not (run_dir / "tls").exists()
 
