@@ -23,6 +23,12 @@ BENCHES = {
 }
 
 
+# config_record.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
+RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
+                  "run.report", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
+                  "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="geofed", description="Geo-distributed and federated training orchestrator.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -33,7 +39,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a config key (repeatable), e.g. --set run.rounds=2")
     run.add_argument("--out", help="run directory (default: <run.out_dir>/<run.name>-<UTC timestamp>)")
     run.add_argument("--address", help="join an existing Ray cluster: auto, HOST:PORT or ray://HOST:PORT")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round; refused "
+                     "(exit 2, the difference by key) when RUN_DIR/config.yaml or --set changes the run's config")
+    run.add_argument("--allow-config-change", dest="allow_config_change", action="extend", nargs="+", default=[],
+                     metavar="KEY", help="with --resume: accept a change of these keys (config.yaml edits or --set), "
+                     "only keys that may change mid-run: " + ", ".join(RESUMABLE_KEYS)
+                     + "; never security.* (TLS cannot be turned off on resume)")
     run.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -103,6 +114,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 0 if "-h" in args.rest or "--help" in args.rest else 2
         return int(importlib.import_module(BENCHES[args.name][0]).main(args.rest))
     if args.command == "run":
+        if args.allow_config_change and not args.resume:
+            raise ConfigError("", "only with --resume RUN_DIR (a new run takes any config)", source="--allow-config-change")
         from .runner import run_from_args
 
         return run_from_args(args)

@@ -7,6 +7,7 @@ docs/CONFIG.md holds (a test keeps the two equal).
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from .policies.config import FixedPolicyConfig, policy_config_class
 from .strict import ConfigError
 
 MAX_REGIONS = 256
+# fullmatch: `$` alone also matches before a trailing newline ("x\n" would pass).
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 # Names the run directory uses for itself: checkpoints/driver/, tls/ca.pem.
 RESERVED_REGION_NAMES = ("driver", "ca")
@@ -71,7 +73,7 @@ class RunSection:
     report: bool = field(default=True, metadata=_doc("write report.html at the end"))
 
     def __post_init__(self):
-        if not _NAME_RE.match(self.name):
+        if not _NAME_RE.fullmatch(self.name):
             raise ValueError(f"name: must match {_NAME_RE.pattern}, got {self.name!r}")
         if not 1 <= self.rounds <= 10_000_000:
             raise ValueError(f"rounds: must be in [1, 10000000], got {self.rounds}")
@@ -93,6 +95,9 @@ def _check_out_dir(out_dir: str) -> None:
     path = Path(out_dir)
     if not out_dir.strip() or "\0" in out_dir:
         raise ValueError("out_dir: must be a non-empty relative path")
+    bad = next((c for c in out_dir if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:  # a newline or an escape in a folder name corrupts logs and terminals
+        raise ValueError(f"out_dir: {out_dir!r} holds the control character U+{ord(bad):04X}; names must be printable")
     if path.is_absolute() or out_dir.startswith("~"):
         raise ValueError(f"out_dir: {out_dir!r} is outside the working directory (absolute); "
                          "a config may only name a folder inside it; use --out DIR to write elsewhere")
@@ -113,12 +118,16 @@ class RegionsSection:
     max_restarts: int = field(default=3, metadata=_doc("Ray restarts of a crashed region actor"))
     placement_timeout_s: float = field(default=60.0, metadata=_doc("fail if some region has no alive Ray node carrying its label within this (nodes may still be joining)"))
     start_timeout_s: float = field(default=180.0, metadata=_doc("fail if a region actor has not started (placed, torch imported, model and data built) within this"))
+    heartbeat_timeout_s: float = field(default=10.0, metadata=_doc(
+        "a region busy with a call that does not answer the driver's liveness probe (a Ray call served on its own "
+        "thread) for this long is stalled (SIGSTOP, swap, a hung host): elastic runs go on without it and it "
+        "rejoins when it answers again; fail-fast runs stop"))
 
     def __post_init__(self):
         if not 1 <= len(self.names) <= MAX_REGIONS:
             raise ValueError(f"names: need 1..{MAX_REGIONS} regions, got {len(self.names)}")
         for n in self.names:
-            if not _NAME_RE.match(n):
+            if not _NAME_RE.fullmatch(n):
                 raise ValueError(f"names: region name {n!r} must match {_NAME_RE.pattern}")
         if len(set(self.names)) != len(self.names):
             raise ValueError("names: region names must be unique")
@@ -136,6 +145,8 @@ class RegionsSection:
             raise ValueError("max_restarts: must be >= 0 and placement_timeout_s > 0")
         if not 0 < self.start_timeout_s <= 86400:
             raise ValueError(f"start_timeout_s: must be in (0, 86400], got {self.start_timeout_s}")
+        if not 0.5 <= self.heartbeat_timeout_s <= 86400:
+            raise ValueError(f"heartbeat_timeout_s: must be in [0.5, 86400], got {self.heartbeat_timeout_s}")
 
     def label_of(self, region: str) -> str:
         return self.labels.get(region, region)

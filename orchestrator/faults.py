@@ -1,18 +1,22 @@
 """How the driver survives region faults (docs/reliability.md), as a base class of Runner.
 
 Every call to the regions goes through ``_gather``: an actor that died, or did not answer in
-time, fails its region (elastic: the run carries on without it; fail-fast: RunFailed). Dead
-regions are probed each round without blocking and rejoin once Ray has restarted them; regions
+time, fails its region (elastic: the run carries on without it; fail-fast: RunFailed). While it
+waits, ``_gather`` probes the regions it waits on (a heartbeat served on each actor's own thread):
+one silent for regions.heartbeat_timeout_s is stalled (SIGSTOP, swap, a hung host) and left out
+like a failed one, without a restart. Dead regions are probed each round without blocking and
+rejoin once Ray has restarted them; stalled ones rejoin once their pending call returns. Regions
 that missed an update resync from one that did not.
 
 It works on the Runner's state: ``cfg``, ``regions``, ``actors``, ``alive``, ``dead``,
-``_probes``, ``addresses``, ``faults``, ``next_round``, ``progress``, ``_last_checkpoint``,
+``_probes``, ``_stalled``, ``addresses``, ``faults``, ``next_round``, ``progress``, ``_last_checkpoint``,
 ``run_dir``, and its ``_event`` and ``_connect_all``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
@@ -24,32 +28,94 @@ log = logging.getLogger("geofed.orchestrator.runner")
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
 
 
+class _Liveness:
+    """The liveness probe of the regions a gather waits on: a `heartbeat` call, served on the
+    actor's own thread (regions/actor.py), at most one in flight per region. A region busy with a
+    long call answers it; a stopped or hung one does not."""
+
+    def __init__(self, handles: dict, timeout_s: float):
+        self.handles, self.timeout_s = handles, timeout_s
+        self.every_s = min(1.0, timeout_s / 4)
+        self.t0 = time.monotonic()
+        self.last_ok: dict[str, float] = {}
+        self.inflight: dict[str, Any] = {}
+
+    def silent(self, regions) -> dict[str, float]:
+        """region -> seconds since its last answer (since the gather began if none), for those
+        of `regions` silent longer than the timeout."""
+        now = time.monotonic()
+        out = {}
+        for region in regions:
+            hb = self.inflight.get(region)
+            if hb is not None and ray.wait([hb], timeout=0)[0]:
+                del self.inflight[region]
+                try:
+                    ray.get(hb)
+                    self.last_ok[region] = now
+                except ray.exceptions.RayError:
+                    pass  # it died: its pending call fails too, and says so
+            if region not in self.inflight:
+                self.inflight[region] = self.handles[region].heartbeat.remote()
+            silent_s = now - self.last_ok.get(region, self.t0)
+            if silent_s > self.timeout_s:
+                out[region] = silent_s
+        return out
+
+
 class FaultHandling:
     def _gather(self, refs: dict, what: str, *, timeout: float) -> dict[str, Any]:
         """region -> result of one call per region. A region whose actor died, or that did not
-        answer within `timeout` (then it is killed for Ray to restart), is failed: elastic runs
-        carry on without it, fail-fast runs stop. An exception inside the call stops the run."""
+        answer within `timeout` (then it is killed for Ray to restart), is failed; one that stops
+        answering the liveness probe for regions.heartbeat_timeout_s is stalled: the gather goes
+        on without it. Elastic runs carry on without either, fail-fast runs stop. An exception
+        inside the call stops the run."""
         if not refs:
             return {}
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-        out = {}
-        for ref in ready:
-            region = refs[ref]
-            try:
-                out[region] = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                self._region_failed(region, f"actor died during {what}: {first_line(exc)}")
-            except ray.exceptions.RayTaskError as exc:
-                raise RunFailed(f"region {region} failed in {what}: {exc.cause!r}") from None
-        for ref in pending:
-            region = refs[ref]
+        pending, out = dict(refs), {}
+        probe = _Liveness(self.actors.handles, self.cfg.regions.heartbeat_timeout_s)
+        t0 = t_last = time.monotonic()
+        noted: set[str] = set()
+        while pending and (left := timeout - (time.monotonic() - t0)) > 0:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, probe.every_s))
+            for ref in ready:
+                self._collect(ref, pending.pop(ref), what, out)
+                t_last = time.monotonic()
+            if not pending:
+                break
+            silent = probe.silent(pending.values())
+            for ref, region in list(pending.items()):
+                if region in silent:
+                    del pending[ref]
+                    self._region_stalled(region, ref, what, silent[region], give_up_at=t0 + timeout)
+                elif out and region not in noted and time.monotonic() - t_last > probe.timeout_s:
+                    noted.add(region)  # busy, not stalled: waited for, and said so once
+                    self._note(f"waiting for region {region}: still in {what} "
+                               f"{time.monotonic() - t_last:.0f}s after the others (it answers the liveness probe)")
+                    self._event("waiting_for_region", region=region, what=what,
+                                waited_s=round(time.monotonic() - t_last, 2))
+        for ref, region in pending.items():
             self._region_failed(region, f"{what} did not finish within {timeout:.0f}s")
             ray.kill(self.actors.handles[region], no_restart=False)
         return out
 
+    def _collect(self, ref, region: str, what: str, out: dict[str, Any]) -> None:
+        try:
+            out[region] = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            self._region_failed(region, f"actor died during {what}: {first_line(exc)}")
+        except ray.exceptions.RayTaskError as exc:
+            raise RunFailed(f"region {region} failed in {what}: {exc.cause!r}") from None
+
     def _call(self, regions, method: str, *args, timeout: float, **kwargs) -> dict[str, Any]:
         refs = {getattr(self.actors.handles[r], method).remote(*args, **kwargs): r for r in regions}
         return self._gather(refs, method, timeout=timeout)
+
+    def _note(self, message: str, style: str = "yellow") -> None:
+        """A line on the terminal (above the progress bar), or a warning before there is one."""
+        if self.progress is not None:
+            self.progress.log(f"[{style}]{message}")
+        else:
+            log.warning("%s", message)
 
     def _region_failed(self, region: str, why: str) -> None:
         r = self.next_round
@@ -58,19 +124,39 @@ class FaultHandling:
         if self.cfg.run.on_region_failure == "fail-fast":
             raise RunFailed(f"region {region} failed in round {r} ({why}); run.on_region_failure is fail-fast; "
                             f"the checkpoint of round {self._last_checkpoint} stands: geofed run --resume {self.run_dir}")
+        self._leave_out(region, why)
+        self._note(f"region {region} failed in round {r}: {why}; carrying on without it")
+
+    def _region_stalled(self, region: str, ref, what: str, silent_s: float, *, give_up_at: float) -> None:
+        """Alive (Ray sees no death) but silent: the run goes on without it; its pending call is
+        its probe: once that returns it rejoins (_revive_stalled)."""
+        why = f"no answer to the liveness probe for {silent_s:.1f}s during {what} (stopped, swapping or hung)"
+        self.faults["region_stalls"] = self.faults.get("region_stalls", 0) + 1
+        pid = (self.actors.info.get(region) or {}).get("pid")
+        self._event("region_stalled", region=region, what=what, silent_s=round(silent_s, 2), pid=pid)
+        if self.cfg.run.on_region_failure == "fail-fast":
+            self._region_failed(region, why)  # raises
+        self._leave_out(region, why)
+        self._probes[region] = ref
+        self._stalled[region] = {"since": time.monotonic() - silent_s, "give_up_at": give_up_at}
+        self._note(f"region {region} stalled in round {self.next_round}: {why}; carrying on without it; "
+                   "it rejoins when it answers")
+
+    def _leave_out(self, region: str, why: str) -> None:
         if region in self.alive:
             self.alive.remove(region)
         self.dead[region] = why
         self._probes.pop(region, None)
         if not self.alive:
-            raise RunFailed(f"every region has failed (last: {region} in round {r}: {why})")
-        if self.progress is not None:
-            self.progress.log(f"[yellow]region {region} failed in round {r}: {why}; carrying on without it")
+            raise RunFailed(f"every region has failed (last: {region} in round {self.next_round}: {why})")
 
     def _revive_dead(self, r: int) -> None:
         """A dead region is probed without blocking the round; once Ray has restarted it, it
         rejoins. A region past its max_restarts keeps failing the probe and stays out."""
         for region in sorted(self.dead):
+            if region in self._stalled:
+                self._revive_stalled(region, r)
+                continue
             probe = self._probes.get(region)
             if probe is None:
                 self._probes[region] = self.actors.handles[region].node_info.remote()
@@ -84,14 +170,40 @@ class FaultHandling:
                 continue  # still restarting, or gone for good: probe again next round
             self._rejoin(region, r, info)
 
-    def _rejoin(self, region: str, r: int, info: dict) -> None:
-        """New server, reconnect everyone, own checkpoint, then the current model from a peer."""
+    def _revive_stalled(self, region: str, r: int) -> None:
+        """A stalled region's pending call returned: it answers again and rejoins (its result is
+        dropped: the round went on without it). One that never returns is, after the call's own
+        timeout, killed for Ray to restart, as a region that did not finish in time always was."""
+        probe, st = self._probes[region], self._stalled[region]
+        if not ray.wait([probe], timeout=0)[0]:
+            if time.monotonic() > st["give_up_at"]:
+                del self._stalled[region], self._probes[region]
+                self.faults["region_failures"] += 1
+                self._event("region_failed", region=region, why=f"stalled for {time.monotonic() - st['since']:.0f}s; "
+                            "killed for Ray to restart")
+                ray.kill(self.actors.handles[region], no_restart=False)
+            return
+        del self._stalled[region], self._probes[region]
+        try:
+            ray.get(probe)
+        except ray.exceptions.RayActorError:
+            return  # it died meanwhile: a dead region now, probed for its restart from the next round
+        except ray.exceptions.RayTaskError as exc:
+            log.warning("region %s: its late call failed (%s); it rejoins anyway", region, first_line(exc))
+        self._rejoin(region, r, dict(self.actors.info.get(region) or {}), restarted=False,
+                     stalled_s=time.monotonic() - st["since"])
+
+    def _rejoin(self, region: str, r: int, info: dict, *, restarted: bool = True, stalled_s: float | None = None) -> None:
+        """New server (after a restart), reconnect everyone, own checkpoint, then the current
+        model from a peer. A region back from a stall keeps its server and address."""
         handle = self.actors.handles[region]
         try:
-            address = ray.get(handle.start.remote(), timeout=60)
+            address = ray.get(handle.start.remote(), timeout=60) if restarted else self.addresses[region]
             restored = ray.get(handle.restore_checkpoint.remote(r - 1), timeout=120)
         except _ACTOR_GONE as exc:
             log.warning("region %s did not come back yet: %s", region, first_line(exc))
+            if not restarted:  # the dead-region path restarts it: a fresh actor whose start() works
+                ray.kill(handle, no_restart=False)
             return
         self.addresses[region] = address
         self.actors.info[region] = {**self.actors.info.get(region, {}), **info, "grpc_address": address}
@@ -109,12 +221,14 @@ class FaultHandling:
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as exc:
                 # Its own checkpoint is the best it has; a resync after its first round realigns it.
                 log.warning("region %s: no peer gave its state: %s", region, first_line(exc))
-        self.faults["region_restarts"] += 1
+        if restarted:
+            self.faults["region_restarts"] += 1
         self._event("region_rejoined", region=region, pid=info.get("pid"), grpc_address=address,
                     restored_round=restored["round"], skipped_checkpoints=restored["skipped"],
-                    donor=donor, state_round=state_round)
+                    donor=donor, state_round=state_round, after="restart" if restarted else "stall",
+                    **({} if stalled_s is None else {"stalled_s": round(stalled_s, 2)}))
         if self.progress is not None:
-            self.progress.log(f"[green]region {region} rejoined at round {r} "
+            self.progress.log(f"[green]region {region} rejoined at round {r} after a {'restart' if restarted else 'stall'} "
                               f"(checkpoint {restored['round']}, state of round {state_round} from {donor})")
 
     def _resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:

@@ -6,25 +6,20 @@
 - ``plan_resync``: after a round in which some regions missed an in-neighbour's update, which
   region pulls the model from which (DiLoCo/all-reduce over a full topology keep one model).
 - ``Interrupted``: raised by the runner after a clean stop.
+- what a killed driver left running: orchestrator/leftovers.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
-import os
 import signal
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Self
 
-from .rundir import write_json
-
-log = logging.getLogger(__name__)
+# What a killed driver left running lives in leftovers.py; its names stay importable from here.
+from .leftovers import DRIVER_FILE, marked_processes, process_tree, reap_previous, record_processes  # noqa: F401
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -127,83 +122,6 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) 
             heard = {t.get("peer") for t in results[r].get("transfers") or () if t.get("direction") == "recv"}
             jobs.append(Resync(region=r, donors=tuple(d for d in donors if d in heard) or donors))
     return jobs
-
-
-# -- processes a killed driver left behind -------------------------------------------------------
-# A SIGKILLed driver cannot stop the local Ray it started: gcs and raylet notice within seconds and
-# take the region actors with them, but Ray's agents linger for a minute or more. The driver lists
-# what it started in RUN_DIR/driver.json; `geofed run --resume` ends what is still there, checking
-# each process's start time so that a pid the system has since reused is never touched.
-
-DRIVER_FILE = "driver.json"
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after its closing one.
-    return [text[: text.index(" ")], text[text.index("(") + 1: text.rindex(")")]] + text[text.rindex(")") + 2:].split()
-
-
-def _identity(pid: int) -> tuple[int, int, str] | None:
-    st = _stat(pid)
-    if st is None or st[2] == "Z":
-        return None
-    return pid, int(st[21]), st[1]  # pid, start time (clock ticks since boot), name
-
-
-def process_tree(root: int) -> list[tuple[int, int, str]]:
-    """(pid, start time, name) of every live process below `root`, from /proc ([] without it)."""
-    if not os.path.isdir("/proc"):
-        return []
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None:
-            children.setdefault(int(st[3]), []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if (ident := _identity(child)) is not None:
-                out.append(ident)
-                todo.append(child)
-    return out
-
-
-def record_processes(run_dir: Path) -> None:
-    """Write the driver's own process tree (the local Ray it started) to RUN_DIR/driver.json."""
-    me = _identity(os.getpid())
-    data = {"pid": os.getpid(), "start": me[1] if me else None, "processes": [list(p) for p in process_tree(os.getpid())]}
-    write_json(Path(run_dir) / DRIVER_FILE, data)
-
-
-def reap_previous(run_dir: Path, *, grace_s: float = 5.0) -> list[dict]:
-    """End what a previous driver of this run directory started and left running, if that driver
-    is gone. Returns what was ended ({pid, name}); [] when nothing was left."""
-    path = Path(run_dir) / DRIVER_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    driver = _identity(int(data.get("pid", -1)))
-    if driver is not None and driver[1] == data.get("start"):
-        raise RuntimeError(f"the driver of {run_dir} (pid {data['pid']}) is still running")
-    left = [(pid, start, name) for pid, start, name in data.get("processes", [])
-            if (ident := _identity(pid)) is not None and ident[1] == start]
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        for pid, start, _ in left:
-            ident = _identity(pid)
-            if ident is not None and ident[1] == start:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any((i := _identity(p)) is not None and i[1] == s for p, s, _ in left):
-            time.sleep(0.1)
-    return [{"pid": pid, "name": name} for pid, _, name in left]
 
 
 def schedule_after(schedule: Sequence[Any], *, next_round: int, elapsed_s: float) -> tuple:

@@ -8,17 +8,22 @@ schedule minus the part already played. The regions' own state is restored by th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from geofed.regions import checkpoint
 
 from .config import RunConfig, config_from_mapping
-from .recovery import RunFailed, reap_previous, schedule_after
-from .rundir import read_jsonl, truncate_jsonl
-from .strict import ConfigError, parse_yaml_file
+from .leftovers import reap_previous
+from .recovery import RunFailed, schedule_after
+from .config_record import check_resume
+from .rundir import ensure_private_dir, read_jsonl, truncate_jsonl
+from .strict import ConfigError
+from .yamlconfig import parse_yaml, read_config_bytes
 
 
 class DriverCheckpoint(NamedTuple):
@@ -28,12 +33,21 @@ class DriverCheckpoint(NamedTuple):
     lost: list[int]  # rounds logged after `round`: they run again
 
 
-def resume_config(run_dir: Path, overrides) -> tuple[RunConfig, Path]:
+def resume_config(run_dir: Path, overrides, allow: Sequence[str] = ()) -> tuple[RunConfig, Path]:
+    """The run's config: config.yaml, which must match the run's record of it, with the --set
+    overrides, of which only keys named in `allow` may change it (orchestrator/config_record.py)."""
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))
-    data = parse_yaml_file(path)  # a regular file of at most 1 MiB: a run directory is anyone's file
-    return config_from_mapping(data, overrides, source=str(path)), Path(run_dir)
+    text = read_config_bytes(path)  # a regular file of at most 1 MiB: a run directory is anyone's file
+    data = parse_yaml(text, source=str(path))
+    file_cfg = config_from_mapping(copy.deepcopy(data), source=str(path))
+    cfg = config_from_mapping(data, overrides, source=str(path))
+    changes = check_resume(Path(run_dir), text, file_cfg, cfg, allow)
+    for key, (old, new) in sorted(changes.items()):
+        print(f"geofed: resuming with {key} changed: {old!r} -> {new!r} (--allow-config-change)", file=sys.stderr)
+    ensure_private_dir(Path(run_dir))  # a run directory written before the modes were tightened
+    return cfg, Path(run_dir)
 
 
 def load_driver_checkpoint(run_dir: Path) -> DriverCheckpoint:

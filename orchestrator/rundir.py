@@ -1,4 +1,5 @@
-"""The run directory (docs/RUNDIR.md): creation, append-only JSONL logs, the summary."""
+"""The run directory (docs/RUNDIR.md): creation, append-only JSONL logs, the summary. Everything
+in it is its owner's alone: folders 0700, files 0600."""
 
 from __future__ import annotations
 
@@ -6,32 +7,83 @@ import json
 import math
 import os
 import time
+import unicodedata
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from geofed.regions.checkpoint import write_bytes_atomic
+from geofed.regions.checkpoint import PRIVATE_DIR, PRIVATE_FILE, make_private_dirs, write_bytes_atomic
+from geofed.regions.inputfiles import InputFileError, read_regular
 
 from .config import RunConfig, to_mapping
 from .strict import ConfigError
 
 
 def new_run_dir(cfg: RunConfig, out: str | None) -> Path:
+    """Create the run directory (0700) and write its config.yaml and config record (0600).
+
+    From the config (run.out_dir) it must be a real folder inside the working directory: no
+    component may be a symbolic link (a config may be someone else's file). With --out the
+    operator chose the place; only the run directory itself must not be a link."""
     if out:
-        path = Path(out)
+        key, path = "--out", Path(out)
+        check_printable(out, key)
     else:
+        key = "run.out_dir"
+        check_printable(cfg.run.out_dir, key)
+        _refuse_links(Path(cfg.run.out_dir), key)
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         path = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+    if path.is_symlink():
+        raise ConfigError(key, f"{path} is a symbolic link; a run directory is never reached through one")
     if (path / "rounds.jsonl").exists() or (path / "checkpoints").exists():
-        raise ConfigError("", f"{path} already holds a run; use --resume {path} to continue it", source="--out")
+        raise ConfigError("", f"{path} already holds a run; use --resume {path} to continue it", source=key)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
+        os.mkdir(path, PRIVATE_DIR)
+    except FileExistsError:
+        if path.is_symlink() or not path.is_dir():  # made meanwhile, or a file
+            raise ConfigError(key, f"{path} exists and is not a directory") from None
+        os.chmod(path, PRIVATE_DIR)  # an existing empty folder given with --out becomes the run's
     except OSError as exc:
-        raise ConfigError("", f"cannot create the run directory {path}: {exc.strerror}", source="--out") from None
-    (path / "config.yaml").write_text(yaml.safe_dump(to_mapping(cfg), sort_keys=False))
+        raise ConfigError("", f"cannot create the run directory {path}: {exc.strerror}", source=key) from None
+    write_config(path, cfg)
     return path
+
+
+def ensure_private_dir(path: Path) -> None:
+    """The run directory exists and is 0700 (a Runner started without new_run_dir, or a run
+    directory written before the modes were tightened)."""
+    make_private_dirs(path)
+    if not Path(path).is_symlink():
+        os.chmod(path, PRIVATE_DIR)
+
+
+def check_printable(text: str, key: str) -> None:
+    """Control characters (a newline, an escape) in a path would corrupt logs and terminals."""
+    bad = next((c for c in text if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise ConfigError(key, f"{text!r} holds the control character U+{ord(bad):04X}; names must be printable")
+
+
+def _refuse_links(out_dir: Path, key: str) -> None:
+    here = Path(".")
+    for part in out_dir.parts:
+        here = here / part
+        if here.is_symlink():
+            raise ConfigError(key, f"{here} is a symbolic link (to {os.readlink(here)}); a config may only name a "
+                              "real folder inside the working directory; use --out DIR to write elsewhere")
+
+
+def write_config(run_dir: Path, cfg: RunConfig, *, changes: list | None = None) -> None:
+    """config.yaml and the record --resume checks it against (orchestrator/config_record.py)."""
+    from .config_record import write_record
+
+    text = yaml.safe_dump(to_mapping(cfg), sort_keys=False).encode()
+    write_bytes_atomic(Path(run_dir) / "config.yaml", text)
+    write_record(run_dir, cfg, text, changes=changes)
 
 
 def _clean(value: Any) -> Any:
@@ -50,7 +102,9 @@ class JsonlLog:
 
     def __init__(self, path: Path):
         self.path = path
-        self._f = open(path, "a", encoding="utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE)
+        os.fchmod(fd, PRIVATE_FILE)  # a log of a run directory written before the modes were tightened
+        self._f = open(fd, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
@@ -76,6 +130,20 @@ def truncate_jsonl(path: Path, keep: callable) -> None:
     """Rewrite `path` keeping records for which keep(record) is true (resume drops lost rounds)."""
     records = [r for r in read_jsonl(path) if keep(r)]
     write_bytes_atomic(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
+
+
+def read_json_file(path: Path, *, limit: int = 4 << 20) -> Any:
+    """A small JSON file the run wrote (None when it is missing); ConfigError when it is not a
+    regular file, too large or not JSON (a run directory may be someone else's)."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        return json.loads(read_regular(path, max_bytes=limit))
+    except InputFileError as exc:
+        raise ConfigError("", exc.reason, source=str(path)) from None
+    except ValueError as exc:
+        raise ConfigError("", f"not JSON: {exc}", source=str(path)) from None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -22,9 +22,9 @@ from .emulation import configured_link, start_emulation
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .faults import FaultHandling
 from .progress import RunProgress, print_summary
-from .recovery import Interrupted, RunFailed, StopSignals, first_line, record_processes, signal_name
+from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
-from .rundir import Clock, JsonlLog, new_run_dir, process_age_s, write_json
+from .rundir import Clock, JsonlLog, ensure_private_dir, new_run_dir, process_age_s, write_json
 from .strict import ConfigError
 from .summary import build_summary, evaluate_average
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def run_from_args(args) -> int:
     if args.resume:
-        cfg, run_dir = resume_config(Path(args.resume), args.overrides)
+        cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or ())
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
@@ -105,6 +105,7 @@ class Runner(FaultHandling):
         self.alive: list[str] = []
         self.dead: dict[str, str] = {}
         self._probes: dict[str, Any] = {}  # dead region -> node_info ref: answers once Ray restarted it
+        self._stalled: dict[str, dict] = {}  # stalled region (in dead; its probe is its pending call)
         self.next_round = 0
         self._last_checkpoint = -1
         self._bytes_sent = 0  # updates pushed by every region so far (bytes_to_target)
@@ -123,18 +124,20 @@ class Runner(FaultHandling):
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
+        ensure_private_dir(self.run_dir)  # 0700, also for a Runner started without new_run_dir
         mark = self._phase_marker()
         self._make_tls()
         mark("tls")
         reaped = reap_previous_driver(self.run_dir) if self.resume else []
-        self.ray = init_ray(self.cfg)
+        with marked_processes(self.run_dir) as token:  # what a later --resume may end proves it is ours
+            self.ray = init_ray(self.cfg)
         mark("ray")
         self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
         self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
         mark("actors")
         if self.ray.started_here:
-            record_processes(self.run_dir)
+            record_processes(self.run_dir, token)
         self.alive = list(self.regions)
         starts = [self.actors.handles[r].start.remote() for r in self.regions]
         self.addresses = dict(zip(self.regions, ray.get(starts, timeout=120)))

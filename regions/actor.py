@@ -30,11 +30,21 @@ def advertised_host(cfg: Any) -> str | None:
     return None
 
 
+# The liveness probe runs on a thread of its own: a region busy with a long call still answers it,
+# a stopped or hung process does not (orchestrator/faults.py tells the two apart by it).
+HEALTH_GROUP = "health"
+
+
 class RegionActor(RegionWorker):
     def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls.
         super().__init__(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg))
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def heartbeat(self) -> dict[str, Any]:
+        """Answers at once, whatever the region's main call is doing (reads two plain values)."""
+        return {"pid": os.getpid(), "completed_round": self.completed_round}
 
     def node_info(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
@@ -49,7 +59,9 @@ class RegionActor(RegionWorker):
 
 def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: dict[str, str] | None = None):
     """A remote class with the region's resources; pinned to nodes whose labels match `label_selector`."""
-    options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": max_restarts, "max_task_retries": 0}
+    options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": max_restarts, "max_task_retries": 0,
+                               # the default group keeps max_concurrency 1: region calls stay serial
+                               "concurrency_groups": {HEALTH_GROUP: 1}}
     if label_selector:
         options["label_selector"] = label_selector
     return ray.remote(**options)(RegionActor)

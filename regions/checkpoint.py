@@ -4,6 +4,8 @@ File layout: ``GFCK`` magic, 32-byte SHA-256 of the body, then the body (``torch
 state of tensors and plain values, loaded back with ``weights_only=True`` so a checkpoint can
 never run code).
 
+Files are written 0600 in folders created 0700 (checkpoints hold the model and its optimizer state).
+
 A process killed while writing leaves at most a ``.ckpt-*.tmp-<pid>`` file (never a torn
 ``ckpt-*.pt``: the rename is the commit); ``prune`` removes such leftovers. A file that is torn
 or corrupt anyway (disk error, a copy gone wrong) fails the checksum: ``load_latest`` reports it
@@ -16,6 +18,7 @@ import hashlib
 import io
 import logging
 import os
+import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +29,8 @@ import torch
 MAGIC = b"GFCK"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 _TMP = re.compile(r"^\.ckpt-\d+\.pt\.tmp-\d+$")
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700  # what a run writes is its owner's alone (docs/RUNDIR.md)
+_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
 log = logging.getLogger(__name__)
 
 
@@ -41,14 +46,18 @@ def save_atomic(path: Path, state: Any) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Temp file (0600), fsync, rename, directory fsync: the file is whole or absent, and private
+    (a run's files hold models and the addresses of its regions)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, PRIVATE_FILE)
+        with open(fd, "wb") as f:
+            os.fchmod(fd, PRIVATE_FILE)  # a leftover temp file of a reused pid keeps its old mode
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -61,6 +70,23 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def make_private_dirs(path: Path) -> None:
+    """mkdir -p where every folder created is 0700 (Path.mkdir gives parents the umask's mode).
+    Folders that exist keep their mode: they may be the operator's."""
+    path = Path(path)
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, PRIVATE_DIR)
+        except FileExistsError:
+            pass  # made meanwhile (another region of this run on this node)
+
+
 def load_verified(path: Path) -> Any:
     try:
         data = Path(path).read_bytes()
@@ -71,10 +97,26 @@ def load_verified(path: Path) -> Any:
     digest, body = data[4:36], data[36:]
     if hashlib.sha256(body).digest() != digest:
         raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupt)")
+    return load_tensors(body, what=str(path))
+
+
+def load_tensors(body: bytes, *, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of `body` (a checkpoint's, or a peer's FetchState
+    state), with our own message on failure: torch's names the way to load the file anyway
+    ("re-run torch.load with weights_only set to False"), which for a hostile file is the one
+    thing never to do."""
     try:
         return torch.load(io.BytesIO(body), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-        raise CheckpointError(f"{path}: cannot load: {exc}") from None
+    except pickle.UnpicklingError as exc:
+        found = _GLOBAL.search(str(exc))
+        thing = f"a Python object ({found.group(1)})" if found else "a Python object"
+        raise CheckpointError(f"{what}: refused: it holds {thing} that loading would construct, i.e. run code; "
+                              "geofed loads only tensors and plain values, and what geofed writes never holds "
+                              "one: this was made or altered by someone else") from None
+    except Exception as exc:  # noqa: BLE001 - any other failure means an unusable file
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip() and "weights_only" not in ln]
+        detail = f": {lines[0][:200]}" if lines else ""
+        raise CheckpointError(f"{what}: cannot load ({type(exc).__name__}{detail})") from None
 
 
 def checkpoint_path(directory: Path, round_: int) -> Path:

@@ -268,8 +268,8 @@ class RegionWorker:
         not the model's); the state is checked whole before any of it is loaded."""
         timeout_s = self.cfg.sync.deadline.max_s if timeout_s is None else timeout_s
         peer, data = fetch_state_from_any(self.transport, peers, timeout_s=timeout_s)
+        state = checkpoint.load_tensors(data, what=f"state from {peer}")  # refuses code, in our words
         try:
-            state = torch.load(io.BytesIO(data), weights_only=True)
             round_ = int(state["round"])
             self.model.load_state_dict(state["model"])
             self.algorithm.load_state_dict(state["algorithm"])

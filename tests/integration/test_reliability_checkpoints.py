@@ -37,7 +37,7 @@ def test_resume_detects_corrupt_checkpoints_and_falls_back(tmp_path, capsys):
     leftover = ckpts / "driver" / ".ckpt-00000005.pt.tmp-424242"
     leftover.write_bytes(b"half a checkpoint")
 
-    cfg, _ = resume_config(tmp_path, ["run.rounds=7"])
+    cfg, _ = resume_config(tmp_path, ["run.rounds=7"], ["run.rounds"])
     summary = _run(cfg, tmp_path, resume=True)
 
     err = capsys.readouterr().err

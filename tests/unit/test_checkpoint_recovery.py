@@ -105,12 +105,19 @@ def test_stop_signals_are_inert_off_the_main_thread():
     assert seen == [{}]
 
 
-def _sleeper():
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+TOKEN = "5f0c2b7d9e1a4c3b8d6f0a2e4c6b8d0f"
+
+
+def _sleeper(env=None):
+    # `ray::` and the run's marks: what a Ray worker of the dead driver's run shows in /proc
+    # (tests/security/test_resume_reaping.py: processes without them are never touched).
+    return subprocess.Popen(["ray::RegionActor", "-c", "import time; time.sleep(120)"],
+                            executable=sys.executable, env={**os.environ, **(env or {})})
 
 
 def test_reap_previous_ends_exactly_what_the_dead_driver_started(tmp_path):
-    child, bystander = _sleeper(), _sleeper()
+    marks = {"GEOFED_RUN_DIR": str(tmp_path.resolve()), "GEOFED_RUN_TOKEN": TOKEN}
+    child, bystander = _sleeper(marks), _sleeper(marks)
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
@@ -120,7 +127,7 @@ def test_reap_previous_ends_exactly_what_the_dead_driver_started(tmp_path):
         bpid, bstart, bname = tree[bystander.pid]
         # The bystander is listed with another start time: a pid the system has since reused.
         (tmp_path / DRIVER_FILE).write_text(json.dumps(
-            {"pid": dead.pid, "start": 1, "processes": [[pid, start, name], [bpid, bstart + 1, bname]]}))
+            {"pid": dead.pid, "start": 1, "token": TOKEN, "processes": [[pid, start, name], [bpid, bstart + 1, bname]]}))
         reaped = reap_previous(tmp_path, grace_s=5.0)
         assert reaped == [{"pid": child.pid, "name": name}]
         assert child.wait(10) == -signal.SIGTERM
@@ -132,7 +139,7 @@ def test_reap_previous_ends_exactly_what_the_dead_driver_started(tmp_path):
 
 
 def test_reap_previous_refuses_while_that_driver_still_runs(tmp_path):
-    record_processes(tmp_path)  # this very process plays the driver
+    record_processes(tmp_path, TOKEN)  # this very process plays the driver
     with pytest.raises(RuntimeError, match="is still running"):
         reap_previous(tmp_path)
     assert reap_previous(tmp_path / "elsewhere") == []
