@@ -21,7 +21,7 @@ import grpc
 
 from .mailbox import Mailbox
 from .proto import gossip_pb2, gossip_pb2_grpc
-from .service import MAX_CHUNK_BYTES, MAX_PROBE_BYTES, PROBE_METHOD, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
+from .service import CALLER_LIMITS, MAX_CHUNK_BYTES, MAX_PROBE_BYTES, PROBE_METHOD, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
 from .tls import TlsMaterial
 from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
 
@@ -32,6 +32,8 @@ log = logging.getLogger("geofed.p2p")
 # Core gRPC limit on one message: above our own chunk check, so an oversized chunk reaches the
 # handler (which counts it) unless it is absurd.
 _CORE_MESSAGE_LIMIT = 4 * MAX_CHUNK_BYTES
+# Threads beyond the peers' limits: strangers' calls (refused at once) and bursts of refusals.
+_SPARE_WORKERS = 8
 _STATUS_REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
@@ -57,10 +59,17 @@ def _error(peer: str, what: str, exc: grpc.RpcError) -> TransportError:
 
 
 class GrpcTransport(Transport):
+    """`max_peers`: how many peers may call this server (the thread pool holds every peer's
+    per-method call limits, plus a margin, so gRPC core's own limit never turns a peer away);
+    `max_rpc_s`: the longest client deadline any call may carry; `peer_budget_bytes`: the memory
+    one sender's pushes may hold (the mailbox's); `max_state_bytes`: the largest state
+    fetch_state takes from a donor (default: max_message_bytes)."""
+
     def __init__(self, region: str, *, bind_host: str = "127.0.0.1", port: int | tuple[int, int] = 0,
                  advertised_host: str | None = None, tls: TlsMaterial | None, max_message_bytes: int,
                  round_window: int = 2, chunk_bytes: int = 1 << 20, max_inflight_per_sender: int = 4,
-                 max_workers: int = 64, max_push_s: float = 3600.0):
+                 max_peers: int = 15, max_workers: int | None = None, max_rpc_s: float = 600.0,
+                 peer_budget_bytes: int | None = None, max_state_bytes: int | None = None):
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes: must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         lo, hi = (port, port) if isinstance(port, int) else tuple(port)
@@ -68,16 +77,22 @@ class GrpcTransport(Transport):
             raise ValueError(f"port: need a port or [first, last] within 0..65535, got {port}")
         if tls is not None and tls.region != region:
             raise ValueError(f"tls: material is for {tls.region!r}, not {region!r}")
-        if max_workers < 2 or max_push_s <= 0:
-            raise ValueError("max_workers: need >= 2 (and max_push_s > 0)")
+        per_peer = max_inflight_per_sender + sum(CALLER_LIMITS.values())
+        needed = max_peers * per_peer + _SPARE_WORKERS
+        if max_workers is None:
+            max_workers = max(64, needed)
+        if max_workers < needed or max_rpc_s <= 0:
+            raise ValueError(f"max_workers: need >= {needed} ({max_peers} peers x {per_peer} calls each + "
+                             f"{_SPARE_WORKERS}), got {max_workers} (and max_rpc_s > 0)")
         self.region = region
         self.bind_host, self.ports, self.advertised_host = bind_host, range(lo, hi + 1), advertised_host
         self.tls = tls
         self.chunk_bytes = chunk_bytes
         self.max_workers = max_workers
+        self.max_state_bytes = max_state_bytes or max_message_bytes
         self.mailbox = Mailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
-                               max_inflight_per_sender=max_inflight_per_sender)
-        self._servicer = GossipServicer(region, self.mailbox, tls=tls is not None, max_push_s=max_push_s,
+                               max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
+        self._servicer = GossipServicer(region, self.mailbox, tls=tls is not None, max_rpc_s=max_rpc_s,
                                         state_provider=lambda: self._state_provider)
         self._state_provider: Callable[[], bytes] | None = None
         self._server: grpc.Server | None = None
@@ -293,7 +308,7 @@ class GrpcTransport(Transport):
 
     def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
         stub = self._stub(peer, timeout_s)
-        limit = self.mailbox.max_message_bytes
+        limit = self.max_state_bytes
         try:
             stream = stub.FetchState(gossip_pb2.FetchStateRequest(sender=self.region), timeout=timeout_s)
             first = next(stream, None)
@@ -303,18 +318,17 @@ class GrpcTransport(Transport):
             if total > limit:
                 stream.cancel()
                 raise TransportError(f"fetch_state from {peer}: {total} bytes exceeds {limit}", peer=peer, reason="oversize")
-            buf, off = bytearray(total), 0
+            buf = bytearray()  # grown as bytes arrive: a donor's declared size is only a claim
             for msg in stream:
                 chunk = msg.chunk
-                if msg.WhichOneof("kind") != "chunk" or off + len(chunk) > total:
+                if msg.WhichOneof("kind") != "chunk" or len(buf) + len(chunk) > total:
                     stream.cancel()
                     raise TransportError(f"fetch_state from {peer}: malformed or overrunning stream", peer=peer, reason="overrun")
-                buf[off:off + len(chunk)] = chunk
-                off += len(chunk)
+                buf += chunk
         except grpc.RpcError as exc:
             raise _error(peer, "fetch_state", exc) from None
-        if off != total:
-            raise TransportError(f"fetch_state from {peer}: got {off} of {total} bytes", peer=peer, reason="truncated")
+        if len(buf) != total:
+            raise TransportError(f"fetch_state from {peer}: got {len(buf)} of {total} bytes", peer=peer, reason="truncated")
         return bytes(buf)
 
     # -- receiving -----------------------------------------------------------------------
@@ -337,6 +351,7 @@ class GrpcTransport(Transport):
                    "probe_bytes_sent": dict(self._probe_bytes),
                    "probe_bytes_received": dict(self._servicer.probe_bytes)}
         counters = self.mailbox.counters()
+        counters["open_calls"] = self._servicer.open_calls()
         if self.tls is not None:
             if n := self._servicer.handshakes.refused():
                 counters["refused"]["tls_handshake"] = n

@@ -9,6 +9,19 @@ Rounds: ``expect(r, senders)`` opens round r; pushes for rounds up to the newest
 + ``round_window`` are accepted early (a fast peer may push round r+1 before this region has
 opened it; the sender check then runs when it is opened). ``receive(r, deadline_s)`` closes
 every round <= r: anything arriving for them later is dropped as late.
+
+One entry per (sender, round). A second push for a slot is read and compared with the first
+(CRC-32 and length): the same bytes are a replay (``replayed``, the first stays); different bytes
+mean two holders of the sender's key (a stolen certificate): ``equivocation``, both are dropped
+and the slot stays void for that round. So whoever pushes first cannot make the real sender's
+update look like a replay and have its own used in its place, and a push still in flight never
+blocks another for the same slot. With mutual TLS the identity must equal the claimed sender, so
+a compromised peer with its own certificate reaches only its own slots; rounds beyond the window
+are refused before any byte is read.
+
+Memory: each sender has a budget (``peer_budget_bytes``): the declared sizes of its pushes in
+flight plus what its filed, not yet received updates hold (their decoded tensors). A push that
+would exceed it is refused ``over_budget`` before its body is read.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections import Counter, deque
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -40,31 +54,55 @@ class Ticket:
     declared_bytes: int
 
 
+@dataclass(frozen=True)
+class _Entry:
+    value: Any
+    arrival: Arrival
+    fingerprint: tuple[int, int]  # (CRC-32, length) of the payload: replay or equivocation?
+    held: int                     # bytes charged to the sender's budget
+
+
+def held_bytes(value: Any, payload_len: int) -> int:
+    """What a filed value holds in memory: its tensors' bytes (a decoded update), else the payload's."""
+    if isinstance(value, (list, tuple)) and value and all(hasattr(t, "nbytes") for t in value):
+        return sum(int(t.nbytes) for t in value)
+    return int(getattr(value, "nbytes", payload_len))
+
+
 def _opaque(sender: str, round: int, payload: memoryview) -> bytes:
     return bytes(payload)
 
 
 class Mailbox:
-    def __init__(self, region: str, *, round_window: int, max_message_bytes: int, max_inflight_per_sender: int = 4):
+    def __init__(self, region: str, *, round_window: int, max_message_bytes: int, max_inflight_per_sender: int = 4,
+                 peer_budget_bytes: int | None = None):
         if round_window < 0:
             raise ValueError(f"round_window: must be >= 0, got {round_window}")
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes: must be >= 1, got {max_message_bytes}")
         if max_inflight_per_sender < 1:
             raise ValueError(f"max_inflight_per_sender: must be >= 1, got {max_inflight_per_sender}")
+        if peer_budget_bytes is None:
+            # The window's rounds filed plus two in flight, each at most one message.
+            peer_budget_bytes = (round_window + 3) * max_message_bytes
+        if peer_budget_bytes < max_message_bytes:
+            raise ValueError(f"peer_budget_bytes: must be >= max_message_bytes ({max_message_bytes}), got {peer_budget_bytes}")
         self.region = region
         self.round_window = round_window
         self.max_message_bytes = max_message_bytes
         self.max_inflight_per_sender = max_inflight_per_sender
+        self.peer_budget_bytes = peer_budget_bytes
         self._cond = threading.Condition()
         self._validator: Validator = _opaque
         self._known: set[str] = set()
         self._expected: dict[int, frozenset[str]] = {}
         self._newest = -1       # newest round passed to expect()
         self._closed_upto = -1  # every round <= this one is closed
-        self._inflight: set[tuple[str, int]] = set()
+        self._inflight: Counter[tuple[str, int]] = Counter()
         self._inflight_per_sender: Counter[str] = Counter()
-        self._arrived: dict[int, dict[str, tuple[Any, Arrival]]] = {}
+        self._held: Counter[str] = Counter()  # bytes charged to each sender's budget
+        self._arrived: dict[int, dict[str, _Entry]] = {}
+        self._void: dict[int, set[str]] = {}  # round -> senders whose slot saw two different updates
         self.refused: Counter[str] = Counter()
         self.late_dropped = 0
         # (round, sender, seconds after receive() of that round began): how late late messages
@@ -82,7 +120,12 @@ class Mailbox:
     def inflight(self) -> int:
         """Pushes admitted and not yet delivered or released."""
         with self._cond:
-            return len(self._inflight)
+            return sum(self._inflight.values())
+
+    def held(self, sender: str) -> int:
+        """Bytes charged to `sender`'s budget now (declared sizes in flight + filed updates)."""
+        with self._cond:
+            return self._held.get(sender, 0)
 
     def is_known(self, sender: str) -> bool:
         with self._cond:
@@ -103,7 +146,7 @@ class Mailbox:
             self._newest = max(self._newest, round)
             early = self._arrived.get(round, {})
             for sender in [s for s in early if s not in senders]:
-                del early[sender]
+                self._refund(sender, early.pop(sender).held)
                 self.count_refusal(Refusal("not_neighbour", f"{sender} pushed round {round} early but is not an in-neighbour"), sender, round)
             self._cond.notify_all()
 
@@ -115,15 +158,17 @@ class Mailbox:
             self.bytes_received[sender if sender in self._known else "<unknown>"] += n
 
     def admit(self, sender: str, round: int, declared_bytes: int, *, identity: str | None) -> Ticket:
-        """Check a push header; reserves (sender, round) until deliver() or release()."""
+        """Check a push header; charges its declared size to the sender's budget until
+        deliver() or release()."""
         with self._cond:
             try:
                 self._check_header(sender, round, declared_bytes, identity)
             except Refusal as r:
                 self.count_refusal(r, sender, round)
                 raise
-            self._inflight.add((sender, round))
+            self._inflight[(sender, round)] += 1
             self._inflight_per_sender[sender] += 1
+            self._held[sender] += declared_bytes
             return Ticket(sender, round, declared_bytes)
 
     def _check_header(self, sender: str, round: int, declared: int, identity: str | None) -> None:
@@ -140,12 +185,15 @@ class Mailbox:
         expected = self._expected.get(round)
         if expected is not None and sender not in expected:
             raise Refusal("not_neighbour", f"{sender} is not an in-neighbour in round {round}")
-        if (sender, round) in self._inflight or sender in self._arrived.get(round, {}):
-            raise Refusal("replayed", f"{sender} already pushed round {round}")
+        if sender in self._void.get(round, ()):
+            raise Refusal("equivocation", f"{sender}'s slot of round {round} is void: two different updates arrived for it")
         if not 0 <= declared <= self.max_message_bytes:
             raise Refusal("oversize", f"declared {declared} bytes, limit {self.max_message_bytes}")
         if self._inflight_per_sender[sender] >= self.max_inflight_per_sender:
             raise Refusal("busy", f"{sender} has {self.max_inflight_per_sender} pushes in flight")
+        if self._held[sender] + declared > self.peer_budget_bytes:
+            raise Refusal("over_budget", f"{sender} holds {self._held[sender]} bytes in flight and waiting; "
+                                         f"{declared} more exceeds its budget of {self.peer_budget_bytes}")
 
     def release(self, ticket: Ticket, refusal: Refusal) -> None:
         """The push failed after admit(): count why and free its reservation."""
@@ -155,8 +203,14 @@ class Mailbox:
 
     def deliver(self, ticket: Ticket, payload: memoryview, *, wire_bytes: int, seconds: float) -> None:
         """Validate a complete payload and file it; raises Refusal (already counted)."""
+        fingerprint = (zlib.crc32(payload), len(payload))
+        with self._cond:
+            self._check_slot(ticket, fingerprint)
         try:
             value = self._validator(ticket.sender, ticket.round, payload)
+        except Refusal as r:  # the validator's own reason (out_of_bounds, outlier, ...)
+            self.release(ticket, r)
+            raise
         except ValueError as exc:
             refusal = Refusal("invalid_payload", f"{type(exc).__name__}: {exc}")
             self.release(ticket, refusal)
@@ -177,9 +231,41 @@ class Mailbox:
                 refusal = Refusal("late", f"round {ticket.round} from {ticket.sender} completed after the round closed")
                 self.count_refusal(refusal, ticket.sender, ticket.round)
                 raise refusal
-            self._arrived.setdefault(ticket.round, {})[ticket.sender] = (value, arrival)
+            try:  # another copy may have been filed while this one was validated
+                self._check_slot(ticket, fingerprint, reserved=False)
+            except Refusal as r:
+                self.count_refusal(r, ticket.sender, ticket.round)
+                raise
+            entry = _Entry(value, arrival, fingerprint, held_bytes(value, len(payload)))
+            self._held[ticket.sender] += entry.held
+            self._arrived.setdefault(ticket.round, {})[ticket.sender] = entry
             self.messages_received[ticket.sender] += 1
             self._cond.notify_all()
+
+    def _check_slot(self, ticket: Ticket, fingerprint: tuple[int, int], *, reserved: bool = True) -> None:
+        """One entry per (sender, round): a second copy is a replay (same bytes) or equivocation
+        (different bytes: the filed one is dropped too and the slot stays void). With
+        `reserved`, a refusal also frees the ticket's reservation and is counted."""
+        sender, round = ticket.sender, ticket.round
+        refusal = None
+        if sender in self._void.get(round, ()):
+            refusal = Refusal("equivocation", f"{sender}'s slot of round {round} is void: two different updates arrived for it")
+        else:
+            filed = self._arrived.get(round, {}).get(sender)
+            if filed is not None and filed.fingerprint == fingerprint:
+                refusal = Refusal("replayed", f"{sender} already pushed round {round}")
+            elif filed is not None:
+                del self._arrived[round][sender]
+                self._refund(sender, filed.held)
+                self._void.setdefault(round, set()).add(sender)
+                log.error("%s: two different updates signed as %s for round %d: both dropped (is %s's key "
+                          "in two hands?)", self.region, sender, round, sender)
+                refusal = Refusal("equivocation", f"{sender} sent a different update for round {round} than the one filed; "
+                                                  f"both are dropped")
+        if refusal is not None and reserved:
+            self.release(ticket, refusal)
+        if refusal is not None:
+            raise refusal
 
     def _note_late(self, round: int, sender: str) -> None:
         self.late_dropped += 1
@@ -188,8 +274,19 @@ class Mailbox:
             self.late_waits.append((round, sender, time.monotonic() - started))
 
     def _unreserve(self, ticket: Ticket) -> None:
-        self._inflight.discard((ticket.sender, ticket.round))
+        key = (ticket.sender, ticket.round)
+        self._inflight[key] -= 1
+        if self._inflight[key] <= 0:
+            del self._inflight[key]
         self._inflight_per_sender[ticket.sender] -= 1
+        if self._inflight_per_sender[ticket.sender] <= 0:
+            del self._inflight_per_sender[ticket.sender]
+        self._refund(ticket.sender, ticket.declared_bytes)
+
+    def _refund(self, sender: str, nbytes: int) -> None:
+        self._held[sender] -= nbytes
+        if self._held[sender] <= 0:
+            del self._held[sender]  # senders come and go (plaintext names): keep the table small
 
     def count_refusal(self, refusal: Refusal, sender: str, round: int) -> None:
         with self._cond:  # an RLock: also called with it held
@@ -207,20 +304,22 @@ class Mailbox:
                 raise ValueError(f"round: expect({round}, ...) was not called (or the round is closed)")
             expected = self._expected[round]
             self._receive_started[round] = start
-            while not expected <= self._arrived.get(round, {}).keys():
+            while not expected <= self._arrived.get(round, {}).keys() | self._void.get(round, set()):
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
             got = self._arrived.pop(round, {})
+            for sender, entry in got.items():
+                self._refund(sender, entry.held)
             self._close_upto(round)
         waited = time.monotonic() - start
         return Inbox(
             round=round,
-            received={s: v for s, (v, _) in got.items()},
+            received={s: e.value for s, e in got.items()},
             missing=frozenset(expected - got.keys()),
-            arrivals={s: a for s, (_, a) in got.items()},
-            waits={s: max(0.0, a.arrived_at - start) for s, (_, a) in got.items()},
+            arrivals={s: e.arrival for s, e in got.items()},
+            waits={s: max(0.0, e.arrival.arrived_at - start) for s, e in got.items()},
             waited_s=waited,
         )
 
@@ -228,7 +327,12 @@ class Mailbox:
         self._closed_upto = round
         for r in [r for r in self._arrived if r <= round]:
             # Accepted for a round the owner never received: it can no longer be used.
-            self.late_dropped += len(self._arrived.pop(r))
+            dropped = self._arrived.pop(r)
+            self.late_dropped += len(dropped)
+            for sender, entry in dropped.items():
+                self._refund(sender, entry.held)
+        for r in [r for r in self._void if r <= round]:
+            del self._void[r]
         for r in [r for r in self._expected if r <= round]:
             del self._expected[r]
         for r in [r for r in self._receive_started if r < round - 8]:
@@ -242,6 +346,7 @@ class Mailbox:
                 "refused": dict(self.refused),
                 "refused_total": sum(self.refused.values()),
                 "late_dropped": self.late_dropped,
+                "held_bytes": dict(self._held),
                 "late_waits_s": [{"round": r, "sender": s, "seconds": w} for r, s, w in self.late_waits],
                 "closed_upto": self._closed_upto,
             }

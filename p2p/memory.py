@@ -57,14 +57,15 @@ class InMemoryHub:
 
 class InMemoryTransport(Transport):
     def __init__(self, region: str, hub: InMemoryHub, *, max_message_bytes: int = 1 << 30,
-                 round_window: int = 2, chunk_bytes: int = 1 << 20, max_inflight_per_sender: int = 4):
+                 round_window: int = 2, chunk_bytes: int = 1 << 20, max_inflight_per_sender: int = 4,
+                 peer_budget_bytes: int | None = None):
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: must be >= 1, got {chunk_bytes}")
         self.region = region
         self.hub = hub
         self.chunk_bytes = chunk_bytes
         self.mailbox = Mailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
-                               max_inflight_per_sender=max_inflight_per_sender)
+                               max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
         self._peers: dict[str, str] = {}
         self._state_provider: Callable[[], bytes] | None = None
         self._lock = threading.Lock()

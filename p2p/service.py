@@ -5,20 +5,30 @@ from ``geofed.p2p.transport.REASONS``); it is counted in the mailbox and logged;
 keeps serving. Who is calling comes from the client certificate (mutual TLS) and must equal the
 ``sender`` the message claims. Without TLS (``security.tls: false``) the claim is trusted.
 
-Resource bounds, so a hostile or broken peer cannot pin the server: every Push must carry a
-client deadline (at most ``max_push_s``); each caller may hold ``max_inflight_per_sender``
-streams (checked before the header is read); a declared size above the cap is refused before
-any byte is buffered; chunks are at most ``MAX_CHUNK_BYTES``.
+Resource bounds, so a hostile or broken peer cannot pin the server (docs/p2p.md, "Memory and
+thread budget"):
+
+- every call (Push, Ping, FetchState) must carry a client deadline of at most ``max_rpc_s``
+  (``no_deadline`` otherwise), so no call holds a thread longer than that;
+- each caller may run at most ``CALLER_LIMITS[method]`` calls of a method at once (Push:
+  ``max_inflight_per_sender``), checked on the certificate's identity before anything is read
+  (``busy``); the transport sizes its thread pool to the sum of these over its peers, so one
+  peer's flood is refused by geofed, counted, long before gRPC core's own limit could turn an
+  honest peer away;
+- a push's declared size is charged to the sender's memory budget (the mailbox) before any byte
+  is read, and its buffer grows with the bytes that actually arrive: a stalled push that
+  declared a large size holds only what it sent; chunks are at most ``MAX_CHUNK_BYTES``;
+- FetchState serialises the state once per call, one call per caller at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import grpc
 
@@ -30,6 +40,9 @@ log = logging.getLogger("geofed.p2p")
 
 MAX_CHUNK_BYTES = 1 << 20
 MAX_PROBE_BYTES = 16 << 20  # a probe needs a few hundred ms of the link, not more
+# Concurrent calls one caller may hold per method (Push: the transport's max_inflight_per_sender).
+# A ping answers at once; a state is big and fetched rarely (a rejoin or a resync).
+CALLER_LIMITS = {"Ping": 2, "FetchState": 1, "Probe": 1}
 SERVICE = "geofed.p2p.Gossip"
 PUSH_METHOD = f"/{SERVICE}/Push"
 PROBE_METHOD = f"/{SERVICE}/Probe"
@@ -49,7 +62,11 @@ _CODES = {
     "aborted": grpc.StatusCode.ABORTED,
     "bad_header": grpc.StatusCode.INVALID_ARGUMENT,
     "invalid_payload": grpc.StatusCode.INVALID_ARGUMENT,
+    "equivocation": grpc.StatusCode.ALREADY_EXISTS,
+    "out_of_bounds": grpc.StatusCode.INVALID_ARGUMENT,
+    "outlier": grpc.StatusCode.INVALID_ARGUMENT,
     "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "over_budget": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "no_deadline": grpc.StatusCode.INVALID_ARGUMENT,
     "no_state": grpc.StatusCode.UNAVAILABLE,
 }
@@ -123,17 +140,20 @@ def add_to_server(servicer: "GossipServicer", server: grpc.Server) -> None:
 
 
 class GossipServicer(gossip_pb2_grpc.GossipServicer):
-    def __init__(self, region: str, mailbox: Mailbox, *, tls: bool, max_push_s: float,
+    def __init__(self, region: str, mailbox: Mailbox, *, tls: bool, max_rpc_s: float,
                  state_provider: Callable[[], Callable[[], bytes] | None]):
         self.region = region
         self.mailbox = mailbox
         self.tls = tls
-        self.max_push_s = max_push_s
+        self.max_rpc_s = max_rpc_s
         self._state_provider = state_provider
         self._lock = threading.Lock()
-        self._open: Counter[str] = Counter()
+        self._open: Counter[tuple[str, str]] = Counter()  # (caller, method) -> calls running
         self.probe_bytes: Counter[str] = Counter()  # probe payload received, by sender
         self.handshakes = HandshakeLedger(region)
+
+    def limit(self, method: str) -> int:
+        return self.mailbox.max_inflight_per_sender if method == "Push" else CALLER_LIMITS[method]
 
     # -- helpers -------------------------------------------------------------------------
     def _identity(self, context: grpc.ServicerContext) -> str | None:
@@ -156,34 +176,46 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         if not self.mailbox.is_known(claimed):
             self._refuse(context, "unknown_sender", f"{claimed!r} is not a region of this run ({what})", claimed)
 
-    # -- Push ----------------------------------------------------------------------------
-    def Push(self, request_iterator, context):
-        identity = self._identity(context)
-        caller = identity if identity is not None else context.peer()
-        with self._slot(context, caller):
-            return self._push(request_iterator, context, identity, caller)
+    def _check_deadline(self, context, caller: str, what: str) -> None:
+        remaining = context.time_remaining()
+        if remaining is None or remaining > self.max_rpc_s:
+            self._refuse(context, "no_deadline", f"{what} deadline must be set and at most {self.max_rpc_s:.0f} s", caller)
 
-    @contextlib.contextmanager
-    def _slot(self, context, caller: str):
-        """One of the caller's max_inflight_per_sender streams (Push and Probe share them)."""
+    @contextmanager
+    def _slot(self, context, caller: str, method: str):
+        """One of `caller`'s concurrent calls of `method`, or refused as busy."""
+        key, limit = (caller, method), self.limit(method)
         with self._lock:
-            busy = self._open[caller] >= self.mailbox.max_inflight_per_sender
+            busy = self._open[key] >= limit
             if not busy:
-                self._open[caller] += 1
+                self._open[key] += 1
         if busy:
-            self._refuse(context, "busy", f"{caller} already has {self.mailbox.max_inflight_per_sender} open streams", caller)
+            self._refuse(context, "busy", f"{caller} already has {limit} {method} call(s) open", caller)
         try:
             yield
         finally:
             with self._lock:
-                self._open[caller] -= 1
-                if not self._open[caller]:
-                    del self._open[caller]  # plaintext callers are keyed by connection: do not pile up
+                self._open[key] -= 1
+                if not self._open[key]:
+                    del self._open[key]  # plaintext callers are keyed by connection: do not pile up
+
+    def open_calls(self) -> dict[str, int]:
+        """Calls running now, by method (for tests and stats)."""
+        with self._lock:
+            out: Counter[str] = Counter()
+            for (_, method), n in self._open.items():
+                out[method] += n
+            return dict(out)
+
+    # -- Push ----------------------------------------------------------------------------
+    def Push(self, request_iterator, context):
+        identity = self._identity(context)
+        caller = identity if identity is not None else context.peer()
+        with self._slot(context, caller, "Push"):
+            self._check_deadline(context, caller, "push")
+            return self._push(request_iterator, context, identity, caller)
 
     def _push(self, request_iterator, context, identity: str | None, caller: str):
-        remaining = context.time_remaining()
-        if remaining is None or remaining > self.max_push_s:
-            self._refuse(context, "no_deadline", f"push deadline must be set and at most {self.max_push_s:.0f} s", caller)
         try:
             kind, h = next(request_iterator)
         except StopIteration:
@@ -211,9 +243,11 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         return gossip_pb2.PushAck(received_bytes=len(buf), receiver_seconds=t_last - t0)
 
     def _read_body(self, request_iterator, total: int, sender: str) -> tuple[bytearray, int, float]:
-        buf = bytearray(total)
-        view = memoryview(buf)
-        off = wire = 0
+        # Grown as bytes arrive, never allocated at the declared size: a push that declares a
+        # large size and stalls holds what it sent (appending 1 MiB chunks costs what writing
+        # into a preallocated buffer does: 256 MiB in 0.17 s either way, measured here).
+        buf = bytearray()
+        wire = 0
         t_last = time.monotonic()
         try:
             for kind, chunk in request_iterator:
@@ -223,23 +257,26 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
                 wire += n + 5 + 1 + len(_varint(n))
                 if n > MAX_CHUNK_BYTES:
                     raise Refusal("chunk_too_large", f"chunk of {n} bytes, limit {MAX_CHUNK_BYTES}")
-                if off + n > total:
+                if len(buf) + n > total:
                     raise Refusal("overrun", f"more than the declared {total} bytes")
-                view[off:off + n] = chunk
-                off += n
+                buf += chunk
                 t_last = time.monotonic()
         except grpc.RpcError:
-            raise Refusal("aborted", f"stream cancelled or timed out after {off} of {total} bytes") from None
+            raise Refusal("aborted", f"stream cancelled or timed out after {len(buf)} of {total} bytes") from None
         finally:
             self.mailbox.note_bytes(sender, wire)
-        if off != total:
-            raise Refusal("truncated", f"stream ended after {off} of {total} declared bytes")
+        if len(buf) != total:
+            raise Refusal("truncated", f"stream ended after {len(buf)} of {total} declared bytes")
         return buf, wire, t_last
 
     # -- Ping, FetchState ----------------------------------------------------------------
     def Ping(self, request, context):
-        self._check_caller(context, self._identity(context), request.sender, "ping")
-        return gossip_pb2.PingReply(nonce=request.nonce, region=self.region)
+        identity = self._identity(context)
+        self._check_caller(context, identity, request.sender, "ping")
+        caller = identity if identity is not None else context.peer()
+        with self._slot(context, caller, "Ping"):
+            self._check_deadline(context, caller, "ping")
+            return gossip_pb2.PingReply(nonce=request.nonce, region=self.region)
 
     def FetchState(self, request, context):
         self._check_caller(context, self._identity(context), request.sender, "fetch_state")
@@ -257,10 +294,8 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         """Count and drop a probe's bytes; ack with how many came and how long they took."""
         identity = self._identity(context)
         caller = identity if identity is not None else context.peer()
-        with self._slot(context, caller):
-            remaining = context.time_remaining()
-            if remaining is None or remaining > self.max_push_s:
-                self._refuse(context, "no_deadline", f"probe deadline must be set and at most {self.max_push_s:.0f} s", caller)
+        with self._slot(context, caller, "Probe"):
+            self._check_deadline(context, caller, "probe")
             kind, h = next(request_iterator, ("malformed", "empty stream"))
             if kind != "header" or not h.sender:
                 self._refuse(context, "bad_header", "a probe starts with a header naming the sender", caller)
@@ -280,3 +315,18 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
             with self._lock:
                 self.probe_bytes[h.sender] += n
             return gossip_pb2.PushAck(received_bytes=n, receiver_seconds=t_last - t0)
+        identity = self._identity(context)
+        self._check_caller(context, identity, request.sender, "fetch_state")
+        caller = identity if identity is not None else context.peer()
+        # A generator: the slot is held while the stream runs (to its end, its deadline or the
+        # client's cancel, when gRPC closes the generator).
+        with self._slot(context, caller, "FetchState"):
+            self._check_deadline(context, caller, "fetch_state")
+            provider = self._state_provider()
+            if provider is None:
+                self._refuse(context, "no_state", f"{self.region} has no state provider", request.sender)
+            state = memoryview(provider())
+            log.info("%s gives its state (%d bytes) to %s", self.region, len(state), request.sender)
+            yield gossip_pb2.StateMessage(total_bytes=len(state))
+            for off in range(0, len(state), MAX_CHUNK_BYTES):
+                yield gossip_pb2.StateMessage(chunk=bytes(state[off:off + MAX_CHUNK_BYTES]))

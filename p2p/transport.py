@@ -27,7 +27,9 @@ REASONS = (
     "not_neighbour",      # a region of the run, but not an in-neighbour for that round
     "identity_mismatch",  # the header names another region than the TLS certificate
     "late",               # the round was already closed (its deadline passed): dropped
-    "replayed",           # this sender's update for this round was already accepted
+    "replayed",           # this sender's update for this round was already accepted (the same bytes)
+    "equivocation",       # a second, different update from the same sender for one round: both are
+                          # dropped and the round's slot stays void (the sender's key is used twice)
     "future_round",       # beyond the current round + security.round_window
     "oversize",           # declared size above network.max_message_mb
     "chunk_too_large",    # one chunk above the chunk limit
@@ -36,7 +38,10 @@ REASONS = (
     "aborted",            # the stream was cancelled or timed out mid-transfer
     "bad_header",         # first message is not a well-formed header
     "invalid_payload",    # the validator refused it (CodecError, wrong shape, NaN, ...)
-    "busy",               # too many concurrent streams from this sender (flood)
+    "out_of_bounds",      # a value above security.max_update_value (finite but absurd: 3e38)
+    "outlier",            # norm above security.norm_multiple x the recent median norm (robust modes)
+    "busy",               # too many concurrent calls of one method from this caller (flood)
+    "over_budget",        # this sender's pushes in flight and waiting would exceed its memory budget
     "no_deadline",        # the client set no deadline, or one above the server's limit
     "no_state",           # FetchState before a state provider was set
     "tls_handshake",      # a connection that never carried an authenticated call: no client
