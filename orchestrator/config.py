@@ -157,7 +157,12 @@ class NetworkSection:
     bind_host: str = field(default="127.0.0.1", metadata=_doc("address each region's gRPC server binds"))
     advertised_host: str | None = field(default=None, metadata=_doc("address peers dial (default: bind_host, or the node IP when bind_host is 0.0.0.0)"))
     port_range: tuple[int, int] | None = field(default=None, metadata=_doc("[first, last] ports for gRPC servers; null: ephemeral"))
-    max_message_mb: int = field(default=1024, metadata=_doc("largest update accepted from a peer, MiB"))
+    max_message_mb: int | None = field(default=None, metadata=_doc(
+        "largest update accepted from a peer, MiB; null: what the model needs (its largest encoded update over "
+        "compression.codec and ladder, x 1.5, at least 1 MiB; docs/p2p.md)"))
+    peer_memory_mb: int | None = field(default=None, metadata=_doc(
+        "memory one peer's pushes may hold in a region at once (bodies in flight, updates waiting for their "
+        "round), MiB; null: 2 messages in flight + security.round_window + 1 decoded updates (docs/p2p.md)"))
     chunk_kb: int = field(default=1024, metadata=_doc("client-stream chunk size, KiB (at most 1024)"))
     probe_s: float = field(default=0.25, metadata=_doc(
         "before round 0 every region warms each connection (TLS handshake, slow start, gRPC's flow-control windows) "
@@ -172,8 +177,10 @@ class NetworkSection:
             lo, hi = self.port_range
             if not 1 <= lo <= hi <= 65535:
                 raise ValueError(f"port_range: need 1 <= first <= last <= 65535, got {list(self.port_range)}")
-        if not 1 <= self.max_message_mb <= 65536:
+        if self.max_message_mb is not None and not 1 <= self.max_message_mb <= 65536:
             raise ValueError(f"max_message_mb: must be in [1, 65536], got {self.max_message_mb}")
+        if self.peer_memory_mb is not None and not 1 <= self.peer_memory_mb <= 1 << 20:
+            raise ValueError(f"peer_memory_mb: must be in [1, 1048576], got {self.peer_memory_mb}")
         if not 16 <= self.chunk_kb <= 1024:
             raise ValueError(f"chunk_kb: must be in [16, 1024], got {self.chunk_kb}")
         if not 0 <= self.probe_s <= 60:
@@ -293,10 +300,31 @@ class CompressionSection:
 class SecuritySection:
     tls: bool = field(default=True, metadata=_doc("mutual TLS on every channel (false: plaintext, warns)"))
     round_window: int = field(default=2, metadata=_doc("accept updates at most this many rounds ahead"))
+    robust_aggregation: Literal["none", "clip", "trimmed-mean", "median"] = field(default="clip", metadata=_doc(
+        "what an outsized peer update meets: clip: scaled down to norm_multiple x the recent median norm; "
+        "trimmed-mean / median: refused (outlier) and the mix is coordinate-wise robust (full-topology diloco "
+        "or allreduce); none: only the value bound (docs/p2p.md)"))
+    max_update_value: float = field(default=1e6, metadata=_doc(
+        "an update holding a value of larger magnitude is refused (out_of_bounds), in every mode"))
+    norm_multiple: float = field(default=10.0, metadata=_doc(
+        "an update whose L2 norm exceeds this multiple of the median of recent update norms (all senders and "
+        "the region's own) is clipped or refused"))
+    trim_fraction: float = field(default=0.25, metadata=_doc(
+        "trimmed-mean: values dropped at each end of every coordinate, as a fraction of the regions present "
+        "(at least 1 when 3 or more)"))
+    rollback_on_nonfinite: bool = field(default=True, metadata=_doc(
+        "a region whose loss or model turns non-finite goes back to its state at the start of the round and "
+        "drops the round's inputs (an event), instead of failing the run; 3 in a row still fail it"))
 
     def __post_init__(self):
         if not 0 <= self.round_window <= 1000:
             raise ValueError(f"round_window: must be in [0, 1000], got {self.round_window}")
+        if not 0 < self.max_update_value <= 3.4e38:
+            raise ValueError(f"max_update_value: must be in (0, 3.4e38], got {self.max_update_value}")
+        if not 1 < self.norm_multiple <= 1e6:
+            raise ValueError(f"norm_multiple: must be in (1, 1e6], got {self.norm_multiple}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction: must be in [0, 0.5), got {self.trim_fraction}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +353,10 @@ class RunConfig:
     def __post_init__(self):
         if self.sync.algorithm == "gossip" and self.sync.gossip.choco:
             _check_choco_compression(self.compression)
+        robust = self.security.robust_aggregation
+        if robust in ("trimmed-mean", "median") and (self.sync.algorithm == "gossip" or self.sync.topology != "full"):
+            raise ValueError(f"security.robust_aggregation: {robust} replaces the mix of full-topology diloco or "
+                             f"allreduce, not {self.sync.algorithm} over {self.sync.topology} (use clip)")
 
 
 def _check_choco_compression(c: CompressionSection) -> None:

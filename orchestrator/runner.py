@@ -270,6 +270,9 @@ class Runner(FaultHandling):
             self.faults["peers_left_out"] += len(m.get("peers_missing", []))
             if m.get("refusals"):
                 self._event("refused", region=region, by_reason=m["refusals"])
+            if m.get("rolled_back"):  # a non-finite round undone (regions/rollback.py)
+                self.faults["rollbacks"] = self.faults.get("rollbacks", 0) + 1
+                self._event("rolled_back", region=region, **m["rolled_back"])
         return results
 
     def _fetch_params(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +67,9 @@ class Exchanger:
         self.send_timeout_s = send_timeout_s
         self.states: dict[str, CodecState] = {}
         self.estimators: dict[str, LinkEstimator] = {}
+        # Sees every update this region sends (its norm is the reference no peer controls:
+        # geofed.p2p.robust.UpdateAdmission.observe_own).
+        self.observe_own: Callable[[Sequence[torch.Tensor]], None] | None = None
         self._est_lock = threading.Lock()  # probes update estimators from pool threads
         self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
         self._first_probe: dict[str, float] = {}  # peer -> seconds its warm-up probe took
@@ -86,6 +89,8 @@ class Exchanger:
                  in_peers: Sequence[str], codecs: Mapping[str, Any], default_codec: Any) -> ExchangeResult:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`."""
         self.transport.expect(round_, list(in_peers))
+        if self.observe_own is not None and out_peers:
+            self.observe_own(tensors)
         payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec)
         skipped = self._still_stalled()
         futures = {p: self._pool.submit(self._send, p, round_, payloads[p]) for p in out_peers if p not in skipped}

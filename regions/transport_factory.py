@@ -13,12 +13,15 @@ from typing import Any
 from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.tls import TlsMaterial, load_tls
 
+from .limits import WireLimits
+
 log = logging.getLogger(__name__)
 
 
-def make_transport(cfg: Any, region: str, run_dir: Path, *, tls: TlsMaterial | None = None,
+def make_transport(cfg: Any, region: str, run_dir: Path, *, limits: WireLimits, tls: TlsMaterial | None = None,
                    advertised_host: str | None = None) -> GrpcTransport:
-    """`advertised_host` overrides network.advertised_host (the actor passes its node's address)."""
+    """`advertised_host` overrides network.advertised_host (the actor passes its node's address);
+    `limits` come from the region's model (regions/limits.py)."""
     net, sec = cfg.network, cfg.security
     if not sec.tls:
         tls = None
@@ -30,5 +33,7 @@ def make_transport(cfg: Any, region: str, run_dir: Path, *, tls: TlsMaterial | N
     if net.port_range is not None:
         port = net.port_range  # the transport tries each port of the range in turn
     return GrpcTransport(region, bind_host=net.bind_host, port=port, advertised_host=advertised_host or net.advertised_host,
-                         tls=tls, max_message_bytes=net.max_message_mb << 20, round_window=sec.round_window,
-                         chunk_bytes=net.chunk_kb << 10)
+                         tls=tls, max_message_bytes=limits.max_message_bytes, round_window=sec.round_window,
+                         chunk_bytes=net.chunk_kb << 10, max_peers=max(1, len(cfg.regions.names) - 1),
+                         max_rpc_s=limits.max_rpc_s, peer_budget_bytes=limits.peer_budget_bytes,
+                         max_state_bytes=limits.max_state_bytes)

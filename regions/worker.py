@@ -21,12 +21,15 @@ import torch
 from geofed.compression import CodecError, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.rejoin import fetch_state_from_any
+from geofed.p2p.robust import UpdateAdmission, robust_mix
 from geofed.p2p.topology import make_topology
 
 from . import checkpoint
 from .sync import ALGORITHMS, mix
 from .sync.common import merge_exchange_metrics
 from .exchange import Exchanger
+from .limits import wire_limits
+from .rollback import RoundGuard
 from .sketch import count_sketch
 from .tasks import make_task
 from .transport_factory import make_transport
@@ -69,17 +72,23 @@ class RegionWorker:
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
+        self.limits = wire_limits(cfg, self.shapes)
+        sec = cfg.security
+        self.admission = UpdateAdmission(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
+                                         norm_multiple=sec.norm_multiple)
         # An injected transport (the in-memory one) lets algorithm tests run without sockets.
         # `tls` (TlsMaterial) and `advertised_host` come from the actor on a multi-node cluster.
         self.transport = transport if transport is not None else make_transport(
-            cfg, region, self.run_dir, tls=tls, advertised_host=advertised_host)
+            cfg, region, self.run_dir, limits=self.limits, tls=tls, advertised_host=advertised_host)
         self.transport.set_validator(self._validate)
         self.transport.set_state_provider(self.state_bytes)
         d = cfg.sync.deadline
         self.exchanger = Exchanger(self.transport, error_feedback=cfg.compression.error_feedback,
                                    deadline=AdaptiveDeadline(d.initial_s, d.min_s, d.max_s, d.k),
                                    send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
+        self.exchanger.observe_own = self.admission.observe_own
         self.algorithm = ALGORITHMS[cfg.sync.algorithm](self)
+        self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
         self.completed_round = -1
         self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
@@ -115,7 +124,7 @@ class RegionWorker:
     # -- one round -------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
         t_start = time.time()
-        metrics = self.algorithm.run_round(plan)
+        metrics = self._guarded_round(plan)
         self.completed_round = plan.round
         if plan.final:
             # Overlap: the round's own exchange is still in flight; its bytes add to this round's.
@@ -137,7 +146,21 @@ class RegionWorker:
                         "wall_s": wall, "utilization": min(1.0, metrics.get("compute_s", 0.0) / wall) if wall > 0 else 0.0,
                         "links": self.exchanger.link_estimates(self.region),
                         "refused": self.transport.stats().get("refused_total", 0), "refusals": self.take_refusals(),
-                        "rss_mb": rss_mb()})
+                        "clipped": self.admission.take_clipped(), "rss_mb": rss_mb()})
+        return metrics
+
+    def _guarded_round(self, plan: RoundPlan) -> dict[str, Any]:
+        """The algorithm's round; with security.rollback_on_nonfinite, a round that leaves the
+        model non-finite is undone (regions/rollback.py) and the run goes on."""
+        if self.guard is None:
+            return self.algorithm.run_round(plan)
+        self.guard.snapshot()
+        metrics = None
+        try:
+            metrics = self.algorithm.run_round(plan)
+            self.guard.check(metrics)
+        except FloatingPointError as exc:
+            return self.guard.roll_back(plan, exc, metrics)
         return metrics
 
     def take_refusals(self) -> dict[str, int]:
@@ -164,9 +187,12 @@ class RegionWorker:
             self.optimizer_step(lr_scale)
         compute_s = time.monotonic() - t0
         loss = sum(losses) / len(losses)
+        metrics = {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / H, "steps": H}
         if not math.isfinite(loss):
-            raise FloatingPointError(f"region {self.region}: train loss is {loss}")
-        return {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / H, "steps": H}
+            exc = FloatingPointError(f"region {self.region}: train loss is {loss}")
+            exc.metrics = metrics  # what the round's rollback reports (regions/rollback.py)
+            raise exc
+        return metrics
 
     def forward_backward(self) -> float:
         self.inner.zero_grad(set_to_none=False)
@@ -198,17 +224,22 @@ class RegionWorker:
                                        codecs=codecs, default_codec=self.cfg.compression.codec)
 
     def mix(self, plan: RoundPlan, own, res) -> list[torch.Tensor]:
+        how = self.cfg.security.robust_aggregation
+        if how in ("trimmed-mean", "median"):  # the config allows them for full-topology diloco/allreduce only
+            return robust_mix(own, res.received, how=how, trim_fraction=self.cfg.security.trim_fraction)
         return mix(own, res.received, self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round))
 
     def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:
-        """Called by the transport for every incoming update: refuse (ValueError) what is not sane."""
+        """Called by the transport for every incoming update: refuse (ValueError, or a Refusal
+        with its own reason from admission) what is not sane."""
         try:
             # An algorithm that sends more than the parameters (gossip with gradient tracking
             # sends params + tracker) says what its messages hold.
             shapes = getattr(self.algorithm, "wire_shapes", None) or self.shapes
-            return decode_update(payload, max_bytes=self.cfg.network.max_message_mb << 20, expected_shapes=shapes)
+            tensors = decode_update(payload, max_bytes=self.limits.decode_bytes, expected_shapes=shapes)
         except CodecError as exc:
             raise ValueError(f"undecodable update from {sender}: {exc}") from None
+        return self.admission.admit(sender, tensors)
 
     # -- evaluation and state --------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:

@@ -254,6 +254,12 @@ class GossipSync:
         self._publish(self.round)
         self.rejoined = True
 
+    def rolled_back(self) -> None:
+        """The worker restored the start of a round (regions/rollback.py): our public copy had
+        moved with the round's message, which the neighbours applied; start over as a rejoin does."""
+        if self.choco is not None:
+            self._rejoin_from({"round": self.round})
+
     def close(self) -> None:
         pass
 

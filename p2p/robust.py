@@ -1,0 +1,174 @@
+"""Robust aggregation and update admission: what one hostile peer's update can do to a region.
+
+Pure functions on lists of tensors (no transport), plus ``UpdateAdmission``, which a region's
+validator calls for every decoded update on the receiving server thread, before the push is
+acknowledged, so a refused update is refused to its sender with a counted reason.
+
+Admission (``security.robust_aggregation``, ``security.max_update_value``, ``security.norm_multiple``):
+
+- every mode refuses an update holding a value above ``max_update_value`` (``out_of_bounds``): a
+  finite 3e38 passes the NaN/Inf check and overflows the first forward pass it reaches;
+- ``clip`` (the default) scales an update whose L2 norm exceeds ``norm_multiple`` x the reference
+  norm down to that bound (counted as clipped, not refused); ``trimmed-mean`` and ``median``
+  refuse it (``outlier``) and aggregate coordinate-wise; ``none`` checks the value bound only.
+
+The reference norm is the median of the last ``window`` norms over *all* senders and the region's
+own updates (``observe_own``), not per sender: a per-sender median lets a hostile peer raise its
+own reference step by step (each update 10x its last accepted one), while one peer among the
+others and the region itself moves a shared median by at most one position. No norm is judged
+before ``min_samples`` norms are known (the first round): the value bound and the receiving
+region's rollback on a non-finite loss cover that round.
+
+Aggregation: ``coordinate_median`` and ``trimmed_mean`` (drop the k largest and k smallest values
+of every coordinate, k = max(1, floor(trim_fraction x n)) for n >= 3) replace the weighted mix of
+full-topology DiLoCo/allreduce. With f hostile peers among n values they need n >= 2f + 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+from collections import Counter, deque
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+from .mailbox import Refusal
+
+__all__ = ["MODES", "UpdateAdmission", "coordinate_median", "l2_norm", "max_abs", "robust_mix", "trim_count",
+           "trimmed_mean"]
+
+log = logging.getLogger("geofed.p2p")
+
+MODES = ("none", "clip", "trimmed-mean", "median")
+
+
+def l2_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """inf when a square overflows fp32 (values past ~1e19): admit() checks the value bound first."""
+    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.detach().float())) ** 2 for t in tensors))
+
+
+def max_abs(tensors: Sequence[torch.Tensor]) -> float:
+    return max((float(t.detach().abs().max()) for t in tensors if t.numel()), default=0.0)
+
+
+def trim_count(n: int, trim_fraction: float) -> int:
+    """How many values trimmed_mean drops at each end of a coordinate among `n`."""
+    if n < 3:
+        return 0
+    return min(max(1, math.floor(trim_fraction * n)), (n - 1) // 2)
+
+
+def _stacked(values: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    if not values:
+        raise ValueError("values: nothing to aggregate")
+    n = len(values[0])
+    for i, v in enumerate(values):
+        if len(v) != n:
+            raise ValueError(f"values: entry {i} has {len(v)} tensors, expected {n}")
+    out = []
+    for j in range(n):
+        shapes = {tuple(v[j].shape) for v in values}
+        if len(shapes) != 1:
+            raise ValueError(f"values: tensor {j} has shapes {sorted(shapes)}")
+        out.append(torch.stack([v[j].detach().float() for v in values]))
+    return out
+
+
+def coordinate_median(values: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The coordinate-wise median of n tensor lists (the mean of the two middle values for even n)."""
+    out = []
+    for s in _stacked(values):
+        n = s.shape[0]
+        ordered = s.sort(dim=0).values
+        mid = ordered[(n - 1) // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        out.append(mid)
+    return out
+
+
+def trimmed_mean(values: Sequence[Sequence[torch.Tensor]], trim: int) -> list[torch.Tensor]:
+    """Coordinate-wise mean after dropping the `trim` smallest and `trim` largest values."""
+    n = len(values)
+    if trim < 0 or n - 2 * trim < 1:
+        raise ValueError(f"trim: need 0 <= trim and 2 * trim < n, got trim={trim}, n={n}")
+    return [s.sort(dim=0).values[trim:n - trim].mean(dim=0) for s in _stacked(values)]
+
+
+def robust_mix(own: Sequence[torch.Tensor], received: Mapping[Hashable, Sequence[torch.Tensor]], *,
+               how: str, trim_fraction: float = 0.25) -> list[torch.Tensor]:
+    """`trimmed-mean` or `median` of the region's own tensors and every received list (the
+    peers that missed the deadline are simply not among them)."""
+    values = [list(own), *(list(v) for v in received.values())]
+    if how == "median":
+        mixed = coordinate_median(values)
+    elif how == "trimmed-mean":
+        mixed = trimmed_mean(values, trim_count(len(values), trim_fraction))
+    else:
+        raise ValueError(f"how: expected 'trimmed-mean' or 'median', got {how!r}")
+    return [m.to(t.dtype) for m, t in zip(mixed, own)]
+
+
+class UpdateAdmission:
+    """Judges every incoming update by magnitude; thread-safe (server threads call ``admit``)."""
+
+    def __init__(self, *, mode: str = "clip", max_update_value: float = 1e6, norm_multiple: float = 10.0,
+                 window: int = 32, min_samples: int = 3):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        if not max_update_value > 0 or not norm_multiple > 1:
+            raise ValueError(f"max_update_value: must be > 0 and norm_multiple > 1, got {max_update_value}, {norm_multiple}")
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"window: need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
+        self.mode, self.max_update_value, self.norm_multiple = mode, max_update_value, norm_multiple
+        self.min_samples = min_samples
+        self._norms: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.clipped: Counter[str] = Counter()  # sender -> updates scaled down
+
+    def reference(self) -> float | None:
+        """The median of the recent norms, or None before min_samples of them."""
+        with self._lock:
+            return statistics.median(self._norms) if len(self._norms) >= self.min_samples else None
+
+    def bound(self) -> float | None:
+        ref = self.reference()
+        return None if ref is None else self.norm_multiple * ref
+
+    def observe_own(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The region's own update of a round: a norm no peer controls."""
+        norm = l2_norm(tensors)
+        if math.isfinite(norm):
+            with self._lock:
+                self._norms.append(norm)
+
+    def admit(self, sender: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The update to file (clipped under `clip`), or Refusal("out_of_bounds" | "outlier")."""
+        peak = max_abs(tensors)
+        if peak > self.max_update_value:
+            raise Refusal("out_of_bounds", f"a value of magnitude {peak:.3g} exceeds security.max_update_value "
+                                           f"{self.max_update_value:.3g}")
+        if self.mode == "none":
+            return tensors
+        norm, bound = l2_norm(tensors), self.bound()
+        if bound is not None and norm > bound:
+            if self.mode != "clip":
+                raise Refusal("outlier", f"norm {norm:.3g} exceeds {self.norm_multiple:g} x the recent median "
+                                         f"norm ({bound:.3g})")
+            with self._lock:
+                self.clipped[sender] += 1
+            log.warning("clipped the update of %s: norm %.3g -> %.3g (%g x the recent median)", sender, norm,
+                        bound, self.norm_multiple)
+            scale = bound / norm
+            tensors = [t * scale for t in tensors]
+            norm = bound
+        with self._lock:
+            self._norms.append(norm)
+        return tensors
+
+    def take_clipped(self) -> dict[str, int]:
+        """Clipped updates by sender since the last call."""
+        with self._lock:
+            out, self.clipped = dict(self.clipped), Counter()
+        return out

@@ -1,0 +1,100 @@
+"""A region whose model turns non-finite goes back to the start of the round instead of failing the run.
+
+Admission (geofed.p2p.robust) refuses the updates that are plainly wrong; what it lets through
+can still break a model: a finite update that overflows the next forward pass, a region's own
+divergence. ``RoundGuard`` keeps the region's state at the start of every round (its model, the
+inner optimiser's state and the algorithm's: DiLoCo's global model and outer momentum) and,
+when the round ends with a non-finite loss, a non-finite parameter or a non-finite loss on a
+fixed probe batch (the check that catches an update mixed in at the end of the round, before the
+next round trains on it), restores that state: the round's inputs (the peers' updates mixed in
+it) are dropped and the region goes on with the next round. A region that rolls back
+``MAX_IN_A_ROW`` rounds in a row cannot make progress: it fails as before.
+
+The snapshot costs a copy of the model and optimiser states per round, in memory, and one
+forward pass on one batch; ``security.rollback_on_nonfinite: false`` turns both off.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .sync.common import no_exchange_metrics
+
+if TYPE_CHECKING:
+    from .worker import RegionWorker, RoundPlan
+
+log = logging.getLogger(__name__)
+MAX_IN_A_ROW = 3
+_PROBE_SEED = 7919  # the probe batch's own generator: the training data stream is not touched
+
+
+class RoundGuard:
+    def __init__(self, w: RegionWorker):
+        self.w = w
+        gen = torch.Generator().manual_seed(w.cfg.run.seed * 1000 + w.index + _PROBE_SEED)
+        self.probe_batch = next(w.shard.batches(gen))
+        self._state: dict[str, Any] | None = None
+        self.in_a_row = 0
+        self.total = 0
+
+    def snapshot(self) -> None:
+        w = self.w
+        self._state = copy.deepcopy({"model": w.model.state_dict(), "inner": w.inner.state_dict(),
+                                     "algorithm": w.algorithm.state_dict()})
+
+    def probe_loss(self) -> float:
+        w = self.w
+        was_training = w.model.training
+        w.model.eval()
+        try:
+            with torch.no_grad():
+                return float(w.task.loss(w.model, self.probe_batch))
+        finally:
+            w.model.train(was_training)
+
+    def check(self, metrics: dict[str, Any]) -> None:
+        """Raise FloatingPointError if the round left the region's model unusable."""
+        loss = metrics.get("train_loss")
+        if loss is not None and not math.isfinite(loss):
+            raise FloatingPointError(f"region {self.w.region}: train loss is {loss}")
+        if not all(bool(torch.isfinite(p).all()) for p in self.w.params):
+            raise FloatingPointError(f"region {self.w.region}: a parameter is non-finite after the round")
+        probe = self.probe_loss()
+        if not math.isfinite(probe):
+            raise FloatingPointError(f"region {self.w.region}: the model after the round gives a loss of {probe}")
+        self.in_a_row = 0
+
+    def roll_back(self, plan: RoundPlan, exc: FloatingPointError, partial: dict[str, Any] | None) -> dict[str, Any]:
+        """Restore the start of the round; the round's metrics say what was dropped. `partial`:
+        the round's metrics if it got that far, else what inner_steps attached to `exc`."""
+        w = self.w
+        partial = partial if partial is not None else getattr(exc, "metrics", None)
+        self.in_a_row += 1
+        self.total += 1
+        if self._state is None or self.in_a_row >= MAX_IN_A_ROW:
+            raise FloatingPointError(f"{exc} ({self.in_a_row} rounds in a row rolled back)") from exc
+        t0 = time.monotonic()
+        state, self._state = self._state, None
+        w.model.load_state_dict(state["model"])
+        w.inner.load_state_dict(state["inner"])
+        w.algorithm.load_state_dict(state["algorithm"])
+        after = getattr(w.algorithm, "rolled_back", None)
+        if after is not None:
+            after()  # gossip: our public copy moved with the round's message; start it over
+        loss = self.probe_loss()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{exc}; the state at the start of the round gives a loss of {loss} too") from exc
+        dropped = sorted({t["peer"] for t in (partial or {}).get("transfers", []) if t.get("direction") == "recv"})
+        log.warning("region %s rolled back round %d (%s); dropped the updates of %s", w.region, plan.round, exc,
+                    dropped or "nobody")
+        metrics = {**no_exchange_metrics(), **(partial or {})}
+        metrics.update({"train_loss": loss, "steps": 0, "compute_s": (partial or {}).get("compute_s", 0.0),
+                        "step_time_s": (partial or {}).get("step_time_s", 0.0),
+                        "rolled_back": {"why": str(exc), "dropped": dropped, "restore_s": round(time.monotonic() - t0, 6)}})
+        return metrics
