@@ -15,7 +15,9 @@ Admission (``security.robust_aggregation``, ``security.max_update_value``, ``sec
 The reference norm is the median of the last ``window`` norms over *all* senders and the region's
 own updates (``observe_own``), not per sender: a per-sender median lets a hostile peer raise its
 own reference step by step (each update 10x its last accepted one), while one peer among the
-others and the region itself moves a shared median by at most one position. No norm is judged
+others and the region itself moves a shared median by at most one position (a clipped update is
+not counted at all). With only the region and one peer, that peer is half the window: robust
+aggregation needs honest majorities (3 regions or more) to mean anything. No norm is judged
 before ``min_samples`` norms are known (the first round): the value bound and the receiving
 region's rollback on a non-finite loss cover that round.
 
@@ -161,8 +163,7 @@ class UpdateAdmission:
             log.warning("clipped the update of %s: norm %.3g -> %.3g (%g x the recent median)", sender, norm,
                         bound, self.norm_multiple)
             scale = bound / norm
-            tensors = [t * scale for t in tensors]
-            norm = bound
+            return [t * scale for t in tensors]  # an outlier never enters the reference
         with self._lock:
             self._norms.append(norm)
         return tensors
