@@ -20,6 +20,7 @@ BENCHES = {
     "wan": ("geofed.orchestrator.bench_wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
     "dfgl": ("geofed.orchestrator.bench_dfgl", "decentralized federated graph learning against centralized"),
     "cluster": ("geofed.orchestrator.bench_cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),
+    "soak": ("geofed.orchestrator.bench_soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
 }
 
 

@@ -36,8 +36,8 @@ def outcome_of(exc: grpc.RpcError) -> str:
     return prefix if prefix in REASONS else exc.code().name.lower()
 
 
-def huge_update(shapes: Sequence[tuple[int, ...]], value: float = 3e38) -> bytes:
-    """A well-formed update (identity codec, valid checksum) of values +-`value` in turn: finite,
+def huge_update(shapes: Sequence[tuple[int, ...]], value: float = 3e38, codec: str = "identity") -> bytes:
+    """A well-formed update (valid checksum; `codec` "bf16" halves it and still holds 3e38) of values +-`value` in turn: finite,
     so the NaN/Inf check lets it through, and the first forward pass it reaches sums +inf and
     -inf into NaN (one sign everywhere can hide behind a ReLU)."""
     out = []
@@ -45,7 +45,7 @@ def huge_update(shapes: Sequence[tuple[int, ...]], value: float = 3e38) -> bytes
         t = torch.full(tuple(s), value)
         t.view(-1)[1::2] = -value
         out.append(t)
-    return encode_update("identity", out)
+    return encode_update(codec, out)
 
 
 def _header(sender: str, round_: int, total: int) -> gossip_pb2.PushMessage:
@@ -73,9 +73,12 @@ class HostilePeer:
         self._lock = threading.Lock()
 
     def _channel(self) -> grpc.Channel:
+        # Without BDP probing the receive window stays at its initial 64 KiB: a stream nobody reads
+        # holds its sender sooner (an attacker's choice, as the server cannot tell).
         return grpc.secure_channel(self.address, self._creds, options=[
             ("grpc.ssl_target_name_override", self.target), ("grpc.max_send_message_length", 8 << 20),
-            ("grpc.max_receive_message_length", 8 << 20), ("grpc.use_local_subchannel_pool", 1)])
+            ("grpc.max_receive_message_length", 8 << 20), ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.http2.bdp_probe", 0)])
 
     def _note(self, outcome: str) -> str:
         with self._lock:
@@ -97,8 +100,8 @@ class HostilePeer:
         """A whole push of `payload` for `round_`, claiming to be `as_region`."""
         return self.push_messages([_header(self.as_region, round_, len(payload)), *_chunks(payload)], timeout_s=timeout_s)
 
-    def push_huge(self, round_: int, shapes: Sequence[tuple[int, ...]], value: float = 3e38) -> str:
-        return self.push(round_, huge_update(shapes, value))
+    def push_huge(self, round_: int, shapes: Sequence[tuple[int, ...]], value: float = 3e38, codec: str = "identity") -> str:
+        return self.push(round_, huge_update(shapes, value, codec))
 
     def push_garbage(self, round_: int, nbytes: int = 4096) -> str:
         return self.push(round_, os.urandom(nbytes))
