@@ -279,15 +279,21 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
             return gossip_pb2.PingReply(nonce=request.nonce, region=self.region)
 
     def FetchState(self, request, context):
-        self._check_caller(context, self._identity(context), request.sender, "fetch_state")
-        provider = self._state_provider()
-        if provider is None:
-            self._refuse(context, "no_state", f"{self.region} has no state provider", request.sender)
-        state = memoryview(provider())
-        log.info("%s gives its state (%d bytes) to %s", self.region, len(state), request.sender)
-        yield gossip_pb2.StateMessage(total_bytes=len(state))
-        for off in range(0, len(state), MAX_CHUNK_BYTES):
-            yield gossip_pb2.StateMessage(chunk=bytes(state[off:off + MAX_CHUNK_BYTES]))
+        identity = self._identity(context)
+        self._check_caller(context, identity, request.sender, "fetch_state")
+        caller = identity if identity is not None else context.peer()
+        # A generator: the slot is held while the stream runs (to its end, its deadline or the
+        # client's cancel, when gRPC closes the generator).
+        with self._slot(context, caller, "FetchState"):
+            self._check_deadline(context, caller, "fetch_state")
+            provider = self._state_provider()
+            if provider is None:
+                self._refuse(context, "no_state", f"{self.region} has no state provider", request.sender)
+            state = memoryview(provider())
+            log.info("%s gives its state (%d bytes) to %s", self.region, len(state), request.sender)
+            yield gossip_pb2.StateMessage(total_bytes=len(state))
+            for off in range(0, len(state), MAX_CHUNK_BYTES):
+                yield gossip_pb2.StateMessage(chunk=bytes(state[off:off + MAX_CHUNK_BYTES]))
 
     # -- Probe ---------------------------------------------------------------------------
     def Probe(self, request_iterator, context):
@@ -315,18 +321,3 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
             with self._lock:
                 self.probe_bytes[h.sender] += n
             return gossip_pb2.PushAck(received_bytes=n, receiver_seconds=t_last - t0)
-        identity = self._identity(context)
-        self._check_caller(context, identity, request.sender, "fetch_state")
-        caller = identity if identity is not None else context.peer()
-        # A generator: the slot is held while the stream runs (to its end, its deadline or the
-        # client's cancel, when gRPC closes the generator).
-        with self._slot(context, caller, "FetchState"):
-            self._check_deadline(context, caller, "fetch_state")
-            provider = self._state_provider()
-            if provider is None:
-                self._refuse(context, "no_state", f"{self.region} has no state provider", request.sender)
-            state = memoryview(provider())
-            log.info("%s gives its state (%d bytes) to %s", self.region, len(state), request.sender)
-            yield gossip_pb2.StateMessage(total_bytes=len(state))
-            for off in range(0, len(state), MAX_CHUNK_BYTES):
-                yield gossip_pb2.StateMessage(chunk=bytes(state[off:off + MAX_CHUNK_BYTES]))
