@@ -196,11 +196,12 @@ def test_peers_at_their_limits_never_reach_grpc_cores_limit(pki):
     """Two hostile peers hold every call their limits allow and flood more; the pool is sized to
     the peers' limits, so the honest third peer is never turned away by gRPC core."""
     server = GrpcTransport("r0", tls=load_tls(pki.directory, "r0"), max_message_bytes=1 << 20, max_peers=3)
-    assert server.max_workers >= 3 * (4 + 2 + 1)
-    with pytest.raises(ValueError, match="max_workers: need >= 29"):
-        GrpcTransport("r0", tls=None, max_message_bytes=1 << 20, max_peers=3, max_workers=28)
+    per_peer = 4 + 2 + 1 + 1  # pushes, pings, a state fetch, a probe
+    assert server.max_workers >= 3 * per_peer
+    with pytest.raises(ValueError, match=f"max_workers: need >= {3 * per_peer + 8}"):
+        GrpcTransport("r0", tls=None, max_message_bytes=1 << 20, max_peers=3, max_workers=3 * per_peer + 7)
     server.close()
-    ts, address = _mesh(pki, max_peers=3, max_workers=29, round_window=4)  # the peers' limits + 8 spare
+    ts, address = _mesh(pki, max_peers=3, max_workers=3 * per_peer + 8, round_window=4)  # the peers' limits + 8 spare
     release = threading.Event()
     threads, atks = [], []
     try:
