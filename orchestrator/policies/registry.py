@@ -8,7 +8,9 @@
 returns the Policy; ``ctx`` (PolicyContext) holds compression.codec, compression.ladder and the
 codec-ratio estimate, and ``ctx.make(other_cfg)`` builds a nested policy (AdaComm's base).
 The built-in kinds register themselves in fixed.py, bandwidth.py and adacomm.py. A plug-in
-registers before the config is loaded (the Ray workers never build the policy, only the driver).
+registers before the config is loaded. Only the driver builds the policy, but the run config
+(its policy section too) travels to every region actor: the config class must be importable
+on every node, like a ``python:module:function`` task's module.
 """
 
 from __future__ import annotations
