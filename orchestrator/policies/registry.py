@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,10 @@ def policy_config_class(kind: str) -> type:
     return _POLICIES[kind].config
 
 
-def make_policy(cfg: Any, *, codec: Any, ladder: Sequence[Any] = (), ratio: RatioFn | None = None) -> Policy:
+SpecLike = CodecSpec | str | Mapping[str, Any]  # a CodecSpec, or a spelling CodecSpec.parse takes
+
+
+def make_policy(cfg: Any, *, codec: SpecLike, ladder: Sequence[SpecLike] = (), ratio: RatioFn | None = None) -> Policy:
     """The policy for config ``cfg``; ``codec`` is compression.codec, ``ladder`` compression.ladder
     (CodecSpecs, or any spelling ``CodecSpec.parse`` takes).
 
