@@ -1,7 +1,9 @@
 """geofed.compression: codecs for model updates, error feedback, and their wire format.
 
-    from geofed.compression import make_codec, CodecState, encode_update, decode_update
-    codec = make_codec({"kind": "topk", "fraction": 0.01, "inner": "int8"})
+    from geofed.compression import CodecSpec, CodecState, encode_update, decode_update
+    spec = CodecSpec.parse({"kind": "topk", "fraction": 0.01, "inner": "int8"})
+    spec.key                                          # "topk(fraction=0.01,inner=int8)"
+    codec = spec.codec()
     state = CodecState(error_feedback=True)          # one per peer link
     payload = encode_update(codec, list(delta), state)
     tensors = decode_update(payload, max_bytes=4 * numel + (1 << 20))
@@ -14,6 +16,7 @@ from . import powersgd as _powersgd  # noqa: F401
 from . import quant as _quant  # noqa: F401
 from . import sparse as _sparse  # noqa: F401
 from .base import Codec, CodecError, Section, codec_names, make_codec
+from .spec import CodecSpec, spec_key
 from .state import CodecState
 from .update import (
     choco_encode,
@@ -27,6 +30,7 @@ from .update import (
 __all__ = [
     "Codec",
     "CodecError",
+    "CodecSpec",
     "CodecState",
     "Section",
     "choco_encode",
@@ -37,4 +41,5 @@ __all__ = [
     "encode_update",
     "inspect_update",
     "make_codec",
+    "spec_key",
 ]

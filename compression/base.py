@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 if TYPE_CHECKING:
+    from .spec import CodecSpec
     from .state import CodecState
 
 Shape = tuple[int, ...]
@@ -75,17 +76,14 @@ class Codec(ABC):
     # ---- description -------------------------------------------------------------------
     @property
     def name(self) -> str:
-        """Short label: the kind, plus the parameters that differ from their defaults."""
-        parts = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            if value != default:
-                parts.append(f"{f.name}={value.name if isinstance(value, Codec) else value}")
-        return f"{self.kind}({','.join(parts)})" if parts else self.kind
+        """The canonical key of this codec's spec (`CodecSpec.key`): "int8", "topk(fraction=0.01,inner=int8)"."""
+        from .spec import CodecSpec  # lazy: spec.py builds on this module
+
+        return CodecSpec.of(self).key
 
     def spec(self) -> dict[str, Any]:
-        """Every parameter, inner codecs as nested specs; `make_codec(c.spec()) == c`."""
+        """Every parameter, inner codecs nested: the wire format's JSON description of the codec
+        (`make_codec(c.spec()) == c`). The typed spec is `CodecSpec.of(c)`."""
         out: dict[str, Any] = {"kind": self.kind}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -178,14 +176,21 @@ def codec_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_codec(spec: str | Mapping[str, Any] | Codec) -> Codec:
-    """Build a codec from a name ("int8") or a mapping ({"kind": "topk", "fraction": 0.01}).
+def make_codec(spec: str | Mapping[str, Any] | Codec | CodecSpec) -> Codec:
+    """Build a codec from a name ("int8"), a mapping ({"kind": "topk", "fraction": 0.01}) or a
+    `CodecSpec`. (Key strings such as "topk(fraction=0.01)" are `CodecSpec.parse`'s: the wire
+    format's spec is JSON and never one.)
 
     Raises ValueError("key: message") for an unknown kind, an unknown or badly typed
     parameter, or a value out of range. A Codec passes through unchanged.
     """
     if isinstance(spec, Codec):
         return spec
+    if not isinstance(spec, (str, Mapping)):
+        from .spec import CodecSpec  # lazy: spec.py builds on this module
+
+        if isinstance(spec, CodecSpec):
+            spec = spec.to_data()
     if isinstance(spec, str):
         spec = {"kind": spec}
     if not isinstance(spec, Mapping):

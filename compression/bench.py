@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import CodecState, decode_update, encode_update, make_codec
+from . import CodecSpec, CodecState, decode_update, encode_update, make_codec
 
 DEFAULT_CODECS: list[Any] = [
     "identity", "fp16", "bf16", "int8", "int4", "sign",
@@ -198,7 +198,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--numel", type=int, nargs="+", default=[1_000_000, TARGET_NUMEL], metavar="N",
                    help="update sizes in floats (default: 1000000 25000000)")
     p.add_argument("--codec", nargs="+", default=None, metavar="SPEC",
-                   help='codecs as names or JSON specs, e.g. int8 \'{"kind":"topk","fraction":0.001}\' (default: all)')
+                   help='codecs as names, keys or JSON specs, e.g. int8 "topk(fraction=0.001,inner=int8)" '
+                        '\'{"kind":"topk","fraction":0.001}\' (default: all)')
     p.add_argument("--repeat", type=int, default=7, help="timed rounds over every codec; the best counts (default 7)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: codecs run on one thread)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -217,9 +218,7 @@ def main(argv: Sequence[str]) -> int:
     specs = DEFAULT_CODECS
     if args.codec:
         try:
-            specs = [json.loads(s) if s.lstrip().startswith("{") else s for s in args.codec]
-            for s in specs:
-                make_codec(s)
+            specs = [CodecSpec.parse(json.loads(s) if s.lstrip().startswith("{") else s) for s in args.codec]
         except ValueError as exc:
             print(f"geofed bench codecs: --codec: {exc}")
             return 2

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from geofed.compression import CodecSpec
 from geofed.p2p.wan.config import EmulationConfig
 from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_config_class
 
 from . import strict
 from .launch_config import LaunchSection
-from .policies.config import FixedPolicyConfig, policy_config_class
+from .policies import FixedPolicyConfig, policy_config_class
 from .strict import ConfigError
 
 MAX_REGIONS = 256
@@ -282,18 +283,17 @@ def _static_topology(name: str) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionSection:
-    codec: Any = field(default="fp16", metadata=_doc("codec name or {kind: ..., params}; e.g. int8, {kind: topk, fraction: 0.01, inner: int8}"))
+    codec: CodecSpec = field(default=CodecSpec(kind="fp16"), metadata=_doc(
+        "a codec name (int8), a mapping ({kind: topk, fraction: 0.01, inner: int8}) or its key "
+        "(topk(fraction=0.01,inner=int8)); see docs/compression.md"))
     error_feedback: bool = field(default=True, metadata=_doc("keep what a lossy codec dropped and send it later"))
-    ladder: tuple[Any, ...] = field(default=(), metadata=_doc("codecs the policy may choose per link, least compression first"))
+    ladder: tuple[CodecSpec, ...] = field(default=(), metadata=_doc("codecs the policy may choose per link, least compression first"))
 
     def __post_init__(self):
-        from geofed.compression import make_codec
-
+        # The loader parses every spelling into a CodecSpec; code that builds a section must too.
         for key, spec in [("codec", self.codec)] + [(f"ladder.{i}", s) for i, s in enumerate(self.ladder)]:
-            try:
-                make_codec(spec)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"{key}: {exc}") from None
+            if not isinstance(spec, CodecSpec):
+                raise TypeError(f"{key}: expected a CodecSpec (CodecSpec.parse(...)), got {type(spec).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -362,15 +362,12 @@ class RunConfig:
 def _check_choco_compression(c: CompressionSection) -> None:
     """CHOCO sends Q(x - x_hat): what Q drops stays in the next difference, so error feedback
     would count it twice, and an unbiased rescaled codec makes the public copies drift."""
-    from geofed.compression import make_codec
-
     if c.error_feedback:
         raise ValueError("compression.error_feedback: must be false with CHOCO gossip (sync.gossip.choco): "
                          "the difference to the public copy already carries what the codec dropped")
     for key, spec in [("codec", c.codec)] + [(f"ladder.{i}", s) for i, s in enumerate(c.ladder)]:
-        codec = make_codec(spec)
-        if not codec.contractive:
-            raise ValueError(f"compression.{key}: CHOCO gossip needs a contractive codec, {codec.name} is not")
+        if not spec.codec().contractive:
+            raise ValueError(f"compression.{key}: CHOCO gossip needs a contractive codec, {spec.key} is not")
 
 
 def default_config_path() -> Path:
@@ -422,6 +419,8 @@ def to_mapping(cfg: Any) -> Any:
     """A plain mapping of a config (for config.yaml in the run directory)."""
     import dataclasses
 
+    if isinstance(cfg, CodecSpec):
+        return cfg.to_data()
     if dataclasses.is_dataclass(cfg):
         return {f.name: to_mapping(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, (list, tuple)):

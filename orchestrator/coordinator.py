@@ -24,6 +24,7 @@ import math
 from collections import deque
 from typing import Any
 
+from geofed.compression import CodecSpec
 from geofed.regions.worker import RoundPlan
 
 from .config import RunConfig
@@ -48,7 +49,7 @@ class Coordinator:
         self.loss: float | None = None
         self.last_sync_s: float | None = None
         self.last_reason = ""
-        self.last_codecs: dict[str, Any] = {}
+        self.last_codecs: dict[str, CodecSpec] = {}
         self.last_H = 0
         self.last_record: dict[str, Any] = {}
         self.steps_done = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from geofed.regions.tasks.base import task_config_class, task_kinds
 
 from .config import RunConfig
-from .policies.config import policy_config_class
+from .policies import policy_config_class, policy_kinds
 from .strict import field_docs
 
 HEADER = """# Config reference
@@ -27,15 +27,10 @@ def _table(rows) -> str:
 
 
 def _clean_type(tp: str) -> str:
-    for prefix in ("geofed.orchestrator.config.", "geofed.orchestrator.launch_config.", "geofed.p2p.wan.config.", "<class '", "'>"):
+    for prefix in ("geofed.orchestrator.config.", "geofed.orchestrator.launch_config.", "geofed.p2p.wan.config.",
+                   "geofed.compression.spec.", "<class '", "'>"):
         tp = tp.replace(prefix, "")
     return tp.replace("|", "\\|")
-
-
-def _policy_kinds() -> list[str]:
-    from .policies import config as pc
-
-    return sorted(pc._KINDS)
 
 
 def config_docs_markdown() -> str:
@@ -50,7 +45,7 @@ def config_docs_markdown() -> str:
                  "Loading it imports the module (its top-level code runs, in `geofed validate` too): a config "
                  "that names a plug-in is code.\n")
     parts.append("\n## `sync.policy` (by `sync.policy.kind`)\n")
-    for kind in _policy_kinds():
+    for kind in policy_kinds():
         parts.append(f"\n### `sync.policy.kind: {kind}`\n\n")
         parts.append(_table(field_docs(policy_config_class(kind), "sync.policy")))
     parts.append("\n## Codecs (`compression.codec`, `compression.ladder`)\n\n")

@@ -292,7 +292,7 @@ class Runner(FaultHandling):
         losses = [m["train_loss"] for m in results.values()]
         self.rounds_log.write({
             "round": r, "t_start": t_start, "t_end": t_end, "H": self.coordinator.last_H,
-            "codecs": {k: _spec_str(v) for k, v in self.coordinator.last_codecs.items()},
+            "codecs": {k: v.key for k, v in self.coordinator.last_codecs.items()},
             "reason": self.coordinator.last_reason, "policy": self.coordinator.last_record.get("policy", {}),
             "links": links, "alive": list(self.alive), "regions_reported": sorted(results),
             "mean_train_loss": sum(losses) / len(losses) if losses else None,
@@ -389,9 +389,3 @@ class Runner(FaultHandling):
             self.emulator.stop()
         if self.ray is not None:
             self.ray.shutdown()
-
-
-def _spec_str(spec: Any) -> str:
-    from geofed.regions.exchange import spec_key
-
-    return spec_key(spec)

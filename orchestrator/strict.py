@@ -5,6 +5,10 @@ validate their own values in ``__post_init__`` by raising ``ValueError("field: m
 this module turns a mapping into those dataclasses and prefixes every error with the dotted
 path of where it happened, so the user sees ``configs/x.yaml: sync.policy.H: must be >= 1``.
 
+Value types are not sections: YAML spells one as a scalar or a mapping and its own parser reads
+it (``VALUE_TYPES``: a codec spec is ``int8``, ``{kind: topk, fraction: 0.01}`` or
+``topk(fraction=0.01,inner=int8)``); its ValueError becomes a ConfigError at the field's key.
+
 Discriminated sections (a policy, a task, a link spec with a ``kind``) are declared with
 ``field(metadata={"choose": fn})``: ``fn(kind) -> dataclass`` picks the class from the mapping's
 ``kind`` key and raises ``KeyError`` with the known names when the kind is unknown.
@@ -22,12 +26,18 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
+from geofed.compression import CodecSpec
+
 from .errors import ConfigError, one_line  # noqa: F401 - re-exported: every layer imports it from here
 from .errors import join_key as _join
 from .yamlconfig import (  # noqa: F401 - re-exported: the loader's entry points
     MAX_CONFIG_BYTES, MAX_DEPTH, MAX_INT_DIGITS, MAX_NODES, apply_override, parse_yaml, parse_yaml_file,
     read_config_bytes,
 )
+
+
+# type -> parser(value) -> instance, for values that YAML spells as scalars or mappings.
+VALUE_TYPES: dict[type, Any] = {CodecSpec: CodecSpec.parse}
 
 
 def build(cls: type, data: Any, path: str = "") -> Any:
@@ -38,6 +48,8 @@ def build(cls: type, data: Any, path: str = "") -> Any:
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
+    if isinstance(tp, type) and tp in VALUE_TYPES:
+        return tp.__name__
     if dataclasses.is_dataclass(tp):
         return "mapping"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
@@ -47,6 +59,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one dispatc
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if isinstance(tp, type) and tp in VALUE_TYPES:
+        return _convert_value_type(tp, value, path)
     if dataclasses.is_dataclass(tp):
         return _build_dataclass(tp, value, path)
     if origin in (Union, types.UnionType):
@@ -82,6 +96,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one dispatc
             raise ConfigError(path, f"expected null, got {value!r}")
         return None
     raise TypeError(f"strict loader: unsupported annotation {tp!r} at {path}")  # our bug, not the user's
+
+
+def _convert_value_type(tp: type, value: Any, path: str) -> Any:
+    try:
+        return VALUE_TYPES[tp](value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(path, str(exc)) from None
 
 
 def _convert_float(value: Any, path: str) -> float:
@@ -227,7 +248,7 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         key = _join(prefix, f.name)
         tp = hints[f.name]
         if f.default is not dataclasses.MISSING:
-            default = repr(f.default)
+            default = repr(str(f.default)) if type(f.default) in VALUE_TYPES else repr(f.default)
         elif f.default_factory is not dataclasses.MISSING:
             made = f.default_factory()
             default = "(section)" if dataclasses.is_dataclass(made) else repr(made)
@@ -235,7 +256,7 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             default = "(required)"
         rows.append((key, str(tp).replace("typing.", ""), default, f.metadata.get("doc", "")))
         members = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
-        nested = [a for a in members if dataclasses.is_dataclass(a)]
+        nested = [a for a in members if dataclasses.is_dataclass(a) and a not in VALUE_TYPES]
         if len(nested) == 1 and "choose" not in f.metadata:  # a section, or an optional one
             rows.extend(field_docs(nested[0], key))
     return rows

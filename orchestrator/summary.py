@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from geofed.regions.exchange import spec_key
 from geofed.regions.tasks import make_task
 
 from .config import RunConfig
@@ -64,7 +63,7 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values())},
         "refusals": refusals,
         "config": {"task": cfg.task.kind, "algorithm": cfg.sync.algorithm, "policy": cfg.sync.policy.kind,
-                   "codec": spec_key(cfg.compression.codec), "topology": cfg.sync.topology,
+                   "codec": cfg.compression.codec.key, "topology": cfg.sync.topology,
                    "regions": len(cfg.regions.names), "emulation": cfg.network.emulation.mode,
                    "overlap": cfg.sync.overlap, "tls": cfg.security.tls},
     }

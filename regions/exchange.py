@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from geofed.compression import CodecState, encode_and_decode, make_codec
+from geofed.compression import CodecSpec, CodecState, encode_and_decode, spec_key
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.transport import Transport, TransportError
@@ -26,16 +26,6 @@ PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
 WARM_BYTES = 256 << 10      # a connection's first probe: about one BDP of a 25 Mbit/s, 80 ms link
 MIN_PROBE_BYTES = 64 << 10
 SHARE_SPREAD = 1.5          # concurrent probes within this ratio read as even shares of one egress
-
-
-def spec_key(spec: Any) -> str:
-    """A stable, readable name of a codec spec ("int8", "topk(fraction=0.01,inner=int8)")."""
-    if isinstance(spec, str):
-        return spec
-    if isinstance(spec, Mapping):
-        params = ",".join(f"{k}={spec_key(v)}" for k, v in sorted(spec.items()) if k != "kind")
-        return f"{spec.get('kind', '?')}({params})" if params else str(spec.get("kind", "?"))
-    return repr(spec)
 
 
 @dataclass
@@ -86,7 +76,7 @@ class Exchanger:
         return self.estimators.setdefault(peer, LinkEstimator())
 
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
-                 in_peers: Sequence[str], codecs: Mapping[str, Any], default_codec: Any) -> ExchangeResult:
+                 in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec) -> ExchangeResult:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`."""
         self.transport.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
@@ -146,10 +136,10 @@ class Exchanger:
         payloads, own = {}, {}
         for peer in out_peers:
             spec = codecs.get(peer, default_codec)
-            key = spec_key(spec)
+            key = spec.key
             if key not in by_key:
                 state = self.states.setdefault(key, CodecState(error_feedback=self.error_feedback))
-                by_key[key] = encode_and_decode(make_codec(spec), tensors, state)
+                by_key[key] = encode_and_decode(spec.codec(), tensors, state)
             payloads[peer], own[peer] = by_key[key]
         return payloads, own
 
@@ -260,10 +250,10 @@ class Exchanger:
         payloads, own = {}, {}
         for peer in out_peers:
             spec = codecs.get(peer, default_codec)
-            key = spec_key(spec)
+            key = spec.key
             if key not in by_key:
                 state = self.states.setdefault(key, CodecState(error_feedback=self.error_feedback))
-                by_key[key] = encode_and_decode(make_codec(spec), tensors, state)
+                by_key[key] = encode_and_decode(spec.codec(), tensors, state)
             payloads[peer], own[peer] = by_key[key]
         return payloads, own
 
@@ -337,7 +327,8 @@ class Exchanger:
         if "deadline" in d:
             self.deadline.load_state_dict(d["deadline"])
         for key, sd in d.get("codecs", {}).items():
-            self.states[key] = _codec_state_from_dict(sd, error_feedback=self.error_feedback)
+            # By key; an older checkpoint's key (the spec as written) maps to today's.
+            self.states[spec_key(key)] = _codec_state_from_dict(sd, error_feedback=self.error_feedback)
         with self._est_lock:
             for peer, sd in d.get("links", {}).items():
                 self.estimator(peer).load_state_dict(sd)

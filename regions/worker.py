@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from geofed.compression import CodecError, decode_update
+from geofed.compression import CodecError, CodecSpec, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.rejoin import fetch_state_from_any
 from geofed.p2p.robust import UpdateAdmission, robust_mix
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class RoundPlan:
     round: int
     H: int
-    codecs: dict[str, Any] = field(default_factory=dict)  # peer -> codec spec for my link to it
+    codecs: dict[str, CodecSpec] = field(default_factory=dict)  # peer -> codec of my link to it
     lr_scale: float = 1.0
     evaluate: bool = False
     alive: tuple[str, ...] | None = None  # regions the coordinator believes are up (None: all)
@@ -141,7 +141,7 @@ class RegionWorker:
             metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
         wall = time.time() - t_start
         metrics.update({"round": plan.round, "region": self.region, "H": plan.H,
-                        "codecs": {p: _spec_name(plan.codecs.get(p, self.cfg.compression.codec))
+                        "codecs": {p: plan.codecs.get(p, self.cfg.compression.codec).key
                                    for p in self.out_peers(plan)},
                         "wall_s": wall, "utilization": min(1.0, metrics.get("compute_s", 0.0) / wall) if wall > 0 else 0.0,
                         "links": self.exchanger.link_estimates(self.region),
@@ -372,9 +372,3 @@ def rss_mb() -> float:
             return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20), 1)
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-def _spec_name(spec: Any) -> str:
-    from .exchange import spec_key
-
-    return spec_key(spec)

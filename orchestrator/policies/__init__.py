@@ -2,40 +2,21 @@
 
 ``make_policy(cfg, codec=..., ladder=...)`` builds the policy ``sync.policy`` names; the runtime
 calls ``decide(Measurements)`` once per round and stores ``state_dict()`` in its checkpoints.
-See docs/policies.md.
+A policy kind is registered with its config class and factory (``register_policy``, registry.py);
+importing this package registers the built-in fixed, bandwidth and adacomm. See docs/policies.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 from .adacomm import AdacommPolicy
 from .bandwidth import BandwidthPolicy
-from .config import AdacommPolicyConfig, BandwidthPolicyConfig, FixedPolicyConfig, policy_config_class
-from .cost import RatioFn, compression_ratio
+from .config import AdacommPolicyConfig, BandwidthPolicyConfig, FixedPolicyConfig
 from .fixed import FixedPolicy
+from .registry import PolicyContext, make_policy, policy_config_class, policy_kinds, register_policy
 from .types import Decision, LinkEstimate, Measurements, Policy
-
-
-def make_policy(cfg: Any, *, codec: Any, ladder: Sequence[Any] = (), ratio: RatioFn | None = None) -> Policy:
-    """The policy for config ``cfg``; ``codec`` is compression.codec, ``ladder`` compression.ladder.
-
-    ``ratio(spec, numel) -> float`` estimates a codec's compression; by default it asks
-    ``geofed.compression.make_codec(spec).estimate_ratio(numel)`` (tests inject their own).
-    """
-    ratio = ratio or compression_ratio
-    if isinstance(cfg, FixedPolicyConfig):
-        return FixedPolicy(cfg, codec=codec, ladder=ladder)
-    if isinstance(cfg, BandwidthPolicyConfig):
-        return BandwidthPolicy(cfg, codec=codec, ladder=ladder, ratio=ratio)
-    if isinstance(cfg, AdacommPolicyConfig):
-        return AdacommPolicy(cfg, base=make_policy(cfg.base, codec=codec, ladder=ladder, ratio=ratio))
-    raise TypeError(f"no policy for config {type(cfg).__name__}")
-
 
 __all__ = [
     "AdacommPolicy", "AdacommPolicyConfig", "BandwidthPolicy", "BandwidthPolicyConfig", "Decision",
-    "FixedPolicy", "FixedPolicyConfig", "LinkEstimate", "Measurements", "Policy", "make_policy",
-    "policy_config_class",
+    "FixedPolicy", "FixedPolicyConfig", "LinkEstimate", "Measurements", "Policy", "PolicyContext", "make_policy",
+    "policy_config_class", "policy_kinds", "register_policy",
 ]

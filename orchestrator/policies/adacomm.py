@@ -22,10 +22,13 @@ from typing import Any
 
 from . import cost
 from .config import AdacommPolicyConfig
+from .registry import PolicyContext, register_policy
 from .types import Decision, Measurements
 
 
 class AdacommPolicy:
+    """The base policy's H times AdaComm's loss (and learning-rate) factor; the base's codecs."""
+
     kind = "adacomm"
 
     def __init__(self, cfg: AdacommPolicyConfig, *, base: Any):
@@ -92,3 +95,10 @@ class AdacommPolicy:
         self._loss_ratio, self._lr_ratio = d["loss_ratio"], d["lr_ratio"]
         self._start_round, self._start_s = d["start_round"], d["start_s"]
         self.base.load_state_dict(d["base"])
+
+
+def _make(cfg: AdacommPolicyConfig, ctx: PolicyContext) -> AdacommPolicy:
+    return AdacommPolicy(cfg, base=ctx.make(cfg.base))
+
+
+register_policy("adacomm", config=AdacommPolicyConfig, factory=_make)

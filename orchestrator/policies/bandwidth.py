@@ -24,26 +24,31 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from geofed.compression import CodecSpec
+
 from . import cost
 from .config import BandwidthPolicyConfig
 from .explain import describe_link
+from .registry import PolicyContext, register_policy
 from .types import Decision, Measurements
 
 
 class BandwidthPolicy:
+    """H (and, with a ladder, each link's codec) from the measured links and step time."""
+
     kind = "bandwidth"
 
-    def __init__(self, cfg: BandwidthPolicyConfig, *, codec: Any, ladder: Sequence[Any] = (),
+    def __init__(self, cfg: BandwidthPolicyConfig, *, codec: CodecSpec, ladder: Sequence[CodecSpec] = (),
                  ratio: cost.RatioFn = cost.compression_ratio):
         self.cfg = cfg
         self.ladder = cost.Ladder(list(ladder) if ladder else [codec], ratio)
         # compression.codec is where a link starts when it is in the ladder; else the least compression
-        self._codec_in_ladder = not ladder or any(cost.spec_key(s) == cost.spec_key(codec) for s in ladder)
+        self._codec_in_ladder = not ladder or codec in ladder
         self._codec = codec
         self._start_spec = codec
         self._H = cfg.initial_H
         self._last_change: int | None = None   # round of the last change of H or of any codec
-        self._codecs: dict[str, Any] = {}      # link -> codec spec in use
+        self._codecs: dict[str, CodecSpec] = {}  # link -> codec spec in use
         self._last_sync_pred: float | None = None
         self._rungs: list[cost.Rung] = []
 
@@ -154,7 +159,7 @@ class BandwidthPolicy:
         for name, i in chosen.items():
             self._codecs[name] = rungs[i].spec
 
-    def _codec_map(self, m: Measurements, chosen: Mapping[str, int], rungs: Sequence[cost.Rung]) -> dict[str, Any]:
+    def _codec_map(self, m: Measurements, chosen: Mapping[str, int], rungs: Sequence[cost.Rung]) -> dict[str, CodecSpec]:
         return {name: (rungs[chosen[name]].spec if name in chosen else self._codecs.get(name, self._start_spec))
                 for name in m.links}
 
@@ -167,9 +172,9 @@ class BandwidthPolicy:
         details = {"kind": self.kind, "event": "initial", "mode": "overlap" if m.overlap else "serial",
                    "H_prev": self._H, "H_wanted": None, "links": {n: describe_link(e) for n, e in m.links.items()}}
         return Decision(H=self._H, codecs=codecs, default_codec=self._start_spec, details=details,
-                        reason=f"{why}: initial H={self._H}, codec {cost.spec_label(self._start_spec)}")
+                        reason=f"{why}: initial H={self._H}, codec {self._start_spec.key}")
 
-    def _initial_within_bytes(self, numel: int) -> tuple[Any, int]:
+    def _initial_within_bytes(self, numel: int) -> tuple[CodecSpec, int]:
         """Round 0 within the byte budget: the starting codec if ``initial_H`` times its ratio meets
         ``min_compression``, else the least stronger codec that does, else the strongest with H raised."""
         need, H = self.cfg.min_compression, self._H
@@ -197,12 +202,21 @@ class BandwidthPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "H": self._H, "last_change": self._last_change,
-                "codecs": dict(self._codecs), "last_sync_pred": self._last_sync_pred}
+                "codecs": {link: spec.key for link, spec in self._codecs.items()},
+                "last_sync_pred": self._last_sync_pred}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         if d.get("kind") != self.kind:
             raise ValueError(f"policy state is for {d.get('kind')!r}, not {self.kind!r}")
         self._H = int(d["H"])
         self._last_change = None if d["last_change"] is None else int(d["last_change"])
-        self._codecs = dict(d["codecs"])
+        # Keys (older checkpoints: the spec as written); each parses back to the spec it names.
+        self._codecs = {link: CodecSpec.parse(spec) for link, spec in d["codecs"].items()}
         self._last_sync_pred = d["last_sync_pred"]
+
+
+def _make(cfg: BandwidthPolicyConfig, ctx: PolicyContext) -> BandwidthPolicy:
+    return BandwidthPolicy(cfg, codec=ctx.codec, ladder=ctx.ladder, ratio=ctx.ratio)
+
+
+register_policy("bandwidth", config=BandwidthPolicyConfig, factory=_make)

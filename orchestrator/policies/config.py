@@ -1,7 +1,7 @@
-"""Config of the sync policy (``sync.policy``), one dataclass per kind.
+"""Config of the built-in sync policies (``sync.policy``), one dataclass per kind.
 
-``policy_config_class(kind)`` is the registry the strict loader uses for the discriminated
-``sync.policy`` section; errors are ``ValueError("field: message")`` and the loader prefixes the
+Each kind registers its class with its policy (registry.py); the strict loader picks the class
+by ``sync.policy.kind``. Errors are ``ValueError("field: message")`` and the loader prefixes the
 dotted path (``configs/x.yaml: sync.policy.target_comm_fraction: must be in (0, 1)``).
 """
 
@@ -102,20 +102,3 @@ class AdacommPolicyConfig:
             raise ValueError(f"lr_exponent: must be in [0, 4], got {self.lr_exponent}")
         if not 1 <= self.H_min <= self.H_max <= H_LIMIT:
             raise ValueError(f"H_min: need 1 <= H_min <= H_max <= {H_LIMIT}, got H_min={self.H_min}, H_max={self.H_max}")
-
-
-_KINDS: dict[str, type] = {
-    "fixed": FixedPolicyConfig,
-    "bandwidth": BandwidthPolicyConfig,
-    "adacomm": AdacommPolicyConfig,
-}
-
-
-def register_policy_config(kind: str, cls: type) -> None:
-    _KINDS[kind] = cls
-
-
-def policy_config_class(kind: str) -> type:
-    if kind not in _KINDS:
-        raise KeyError(f"unknown policy {kind!r} (known: {', '.join(sorted(_KINDS))})")
-    return _KINDS[kind]

@@ -16,47 +16,29 @@ codec choice compares against.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from geofed.compression import CodecSpec
 
 from .types import LinkEstimate
 
 FP32_BYTES = 4
 _EPS = 1e-9  # so that an H computed as 117.0000000001 is 117, not 118
 
-RatioFn = Callable[[Any, int], float]
+RatioFn = Callable[[CodecSpec, int], float]
 
 
-def compression_ratio(spec: Any, numel: int) -> float:
+def compression_ratio(spec: CodecSpec, numel: int) -> float:
     """fp32 bytes / wire bytes of ``spec`` for an update of ``numel`` floats (compression library)."""
-    from geofed.compression import make_codec  # lazy: only the adaptive policies need codecs
-
-    return float(make_codec(spec).estimate_ratio(numel))
-
-
-def spec_key(spec: Any) -> str:
-    """A stable text key of a codec spec (a name or a mapping) for caches and state."""
-    return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, separators=(",", ":"))
-
-
-def spec_label(spec: Any) -> str:
-    """A short human label of a codec spec for reasons: ``int8`` or ``topk(fraction=0.01,inner=int8)``."""
-    if isinstance(spec, str):
-        return spec
-    if isinstance(spec, dict) and "kind" in spec:
-        params = ",".join(f"{k}={spec_label(v)}" for k, v in sorted(spec.items()) if k != "kind")
-        return f"{spec['kind']}({params})" if params else str(spec["kind"])
-    return spec_key(spec)
+    return float(spec.codec().estimate_ratio(numel))
 
 
 @dataclass(frozen=True)
 class Rung:
-    spec: Any
+    spec: CodecSpec
     ratio: float
-    label: str
 
 
 class Ladder:
@@ -66,10 +48,11 @@ class Ladder:
     means "prefer the least compression". Ratios are cached per model size.
     """
 
-    def __init__(self, specs: Sequence[Any], ratio: RatioFn = compression_ratio):
+    def __init__(self, specs: Sequence[CodecSpec], ratio: RatioFn = compression_ratio):
         if not specs:
             raise ValueError("ladder: needs at least one codec")
         self._specs = list(specs)
+        assert all(isinstance(s, CodecSpec) for s in self._specs), self._specs
         self._ratio = ratio
         self._cache: dict[int, list[Rung]] = {}
 
@@ -79,20 +62,19 @@ class Ladder:
             for spec in self._specs:
                 r = float(self._ratio(spec, numel))
                 if not (r > 0 and math.isfinite(r)):
-                    raise ValueError(f"codec {spec_label(spec)}: estimate_ratio gave {r}, need a positive number")
-                rungs.append(Rung(spec, r, spec_label(spec)))
+                    raise ValueError(f"codec {spec.key}: estimate_ratio gave {r}, need a positive number")
+                rungs.append(Rung(spec, r))
             self._cache[numel] = sorted(rungs, key=lambda g: g.ratio)
         return self._cache[numel]
 
-    def index_of(self, spec: Any, numel: int) -> int | None:
-        key = spec_key(spec)
+    def index_of(self, spec: CodecSpec, numel: int) -> int | None:
         for i, g in enumerate(self.rungs(numel)):
-            if spec_key(g.spec) == key:
+            if g.spec == spec:
                 return i
         return None
 
     @property
-    def specs(self) -> list[Any]:
+    def specs(self) -> list[CodecSpec]:
         return list(self._specs)
 
 

@@ -31,7 +31,7 @@ def _g(x: float) -> str:
 def describe_link(est: LinkEstimate, rung: cost.Rung | None = None, numel: int = 0, sync_s: float | None = None) -> dict:
     out: dict[str, Any] = {"bandwidth_mbps": mbps(est.bandwidth_bps), "rtt_ms": ms(est.rtt_s)}
     if rung is not None:
-        out.update(codec=rung.label, ratio=round(rung.ratio, 4), bytes=int(cost.payload_bytes(numel, rung.ratio)),
+        out.update(codec=rung.spec.key, ratio=round(rung.ratio, 4), bytes=int(cost.payload_bytes(numel, rung.ratio)),
                    sync_s=None if sync_s is None else round(sync_s, 6))
     return out
 
@@ -82,7 +82,7 @@ def _reason(cfg, m, measured, rungs, chosen, D, d) -> str:
     b = d["bottleneck"]
     est = measured[b]
     bw = "bandwidth unknown" if est.bandwidth_bps is None else f"{_g(est.bandwidth_bps / 1e6)} Mbit/s"
-    link = f"bottleneck {b} {bw}, {_g((est.rtt_s or 0) * 1e3)} ms RTT, {rungs[chosen[b]].label}: sync {_g(D)} s"
+    link = f"bottleneck {b} {bw}, {_g((est.rtt_s or 0) * 1e3)} ms RTT, {rungs[chosen[b]].spec.key}: sync {_g(D)} s"
     if m.overlap and d["bound_by"] == "overhead":
         need = (f"control plane {_g(m.round_overhead_s * 1e3)} ms/round <= {cfg.target_comm_fraction:.0%} at "
                 f"{_g(m.step_time_s * 1e3)} ms/step needs H>={cost.ceil_H(d['H_raw'])}")
@@ -97,9 +97,9 @@ def _reason(cfg, m, measured, rungs, chosen, D, d) -> str:
         need += f", raised to H_min={cfg.H_min}"
     parts = [head, link, need]
     if len(rungs) > 1:
-        counts = Counter(rungs[i].label for i in chosen.values())
+        counts = Counter(rungs[i].spec.key for i in chosen.values())
         parts.append("codecs " + ", ".join(f"{label} x{counts[label]}" for label in
-                                           [g.label for g in rungs] if label in counts))
+                                           [g.spec.key for g in rungs] if label in counts))
     if d["rtt_only"]:
         parts.append(f"{len(d['rtt_only'])} link(s) RTT only (no bandwidth estimate: latency-bound)")
     if d["unmeasured"]:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
+
+from geofed.compression import CodecSpec
 
 from .config import FixedPolicyConfig
 from .explain import describe_link
+from .registry import PolicyContext, register_policy
 from .types import Decision, Measurements
 
 
 class FixedPolicy:
+    """``sync.policy.H`` local steps every round, ``compression.codec`` on every link."""
+
     kind = "fixed"
 
-    def __init__(self, cfg: FixedPolicyConfig, *, codec: Any, ladder: Sequence[Any] = ()):
-        # A ladder is ignored on purpose: the fixed arms of `geofed bench wan` are the static
-        # baselines the adaptive policies are measured against, one codec everywhere.
+    def __init__(self, cfg: FixedPolicyConfig, *, codec: CodecSpec):
         self.cfg = cfg
         self.codec = codec
 
@@ -32,3 +35,12 @@ class FixedPolicy:
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         if d.get("kind") != self.kind:
             raise ValueError(f"policy state is for {d.get('kind')!r}, not {self.kind!r}")
+
+
+def _make(cfg: FixedPolicyConfig, ctx: PolicyContext) -> FixedPolicy:
+    # A ladder is ignored on purpose: the fixed arms of `geofed bench wan` are the static
+    # baselines the adaptive policies are measured against, one codec everywhere.
+    return FixedPolicy(cfg, codec=ctx.codec)
+
+
+register_policy("fixed", config=FixedPolicyConfig, factory=_make)

@@ -24,14 +24,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from geofed.compression import CodecSpec
+
 from .cost import RatioFn, payload_bytes
 from .types import LinkEstimate, Measurements, Policy
 
 
 def table_ratio(ratios: Mapping[str, float]) -> RatioFn:
-    """A RatioFn from a table ``{codec name: ratio}`` (the simulator needs no compression library)."""
-    def ratio(spec: Any, numel: int) -> float:
-        return ratios[spec if isinstance(spec, str) else spec["kind"]]
+    """A RatioFn from a table ``{codec key or kind: ratio}`` (fixed ratios, whatever the model size)."""
+    def ratio(spec: CodecSpec, numel: int) -> float:
+        return ratios[spec.key] if spec.key in ratios else ratios[spec.kind]
     return ratio
 
 
@@ -95,7 +97,7 @@ class RoundRecord:
     t_start: float
     t_end: float
     H: int
-    codecs: dict[str, Any]
+    codecs: dict[str, CodecSpec]
     sync_s: float       # the exchange's duration
     wait_s: float       # the part of it nobody computed through
     loss: float

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from geofed.compression import CodecSpec
+
 
 @dataclass(frozen=True, kw_only=True)
 class LinkEstimate:
@@ -72,32 +74,37 @@ class Measurements:
 class Decision:
     """H and the codec of every link for the next round, and why.
 
-    ``codecs`` maps every link of ``Measurements.links`` to a codec spec (what
-    ``compression.make_codec`` takes); a link the runtime did not pass gets ``default_codec``
-    (the strongest codec chosen this round: the safe guess for an unknown link).
+    ``codecs`` maps every link of ``Measurements.links`` to its CodecSpec; a link the runtime
+    did not pass gets ``default_codec`` (the strongest codec chosen this round: the safe guess
+    for an unknown link).
     ``details`` is JSON-serialisable and explains the decision (see docs/policies.md).
     """
 
     H: int
-    codecs: Mapping[str, Any]
+    codecs: Mapping[str, CodecSpec]
     reason: str
-    default_codec: Any = None
+    default_codec: CodecSpec | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         assert isinstance(self.H, int) and self.H >= 1, self.H
         assert "\n" not in self.reason, "reason is one line"
 
-    def codec_for(self, link: str) -> Any:
+    def codec_for(self, link: str) -> CodecSpec | None:
         return self.codecs.get(link, self.default_codec)
 
     def to_record(self) -> dict[str, Any]:
-        """The policy's part of a rounds.jsonl line."""
-        return {"H": self.H, "codecs": dict(self.codecs), "reason": self.reason, "policy": dict(self.details)}
+        """The policy's part of a rounds.jsonl line (codecs by their keys)."""
+        return {"H": self.H, "codecs": {link: spec.key for link, spec in self.codecs.items()}, "reason": self.reason,
+                "policy": dict(self.details)}
 
 
 @runtime_checkable
 class Policy(Protocol):
+    """A sync policy: ``decide`` is a pure function of the measurements and the policy's own
+    state, which ``state_dict``/``load_state_dict`` carry through checkpoints (plain JSON-able
+    values: a resumed policy decides exactly as the uninterrupted one would)."""
+
     def decide(self, m: Measurements) -> Decision: ...
 
     def state_dict(self) -> dict[str, Any]: ...

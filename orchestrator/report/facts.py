@@ -76,10 +76,16 @@ def config_highlights(run: Run) -> list[tuple[str, str]]:
 
 
 def _codec_text(spec: Any) -> Any:
-    if isinstance(spec, dict):
-        params = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "kind")
-        return f"{spec.get('kind')}({params})" if params else spec.get("kind")
-    return spec
+    """The codec's key (summary.json's "codec"), for a run without summary.json; a spec this
+    version no longer reads is shown as written (a report must load any old run)."""
+    if spec is None:
+        return None
+    from geofed.compression import spec_key  # lazy: only runs without a summary need it (torch)
+
+    try:
+        return spec_key(spec)
+    except ValueError:
+        return str(spec)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def test_arms_differ_only_in_how_they_sync():
     arms = {a.name: a for a in build_arms(sc)}
     assert list(arms) == ["allreduce", "fixed-H10", "fixed-H40", "adaptive"]
     ar, f10, ad = arms["allreduce"].cfg, arms["fixed-H10"].cfg, arms["adaptive"].cfg
-    assert ar.sync.algorithm == "allreduce" and ar.compression.codec == "identity" and ar.run.max_steps == 30
+    assert ar.sync.algorithm == "allreduce" and ar.compression.codec.key == "identity" and ar.run.max_steps == 30
     assert f10.sync.policy.kind == "fixed" and f10.sync.policy.H == 10 and f10.run.max_steps == 300
     assert ad.sync.policy.kind == "bandwidth" and ad.sync.overlap and ad.compression.ladder
     for cfg in (ar, f10, ad):

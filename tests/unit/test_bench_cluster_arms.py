@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from geofed.compression import CodecSpec
 from geofed.orchestrator.bench_cluster_arms import (
     ARMS,
     Target,
@@ -35,12 +36,12 @@ def test_the_arms_differ_only_in_how_they_synchronise(tmp_path):
     common = common_mapping()
     fixed, adaptive, multi = (load_config(write_config(arm_mapping(a, common), tmp_path / f"{a}.yaml", target=None))
                               for a in ("H100-int8", "adaptive-overlap", "multi-region"))
-    assert fixed.sync.policy.kind == "fixed" and fixed.sync.policy.H == 100 and fixed.compression.codec == "int8"
+    assert fixed.sync.policy.kind == "fixed" and fixed.sync.policy.H == 100 and fixed.compression.codec.key == "int8"
     wan = base_mapping("bench-wan.yaml")
     assert adaptive.sync.overlap is True and adaptive.sync.policy.target_H == wan["sync"]["policy"]["target_H"]
-    assert adaptive.compression.codec == wan["compression"]["codec"]
+    assert adaptive.compression.codec == CodecSpec.parse(wan["compression"]["codec"])
     own = base_mapping("multi-region.yaml")  # the multi-region arm is the config as shipped
-    assert multi.sync.policy.kind == "bandwidth" and multi.compression.codec == own["compression"]["codec"]
+    assert multi.sync.policy.kind == "bandwidth" and multi.compression.codec == CodecSpec.parse(own["compression"]["codec"])
     assert multi.sync.overlap == own["sync"].get("overlap", False)
     assert fixed.task == adaptive.task == multi.task and fixed.regions == adaptive.regions == multi.regions
 

@@ -15,7 +15,7 @@ def test_the_uncompressed_arm_is_exact_gossip_every_epoch_with_evals_spaced_like
     base = base_config("cora")
     cfg = arm_config(base, "gossip_uncompressed", seed=0, epochs=200)
     assert cfg.sync.policy.kind == "fixed" and cfg.sync.policy.H == 1
-    assert cfg.compression.codec == "identity" and not cfg.run.max_steps and cfg.run.rounds == 200
+    assert cfg.compression.codec.key == "identity" and not cfg.run.max_steps and cfg.run.rounds == 200
     assert cfg.run.eval_every == base.run.eval_every * 8
 
 

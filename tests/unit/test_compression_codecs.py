@@ -205,7 +205,7 @@ def test_spec_round_trips_and_names():
     c = make_codec({"kind": "topk", "fraction": 0.001, "inner": {"kind": "int8", "chunk": 256}})
     assert c.spec() == {"kind": "topk", "fraction": 0.001, "inner": {"kind": "int8", "chunk": 256, "stochastic": False}}
     assert make_codec(c.spec()) == c
-    assert c.name == "topk(fraction=0.001,inner=int8(chunk=256))"
+    assert c.name == "topk(fraction=0.001,inner=int8(chunk=256,stochastic=False))"  # CodecSpec.key
     assert make_codec({"kind": "topk", "fraction": 1}).fraction == 1.0  # YAML ints for floats
 
 

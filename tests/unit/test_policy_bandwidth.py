@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from geofed.compression import CodecSpec
 from geofed.orchestrator.policies import (
     BandwidthPolicyConfig,
     LinkEstimate,
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_links import measurements, mesh
 
-RATIOS = {"fp32": 1.0, "fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
+RATIOS = {"identity": 1.0, "fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
 LADDER = ["fp16", "int8", "int4", "topk"]
 NUMEL = 1_000_000
 ratio = table_ratio(RATIOS)
@@ -28,6 +29,11 @@ def policy(ladder=(), codec="fp16", **kw):
     return make_policy(BandwidthPolicyConfig(**kw), codec=codec, ladder=ladder, ratio=ratio)
 
 
+def keys(d):
+    """A decision's codecs by their keys."""
+    return {link: spec.key for link, spec in d.codecs.items()}
+
+
 def by_hand_D(est, spec, numel=NUMEL):
     return est.rtt_s + 4 * numel / RATIOS[spec] * 8 / est.bandwidth_bps
 
@@ -35,7 +41,7 @@ def by_hand_D(est, spec, numel=NUMEL):
 def test_before_any_estimate_it_uses_the_initial_H_and_the_configured_codec():
     unmeasured = {k: LinkEstimate() for k in mesh(50e6)}
     d = policy(initial_H=37).decide(meas(0, unmeasured, step=None))
-    assert d.H == 37 and set(d.codecs.values()) == {"fp16"} and set(d.codecs) == set(unmeasured)
+    assert d.H == 37 and set(keys(d).values()) == {"fp16"} and set(d.codecs) == set(unmeasured)
     assert "no link estimates" in d.reason and d.details["event"] == "initial"
     d = policy(initial_H=37).decide(meas(0, mesh(50e6), step=None))
     assert d.H == 37 and "no step time" in d.reason
@@ -110,7 +116,7 @@ def test_a_codec_that_no_longer_fits_changes_at_once_inside_the_hold():
     d = p.decide(meas(2, mesh(4e6)))        # 100x slower one round after the first decision
     assert d.details["hold_skipped"] and d.details["event"] == "changed"
     rank = {spec: i for i, spec in enumerate(LADDER)}
-    assert rank[d.codecs["r0->r1"]] > rank[first.codecs["r0->r1"]]
+    assert rank[keys(d)["r0->r1"]] > rank[keys(first)["r0->r1"]]
 
 
 def test_slow_links_get_stronger_codecs_than_fast_ones_in_the_same_round():
@@ -119,9 +125,9 @@ def test_slow_links_get_stronger_codecs_than_fast_ones_in_the_same_round():
     d = policy(ladder=LADDER, target_H=100, hysteresis=0.0).decide(meas(1, links))
     rank = {spec: i for i, spec in enumerate(LADDER)}
     order = sorted(links, key=lambda n: -links[n].bandwidth_bps)
-    ranks = [rank[d.codecs[n]] for n in order]
+    ranks = [rank[keys(d)[n]] for n in order]
     assert ranks == sorted(ranks) and ranks[0] < ranks[-1]
-    assert d.codecs["r0->r1"] == "fp16"
+    assert keys(d)["r0->r1"] == "fp16"
     assert d.default_codec == d.codecs["r3->r0"]   # unknown links get the strongest codec of the round
 
 
@@ -130,7 +136,7 @@ def test_each_link_takes_the_least_compression_that_fits_the_round():
     d = policy(ladder=LADDER, target_H=100, hysteresis=0.0).decide(meas(1, links))
     budget = d.details["budget_s"]
     for name, est in links.items():
-        i = LADDER.index(d.codecs[name])
+        i = LADDER.index(keys(d)[name])
         assert by_hand_D(est, LADDER[i]) <= budget * (1 + 1e-9) or i == len(LADDER) - 1
         assert i == 0 or by_hand_D(est, LADDER[i - 1]) > budget
 
@@ -142,7 +148,7 @@ def test_codecs_do_not_flap_with_estimate_noise():
 
     def run(hysteresis):
         p = policy(ladder=LADDER, target_H=100, hysteresis=hysteresis, hold_rounds=0)
-        return [p.decide(meas(r, links(bw))).codecs["r2->r0"] for r, bw in
+        return [p.decide(meas(r, links(bw))).codecs["r2->r0"].key for r, bw in
                 enumerate([46e6, 42e6, 52e6, 43e6, 51e6, 46e6], start=1)]
 
     assert len(set(run(0.0))) == 2          # without hysteresis the noise flips the codec
@@ -152,19 +158,19 @@ def test_codecs_do_not_flap_with_estimate_noise():
 def test_a_ladder_in_any_order_still_prefers_the_least_compression():
     links = mesh(1e9, rtt=0.001)
     d = policy(ladder=["topk", "int4", "fp16", "int8"], codec="int4").decide(meas(1, links))
-    assert set(d.codecs.values()) == {"fp16"}
+    assert set(keys(d).values()) == {"fp16"}
 
 
 def test_a_codec_outside_the_ladder_starts_on_the_least_compression():
     d = policy(ladder=["int8", "int4"], codec="fp16").decide(meas(0, {k: LinkEstimate() for k in mesh(1.0)}))
-    assert set(d.codecs.values()) == {"int8"}
+    assert set(keys(d).values()) == {"int8"}
 
 
 def test_unmeasured_links_are_reported_and_keep_the_start_codec():
     links = dict(mesh(50e6))
     links["r0->r1"] = LinkEstimate()
     d = policy(ladder=LADDER).decide(meas(1, links))
-    assert d.details["unmeasured"] == ["r0->r1"] and d.codecs["r0->r1"] == "fp16"
+    assert d.details["unmeasured"] == ["r0->r1"] and keys(d)["r0->r1"] == "fp16"
     assert "1 link(s) unmeasured" in d.reason
 
 
@@ -173,11 +179,11 @@ def test_the_record_is_json_and_explains_the_bottleneck():
     p.decide(meas(1, mesh(50e6)))
     d = p.decide(meas(2, mesh(lambda n: 3e6 if n == "r1->r3" else 50e6), last_sync=0.7))
     rec = json.loads(json.dumps(d.to_record()))
-    assert rec["H"] == d.H and rec["codecs"] == dict(d.codecs) and "\n" not in rec["reason"]
+    assert rec["H"] == d.H and rec["codecs"] == keys(d) and "\n" not in rec["reason"]
     pol = rec["policy"]
     assert pol["bottleneck"] == "r1->r3" and "r1->r3" in rec["reason"]
     assert pol["links"]["r1->r3"]["bandwidth_mbps"] == pytest.approx(3.0)
-    assert pol["links"]["r1->r3"]["codec"] == d.codecs["r1->r3"]
+    assert pol["links"]["r1->r3"]["codec"] == keys(d)["r1->r3"]
     assert pol["last_sync_measured_s"] == 0.7 and pol["last_sync_predicted_s"] > 0
 
 
@@ -207,8 +213,9 @@ def test_default_ratios_come_from_the_compression_library():
     p = make_policy(BandwidthPolicyConfig(hysteresis=0.0), codec="fp16", ladder=ladder)
     links = mesh(lambda n: 2e6 if n.startswith("r3") else 1e9, rtt=0.01)
     d = p.decide(meas(1, links))
-    assert d.codecs["r0->r1"] == "fp16"
-    assert d.codecs["r3->r0"] == {"kind": "topk", "fraction": 0.01, "inner": "int8"}
+    assert keys(d)["r0->r1"] == "fp16"
+    assert d.codecs["r3->r0"] == CodecSpec.parse({"kind": "topk", "fraction": 0.01, "inner": "int8"})
+    assert keys(d)["r3->r0"] == "topk(fraction=0.01,inner=int8)"
     assert d.details["links"]["r3->r0"]["ratio"] > d.details["links"]["r0->r1"]["ratio"] * 10
 
 
@@ -230,10 +237,10 @@ def test_H_wanted_follows_the_codec_a_link_keeps_not_the_one_it_could_move_to():
     int4_bits = 4 * NUMEL / RATIOS["int4"] * 8
     slow = mesh(int4_bits / 2.92)            # int4 3.0 s against a 2.0 s budget: top-k
     d = p.decide(meas(1, slow, overlap=True))
-    assert set(d.codecs.values()) == {"topk"} and d.H < 100
+    assert set(keys(d).values()) == {"topk"} and d.H < 100
     between = mesh(int4_bits / 1.72)         # int4 1.8 s: fits 2.0 s, not 2.0 / 1.25
     d = p.decide(meas(5, between, overlap=True))
-    assert set(d.codecs.values()) == {"topk"}
+    assert set(keys(d).values()) == {"topk"}
     D_topk = by_hand_D(between["r0->r1"], "topk")
     assert d.details["H_wanted"] == max(10, math.ceil(D_topk / 0.01 - 1e-9)), d.reason
     assert d.H < 100

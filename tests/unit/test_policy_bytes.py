@@ -31,33 +31,33 @@ def policy(ladder=LADDER, codec="int8", **kw):
 
 def test_off_by_default_the_least_compression_that_fits():
     d = policy().decide(meas(1, mesh(50e6)))
-    assert set(d.codecs.values()) == {"int8"} and "H_bytes" not in d.details
+    assert {c.key for c in d.codecs.values()} == {"int8"} and "H_bytes" not in d.details
 
 
 def test_a_budget_takes_the_least_compression_that_meets_it_at_target_H():
     # int8 at H 50 gives 195x, int4 375x: a budget of 300 rules int8 out, int4 meets it
     d = policy(min_compression=300).decide(meas(1, mesh(50e6)))
-    assert set(d.codecs.values()) == {"int4"} and d.H * 7.5 >= 300
+    assert {c.key for c in d.codecs.values()} == {"int4"} and d.H * 7.5 >= 300
     # 1000x needs H 134 with int4 (past target_H 50) or H 20 with top-k: top-k, H from the sync
     d = policy(min_compression=1000).decide(meas(1, mesh(50e6)))
-    assert set(d.codecs.values()) == {"topk"} and d.H * 50 >= 1000
+    assert {c.key for c in d.codecs.values()} == {"topk"} and d.H * 50 >= 1000
     assert d.details["H_bytes"] == pytest.approx(20.0)
 
 
 def test_H_is_raised_when_even_the_strongest_codec_needs_it():
     d = policy(min_compression=10_000).decide(meas(1, mesh(50e6, rtt=0.001), step=0.05))
-    assert d.H == 200 and set(d.codecs.values()) == {"topk"} and d.details["bound_by"] == "bytes"
+    assert d.H == 200 and {c.key for c in d.codecs.values()} == {"topk"} and d.details["bound_by"] == "bytes"
     assert "H_max" not in d.reason and "byte budget 10000x needs H>=200" in d.reason
     capped = policy(min_compression=10_000, H_max=100).decide(meas(1, mesh(50e6), step=0.05))
-    assert capped.H == 100 and set(capped.codecs.values()) == {"topk"}  # the bound wins; strongest codec
+    assert capped.H == 100 and {c.key for c in capped.codecs.values()} == {"topk"}  # the bound wins; strongest codec
 
 
 def test_the_first_round_already_keeps_the_budget():
     unmeasured = {k: LinkEstimate() for k in mesh(50e6)}
     d = policy(min_compression=300).decide(meas(0, unmeasured, step=None))
-    assert d.H == 50 and set(d.codecs.values()) == {"int4"} and d.details["event"] == "initial"
+    assert d.H == 50 and {c.key for c in d.codecs.values()} == {"int4"} and d.details["event"] == "initial"
     d = policy(min_compression=5000).decide(meas(0, unmeasured, step=None))
-    assert d.H == 100 and set(d.codecs.values()) == {"topk"}
+    assert d.H == 100 and {c.key for c in d.codecs.values()} == {"topk"}
 
 
 @settings(max_examples=80, deadline=None)
@@ -67,7 +67,7 @@ def test_every_round_keeps_H_times_ratio_within_the_budget(bws, budget, step, ov
     p = policy(min_compression=budget, target_H=target_H, hysteresis=0.25, hold_rounds=2, H_max=1_000_000)
     for r, bw in enumerate(bws, start=1):
         d = p.decide(meas(r, mesh(bw), step=step, overlap=overlap))
-        worst = min(RATIOS[spec] for spec in d.codecs.values())
+        worst = min(RATIOS[spec.key] for spec in d.codecs.values())
         assert d.H * worst >= budget * (1 - 1e-9) or math.isclose(d.H * worst, budget, rel_tol=1e-6), (r, d.reason)
 
 
@@ -75,7 +75,7 @@ def test_slow_links_still_get_stronger_codecs_than_fast_ones_within_the_budget()
     speeds = {"r0": 400e6, "r1": 100e6, "r2": 10e6, "r3": 0.5e6}
     links = mesh(lambda name: speeds[name.split("->")[0]], rtt=0.05)
     d = policy(min_compression=500, target_H=100).decide(meas(1, links))  # int8 would need H 129
-    assert d.codecs["r0->r1"] == "int4" and d.codecs["r3->r0"] == "topk"
+    assert d.codecs["r0->r1"].key == "int4" and d.codecs["r3->r0"].key == "topk"
 
 
 def test_the_key_is_checked():

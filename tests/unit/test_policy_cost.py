@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from geofed.compression import CodecSpec
 from geofed.orchestrator.policies import cost
 from geofed.orchestrator.policies.types import LinkEstimate
 
@@ -48,18 +49,19 @@ def test_ladder_orders_by_ratio_and_caches_per_size():
 
     def ratio(spec, numel):
         calls.append((spec, numel))
-        return {"int4": 7.5, "fp16": 2.0, "int8": 3.9}[spec]
+        return {"int4": 7.5, "fp16": 2.0, "int8": 3.9}[spec.key]
 
-    ladder = cost.Ladder(["int4", "fp16", "int8"], ratio)
-    assert [g.label for g in ladder.rungs(1000)] == ["fp16", "int8", "int4"]
+    ladder = cost.Ladder([CodecSpec.parse(s) for s in ("int4", "fp16", "int8")], ratio)
+    assert [g.spec.key for g in ladder.rungs(1000)] == ["fp16", "int8", "int4"]
     ladder.rungs(1000)
     assert len(calls) == 3
-    assert ladder.index_of("int8", 1000) == 1 and ladder.index_of("topk", 1000) is None
+    assert ladder.index_of(CodecSpec.parse({"kind": "int8"}), 1000) == 1
+    assert ladder.index_of(CodecSpec.parse("topk"), 1000) is None
 
 
 def test_ladder_refuses_a_nonsense_ratio():
     with pytest.raises(ValueError, match="estimate_ratio gave"):
-        cost.Ladder(["x"], lambda s, n: math.nan).rungs(10)
+        cost.Ladder([CodecSpec.parse("int8")], lambda s, n: math.nan).rungs(10)
 
 
 def test_least_fitting_prefers_least_compression_and_falls_back_to_the_strongest():
@@ -68,7 +70,6 @@ def test_least_fitting_prefers_least_compression_and_falls_back_to_the_strongest
     assert cost.least_fitting([3.0, 2.0, 1.0], 0.5) == 2
 
 
-def test_spec_labels_and_keys_are_stable_for_mappings():
-    spec = {"kind": "topk", "inner": "int8", "fraction": 0.01}
-    assert cost.spec_label(spec) == "topk(fraction=0.01,inner=int8)"
-    assert cost.spec_key(spec) == cost.spec_key(dict(reversed(list(spec.items()))))
+def test_default_ratio_asks_the_codec():
+    spec = CodecSpec.parse({"kind": "topk", "inner": "int8", "fraction": 0.01})
+    assert cost.compression_ratio(spec, 1_000_000) == spec.codec().estimate_ratio(1_000_000) > 100

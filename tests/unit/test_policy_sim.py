@@ -11,7 +11,7 @@ from geofed.orchestrator.policies import (AdacommPolicyConfig, BandwidthPolicyCo
                                           make_policy)
 from geofed.orchestrator.policies.simulate import LossModel, Scenario, simulate, table_ratio
 
-RATIOS = {"fp32": 1.0, "fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
+RATIOS = {"identity": 1.0, "fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
 ratio = table_ratio(RATIOS)
 LOSS = LossModel(scale_steps=1000)
 TARGET = 0.3
@@ -44,7 +44,7 @@ def test_transfers_follow_the_bandwidth_schedule():
 
 def test_steady_adaptive_with_overlap_is_far_ahead_of_per_step_sync():
     sc = Scenario(**STEADY, overlap=True)
-    per_step = run(FixedPolicyConfig(H=1), Scenario(**STEADY), codec="fp32")
+    per_step = run(FixedPolicyConfig(H=1), Scenario(**STEADY), codec="identity")  # fp32
     adaptive = run(BandwidthPolicyConfig(), sc)
     assert adaptive.time_to_target_s is not None and per_step.time_to_target_s is not None
     assert per_step.time_to_target_s / adaptive.time_to_target_s >= 20
@@ -90,9 +90,9 @@ def test_slow_links_get_stronger_codecs_in_the_simulation():
     res = run(BandwidthPolicyConfig(target_H=200), sc, ladder=["fp16", "int8", "int4", "topk"])
     rank = {c: i for i, c in enumerate(["fp16", "int8", "int4", "topk"])}
     for rec in res.rounds[1:]:
-        slow = min(rank[rec.codecs[n]] for n in ("r0->r1", "r1->r0"))
-        mid = {rank[rec.codecs[n]] for n in rec.codecs if n not in speeds}
-        fast = max(rank[rec.codecs[n]] for n in ("r2->r3", "r3->r2"))
+        slow = min(rank[rec.codecs[n].key] for n in ("r0->r1", "r1->r0"))
+        mid = {rank[rec.codecs[n].key] for n in rec.codecs if n not in speeds}
+        fast = max(rank[rec.codecs[n].key] for n in ("r2->r3", "r3->r2"))
         assert slow > max(mid) >= min(mid) >= fast
 
 

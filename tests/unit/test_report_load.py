@@ -130,3 +130,18 @@ def test_a_diverged_loss_does_not_break_the_report(tmp_path):
     run = load_run(tmp_path)
     assert [r.mean_train_loss for r in run.rounds] == [1.0, None, None, 0.5]
     assert (write_report(tmp_path)).is_file()
+
+
+@pytest.mark.parametrize("spec, shown", [
+    ({"inner": "int8", "kind": "topk", "fraction": 0.01}, "topk(fraction=0.01,inner=int8)"),  # by its key
+    ({"kind": "lz4", "level": 3}, "{'kind': 'lz4', 'level': 3}"),  # a codec this version lacks: as written
+])
+def test_a_run_without_summary_names_its_codec_by_key(tmp_path, spec, shown):
+    import yaml
+    from geofed.orchestrator.report.facts import config_highlights
+
+    run = fake_run_dir(tmp_path / "run", rounds=2, regions=REGIONS[:2], summary=False)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["compression"]["codec"] = spec
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert ("codec", shown) in config_highlights(load_run(run))
