@@ -14,6 +14,12 @@ the test split, their bytes what crossed the links (gRPC framing and any resync 
 wall time the run's from round 0 (Ray start-up and placement excluded). The first two arms have
 no network, so they run in this process and their wall time is compute only.
 
+`--in-process` runs the same two gossip arms through the same code without Ray, sockets or
+emulated links: the RegionWorkers of geofed.regions.inprocess over the in-memory transport,
+paced by the same Coordinator (`run_in_process`). Accuracy and rounds are those of the runtime
+(bit for bit while no message is lost), bytes within the framing; wall time is compute only.
+It is how settings are explored quickly; there is no second decentralized loop.
+
 `--json` prints the issue's document and nothing else on stdout; the folder `--out` keeps every
 run directory, bench.json (per-run details) and a comparison report of the runtime arms.
 """
@@ -54,6 +60,9 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a key of the config (both runtime arms), e.g. network.emulation.mode=none")
     p.add_argument("--out", help="folder for run directories, bench.json and the report (default: runs/bench-dfgl-<UTC>)")
+    p.add_argument("--in-process", action="store_true", help=(
+        "run the gossip arms in this process over the in-memory transport (no Ray, sockets or WAN emulation): "
+        "same code and accuracy, wall time without the network"))
     p.add_argument("--json", action="store_true", help="print one JSON document")
     args = p.parse_args(argv)
     if args.seeds < 1 or args.epochs < 1 or (args.regions is not None and not 2 <= args.regions <= 256):
@@ -71,13 +80,14 @@ def main(argv=None) -> int:
     out = Path(args.out or Path(base.run.out_dir) / f"bench-dfgl-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
     say = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     name = args.dataset if not args.dataset.endswith(".npz") else Path(args.dataset).stem
-    doc, details = run_bench(base, dataset=name, seeds=tuple(range(args.seeds)), epochs=args.epochs, out=out, say=say)
+    doc, details = run_bench(base, dataset=name, seeds=tuple(range(args.seeds)), epochs=args.epochs, out=out, say=say,
+                             in_process=args.in_process)
     (out / "bench.json").write_text(json.dumps({**doc, "details": details}, indent=2))
-    report = write_report(details, out)
+    report = None if args.in_process else write_report(details, out)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print_table(doc, base, args.epochs)
+        print_table(doc, base, args.epochs, in_process=args.in_process)
     say(f"bench.json, runs and report: {out}" + (f" (report: {report})" if report else ""))
     return 0
 
@@ -140,10 +150,11 @@ def nominal_H(cfg: RunConfig) -> int:
 
 
 def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: int, out: Path,
-              say=print) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """(the issue's document, per-run records by arm)."""
+              say=print, in_process: bool = False) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """(the issue's document, per-run records by arm). `in_process`: the gossip arms on the
+    in-memory transport in this process (run_in_process) instead of Ray and gRPC (run_once)."""
     import torch
-    from geofed.regions.graph.simulate import centralized, local_only
+    from geofed.regions.graph.baselines import centralized, local_only
     from geofed.regions.tasks import make_task
 
     from .runner import prepare_task
@@ -152,17 +163,23 @@ def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: 
     torch.set_num_threads(1)
     task = make_task(base.task, batch_size=base.sync.inner.batch_size, seed=0)
     n, lr = len(base.regions.names), base.sync.inner.lr
+    halo = halo_bytes_per_region(task, n)
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     out.mkdir(parents=True, exist_ok=True)
-    ray_started = _init_ray(base)
+    ray_started = False if in_process else _init_ray(base)
+    where = "in process (in-memory transport)" if in_process else "through the runtime"
     try:
         for seed in seeds:
             say(f"seed {seed}: centralized and local-only in process")
             runs["centralized"].append(centralized(task, epochs=epochs, lr=lr, seed=seed))
             runs["local_only"].append(local_only(task, n, epochs=epochs, lr=lr, seed=seed))
             for arm in RUNTIME_ARMS:
-                say(f"seed {seed}: {arm} through the runtime")
-                runs[arm].append(run_once(arm_config(base, arm, seed=seed, epochs=epochs), out / f"{arm}-s{seed}"))
+                say(f"seed {seed}: {arm} {where}")
+                cfg = arm_config(base, arm, seed=seed, epochs=epochs)
+                record = run_in_process(cfg, task=task) if in_process else run_once(cfg, out / f"{arm}-s{seed}")
+                record["halo_bytes_per_region"] = halo
+                record["bytes_per_region"] += halo
+                runs[arm].append(record)
     finally:
         if ray_started:
             import ray
@@ -185,6 +202,54 @@ def _init_ray(cfg: RunConfig) -> bool:
     ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})
     return True
+
+
+def halo_bytes_per_region(task, n_regions: int) -> float:
+    """What `task.halo: true` sends once before training (1-hop neighbours' features and the cut
+    edges), per region; 0 without a halo."""
+    if not getattr(task.config, "halo", False):
+        return 0.0
+    return task.partition_stats(n_regions)["halo_bytes"] / n_regions
+
+
+def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
+    """One run of a gossip arm in this process, the record run_once keeps of a runtime run.
+
+    The runtime's RegionWorkers (geofed.regions.inprocess) over the in-memory transport, planned
+    round by round by the runtime's Coordinator (policy, run.max_steps, the final round), the
+    averaged model evaluated as the runner does. No evaluation rounds or checkpoints: they do
+    not change what a run trains. `task`, built from cfg.task, is shared by the workers.
+    """
+    import tempfile
+
+    from geofed.regions.inprocess import InProcessRegions
+
+    from .coordinator import Coordinator
+    from .rundir import Clock
+    from .summary import evaluate_average
+
+    with tempfile.TemporaryDirectory(prefix="geofed-dfgl-") as tmp, InProcessRegions(cfg, tmp, task=task) as group:
+        params = sum(p.numel() for p in group.workers[group.regions[0]].params)
+        clock = Clock()
+        coordinator = Coordinator(cfg, model_numel=params, clock=clock)
+        metrics: list[dict[str, Any]] = []
+        for r in range(cfg.run.rounds):
+            results = group.run_round(coordinator.plan(r, alive=group.regions, evaluate=False))
+            coordinator.observe(results)
+            metrics.extend(results.values())
+            if coordinator.done:
+                break
+        group.call("finish_pending")
+        wall_s = clock.now()
+        per_region = [e["value"] for e in group.call("evaluate").values()]
+        avg, consensus = evaluate_average(cfg, group.call("get_params"))
+    sent = sum(m["bytes_sent"] for m in metrics)
+    resync = sum(m.get("resync_bytes", 0) for m in metrics)
+    n = len(cfg.regions.names)
+    return {"acc": avg["value"], "region_acc_mean": sum(per_region) / n, "consensus_distance": consensus,
+            "bytes_per_region": (sent + resync) / n, "resync_bytes": resync, "wall_s": wall_s,
+            "rounds": max(m["round"] for m in metrics) + 1,
+            "peers_left_out": sum(len(m.get("peers_missing", [])) for m in metrics), "run_dir": None}
 
 
 def run_once(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
@@ -232,10 +297,11 @@ def write_report(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path | Non
     return write_comparison(dirs, labels, out / "report", title="geofed bench dfgl: gossip arms through the runtime")
 
 
-def print_table(doc: dict[str, Any], base: RunConfig, epochs: int) -> None:
+def print_table(doc: dict[str, Any], base: RunConfig, epochs: int, *, in_process: bool = False) -> None:
     a = doc["arms"]
     print(f"{doc['dataset']}: {doc['regions']} regions ({base.task.partition}, {base.sync.topology}), "
-          f"{doc['seeds']} seeds, {epochs} local epochs, codec {base.compression.codec}")
+          f"{doc['seeds']} seeds, {epochs} local epochs, codec {base.compression.codec}"
+          + (", gossip arms in process (in-memory transport: wall time without the network)" if in_process else ""))
     print(f"{'arm':22s} {'accuracy %':>15s} {'MB/region':>10s} {'wall s':>8s}")
     for arm, v in a.items():
         acc = f"{100 * v['acc_mean']:.2f} ± {100 * v['acc_std']:.2f}"

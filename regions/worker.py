@@ -54,13 +54,15 @@ class RegionWorker:
     not import orchestrator)."""
 
     def __init__(self, cfg: Any, region: str, run_dir: str | Path, *, transport=None, tls=None,
-                 advertised_host: str | None = None):
+                 advertised_host: str | None = None, task=None):
         self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
         self.regions = list(cfg.regions.names)
         self.index = self.regions.index(region)
         torch.set_num_threads(cfg.regions.torch_threads)
         seed = cfg.run.seed
-        self.task = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed)
+        # Workers of one process (regions/inprocess.py) may share one task built from cfg.task:
+        # the data is loaded and partitioned once instead of once per region.
+        self.task = task if task is not None else make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed)
         # Same init everywhere (seed, not seed + index): DiLoCo starts every region from one model.
         self.model = self.task.build_model(seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

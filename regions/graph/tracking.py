@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-# A module (all its parameters, in order) or an explicit list of parameters: the runtime's
-# RegionWorker trains `params` (those that require grad), the simulation whole modules.
+# A module (all its parameters, in order) or an explicit list of parameters: RegionWorker
+# trains `params` (those that require grad).
 Params = nn.Module | Sequence[torch.Tensor]
 
 

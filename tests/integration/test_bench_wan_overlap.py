@@ -1,16 +1,14 @@
-"""DiLoCo with overlap on real RegionWorkers over the in-memory transport (the same mailbox,
-validator, exchanger and codecs as gRPC, no sockets): the one-round-late outer update, what each
-round reports, the final flush, and compute utilisation when a link is slow."""
+"""DiLoCo with overlap on real RegionWorkers over the in-memory transport (geofed.regions.inprocess:
+the same mailbox, validator, exchanger and codecs as gRPC, no sockets): the one-round-late outer
+update, what each round reports, the final flush, and compute utilisation when a link is slow."""
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from geofed.orchestrator.config import config_from_mapping
-from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.regions.worker import RegionWorker, RoundPlan
+from geofed.regions.inprocess import InProcessRegions
+from geofed.regions.worker import RoundPlan
 
 REGIONS = ["a", "b", "c"]
 
@@ -28,23 +26,9 @@ def _cfg(*, overlap: bool, momentum: float = 0.5, codec: str = "identity", hidde
     })
 
 
-class Cluster:
-    def __init__(self, cfg, tmp_path):
-        self.hub = InMemoryHub()
-        self.workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, self.hub)) for r in REGIONS}
-        for w in self.workers.values():
-            w.start()
-            w.connect({r: f"inmem:{r}" for r in REGIONS})
-        self.pool = ThreadPoolExecutor(len(REGIONS))
-
+class Cluster(InProcessRegions):
     def round(self, r: int, H: int, *, final: bool = False) -> dict[str, dict]:
-        plans = {reg: RoundPlan(round=r, H=H, final=final) for reg in REGIONS}
-        return dict(zip(plans, self.pool.map(lambda reg: self.workers[reg].run_round(plans[reg]), plans)))
-
-    def close(self):
-        for w in self.workers.values():
-            w.close()
-        self.pool.shutdown()
+        return self.run_round({reg: RoundPlan(round=r, H=H, final=final) for reg in REGIONS})
 
 
 @pytest.fixture

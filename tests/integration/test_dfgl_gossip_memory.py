@@ -1,20 +1,19 @@
-"""GossipSync (CHOCO + gradient tracking) on real RegionWorkers over the in-memory transport:
-the same mailbox, validator and exchanger as gRPC, without sockets or Ray, so lost messages and
-rejoins can be staged exactly. The runtime over gRPC is in test_dfgl_runtime.py."""
+"""GossipSync (CHOCO + gradient tracking) on real RegionWorkers over the in-memory transport
+(geofed.regions.inprocess, what `geofed bench dfgl --in-process` runs): the same mailbox,
+validator and exchanger as gRPC, without sockets or Ray, so lost messages and rejoins can be
+staged exactly. The runtime over gRPC is in test_dfgl_runtime.py."""
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from geofed.compression import encode_update
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.summary import evaluate_average
-from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.regions.graph.simulate import local_only
+from geofed.regions.graph.baselines import local_only
+from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks import make_task
-from geofed.regions.worker import RegionWorker, RoundPlan
+from geofed.regions.worker import RoundPlan
 
 REGIONS = ["a", "b", "c", "d"]
 
@@ -32,30 +31,12 @@ def _cfg(path, regions, **sync):
     })
 
 
-class Cluster:
-    """Workers of one run on one hub; rounds run concurrently (the exchange blocks on peers)."""
-
-    def __init__(self, cfg, tmp_path):
-        self.cfg, self.tmp, self.hub = cfg, tmp_path, InMemoryHub()
-        self.workers = {r: self._worker(r) for r in cfg.regions.names}
-        self.pool = ThreadPoolExecutor(len(self.workers))
-
-    def _worker(self, region):
-        w = RegionWorker(self.cfg, region, self.tmp, transport=InMemoryTransport(region, self.hub))
-        w.start()
-        w.connect({r: f"inmem:{r}" for r in self.cfg.regions.names})
-        return w
+class Cluster(InProcessRegions):
+    """The workers of one run on one hub, with the rounds and checks these tests stage."""
 
     def round(self, r, *, alive=None, H=5):
         alive = tuple(alive or self.workers)
-        plans = {reg: RoundPlan(round=r, H=H, alive=alive) for reg in alive}
-        return dict(zip(plans, self.pool.map(lambda reg: self.workers[reg].run_round(plans[reg]), plans)))
-
-    def replace(self, region):
-        """A crashed region comes back as a fresh worker (new process, nothing in memory)."""
-        self.workers[region].close()
-        self.workers[region] = self._worker(region)
-        return self.workers[region]
+        return self.run_round({reg: RoundPlan(round=r, H=H, alive=alive) for reg in alive})
 
     def copies_match(self):
         """Every region's copy of each in-neighbour equals that neighbour's own public copy."""
@@ -67,13 +48,8 @@ class Cluster:
         return out
 
     def average_accuracy(self):
-        avg, _ = evaluate_average(self.cfg, {r: w.get_params() for r, w in self.workers.items()})
+        avg, _ = evaluate_average(self.cfg, self.call("get_params"))
         return avg["value"]
-
-    def close(self):
-        for w in self.workers.values():
-            w.close()
-        self.pool.shutdown()
 
 
 @pytest.fixture
@@ -116,7 +92,7 @@ def test_a_region_that_rejoins_from_a_donor_is_resynced_by_its_neighbours(cluste
     for r in range(4):
         cluster.round(r)
     cluster.round(4, alive=["a", "b", "d"])  # c has crashed
-    c = cluster.replace("c")
+    c = cluster.restart("c")  # a crashed region comes back as a fresh worker
     _, donor_round = c.catch_up(["b", "d"])
     assert donor_round == 4 and c.algorithm.rejoined
     first = cluster.round(5)

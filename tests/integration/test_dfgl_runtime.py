@@ -1,7 +1,7 @@
 """Decentralized federated graph learning through the real runtime: `geofed run` of
 configs/dfgl-cora.yaml (region actors on Ray, mutual-TLS gRPC, every link through the WAN
 proxy), small enough for CI, with a link outage that loses a gossip message on the way; and
-`geofed bench dfgl --json` end to end."""
+`geofed bench dfgl --json` end to end, through the runtime and in process alike."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.rundir import read_jsonl
 from geofed.regions.checkpoint import load_latest
-from geofed.regions.graph.simulate import local_only
+from geofed.regions.graph.baselines import local_only
 from geofed.regions.tasks.graph import GcnPlanetoidConfig, GcnPlanetoidTask
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -105,3 +105,17 @@ def test_bench_dfgl_json_document(cora, tmp_path, capsys, monkeypatch):
         # geofed: 8 epochs (AdaComm's first H), then what is left joins it or makes a second round
         assert run["rounds"] == 10 if arm == "gossip_uncompressed" else 1 <= run["rounds"] <= 2
     assert (tmp_path / "bench" / "report" / "report.html").is_file()
+
+    # In process (RegionWorkers on the in-memory transport, no Ray, no sockets): the same code,
+    # so the same models, rounds and (up to the framing) bytes.
+    code = main(["bench", "dfgl", "--json", "--in-process", "--regions", "2", "--seeds", "1", "--epochs", "10",
+                 "--out", str(tmp_path / "inproc"), "--set", f"task.path={cora}"])
+    assert code == 0
+    same = json.loads(capsys.readouterr().out)["arms"]
+    inproc = json.loads((tmp_path / "inproc" / "bench.json").read_text())["details"]
+    for arm in ("gossip_uncompressed", "geofed"):
+        assert details[arm][0]["peers_left_out"] == 0  # a lost message would make the runs differ
+        assert same[arm]["acc_mean"] == a[arm]["acc_mean"]
+        assert inproc[arm][0]["consensus_distance"] == details[arm][0]["consensus_distance"]
+        assert inproc[arm][0]["rounds"] == details[arm][0]["rounds"]
+        assert same[arm]["bytes_per_region"] == pytest.approx(a[arm]["bytes_per_region"], rel=0.02)
