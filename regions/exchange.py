@@ -244,59 +244,6 @@ class Exchanger:
         self._probe_rtt(peer, warm_up=first)
         return self.transport.probe(peer, nbytes, timeout_s=timeout_s)
 
-    def _encode(self, tensors, out_peers, codecs, default_codec):
-        """One encode per distinct codec: peers on the same codec share its bytes and its EF state."""
-        by_key: dict[str, tuple[bytes, list[torch.Tensor]]] = {}
-        payloads, own = {}, {}
-        for peer in out_peers:
-            spec = codecs.get(peer, default_codec)
-            key = spec.key
-            if key not in by_key:
-                state = self.states.setdefault(key, CodecState(error_feedback=self.error_feedback))
-                by_key[key] = encode_and_decode(spec.codec(), tensors, state)
-            payloads[peer], own[peer] = by_key[key]
-        return payloads, own
-
-    def _still_stalled(self) -> dict[str, int]:
-        """Peers whose push from an earlier round is still running -> that round."""
-        for peer in [p for p, (_, fut) in self._stalled.items() if fut.done()]:
-            del self._stalled[peer]
-        return {p: r for p, (r, _) in self._stalled.items()}
-
-    def _collect_sends(self, futures: dict[str, Future], round_: int, result: ExchangeResult, *,
-                       grace_s: float) -> None:
-        wait(list(futures.values()), timeout=grace_s)
-        for peer, fut in futures.items():
-            if not fut.done():
-                # Still running (a stalled link): leave it, skip the peer until it ends.
-                self._stalled[peer] = (round_, fut)
-                fut.add_done_callback(lambda f, p=peer, r=round_, k=len(futures): self._stalled_ended(p, r, f, k))
-                result.send_failures[peer] = f"still in flight {grace_s:.1f}s after the receive deadline; left running"
-                log.warning("push of round %d to %s still in flight after the deadline; not waiting for it", round_, peer)
-                continue
-            try:
-                stats = fut.result()
-            except TransportError as exc:
-                result.send_failures[peer] = str(exc)
-                log.warning("send to %s failed: %s", peer, exc)
-                continue
-            self._count_send(result, peer, stats, concurrent=len(futures))
-
-    def _count_send(self, result: ExchangeResult, peer: str, stats, *, concurrent: int, **extra) -> None:
-        result.bytes_sent += stats.bytes
-        self._observe(peer, stats, concurrent)
-        if stats.cold:
-            extra["cold"] = True
-        result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
-                                 "seconds": round(stats.seconds, 6), "concurrent": concurrent, **extra})
-
-    def _observe(self, peer: str, stats, concurrent: int) -> None:
-        with self._est_lock:
-            # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
-            # probes. Receiver timing was tried: it starts at the header, after the shaper's
-            # burst has already let the first chunks through, and overestimates by 5-15%.
-            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold, concurrent=concurrent)
-
     def _stalled_ended(self, peer: str, round_: int, fut: Future, concurrent: int) -> None:
         # Runs on the pool's thread: only a list append (atomic) crosses to the exchanging thread.
         exc = fut.exception()
