@@ -10,17 +10,17 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .strict import ConfigError
+from .config.strict import ConfigError
 
 # `geofed bench NAME ...` forwards to NAME's module `main(argv) -> int` (imported lazily: each
 # pulls in torch, gRPC or Ray, which `geofed validate` should not pay for).
 BENCHES = {
     "codecs": ("geofed.compression.bench", "codec speed, ratio and error against the memory-bandwidth ceiling"),
     "link": ("geofed.p2p.bench", "gRPC transfer rate on loopback and over an emulated WAN link"),
-    "wan": ("geofed.orchestrator.bench_wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
-    "dfgl": ("geofed.orchestrator.bench_dfgl", "decentralized federated graph learning against centralized"),
-    "cluster": ("geofed.orchestrator.bench_cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),
-    "soak": ("geofed.orchestrator.bench_soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
+    "wan": ("geofed.orchestrator.bench.wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
+    "dfgl": ("geofed.orchestrator.bench.dfgl", "decentralized federated graph learning against centralized"),
+    "cluster": ("geofed.orchestrator.bench.cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),
+    "soak": ("geofed.orchestrator.bench.soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
 }
 
 
@@ -103,7 +103,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"{args.config}: ok ({len(cfg.regions.names)} regions, task {cfg.task.kind}, {cfg.run.rounds} rounds)")
         return 0
     if args.command == "config-docs":
-        from .docs import config_docs_markdown
+        from .config.docs import config_docs_markdown
 
         print(config_docs_markdown(), end="")
         return 0
@@ -117,7 +117,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         if args.allow_config_change and not args.resume:
             raise ConfigError("", "only with --resume RUN_DIR (a new run takes any config)", source="--allow-config-change")
-        from .runner import run_from_args
+        from .driver.runner import run_from_args
 
         return run_from_args(args)
     if args.command == "report":
@@ -130,7 +130,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return cleanup_main(args.rest)
     if args.command == "launch":
-        from .launch import plan_from_args
+        from .launch.plan import plan_from_args
 
         return plan_from_args(args)
     raise AssertionError(args.command)

@@ -31,7 +31,7 @@ def advertised_host(cfg: Any) -> str | None:
 
 
 # The liveness probe runs on a thread of its own: a region busy with a long call still answers it,
-# a stopped or hung process does not (orchestrator/faults.py tells the two apart by it).
+# a stopped or hung process does not (orchestrator/driver/faults.py tells the two apart by it).
 HEALTH_GROUP = "health"
 
 

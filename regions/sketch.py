@@ -5,7 +5,7 @@ drawn from a seed all regions share. The map is linear, so the sketch of a diffe
 difference of the sketches, and ``||S v||^2`` estimates ``||v||^2`` without bias (relative spread
 about sqrt(2 / dim): 2% at 4096 buckets). Equal models give equal sketches exactly. A region sends
 16 KiB over Ray's control plane instead of its whole model; the driver turns the sketches into
-the consensus distance (orchestrator/evaluation.py).
+the consensus distance (orchestrator/driver/evaluation.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ..strict import ConfigError
+from ..config.strict import ConfigError
 
 RECORD_FILES = ("metrics.jsonl", "rounds.jsonl", "summary.json")
 MAX_LINE_BYTES = 16 << 20  # one round of one region is a few KiB; a huge line is a damaged file

@@ -26,9 +26,9 @@ from e2e_harness import (
     wait_rounds,
 )
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.resume import load_driver_checkpoint
-from geofed.orchestrator.rundir import read_jsonl
-from geofed.orchestrator.runner import Runner
+from geofed.orchestrator.driver.resume import load_driver_checkpoint
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 from geofed.regions import checkpoint
 
 pytestmark = [pytest.mark.timeout(600)]

@@ -21,7 +21,7 @@ import yaml
 
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import RunConfig, config_from_mapping, load_config
-from geofed.orchestrator.strict import ConfigError, field_docs
+from geofed.orchestrator.config.strict import ConfigError, field_docs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.rundir import read_jsonl
-from geofed.orchestrator.runner import Runner
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 
 REGIONS3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from geofed.orchestrator import bench_wan
-from geofed.orchestrator.bench_wan_arms import Scenario, base_mapping, build_arms
-from geofed.orchestrator.bench_wan_results import best_before_drop, measure
-from geofed.orchestrator.runner import prepare_task
+from geofed.orchestrator.bench import wan as bench_wan
+from geofed.orchestrator.bench.wan_arms import Scenario, base_mapping, build_arms
+from geofed.orchestrator.bench.wan_results import best_before_drop, measure
+from geofed.orchestrator.driver.runner import prepare_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

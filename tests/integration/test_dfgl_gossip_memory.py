@@ -9,7 +9,7 @@ import pytest
 import torch
 from geofed.compression import encode_update
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.summary import evaluate_average
+from geofed.orchestrator.driver.summary import evaluate_average
 from geofed.regions.graph.baselines import local_only
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks import make_task

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from geofed.orchestrator.cli import main
-from geofed.orchestrator.rundir import read_jsonl
+from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.regions.checkpoint import load_latest
 from geofed.regions.graph.baselines import local_only
 from geofed.regions.tasks.graph import GcnPlanetoidConfig, GcnPlanetoidTask

@@ -5,9 +5,9 @@ whose own checkpoint of that round is corrupt takes the model from a peer that h
 from __future__ import annotations
 
 import pytest
-from geofed.orchestrator.resume import resume_config
-from geofed.orchestrator.rundir import new_run_dir, read_jsonl
-from geofed.orchestrator.runner import Runner
+from geofed.orchestrator.driver.resume import resume_config
+from geofed.orchestrator.driver.rundir import new_run_dir, read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 from geofed.regions import checkpoint
 from reliability_harness import REGIONS3, events, small_config
 

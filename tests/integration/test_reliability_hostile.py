@@ -28,7 +28,7 @@ import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from geofed.compression import encode_update
-from geofed.orchestrator.rundir import read_jsonl
+from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.p2p.handshakes import GRACE_S
 from geofed.p2p.proto import gossip_pb2, gossip_pb2_grpc
 from geofed.p2p.service import MAX_CHUNK_BYTES

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from reliability_harness import REGIONS3, events, small_config
 
-from geofed.orchestrator.rundir import read_jsonl
-from geofed.orchestrator.runner import Runner
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
 

@@ -9,8 +9,8 @@ import os
 import signal
 
 import pytest
-from geofed.orchestrator.rundir import read_jsonl
-from geofed.orchestrator.runner import RunFailed
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import RunFailed
 from reliability_harness import (
     REGIONS3,
     BackgroundRun,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from reliability_harness import small_config
 
-from geofed.orchestrator.rundir import read_jsonl
-from geofed.orchestrator.runner import Runner
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.rundir import read_jsonl
-from geofed.orchestrator.runner import Runner
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -82,7 +82,7 @@ def test_a_run_ends_at_its_target_and_says_what_reaching_it_cost(tmp_path):
 
 
 def test_a_target_on_a_metric_the_task_does_not_report_is_named(tmp_path):
-    from geofed.orchestrator.recovery import RunFailed
+    from geofed.orchestrator.driver.recovery import RunFailed
 
     with pytest.raises(RunFailed, match=r"run.target.metric is 'loss', but task mlp-digits evaluates 'accuracy'"):
         _train(_cfg(rounds=3, target={"metric": "loss", "value": 0.1}), tmp_path)

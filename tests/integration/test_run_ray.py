@@ -8,8 +8,8 @@ import pytest
 
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.rundir import read_jsonl
-from geofed.orchestrator.runner import Runner
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geofed.orchestrator.config import RunConfig, config_from_mapping, load_config
-from geofed.orchestrator.resume import resume_config
-from geofed.orchestrator.strict import MAX_CONFIG_BYTES, ConfigError, apply_override, parse_yaml
+from geofed.orchestrator.driver.resume import resume_config
+from geofed.orchestrator.config.strict import MAX_CONFIG_BYTES, ConfigError, apply_override, parse_yaml
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -169,7 +169,7 @@ def test_a_fifo_config_is_refused_instead_of_hanging(tmp_path):
 
 
 def test_a_device_or_directory_config_is_refused_unread(tmp_path):
-    from geofed.orchestrator.strict import read_config_bytes  # new with the fix
+    from geofed.orchestrator.config.strict import read_config_bytes  # new with the fix
 
     for path, kind in (("/dev/zero", "a character device"), ("/dev/null", "a character device"), (tmp_path, "a directory")):
         with pytest.raises(ConfigError, match=f"is {kind}, not a regular file"):

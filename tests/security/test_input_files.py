@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hostile_files import GIB, call_bounded, child_peak, deflate_bomb, npy_bytes, npy_header
 
-from geofed.orchestrator.strict import build
+from geofed.orchestrator.config.strict import build
 from geofed.regions.graph.data import load_graph_npz
 from geofed.regions.tasks import make_task, task_config_class
 

@@ -14,7 +14,7 @@ import pytest
 
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import load_config
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 from geofed.regions.tasks import Task, make_task
 from geofed.regions.tasks.base import PluginTaskConfig
 

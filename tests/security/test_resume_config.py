@@ -14,9 +14,9 @@ import pytest
 import yaml
 from geofed.orchestrator import cli
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.resume import resume_config
-from geofed.orchestrator.rundir import new_run_dir
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.driver.resume import resume_config
+from geofed.orchestrator.driver.rundir import new_run_dir
+from geofed.orchestrator.config.strict import ConfigError
 
 RECORD_FILE = "config.record.json"
 BASE = {"run": {"name": "rec", "rounds": 4, "report": False},
@@ -95,7 +95,7 @@ def test_a_run_directory_without_its_record_is_refused(run_dir):
 
 
 def test_the_help_lists_exactly_the_keys_that_may_change():
-    from geofed.orchestrator.config_record import SAFE_ON_RESUME
+    from geofed.orchestrator.config.record import SAFE_ON_RESUME
 
     assert tuple(SAFE_ON_RESUME) == cli.RESUMABLE_KEYS
     help_text = cli._parser()._subparsers._group_actions[0].choices["run"].format_help()

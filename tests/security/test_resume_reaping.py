@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from geofed.orchestrator.recovery import reap_previous
+from geofed.orchestrator.driver.recovery import reap_previous
 
 TOKEN = "5f0c2b7d9e1a4c3b8d6f0a2e4c6b8d0f"
 SESSION = "/tmp/ray/session_2026-01-01_00-00-00_000000_1"

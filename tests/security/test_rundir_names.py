@@ -11,8 +11,8 @@ import pytest
 import yaml
 from geofed.orchestrator import cli
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.rundir import new_run_dir
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.driver.rundir import new_run_dir
+from geofed.orchestrator.config.strict import ConfigError
 
 BASE = {"run": {"name": "names", "rounds": 1, "report": False},
         "task": {"kind": "mlp-digits", "hidden": 8},

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from geofed.compression import CodecSpec
-from geofed.orchestrator.bench_cluster_arms import (
+from geofed.orchestrator.bench.cluster_arms import (
     ARMS,
     Target,
     arm_mapping,
@@ -17,10 +17,10 @@ from geofed.orchestrator.bench_cluster_arms import (
     target_supported,
     write_config,
 )
-from geofed.orchestrator.bench_wan_arms import base_mapping
+from geofed.orchestrator.bench.wan_arms import base_mapping
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import load_config
-from geofed.orchestrator.launch import build_plan
+from geofed.orchestrator.launch.plan import build_plan
 
 
 @pytest.mark.parametrize("arm", ARMS)

@@ -1,4 +1,4 @@
-"""orchestrator/recovery.py and resume.py without Ray: who resyncs from whom, the schedule a
+"""orchestrator/driver/recovery.py and resume.py without Ray: who resyncs from whom, the schedule a
 resumed run plays, the signals that stop a run cleanly, and ending exactly the processes a
 killed driver left behind."""
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from geofed.orchestrator.recovery import (
+from geofed.orchestrator.driver.recovery import (
     DRIVER_FILE,
     Interrupted,
     StopSignals,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from geofed.compression import CodecSpec, codec_names, make_codec, spec_key
 from geofed.orchestrator.config import config_from_mapping, to_mapping
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 TOPK = "topk(fraction=0.01,inner=int8)"

@@ -8,7 +8,7 @@ import pytest
 
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import RunConfig, config_from_mapping, default_config_path, load_config
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -143,7 +143,7 @@ def test_cli_missing_file_and_bad_arguments(tmp_path, capsys):
 
 
 def test_config_docs_are_current():
-    from geofed.orchestrator.docs import config_docs_markdown
+    from geofed.orchestrator.config.docs import config_docs_markdown
 
     doc = ROOT / "docs" / "CONFIG.md"
     assert doc.read_text() == config_docs_markdown(), "docs/CONFIG.md is stale: run `geofed config-docs > docs/CONFIG.md`"

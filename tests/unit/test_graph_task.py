@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 from geofed.regions.tasks.base import make_task, task_config_class
 from geofed.regions.tasks.graph import GcnPlanetoidConfig, GcnPlanetoidTask, GraphShard
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import config_from_mapping, load_config
-from geofed.orchestrator.launch import (
+from geofed.orchestrator.launch.plan import (
     LaunchPlan,
     build_plan,
     ray_settings,
     ray_start_argv,
 )
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "multi-region.yaml"

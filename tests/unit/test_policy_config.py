@@ -2,11 +2,11 @@
 
 import pytest
 
-from geofed.orchestrator import strict
+from geofed.orchestrator.config import strict
 from geofed.orchestrator.config import SyncSection
 from geofed.orchestrator.policies import (AdacommPolicyConfig, BandwidthPolicyConfig, FixedPolicyConfig,
                                           policy_config_class)
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 
 
 def test_registry_knows_every_kind():

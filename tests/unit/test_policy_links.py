@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.coordinator import WARMUP_ROUNDS, Coordinator
+from geofed.orchestrator.driver.coordinator import WARMUP_ROUNDS, Coordinator
 from geofed.orchestrator.policies import BandwidthPolicyConfig
 from geofed.orchestrator.policies.cost import H_for_sync, budget_for_H
 from geofed.orchestrator.policies import LinkEstimate

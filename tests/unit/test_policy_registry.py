@@ -9,7 +9,7 @@ import pytest
 
 from geofed.compression import CodecSpec
 from geofed.orchestrator.config import config_from_mapping, to_mapping
-from geofed.orchestrator.coordinator import Coordinator
+from geofed.orchestrator.driver.coordinator import Coordinator
 from geofed.orchestrator.policies import (
     AdacommPolicy,
     BandwidthPolicyConfig,
@@ -23,7 +23,7 @@ from geofed.orchestrator.policies import (
     register_policy,
     registry,
 )
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 
 
 # ---- a policy that is not geofed's: H halves every round, every link on the strongest rung ----

@@ -9,7 +9,7 @@ import pytest
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.report import RunDirError, load_run, write_report
 from geofed.orchestrator.report.facts import headline
-from geofed.orchestrator.strict import ConfigError
+from geofed.orchestrator.config.strict import ConfigError
 from test_report_fakerun import REGIONS, fake_run_dir
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from geofed.orchestrator.strict import build
+from geofed.orchestrator.config.strict import build
 from geofed.regions.tasks import make_task, task_config_class
 from geofed.regions.tasks.sharding import partition_indices
 

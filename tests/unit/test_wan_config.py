@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from geofed.orchestrator import strict
+from geofed.orchestrator.config import strict
 from geofed.p2p.wan import EmulationConfig, LinkSpec, ScheduleEvent, WanEmulator, load_preset, preset_names
 from geofed.p2p.wan.links import LinkTable
 

@@ -20,7 +20,7 @@ import ray
 from geofed.p2p.tls import TlsMaterial, load_tls
 from geofed.regions.actor import region_actor_class
 
-from .config import RunConfig
+from ..config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from typing import Any
 from geofed.compression import CodecSpec
 from geofed.regions.worker import RoundPlan
 
-from .config import RunConfig
-from .policies import LinkEstimate, Measurements, make_policy
-from .policies.links import LinkView
+from ..config import RunConfig
+from ..policies import LinkEstimate, Measurements, make_policy
+from ..policies.links import LinkView
 
 OVERHEAD_WINDOW = 5  # rounds in the minimum of the per-round control-plane overhead
 STEP_WINDOW = 5      # rounds in the minimum of the step time (regions time-sharing cores read +-40% a round)

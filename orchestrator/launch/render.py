@@ -6,7 +6,7 @@ import os
 import shlex
 from pathlib import Path
 
-from .launch import LaunchPlan, NodePlan, ray_start_argv
+from .plan import LaunchPlan, NodePlan, ray_start_argv
 
 
 def write_plan(plan: LaunchPlan, out: Path) -> Path:

@@ -13,7 +13,7 @@ Discriminated sections (a policy, a task, a link spec with a ``kind``) are decla
 ``field(metadata={"choose": fn})``: ``fn(kind) -> dataclass`` picks the class from the mapping's
 ``kind`` key and raises ``KeyError`` with the known names when the kind is unknown.
 
-Reading the YAML itself (files, limits, duplicate keys, --set) is orchestrator/yamlconfig.py;
+Reading the YAML itself (files, limits, duplicate keys, --set) is orchestrator/config/yamlconfig.py;
 its entry points are re-exported here.
 """
 

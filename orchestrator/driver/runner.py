@@ -16,7 +16,7 @@ from geofed.regions import checkpoint
 from geofed.regions.worker import rss_mb
 
 from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
-from .config import RunConfig, load_config
+from ..config import RunConfig, load_config
 from .coordinator import Coordinator
 from .emulation import configured_link, start_emulation
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
@@ -25,7 +25,7 @@ from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
 from .rundir import Clock, JsonlLog, ensure_private_dir, new_run_dir, process_age_s, write_json
-from .strict import ConfigError
+from ..config.strict import ConfigError
 from .summary import build_summary, evaluate_average
 
 
@@ -60,7 +60,7 @@ def run_from_args(args) -> int:
         runner.shutdown()
     print_summary(summary, str(run_dir))
     if cfg.run.report and not args.no_report:
-        from .report import write_report
+        from ..report import write_report
 
         print(f"report: {write_report(run_dir)}")
     print(f"run directory: {run_dir}")

@@ -23,7 +23,7 @@ import ray
 
 from .recovery import RunFailed, first_line, plan_resync
 
-log = logging.getLogger("geofed.orchestrator.runner")
+log = logging.getLogger("geofed.orchestrator.driver.runner")
 
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
 

@@ -18,7 +18,7 @@ import torch
 
 from geofed.regions.sketch import consensus_from_sketches
 
-from .config import RunConfig
+from ..config import RunConfig
 from .recovery import RunFailed
 from .summary import evaluate_average
 

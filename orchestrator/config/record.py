@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig, config_from_mapping, to_mapping
-from .rundir import read_json_file, utc_now, write_json
+from . import RunConfig, config_from_mapping, to_mapping
+from ..driver.rundir import read_json_file, utc_now, write_json
 from .strict import ConfigError
 
 RECORD_FILE = "config.record.json"
@@ -101,7 +101,7 @@ def check_resume(run_dir: Path, config_yaml: bytes, file_cfg: RunConfig, cfg: Ru
                           f"config.yaml now {sha256(config_yaml)[:12]}): " + "; ".join(lines) + f". {hint}",
                           source=str(run_dir / "config.yaml"))
     if changes or sha256(config_yaml) != record["sha256"]:
-        from .rundir import write_config  # config.yaml now says what the run runs with
+        from ..driver.rundir import write_config  # config.yaml now says what the run runs with
 
         history = list(record.get("changes") or [])
         if changes:

@@ -17,13 +17,13 @@ from typing import Any, NamedTuple
 
 from geofed.regions import checkpoint
 
-from .config import RunConfig, config_from_mapping
+from ..config import RunConfig, config_from_mapping
 from .leftovers import reap_previous
 from .recovery import RunFailed, schedule_after
-from .config_record import check_resume
+from ..config.record import check_resume
 from .rundir import ensure_private_dir, read_jsonl, truncate_jsonl
-from .strict import ConfigError
-from .yamlconfig import parse_yaml, read_config_bytes
+from ..config.strict import ConfigError
+from ..config.yamlconfig import parse_yaml, read_config_bytes
 
 
 class DriverCheckpoint(NamedTuple):
@@ -35,7 +35,7 @@ class DriverCheckpoint(NamedTuple):
 
 def resume_config(run_dir: Path, overrides, allow: Sequence[str] = ()) -> tuple[RunConfig, Path]:
     """The run's config: config.yaml, which must match the run's record of it, with the --set
-    overrides, of which only keys named in `allow` may change it (orchestrator/config_record.py)."""
+    overrides, of which only keys named in `allow` may change it (orchestrator/config/record.py)."""
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))

@@ -17,8 +17,8 @@ import yaml
 from geofed.regions.checkpoint import PRIVATE_DIR, PRIVATE_FILE, make_private_dirs, write_bytes_atomic
 from geofed.regions.inputfiles import InputFileError, read_regular
 
-from .config import RunConfig, to_mapping
-from .strict import ConfigError
+from ..config import RunConfig, to_mapping
+from ..config.strict import ConfigError
 
 
 def new_run_dir(cfg: RunConfig, out: str | None) -> Path:
@@ -78,8 +78,8 @@ def _refuse_links(out_dir: Path, key: str) -> None:
 
 
 def write_config(run_dir: Path, cfg: RunConfig, *, changes: list | None = None) -> None:
-    """config.yaml and the record --resume checks it against (orchestrator/config_record.py)."""
-    from .config_record import write_record
+    """config.yaml and the record --resume checks it against (orchestrator/config/record.py)."""
+    from ..config.record import write_record
 
     text = yaml.safe_dump(to_mapping(cfg), sort_keys=False).encode()
     write_bytes_atomic(Path(run_dir) / "config.yaml", text)

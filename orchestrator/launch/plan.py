@@ -18,8 +18,8 @@ from typing import Any
 from geofed.p2p.wan.links import LinkTable
 from geofed.p2p.wan.presets import load_preset
 
-from .config import RunConfig, load_config
-from .strict import ConfigError
+from ..config import RunConfig, load_config
+from ..config.strict import ConfigError
 
 REGION_LABEL = "ray.io/availability-region"   # what RAY_NODE_REGION sets
 PLAN_VERSION = 1
@@ -82,7 +82,7 @@ class LaunchPlan:
 
 def plan_from_args(args) -> int:
     """The CLI's `geofed launch plan`: ConfigError (exit 2) for a config that cannot run multi-region."""
-    from .launch_render import write_plan
+    from .render import write_plan
 
     cfg = load_config(args.config, args.overrides)
     plan = build_plan(cfg, config_path=str(Path(args.config).resolve()))

@@ -35,8 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig, config_from_mapping, load_config, to_mapping
-from .strict import ConfigError
+from ..config import RunConfig, config_from_mapping, load_config, to_mapping
+from ..config.strict import ConfigError
 
 ARMS = ("centralized", "local_only", "gossip_uncompressed", "geofed")
 RUNTIME_ARMS = ("gossip_uncompressed", "geofed")
@@ -157,7 +157,7 @@ def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: 
     from geofed.regions.graph.baselines import centralized, local_only
     from geofed.regions.tasks import make_task
 
-    from .runner import prepare_task
+    from ..driver.runner import prepare_task
 
     base = prepare_task(base, source="geofed bench dfgl")
     torch.set_num_threads(1)
@@ -224,9 +224,9 @@ def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
 
     from geofed.regions.inprocess import InProcessRegions
 
-    from .coordinator import Coordinator
-    from .rundir import Clock
-    from .summary import evaluate_average
+    from ..driver.coordinator import Coordinator
+    from ..driver.rundir import Clock
+    from ..driver.summary import evaluate_average
 
     with tempfile.TemporaryDirectory(prefix="geofed-dfgl-") as tmp, InProcessRegions(cfg, tmp, task=task) as group:
         params = sum(p.numel() for p in group.workers[group.regions[0]].params)
@@ -254,8 +254,8 @@ def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
 
 def run_once(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """One `geofed run` (no report, no progress bar); the record the bench keeps of it."""
-    from .rundir import new_run_dir, read_jsonl
-    from .runner import Runner
+    from ..driver.rundir import new_run_dir, read_jsonl
+    from ..driver.runner import Runner
 
     run_dir = new_run_dir(cfg, str(run_dir))
     runner = Runner(cfg, run_dir, show_progress=False)
@@ -285,7 +285,7 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, float]:
 
 def write_report(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path | None:
     """Comparison report of the runtime arms (every seed's run), for issue 10's bench reports."""
-    from .report import write_comparison
+    from ..report import write_comparison
 
     dirs, labels = [], []
     for arm in RUNTIME_ARMS:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from geofed.regions.tasks.base import task_config_class, task_kinds
 
-from .config import RunConfig
-from .policies import policy_config_class, policy_kinds
+from . import RunConfig
+from ..policies import policy_config_class, policy_kinds
 from .strict import field_docs
 
 HEADER = """# Config reference
@@ -27,7 +27,7 @@ def _table(rows) -> str:
 
 
 def _clean_type(tp: str) -> str:
-    for prefix in ("geofed.orchestrator.config.", "geofed.orchestrator.launch_config.", "geofed.p2p.wan.config.",
+    for prefix in ("geofed.orchestrator.config.", "geofed.orchestrator.launch.config.", "geofed.p2p.wan.config.",
                    "geofed.compression.spec.", "<class '", "'>"):
         tp = tp.replace(prefix, "")
     return tp.replace("|", "\\|")

@@ -30,9 +30,9 @@ from typing import Any
 
 from geofed.p2p.adversary import HostilePeer
 
-from .config import config_from_mapping
-from .rundir import read_jsonl
-from .runner import Runner
+from ..config import config_from_mapping
+from ..driver.rundir import read_jsonl
+from ..driver.runner import Runner
 
 SLOPE_TARGET_MB_PER_MIN = 1.0
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]

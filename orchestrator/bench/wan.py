@@ -32,8 +32,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from .bench_wan_arms import QUICK, SCENARIOS, Arm, Scenario, build_arms
-from .bench_wan_results import ArmResult, measure, ratios
+from .wan_arms import QUICK, SCENARIOS, Arm, Scenario, build_arms
+from .wan_results import ArmResult, measure, ratios
 
 TARGETS = {  # issue 6
     "steady": {"time_vs_allreduce": 20.0, "bytes_vs_allreduce": 1000.0},
@@ -68,9 +68,9 @@ def main(argv: Sequence[str]) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out or f"runs/bench-wan-{scenario.name}-{stamp}")
     console = Console(stderr=True)
-    from .cluster import PlacementError
-    from .recovery import Interrupted
-    from .runner import RunFailed
+    from ..driver.cluster import PlacementError
+    from ..driver.recovery import Interrupted
+    from ..driver.runner import RunFailed
 
     try:
         doc, results, report = run_bench(scenario, out, console=console)
@@ -95,7 +95,7 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
     the per-arm results and the comparison report's path."""
     import ray
 
-    from .report import write_comparison
+    from ..report import write_comparison
 
     console = console or Console(stderr=True)
     arms = build_arms(scenario, base)
@@ -130,8 +130,8 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
 
 
 def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index: int, total: int) -> ArmResult:
-    from .rundir import new_run_dir
-    from .runner import Runner, prepare_task
+    from ..driver.rundir import new_run_dir
+    from ..driver.runner import Runner, prepare_task
 
     cfg = prepare_task(arm.cfg, source=f"bench wan arm {arm.name}")
     run_dir = new_run_dir(cfg, str(out / arm.name))
@@ -261,7 +261,7 @@ def _min_round_util(run_dir: str) -> float | None:
 
 def _round_utils(run_dir: str) -> list[float]:
     """rounds.jsonl's utilisation (mean over regions) of every round."""
-    from .rundir import read_jsonl
+    from ..driver.rundir import read_jsonl
 
     return [r["utilization"] for r in read_jsonl(Path(run_dir) / "rounds.jsonl") if r.get("utilization") is not None]
 

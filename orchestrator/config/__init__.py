@@ -17,8 +17,8 @@ from geofed.p2p.wan.config import EmulationConfig
 from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_config_class
 
 from . import strict
-from .launch_config import LaunchSection
-from .policies import FixedPolicyConfig, policy_config_class
+from ..launch.config import LaunchSection
+from ..policies import FixedPolicyConfig, policy_config_class
 from .strict import ConfigError
 
 MAX_REGIONS = 256

@@ -6,7 +6,7 @@
 - ``plan_resync``: after a round in which some regions missed an in-neighbour's update, which
   region pulls the model from which (DiLoCo/all-reduce over a full topology keep one model).
 - ``Interrupted``: raised by the runner after a clean stop.
-- what a killed driver left running: orchestrator/leftovers.py (re-exported here).
+- what a killed driver left running: orchestrator/driver/leftovers.py (re-exported here).
 """
 
 from __future__ import annotations

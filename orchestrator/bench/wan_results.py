@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .report.facts import to_target, training_start
-from .report.load import load_run
+from ..report.facts import to_target, training_start
+from ..report.load import load_run
 
 FINAL_FRACTION = 0.1  # final loss: step-weighted mean train loss over the last 10% of steps
 

@@ -36,8 +36,8 @@ from typing import Any
 from geofed.p2p.wan.hub import RegionLinks, RegionNet
 from geofed.p2p.wan.kernel import _run as _ip
 
-from .launch import LaunchPlan
-from .launch_local import LocalCluster, LocalNode, _signal_pid
+from ..launch.plan import LaunchPlan
+from ..launch.local import LocalCluster, LocalNode, _signal_pid
 
 POLL_S = 0.02          # how often run() looks for new lines in the run directory
 _KILL_GRACE_S = 5.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .config import RunConfig
+from ..config import RunConfig
 
 
 def start_emulation(cfg: RunConfig, regions: Sequence[str]):

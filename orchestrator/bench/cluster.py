@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .bench_cluster_arms import (
+from .cluster_arms import (
     ARMS,
     REGIONS,
     Target,
@@ -37,7 +37,7 @@ from .bench_cluster_arms import (
     target_supported,
     write_config,
 )
-from .config import config_from_mapping
+from ..config import config_from_mapping
 
 PROBE_ROUNDS = 3
 
@@ -55,7 +55,7 @@ def start_cluster(spec: ClusterSpec, mapping: dict[str, Any]):
     """The launch plan of `mapping` brought up on shaped namespaces (a started ShapedCluster)."""
     from geofed.p2p.wan.hub import RegionLinks
 
-    from .launch import build_plan
+    from ..launch.plan import build_plan
     from .netns_cluster import ShapedCluster
 
     plan = build_plan(config_from_mapping(copy.deepcopy(mapping), source="bench cluster"))

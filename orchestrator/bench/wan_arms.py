@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import RunConfig, config_from_mapping, default_config_path
-from .strict import parse_yaml_file
+from ..config import RunConfig, config_from_mapping, default_config_path
+from ..config.strict import parse_yaml_file
 
 BASE_CONFIG = "bench-wan.yaml"
 

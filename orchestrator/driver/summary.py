@@ -9,7 +9,7 @@ import torch
 
 from geofed.regions.tasks import make_task
 
-from .config import RunConfig
+from ..config import RunConfig
 from .emulation import configured_link
 from .rundir import read_jsonl
 
