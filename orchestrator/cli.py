@@ -15,8 +15,8 @@ from .config.strict import ConfigError
 # `geofed bench NAME ...` forwards to NAME's module `main(argv) -> int` (imported lazily: each
 # pulls in torch, gRPC or Ray, which `geofed validate` should not pay for).
 BENCHES = {
-    "codecs": ("geofed.compression.bench", "codec speed, ratio and error against the memory-bandwidth ceiling"),
-    "link": ("geofed.p2p.bench", "gRPC transfer rate on loopback and over an emulated WAN link"),
+    "codecs": ("geofed.orchestrator.bench.codecs", "codec speed, ratio and error against the memory-bandwidth ceiling"),
+    "link": ("geofed.orchestrator.bench.link", "gRPC transfer rate on loopback and over an emulated WAN link"),
     "wan": ("geofed.orchestrator.bench.wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
     "dfgl": ("geofed.orchestrator.bench.dfgl", "decentralized federated graph learning against centralized"),
     "cluster": ("geofed.orchestrator.bench.cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),

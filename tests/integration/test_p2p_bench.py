@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from geofed.p2p import bench
+from geofed.orchestrator.bench import link as bench
 
 pytestmark = pytest.mark.timeout(120)
 

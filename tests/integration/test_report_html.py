@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from geofed.orchestrator.report import write_report
-from geofed.orchestrator.report.check import blank_problem, report_problems
+from support.report_check import blank_problem, report_problems
 from test_report_fakerun import fake_run_dir
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.report import write_report
-from geofed.orchestrator.report.check import html_refs, report_problems
+from support.report_check import html_refs, report_problems
 from test_report_html import assert_plots_rendered
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 
 from geofed.orchestrator.policies import (AdacommPolicyConfig, BandwidthPolicyConfig, FixedPolicyConfig,
                                           LinkEstimate, Measurements, make_policy)
-from geofed.orchestrator.policies.simulate import table_ratio
+from support.policy_sim import table_ratio
 
 ratio = table_ratio({"fp16": 2.0, "int8": 3.9})
 LINKS = {"a->b": LinkEstimate(bandwidth_bps=50e6, rtt_s=0.08), "b->a": LinkEstimate(bandwidth_bps=50e6, rtt_s=0.08)}

@@ -10,7 +10,7 @@ from geofed.orchestrator.policies import (
     LinkEstimate,
     make_policy,
 )
-from geofed.orchestrator.policies.simulate import table_ratio
+from support.policy_sim import table_ratio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_links import measurements, mesh

@@ -1,6 +1,6 @@
 """Policies against the in-process link model: the directions issue 6 asks of `geofed bench wan`.
 
-The loss model is a toy (see simulate.py); these tests check what follows from the link and
+The loss model is a toy (see tests/support/policy_sim.py); these tests check what follows from the link and
 time arithmetic: H rises when bandwidth falls, adaptive H beats per-step sync and the fixed H
 that was best before a drop, slow links get stronger codecs, noise does not churn H.
 """
@@ -9,7 +9,7 @@ import pytest
 
 from geofed.orchestrator.policies import (AdacommPolicyConfig, BandwidthPolicyConfig, FixedPolicyConfig,
                                           make_policy)
-from geofed.orchestrator.policies.simulate import LossModel, Scenario, simulate, table_ratio
+from support.policy_sim import LossModel, Scenario, simulate, table_ratio
 
 RATIOS = {"identity": 1.0, "fp16": 2.0, "int8": 3.9, "int4": 7.5, "topk": 50.0}
 ratio = table_ratio(RATIOS)

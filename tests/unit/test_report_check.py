@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from geofed.orchestrator.report.check import png_problems, report_problems
+from support.report_check import png_problems, report_problems
 from PIL import Image
 
 

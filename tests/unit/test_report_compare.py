@@ -11,7 +11,7 @@ from geofed.orchestrator.report import (
     write_comparison,
     write_report,
 )
-from geofed.orchestrator.report.check import html_refs, report_problems
+from support.report_check import html_refs, report_problems
 from geofed.orchestrator.report.facts import default_target, to_target
 from test_report_fakerun import REGIONS, fake_run_dir
 

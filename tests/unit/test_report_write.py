@@ -6,7 +6,7 @@ import json
 
 import pytest
 from geofed.orchestrator.report import write_report
-from geofed.orchestrator.report.check import html_refs, report_problems
+from support.report_check import html_refs, report_problems
 from test_report_fakerun import REGIONS, fake_run_dir
 
 ALL_RUN_PLOTS = {"loss.png", "eval.png", "sync.png", "bytes_matrix.png", "bytes_cumulative.png",

@@ -26,8 +26,8 @@ from typing import Any
 
 from geofed.compression import CodecSpec
 
-from .cost import RatioFn, payload_bytes
-from .types import LinkEstimate, Measurements, Policy
+from geofed.orchestrator.policies.cost import RatioFn, payload_bytes
+from geofed.orchestrator.policies.types import LinkEstimate, Measurements, Policy
 
 
 def table_ratio(ratios: Mapping[str, float]) -> RatioFn:
