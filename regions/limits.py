@@ -37,13 +37,6 @@ class WireLimits:
     max_rpc_s: float
 
 
-def wire_shapes(cfg: Any, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """What one message holds: the parameters; gossip with gradient tracking adds the tracker
-    (regions/sync/gossip.py, GossipSync.wire_shapes)."""
-    s = cfg.sync
-    return list(shapes) * (2 if s.algorithm == "gossip" and s.gossip.tracking else 1)
-
-
 def encoded_bytes(spec: Any, shapes: Sequence[tuple[int, ...]]) -> int:
     """The payload size of an update of these shapes under codec `spec` (its sections, no encode)."""
     numel = sum(math.prod(s) for s in shapes)
@@ -54,7 +47,8 @@ def encoded_bytes(spec: Any, shapes: Sequence[tuple[int, ...]]) -> int:
 
 
 def wire_limits(cfg: Any, shapes: Sequence[tuple[int, ...]]) -> WireLimits:
-    shapes = wire_shapes(cfg, shapes)
+    """The size and time bounds of one region's wire, from the run config and `shapes`, the
+    tensors one message holds (the sync algorithm's wire_shapes)."""
     decoded = 4 * sum(math.prod(s) for s in shapes)
     net, comp = cfg.network, cfg.compression
     if net.max_message_mb is not None:

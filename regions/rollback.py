@@ -84,9 +84,7 @@ class RoundGuard:
         w.model.load_state_dict(state["model"])
         w.inner.load_state_dict(state["inner"])
         w.algorithm.load_state_dict(state["algorithm"])
-        after = getattr(w.algorithm, "rolled_back", None)
-        if after is not None:
-            after()  # gossip: our public copy moved with the round's message; start it over
+        w.algorithm.rolled_back()  # gossip: our public copy moved with the round's message; start it over
         loss = self.probe_loss()
         if not math.isfinite(loss):
             raise FloatingPointError(f"{exc}; the state at the start of the round gives a loss of {loss} too") from exc

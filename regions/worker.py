@@ -27,6 +27,7 @@ from geofed.p2p.topology import make_topology
 from . import checkpoint
 from .sync import ALGORITHMS, mix
 from .sync.common import merge_exchange_metrics
+from .sync.protocol import SyncAlgorithm, SyncContext
 from .exchange import Exchanger
 from .limits import wire_limits
 from .rollback import RoundGuard
@@ -74,7 +75,11 @@ class RegionWorker:
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
-        self.limits = wire_limits(cfg, self.shapes)
+        algorithm_cls = ALGORITHMS[cfg.sync.algorithm]
+        # What one message holds (gossip with tracking: params + tracker): the receiver's decode
+        # check and the size limits both follow the algorithm's word on it.
+        self.wire_shapes = algorithm_cls.wire_shapes(cfg.sync, self.shapes)
+        self.limits = wire_limits(cfg, self.wire_shapes)
         sec = cfg.security
         self.admission = UpdateAdmission(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
                                          norm_multiple=sec.norm_multiple)
@@ -89,12 +94,19 @@ class RegionWorker:
                                    deadline=AdaptiveDeadline(d.initial_s, d.min_s, d.max_s, d.k),
                                    send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
         self.exchanger.observe_own = self.admission.observe_own
-        self.algorithm = ALGORITHMS[cfg.sync.algorithm](self)
+        self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
         self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
         self.completed_round = -1
         self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
         self.model.train()
+
+    def _sync_context(self) -> SyncContext:
+        """The algorithm's view of this region (bound methods: a subclass's overrides apply)."""
+        return SyncContext(region=self.region, index=self.index, params=self.params, shapes=self.shapes,
+                           settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
+                           mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
+                           evaluate=self.evaluate_params)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
@@ -131,7 +143,7 @@ class RegionWorker:
         if plan.final:
             # Overlap: the round's own exchange is still in flight; its bytes add to this round's.
             merge_exchange_metrics(metrics, self.finish_pending())
-        if plan.evaluate and not getattr(self.algorithm, "evaluates_in_exchange", False):
+        if plan.evaluate and not self.algorithm.evaluates_in_exchange:
             t_eval = time.monotonic()
             metrics["eval"] = {**self.evaluate_synced(), "round": plan.round}
             metrics["eval_s"] = round(time.monotonic() - t_eval, 6)
@@ -218,11 +230,14 @@ class RegionWorker:
     def in_weights(self, round_: int) -> dict[str, float]:
         return {self.regions[j]: w for j, w in self.topology.in_weights(self.index, round_).items()}
 
-    def exchange(self, plan: RoundPlan, tensors, *, single_codec: bool = False):
+    def exchange(self, plan: RoundPlan, tensors, *, single_codec: bool = False, send: bool = True):
+        """Push `tensors` to this round's live out-neighbours (none with send=False: a rejoining
+        gossip region only listens), collect from live in-neighbours (SyncContext.exchange)."""
         alive = set(plan.alive) if plan.alive is not None else None
         in_peers = [p for p in self.in_weights(plan.round) if alive is None or p in alive]
         codecs = {} if single_codec else plan.codecs
-        return self.exchanger.exchange(plan.round, tensors, out_peers=self.out_peers(plan), in_peers=in_peers,
+        out_peers = self.out_peers(plan) if send else []
+        return self.exchanger.exchange(plan.round, tensors, out_peers=out_peers, in_peers=in_peers,
                                        codecs=codecs, default_codec=self.cfg.compression.codec)
 
     def mix(self, plan: RoundPlan, own, res) -> list[torch.Tensor]:
@@ -235,10 +250,7 @@ class RegionWorker:
         """Called by the transport for every incoming update: refuse (ValueError, or a Refusal
         with its own reason from admission) what is not sane."""
         try:
-            # An algorithm that sends more than the parameters (gossip with gradient tracking
-            # sends params + tracker) says what its messages hold.
-            shapes = getattr(self.algorithm, "wire_shapes", None) or self.shapes
-            tensors = decode_update(payload, max_bytes=self.limits.decode_bytes, expected_shapes=shapes)
+            tensors = decode_update(payload, max_bytes=self.limits.decode_bytes, expected_shapes=self.wire_shapes)
         except CodecError as exc:
             raise ValueError(f"undecodable update from {sender}: {exc}") from None
         return self.admission.admit(sender, tensors)

@@ -5,32 +5,38 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-
 from .common import exchange_metrics
+from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
-    from ..worker import RegionWorker, RoundPlan
+    from ..worker import RoundPlan
 
 
 class AllReduceSync:
     """Per-step gradient averaging in fp32: what plain data parallelism sends, as a baseline."""
 
-    def __init__(self, w: "RegionWorker"):
-        self.w = w
+    evaluates_in_exchange = False
 
-    def run_round(self, plan: "RoundPlan") -> dict[str, Any]:
-        w = self.w
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+
+    @classmethod
+    def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
+        return list(shapes)
+
+    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        ctx = self.ctx
         t0 = time.monotonic()
-        loss = w.forward_backward()
+        loss = ctx.stepper.forward_backward()
         compute_s = time.monotonic() - t0
-        grads = [p.grad.detach().clone() for p in w.params]
+        grads = [p.grad.detach().clone() for p in ctx.params]
         t1 = time.monotonic()
-        res = w.exchange(plan, grads)
-        mixed = w.mix(plan, grads, res)
-        for p, g in zip(w.params, mixed):
+        res = ctx.exchange(plan, grads)
+        mixed = ctx.mix(plan, grads, res)
+        for p, g in zip(ctx.params, mixed):
             p.grad.copy_(g)
         t2 = time.monotonic()
-        w.optimizer_step(plan.lr_scale)
+        ctx.stepper.optimizer_step(plan.lr_scale)
         compute_s += time.monotonic() - t2
         return {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s, "steps": 1,
                 "sync_s": t2 - t1, **exchange_metrics(res)}
@@ -40,12 +46,15 @@ class AllReduceSync:
 
     def eval_params(self) -> list:
         """Every step is averaged: the local model is everyone's."""
-        return self.w.params
+        return self.ctx.params
 
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, d: dict) -> None:
+        pass
+
+    def rolled_back(self) -> None:
         pass
 
     def close(self) -> None:

@@ -28,35 +28,42 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .common import exchange_metrics, no_exchange_metrics
+from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
-    from ..worker import RegionWorker, RoundPlan
+    from ..worker import RoundPlan
 
 
 class DilocoSync:
-    def __init__(self, w: RegionWorker):
-        self.w = w
-        outer = w.cfg.sync.outer
-        self.global_params = [p.detach().clone() for p in w.params]
+    """H inner steps, then an outer step on the mixed pseudo-gradients (optionally overlapped)."""
+
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+        outer = ctx.settings.outer
+        self.global_params = [p.detach().clone() for p in ctx.params]
         for g in self.global_params:
             g.grad = torch.zeros_like(g)
         self.outer_opt = torch.optim.SGD(self.global_params, lr=outer.lr, momentum=outer.momentum,
                                          nesterov=outer.nesterov and outer.momentum > 0)
-        self.overlap = w.cfg.sync.overlap
+        self.overlap = ctx.settings.overlap
         self._pending: Future | None = None
         self._pending_round: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap") if self.overlap else None
-        self._start = [p.detach().clone() for p in w.params] if self.overlap else None  # where this round began
+        self._start = [p.detach().clone() for p in ctx.params] if self.overlap else None  # where this round began
+
+    @classmethod
+    def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
+        return list(shapes)
 
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
-        w = self.w
-        metrics = w.inner_steps(plan.H, plan.lr_scale)
+        ctx = self.ctx
+        metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale)
         start = self._start if self.overlap else self.global_params
-        delta = [s.detach() - p.detach() for s, p in zip(start, w.params)]
+        delta = [s.detach() - p.detach() for s, p in zip(start, ctx.params)]
         t0 = time.monotonic()
         if not self.overlap:
-            res = w.exchange(plan, delta)
-            self._outer_step(w.mix(plan, delta, res))
+            res = ctx.exchange(plan, delta)
+            self._outer_step(ctx.mix(plan, delta, res))
             self._load_global()
             metrics.update(exchange_metrics(res))
         else:
@@ -77,14 +84,14 @@ class DilocoSync:
         return metrics
 
     def _exchange_and_mix(self, plan, delta):
-        res = self.w.exchange(plan, delta)
-        mixed = self.w.mix(plan, delta, res)
+        res = self.ctx.exchange(plan, delta)
+        mixed = self.ctx.mix(plan, delta, res)
         # The synchronised model of this round exists now, a round before it is applied: an eval
         # round evaluates it here, off the training thread, so time to target counts from when it
         # existed (global params and momentum stay untouched until _finish_pending has waited).
         ev = None
         if plan.evaluate:
-            ev = {**self.w.evaluate_params(self._preview_outer_step(mixed), restore_rng=False),
+            ev = {**self.ctx.evaluate(self._preview_outer_step(mixed), restore_rng=False),
                   "round": plan.round, "t_done": time.monotonic()}
         return res, mixed, ev
 
@@ -106,7 +113,7 @@ class DilocoSync:
     def _finish_pending(self) -> dict[str, Any]:
         t0 = time.monotonic()
         try:
-            res, mixed, ev = self._pending.result(timeout=self.w.cfg.sync.deadline.max_s * 2 + 60)
+            res, mixed, ev = self._pending.result(timeout=self.ctx.settings.deadline.max_s * 2 + 60)
         finally:
             self._pending, exchange_round, self._pending_round = None, self._pending_round, None
         waited = time.monotonic() - t0
@@ -121,6 +128,9 @@ class DilocoSync:
         """With overlap, an eval round's model is evaluated when its exchange completes."""
         return self.overlap
 
+    def rolled_back(self) -> None:
+        pass  # the worker restored our state_dict (global model, outer momentum) with the round's start
+
     def _outer_step(self, mixed: list[torch.Tensor]) -> None:
         for g, m in zip(self.global_params, mixed):
             g.grad.copy_(m)
@@ -129,13 +139,13 @@ class DilocoSync:
     def _load_global(self, unsynced: list[torch.Tensor] | None = None) -> None:
         """Local model = global model (minus the region's own progress still in flight)."""
         with torch.no_grad():
-            for i, (p, g) in enumerate(zip(self.w.params, self.global_params)):
+            for i, (p, g) in enumerate(zip(self.ctx.params, self.global_params)):
                 if unsynced is None:
                     p.copy_(g)
                 else:
                     torch.sub(g, unsynced[i], out=p)
         if self.overlap:
-            self._start = [p.detach().clone() for p in self.w.params]
+            self._start = [p.detach().clone() for p in self.ctx.params]
 
     def eval_params(self) -> list[torch.Tensor]:
         """The global model (after the last applied outer step): what every region of a full

@@ -36,9 +36,10 @@ from geofed.p2p.transport import TransportError
 from ..exchange import ExchangeResult
 from ..graph.tracking import GradientTracker
 from .common import exchange_metrics
+from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
-    from ..worker import RegionWorker, RoundPlan
+    from ..worker import RoundPlan
 
 log = logging.getLogger(__name__)
 KEEP_PUBLISHED = 2  # own public copies kept for resyncing peers: this round's and the last
@@ -84,28 +85,34 @@ class _PublicCopies(ChocoGossip):
 class GossipSync:
     """Decentralized gossip on the parameters (and the gradient tracker) after H local steps."""
 
-    def __init__(self, w: RegionWorker):
-        self.w = w
-        g = w.cfg.sync.gossip
+    evaluates_in_exchange = False
+
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+        g = ctx.settings.gossip
         self.choco_on, self.gamma = g.choco, g.gamma
         self.tracker = GradientTracker() if g.tracking else None
-        # What worker._validate expects in a message: params, then y in the params' shapes.
-        self.wire_shapes = list(w.shapes) * (2 if self.tracker else 1)
-        self.choco = _PublicCopies(gamma=self.gamma, shapes=self.wire_shapes) if self.choco_on else None
+        self.message_shapes = self.wire_shapes(ctx.settings, ctx.shapes)
+        self.choco = _PublicCopies(gamma=self.gamma, shapes=self.message_shapes) if self.choco_on else None
         self.published: dict[int, list[torch.Tensor]] = {}
-        self.region = w.region
+        self.region = ctx.region
         self.round = -1
         self.rejoined = False
         self._lock = threading.Lock()  # against FetchState threads reading our state mid-round
         # Dropout draws from torch's global generator: seed it per region so that a run repeats.
-        torch.manual_seed(w.cfg.run.seed * 1000 + w.index)
+        torch.manual_seed(ctx.seed * 1000 + ctx.index)
         if self.choco is not None:
             self._publish(-1)
+
+    @classmethod
+    def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
+        """Params, then (gradient tracking) the tracker y in the params' shapes."""
+        return list(shapes) * (2 if settings.gossip.tracking else 1)
 
     # -- one round ---------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
         hook = self._track if self.tracker is not None else None
-        metrics = self.w.inner_steps(plan.H, plan.lr_scale, before_step=hook)
+        metrics = self.ctx.stepper.inner_steps(plan.H, plan.lr_scale, before_step=hook)
         t0 = time.monotonic()
         x = self._vector()
         if self.choco is None:
@@ -120,25 +127,25 @@ class GossipSync:
         return metrics
 
     def _track(self, k: int) -> None:
-        self.tracker.correct(self.w.params, first_step_of_round=(k == 0))
+        self.tracker.correct(self.ctx.params, first_step_of_round=(k == 0))
 
     def _vector(self) -> list[torch.Tensor]:
-        params = [p.detach() for p in self.w.params]
+        params = [p.detach() for p in self.ctx.params]
         if self.tracker is None:
             return params
-        return params + _split(self.tracker.y, self.w.shapes)
+        return params + _split(self.tracker.y, self.ctx.shapes)
 
     def _store(self, mixed: Sequence[torch.Tensor]) -> None:
-        n = len(self.w.params)
+        n = len(self.ctx.params)
         with torch.no_grad():
-            for p, m in zip(self.w.params, mixed[:n]):
+            for p, m in zip(self.ctx.params, mixed[:n]):
                 p.copy_(m)
         if self.tracker is not None:
             self.tracker.y = torch.cat([t.reshape(-1) for t in mixed[n:]]).to(self.tracker.y.dtype)
 
     def _plain_round(self, plan: RoundPlan, x: list[torch.Tensor]) -> ExchangeResult:
-        res = self.w.exchange(plan, x)
-        self._store(self.w.mix(plan, x, res))
+        res = self.ctx.exchange(plan, x)
+        self._store(self.ctx.mix(plan, x, res))
         return res
 
     def _choco_round(self, plan: RoundPlan, x: list[torch.Tensor]) -> tuple[ExchangeResult, dict[str, Any]]:
@@ -153,18 +160,14 @@ class GossipSync:
             for peer, q in res.received.items():
                 self.choco.incoming(peer, q)
             # All in-neighbours of the topology, up or not: one without a message becomes stale.
-            mixed = self.choco.step(x, self.w.in_weights(plan.round))
+            mixed = self.choco.step(x, self.ctx.in_weights(plan.round))
         self._store(mixed)
         self.rejoined = False
         return res, resync
 
     def _exchange(self, plan: RoundPlan, tensors, *, send: bool) -> ExchangeResult:
-        w = self.w
-        alive = set(plan.alive) if plan.alive is not None else None
-        in_peers = [p for p in w.in_weights(plan.round) if alive is None or p in alive]
         # One codec for every out-link: all neighbours must apply the same q to our public copy.
-        return w.exchanger.exchange(plan.round, tensors, out_peers=w.out_peers(plan) if send else [],
-                                    in_peers=in_peers, codecs={}, default_codec=w.cfg.compression.codec)
+        return self.ctx.exchange(plan, tensors, single_codec=True, send=send)
 
     # -- public copies: publish, resync ------------------------------------------------------
     def _publish(self, round_: int) -> None:
@@ -181,7 +184,7 @@ class GossipSync:
         done, nbytes = [], 0
         for peer in todo:
             try:
-                data = self.w.transport.fetch_state(peer, timeout_s=self.w.cfg.sync.deadline.max_s)
+                data = self.ctx.fetch_state(peer, timeout_s=self.ctx.settings.deadline.max_s)
                 nbytes += len(data)
                 snap = self._copy_from_state(peer, data, plan.round)
             except (TransportError, ValueError) as exc:
@@ -204,8 +207,8 @@ class GossipSync:
             raise ValueError(f"{peer} published no public copy before round {round_}")
         snap = published[max(before)]
         shapes = [tuple(t.shape) for t in snap] if isinstance(snap, list) else None
-        if shapes != [tuple(s) for s in self.wire_shapes]:
-            raise ValueError(f"public copy of {peer} has shapes {shapes}, expected {self.wire_shapes}")
+        if shapes != [tuple(s) for s in self.message_shapes]:
+            raise ValueError(f"public copy of {peer} has shapes {shapes}, expected {self.message_shapes}")
         if not all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in snap):
             raise ValueError(f"public copy of {peer} is not finite float32")
         return snap
@@ -216,7 +219,7 @@ class GossipSync:
 
     def eval_params(self) -> list[torch.Tensor]:
         """This region's own model: gossip's models differ until consensus."""
-        return self.w.params
+        return self.ctx.params
 
     def state_dict(self) -> dict:
         with self._lock:
@@ -245,11 +248,11 @@ class GossipSync:
         if self.choco is None:
             return
         y = self.tracker.y if self.tracker is not None else None
-        own = [p.detach() for p in self.w.params]
+        own = [p.detach() for p in self.ctx.params]
         if self.tracker is not None:
-            own += _split(y, self.w.shapes) if y is not None else [torch.zeros(s) for s in self.w.shapes]
+            own += _split(y, self.ctx.shapes) if y is not None else [torch.zeros(s) for s in self.ctx.shapes]
         with self._lock:
-            self.choco.reset(own, list(self.w.in_weights(self.round + 1)))
+            self.choco.reset(own, list(self.ctx.in_weights(self.round + 1)))
         self.published = {}
         self._publish(self.round)
         self.rejoined = True

@@ -8,6 +8,7 @@ import pytest
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.limits import MiB, encoded_bytes, wire_limits
+from geofed.regions.sync import GossipSync
 from geofed.regions.worker import RegionWorker
 
 REGIONS = ["a", "b", "c"]
@@ -34,10 +35,11 @@ def test_the_default_message_cap_follows_the_model_not_a_gigabyte():
     # A small model still gets 1 MiB; an explicit value wins.
     assert wire_limits(_cfg(), [(64, 16), (16,)]).max_message_bytes == MiB
     assert wire_limits(_cfg(network={"max_message_mb": 7}), big).max_message_bytes == 7 * MiB
-    # Gossip with gradient tracking sends the parameters twice.
+    # Gossip with gradient tracking sends the parameters twice (its wire_shapes say so).
     tracking = _cfg(sync={"algorithm": "gossip", "topology": "ring", "gossip": {"tracking": True}},
                     compression={"error_feedback": False})
-    assert wire_limits(tracking, big).max_message_bytes == pytest.approx(2 * lim.max_message_bytes, rel=0.01)
+    assert GossipSync.wire_shapes(tracking.sync, big) == big * 2
+    assert wire_limits(tracking, GossipSync.wire_shapes(tracking.sync, big)).max_message_bytes == pytest.approx(2 * lim.max_message_bytes, rel=0.01)
 
 
 def test_the_memory_budget_and_the_longest_call_are_bounded():

@@ -1,0 +1,90 @@
+"""The seam between a region worker and its sync algorithm.
+
+The worker owns the model, data, optimizer, transport and topology; an algorithm owns what a
+round sends and how it mixes what comes back. It gets a `SyncContext` (the parameters, an
+inner stepper, the exchange) instead of the worker itself, so an algorithm can be written and
+tested against that surface alone. To add one: a class with the `SyncAlgorithm` members in
+regions/sync/NAME.py, an entry in regions/sync/__init__.py's ALGORITHMS, and the name in
+orchestrator/config's `sync.algorithm` choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..exchange import ExchangeResult
+    from ..worker import RoundPlan
+
+Shapes = list[tuple[int, ...]]
+
+
+class InnerStepper(Protocol):
+    """The region's local training: forward/backward on its shard and the inner optimizer."""
+
+    def inner_steps(self, H: int, lr_scale: float, *, before_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """H local steps; returns train_loss, compute_s, step_time_s, steps. Raises
+        FloatingPointError (with `.metrics`) when the loss is not finite."""
+
+    def forward_backward(self) -> float:
+        """One batch's loss, gradients left in the parameters' .grad."""
+
+    def optimizer_step(self, lr_scale: float) -> None:
+        """One inner optimizer step at the configured lr times `lr_scale`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncContext:
+    """What an algorithm may use of its region. Callables are the worker's bound methods."""
+
+    region: str
+    index: int
+    params: list[torch.Tensor]          # the live model parameters (updated in place)
+    shapes: Shapes                      # their shapes, in order
+    settings: Any                       # the run's `sync:` section (SyncConfig; duck-typed here)
+    seed: int                           # run.seed
+    stepper: InnerStepper
+    # exchange(plan, tensors, *, single_codec=False, send=True) -> ExchangeResult: push to this
+    # round's out-neighbours (none when send=False), collect from in-neighbours until the deadline.
+    exchange: Callable[..., ExchangeResult]
+    # mix(plan, own, result) -> tensors: the topology's weighted (or the configured robust) mix.
+    mix: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], list[torch.Tensor]]
+    in_weights: Callable[[int], dict[str, float]]   # round -> {in-neighbour: mixing weight}
+    fetch_state: Callable[..., bytes]               # (peer, *, timeout_s) -> that peer's state bytes
+    # evaluate(params, *, restore_rng) -> metric dict, on a scratch copy of the model.
+    evaluate: Callable[..., dict[str, Any]]
+
+
+class SyncAlgorithm(Protocol):
+    """One sync algorithm of a region. Built as ``cls(ctx)``; one instance per worker."""
+
+    evaluates_in_exchange: bool  # True: an eval round's model is evaluated when its exchange completes
+
+    @classmethod
+    def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
+        """The tensors one message holds, for the receiver's decode check and the size limits."""
+
+    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        """Local steps, the exchange, the mix; returns the round's metrics."""
+
+    def finish(self) -> dict[str, Any]:
+        """Apply whatever is still in flight (overlap) so the model includes every round."""
+
+    def eval_params(self) -> list[torch.Tensor]:
+        """The parameters that are the run's result on this region."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint and a rejoining peer need (tensors and plain values only)."""
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore own state, or (another region's `d`) rejoin from a donor's."""
+
+    def rolled_back(self) -> None:
+        """The worker restored the start of a round (a non-finite round was undone)."""
+
+    def close(self) -> None:
+        """Stop background work; called once."""

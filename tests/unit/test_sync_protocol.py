@@ -1,0 +1,86 @@
+"""The sync-algorithm seam: an algorithm needs only a SyncContext (params, an inner stepper, the
+exchange), not a RegionWorker. Here the context is built from plain functions: a quadratic
+loss as the stepper and an exchange that hands back what a second region sent."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+import torch
+
+from geofed.orchestrator.config import config_from_mapping
+from geofed.regions.exchange import ExchangeResult
+from geofed.regions.sync import ALGORITHMS, DilocoSync, mix
+from geofed.regions.sync.protocol import SyncAlgorithm, SyncContext
+from geofed.regions.worker import RegionWorker
+
+
+class _Quadratic:
+    """Inner steps of plain SGD on 0.5 * ||x - target||^2."""
+
+    def __init__(self, params, target, lr):
+        self.params, self.target, self.lr = params, target, lr
+
+    def forward_backward(self) -> float:
+        (x,) = self.params
+        x.grad = (x.detach() - self.target).clone()
+        return float(0.5 * (x.detach() - self.target).pow(2).sum())
+
+    def optimizer_step(self, lr_scale: float) -> None:
+        with torch.no_grad():
+            self.params[0].sub_(self.lr * lr_scale * self.params[0].grad)
+
+    def inner_steps(self, H, lr_scale, *, before_step=None):
+        losses = []
+        for k in range(H):
+            losses.append(self.forward_backward())
+            if before_step is not None:
+                before_step(k)
+            self.optimizer_step(lr_scale)
+        return {"train_loss": sum(losses) / H, "compute_s": 0.0, "step_time_s": 0.0, "steps": H}
+
+
+def _context(settings, params, stepper, peer_tensors):
+    def exchange(plan, tensors, *, single_codec=False, send=True):
+        return ExchangeResult(received={"b": [t.clone() for t in peer_tensors]}, own_decoded={}, missing=[])
+
+    return SyncContext(region="a", index=0, params=params, shapes=[tuple(p.shape) for p in params], settings=settings,
+                       seed=0, stepper=stepper, exchange=exchange,
+                       mix=lambda plan, own, res: mix(own, res.received, {"b": 0.5}, 0.5),
+                       in_weights=lambda r: {"b": 0.5}, fetch_state=lambda peer, **kw: b"",
+                       evaluate=lambda params, **kw: {"metric": "none", "value": 0.0, "higher_is_better": True})
+
+
+def test_diloco_runs_on_a_context_alone():
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"outer": {"lr": 1.0, "momentum": 0.0}}})
+    x = torch.zeros(4, requires_grad=True)
+    algo = DilocoSync(_context(cfg.sync, [x], _Quadratic([x], torch.ones(4), lr=0.5), [torch.full((4,), 0.25)]))
+    plan = type("Plan", (), {"round": 0, "H": 1, "lr_scale": 1.0, "evaluate": False, "codecs": {}, "alive": None})()
+    metrics = algo.run_round(plan)
+    # One step of lr 0.5 moves x from 0 to 0.5: delta = -0.5; the peer's delta is 0.25; the mix
+    # is -0.125, and the outer SGD step (lr 1) leaves x at 0.125 on every coordinate.
+    assert torch.allclose(x.detach(), torch.full((4,), 0.125)) and metrics["steps"] == 1
+    assert torch.allclose(algo.eval_params()[0], torch.full((4,), 0.125))
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_algorithm_has_the_protocol_and_takes_only_a_context(name):
+    cls = ALGORITHMS[name]
+    for member in ("run_round", "finish", "eval_params", "state_dict", "load_state_dict", "rolled_back", "close",
+                   "wire_shapes", "evaluates_in_exchange"):
+        assert hasattr(cls, member), f"{name} lacks {member}"
+    assert list(inspect.signature(cls.__init__).parameters) == ["self", "ctx"]
+    assert set(dir(SyncAlgorithm)) >= {"run_round", "wire_shapes"}
+
+
+def test_wire_shapes_decide_what_the_worker_decodes():
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"algorithm": "gossip", "topology": "ring", "gossip": {"tracking": True}},
+                               "compression": {"error_feedback": False}})
+    shapes = [(3, 2), (2,)]
+    assert ALGORITHMS["gossip"].wire_shapes(cfg.sync, shapes) == shapes * 2
+    assert ALGORITHMS["diloco"].wire_shapes(cfg.sync, shapes) == shapes
+    # The context names only what an algorithm may use of its region, not the worker itself.
+    assert "worker" not in {f.name for f in fields(SyncContext)}
+    assert RegionWorker._sync_context.__doc__
