@@ -65,6 +65,7 @@ def _per_round(records, key):
     return [(r["round"], r[key]) for r in records]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 def test_sigkilled_driver_resumes_from_its_last_round_with_the_same_policy_state(tmp_path):
     cfg_map = _config(rounds=14)

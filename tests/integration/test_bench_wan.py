@@ -49,6 +49,7 @@ def test_the_byte_budget_reaches_the_adaptive_arm_only_through_its_config():
     assert arms["fixed-H50"].cfg.sync.policy.kind == "fixed" and arms["allreduce"].cfg.sync.algorithm == "allreduce"
 
 
+@pytest.mark.slow
 def test_steady_small_adaptive_beats_per_step_sync(tmp_path):
     base = base_mapping(DIGITS)
     base["sync"]["policy"]["initial_H"] = 60  # round 0 (nothing synced yet) stays above the target
@@ -73,6 +74,7 @@ def test_steady_small_adaptive_beats_per_step_sync(tmp_path):
     assert any(line.startswith("time_vs_allreduce") for line in lines)
 
 
+@pytest.mark.slow
 def test_drop_small_H_rises_after_the_drop(tmp_path):
     base = base_mapping(DIGITS)
     # A ladder whose strongest codec still needs the bandwidth (top-k payloads are latency-bound

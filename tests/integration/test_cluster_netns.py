@@ -34,7 +34,7 @@ from geofed.orchestrator.bench.cluster_arms import common_mapping, write_config
 from geofed.p2p.wan.kernel import kernel_unavailable, list_namespaces
 
 REASON = kernel_unavailable()
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(420),
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(420),
               pytest.mark.skipif(REASON is not None, reason=f"the shaped cluster {REASON}")]
 
 ROUNDS = 6

@@ -151,6 +151,7 @@ def test_a_cold_mtls_channel_pays_the_handshakes_and_slow_start_through_the_prox
         assert statistics.median(r.warm[n]) <= 1.15 * limit_s(n), (n, r.warm[n])
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.skipif(REASON is not None, reason=f"kernel WAN emulation (packet delay line) {REASON}")
 def test_pushes_cost_through_the_proxy_what_they_cost_on_shaped_namespaces(pki_dir):

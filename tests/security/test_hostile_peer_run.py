@@ -45,7 +45,11 @@ def _config():
         "run": {"name": "hostile", "rounds": ROUNDS, "report": False, "checkpoint_every": 0, "seed": 0},
         "task": {"kind": "mlp-digits", "hidden": HIDDEN},
         "regions": {"names": REGIONS, "num_cpus": 0.5, "max_restarts": 0},
-        "network": {"emulation": {"mode": "none"}},
+        # 50 ms each way paces a round at ~0.2 s: the attack (~8 s) lands well inside the run. Without
+        # it 100 rounds took 8 s and the last stalled pushes could arrive after the last round had
+        # reported its refusals.
+        "network": {"emulation": {"mode": "proxy", "preset": None,
+                                  "default": {"latency_ms": 50, "bandwidth_mbps": 200, "jitter_ms": 0, "loss": 0}}},
         "sync": {"policy": {"kind": "fixed", "H": 10}, "inner": {"lr": 0.01, "lr_decay": "cosine"},
                  "deadline": {"initial_s": 3.0, "min_s": 0.5, "max_s": 4.0}},
     })
@@ -94,6 +98,7 @@ def _attack(run: BackgroundRun, done: threading.Event, told: dict) -> None:
         for th in stalled:
             th.join(60)
         told["outcomes"] = dict(atk.outcomes)
+        told["round_done"] = run.runner.next_round
     finally:
         atk.close()
         done.set()
@@ -112,6 +117,7 @@ def test_a_run_survives_a_compromised_peer(tmp_path, undisturbed):
     assert run.error is None, run.error  # main: FloatingPointError, the run failed
     assert summary["rounds"] == ROUNDS
     assert told.get("outcomes"), "the attack did not run to its end"
+    assert told["round_done"] < ROUNDS - 5, told  # ...while the run still had rounds to report it in
 
     # Accuracy within 1 point of the undisturbed run of the same seed.
     assert abs(summary["eval"]["value"] - base_summary["eval"]["value"]) <= 0.01, (summary["eval"], base_summary["eval"])
