@@ -137,11 +137,12 @@ class Codec(ABC):
     def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         """Decode validated `sections` into the flat fp32 `out` (every element written)."""
 
-    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:  # noqa: B027 - optional hook
         """Check section *contents* that could make decoding misbehave (indices, counts).
 
         Sizes and dtypes are already checked against `layout`; NaN/Inf are checked on the
-        decoded result. Raise CodecError naming the problem.
+        decoded result. Raise CodecError naming the problem. Optional: dense codecs, whose
+        sections hold only values, have nothing to check and keep this no-op.
         """
 
     def subtract_decoded(

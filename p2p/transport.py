@@ -14,7 +14,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # Resolved at run time by the module __getattr__ below (the implementations import this
+    # module); named here so that `__all__` and static tools see what it exports.
+    from .grpc_transport import GrpcTransport
+    from .memory import InMemoryHub, InMemoryTransport
 
 __all__ = [
     "Transport", "TransportError", "TransferStats", "Arrival", "Inbox", "REASONS",

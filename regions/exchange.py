@@ -152,11 +152,12 @@ class Exchanger:
     def _collect_sends(self, futures: dict[str, Future], round_: int, result: ExchangeResult, *,
                        grace_s: float) -> None:
         wait(list(futures.values()), timeout=grace_s)
+        n_sends = len(futures)
         for peer, fut in futures.items():
             if not fut.done():
                 # Still running (a stalled link): leave it, skip the peer until it ends.
                 self._stalled[peer] = (round_, fut)
-                fut.add_done_callback(lambda f, p=peer, r=round_, k=len(futures): self._stalled_ended(p, r, f, k))
+                fut.add_done_callback(lambda f, p=peer, r=round_: self._stalled_ended(p, r, f, n_sends))
                 result.send_failures[peer] = f"still in flight {grace_s:.1f}s after the receive deadline; left running"
                 log.warning("push of round %d to %s still in flight after the deadline; not waiting for it", round_, peer)
                 continue
@@ -166,7 +167,7 @@ class Exchanger:
                 result.send_failures[peer] = str(exc)
                 log.warning("send to %s failed: %s", peer, exc)
                 continue
-            self._count_send(result, peer, stats, concurrent=len(futures))
+            self._count_send(result, peer, stats, concurrent=n_sends)
 
     def _count_send(self, result: ExchangeResult, peer: str, stats, *, concurrent: int, **extra) -> None:
         result.bytes_sent += stats.bytes

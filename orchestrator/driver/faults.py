@@ -93,7 +93,7 @@ class FaultHandling:
                                f"{time.monotonic() - t_last:.0f}s after the others (it answers the liveness probe)")
                     self._event("waiting_for_region", region=region, what=what,
                                 waited_s=round(time.monotonic() - t_last, 2))
-        for ref, region in pending.items():
+        for region in pending.values():
             self._region_failed(region, f"{what} did not finish within {timeout:.0f}s")
             ray.kill(self.actors.handles[region], no_restart=False)
         return out

@@ -139,7 +139,9 @@ _EOF = b""
 
 async def wait_outage(table: LinkTable, pair: Pair, clock: Callable[[], float]) -> None:
     """Block while an outage holds `pair`; a reset outage also has its connections reset by the proxy."""
-    while (o := table.outage(*pair, clock())) is not None:
+    # Polled, not an asyncio.Event: an outage ends by the clock or by a table edit (end_outage), and
+    # neither wakes a waiter.
+    while (o := table.outage(*pair, clock())) is not None:  # noqa: ASYNC110 - see above
         # Re-check at least every 50 ms: an end_outage event may cut the window short.
         await asyncio.sleep(min(OUTAGE_POLL_S, max(0.001, o.end_s - clock())))
 
