@@ -40,6 +40,7 @@ class Section:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the section's data, before the wire format pads it to a multiple of 8."""
         return self.count * _itemsize(self.dtype)
 
 
@@ -71,6 +72,10 @@ class Codec(ABC):
 
     @property
     def contractive(self) -> bool:
+        """Whether the codec is contractive (see the class flags), i.e. error feedback suits it.
+
+        A property, not a class flag, because it can depend on parameters (stochastic rounding, the inner codec).
+        """
         return True
 
     # ---- description -------------------------------------------------------------------
@@ -155,6 +160,7 @@ class Codec(ABC):
 
 
 def total_numel(shapes: Sequence[Shape]) -> int:
+    """Element count of an update made of tensors with these shapes."""
     return sum(math.prod(s) for s in shapes)
 
 
@@ -167,6 +173,7 @@ _REGISTRY: dict[str, type[Codec]] = {}
 
 
 def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator adding a codec to the registry under its `kind`, which must be new."""
     assert cls.kind not in _REGISTRY, cls.kind
     _REGISTRY[cls.kind] = cls
     return cls
@@ -242,5 +249,6 @@ def check_inner(owner: str, inner: Codec) -> None:
 
 
 def check_int(name: str, value: int, lo: int, hi: int) -> None:
+    """Raise ValueError("name: ...") unless lo <= value <= hi (for codec parameters in __post_init__)."""
     if not lo <= value <= hi:
         raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
