@@ -75,6 +75,7 @@ class Header:
     """A parsed and fully validated payload header: the codec, the tensors' shapes and dtypes,
     and the sections (exactly `codec.layout(shapes)`) with their byte offsets in a payload of `total` bytes.
     """
+
     codec: Codec
     shapes: list[Shape]
     dtypes: list[torch.dtype]

@@ -172,7 +172,10 @@ class Transport(ABC):
         """The bytes `peer`'s state provider returns (a rejoining region's parameters)."""
 
     @abstractmethod
-    def set_state_provider(self, fn: Callable[[], bytes]) -> None: ...
+    def set_state_provider(self, fn: Callable[[], bytes]) -> None:
+        """Install the function whose bytes this region serves to a peer's fetch_state (called per
+        fetch, so a rejoining region gets the parameters of that moment); until then fetches are
+        refused ``no_state``."""
 
     @abstractmethod
     def set_validator(self, fn: Validator) -> None:
@@ -183,7 +186,8 @@ class Transport(ABC):
         """Counters: bytes and messages per peer both ways, refusals by reason, late drops."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop serving and drop the connections; idempotent. Later sends raise TransportError(reason="closed")."""
 
     def __enter__(self):
         return self

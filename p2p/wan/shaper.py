@@ -40,6 +40,7 @@ READ_WAIT_S = 0.001     # a read that waited longer than this found no bytes wai
 
 
 def read_size(shape: Shape) -> int:
+    """Bytes to read at a time on a link of this shape: about 5 ms of its rate, within [4 KiB, 64 KiB]."""
     return int(min(MAX_READ, max(MIN_READ, shape.rate_bps * READ_TIME_S)))
 
 
@@ -57,6 +58,7 @@ def window_cap(shape: Shape, rtt_s: float) -> float:
 
 
 def rto_s(shape: Shape) -> float:
+    """The retransmission timeout a loss costs on this link: 2 x one-way latency + 4 x jitter, at least MIN_RTO_S."""
     return max(MIN_RTO_S, 2 * shape.latency_s + 4 * shape.jitter_s)
 
 
