@@ -63,6 +63,10 @@ class _Liveness:
 
 
 class FaultHandling:
+    """The Runner's fault handling (a base class working on its state): calls to the regions that
+    survive dead, hung and stalled ones, revivals and resyncs (see the module docstring).
+    """
+
     def _gather(self, refs: dict, what: str, *, timeout: float) -> dict[str, Any]:
         """region -> result of one call per region. A region whose actor died, or that did not
         answer within `timeout` (then it is killed for Ray to restart), is failed; one that stops
