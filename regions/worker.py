@@ -355,7 +355,8 @@ class RegionWorker:
         return self.transport.stats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s state and take up the run after its round (the data stream replays to the same batch)."""
+        """Restore `state_dict()`'s state and take up the run after its round (the data stream replays to the
+        same batch)."""
         self.model.load_state_dict(state["model"])
         self.inner.load_state_dict(state["inner"])
         self.algorithm.load_state_dict(state["algorithm"])

@@ -44,7 +44,8 @@ PROBE_ROUNDS = 3
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
-    """The shaped cluster of one bench: the regions, each region's egress, the one-way latency, namespace prefix, CPUs per node."""
+    """The shaped cluster of one bench: the regions, each region's egress, the one-way latency, namespace prefix,
+    CPUs per node."""
 
     regions: tuple[str, ...] = REGIONS
     egress_mbps: float = 50.0      # each region's egress (tbf, IP bytes), shared by all its flows
@@ -73,7 +74,8 @@ def probe_links(cluster, payload_bytes: int) -> dict[str, Any]:
 
 
 def link_truth(cluster, probed: dict[str, Any]):
-    """What the shaped links really give (egress, payload efficiency, measured RTTs, plain TCP's warm push rate), from the set-up probe."""
+    """What the shaped links really give (egress, payload efficiency, measured RTTs, plain TCP's warm push rate),
+    from the set-up probe."""
     from .cluster_checks import LinkTruth
 
     push = {link: round(probed["payload_bytes"] * 8 / max(1e-6, s - probed["rtt_ms"][link] / 1e3) / 1e6, 3)

@@ -57,7 +57,8 @@ def common_mapping(*, regions=REGIONS, max_steps: int = 1500, rounds: int = 60, 
 
 
 def arm_mapping(arm: str, common: dict[str, Any]) -> dict[str, Any]:
-    """The config mapping of `arm`: `common` (not modified) with the arm's keys changed; ValueError for an unknown arm."""
+    """The config mapping of `arm`: `common` (not modified) with the arm's keys changed; ValueError for an
+    unknown arm."""
     m = copy.deepcopy(common)
     if arm == "H100-int8":
         m["sync"]["policy"] = {"kind": "fixed", "H": 100}

@@ -41,7 +41,8 @@ SHAPES = [(32, 64), (32,), (10, 32), (10,)]  # the digits MLP with 32 hidden uni
 
 
 def soak_config(overrides: Sequence[str] = ()) -> Any:
-    """The soak run's config: the digits task on 3 regions without emulation, rounds without end (time ends it), then `overrides`."""
+    """The soak run's config: the digits task on 3 regions without emulation, rounds without end (time ends it),
+    then `overrides`."""
     return config_from_mapping({
         "run": {"name": "soak", "rounds": 10_000_000, "report": False, "checkpoint_every": 50, "seed": 0},
         "task": {"kind": "mlp-digits", "hidden": 32},

@@ -27,7 +27,8 @@ BASE_CONFIG = "bench-wan.yaml"
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
-    """One `geofed bench wan` scenario: the links, the optional bandwidth drop, the target loss, the step budget and the arms to run."""
+    """One `geofed bench wan` scenario: the links, the optional bandwidth drop, the target loss, the step budget
+    and the arms to run."""
 
     name: str
     bandwidth_mbps: float = 50.0     # every link, as issue 6 gives it (before bandwidth_scale)

@@ -77,7 +77,8 @@ class SetupSection:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchSection:
-    """``launch``: the head region, Ray's ports, how long a node may be unreachable, the auth token's path, node setup."""
+    """``launch``: the head region, Ray's ports, how long a node may be unreachable, the auth token's path, node
+    setup."""
 
     head_region: str | None = field(default=None, metadata=_doc("region whose node runs the Ray head and the driver (null: the first of regions.names)"))
     ports: RayPorts = field(default_factory=RayPorts, metadata=_doc(f"fixed Ray ports, so a firewall can open exactly them ({_RAY_DOCS})"))

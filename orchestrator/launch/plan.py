@@ -45,7 +45,8 @@ class NodePlan:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
-    """Everything `geofed launch plan` computes for a config: nodes, ports, Ray settings sized by RTT, driver, setup and TLS."""
+    """Everything `geofed launch plan` computes for a config: nodes, ports, Ray settings sized by RTT, driver,
+    setup and TLS."""
 
     version: int
     config_path: str

@@ -33,7 +33,8 @@ from .style import (
 
 @dataclass(frozen=True)
 class CompareRow:
-    """One run of a comparison: its label, headline figures, when it reached the target, and its setup in a few words."""
+    """One run of a comparison: its label, headline figures, when it reached the target, and its setup in a few
+    words."""
 
     label: str
     run: Run
@@ -43,7 +44,8 @@ class CompareRow:
 
 
 def compare_rows(runs: Sequence[Run], labels: Sequence[str], target: float | None) -> list[CompareRow]:
-    """A row per run for the comparison table and plots; `target`: the train loss the runs are timed to (None: not timed)."""
+    """A row per run for the comparison table and plots; `target`: the train loss the runs are timed to (None:
+    not timed)."""
     rows = []
     for run, label in zip(runs, labels):
         hl = dict(config_highlights(run))

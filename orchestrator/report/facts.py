@@ -93,7 +93,8 @@ def _codec_text(spec: Any) -> Any:
 
 @dataclass(frozen=True)
 class ToTarget:
-    """When a run first reached a target loss: the round, seconds since round 0 started, bytes sent by then (None: never)."""
+    """When a run first reached a target loss: the round, seconds since round 0 started, bytes sent by then
+    (None: never)."""
 
     round: int | None
     seconds: float | None

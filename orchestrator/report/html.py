@@ -44,7 +44,8 @@ def _num_cell(v: float | None, fmt=lambda v: f"{v:.4g}") -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, numeric: Sequence[int] = ()) -> str:
-    """An HTML table with every cell escaped; `numeric` columns right-aligned; rows beyond MAX_TABLE_ROWS are counted, not shown."""
+    """An HTML table with every cell escaped; `numeric` columns right-aligned; rows beyond MAX_TABLE_ROWS are
+    counted, not shown."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     shown = rows[:MAX_TABLE_ROWS]
     body = "".join("<tr>" + "".join(
