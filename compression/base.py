@@ -40,6 +40,7 @@ class Section:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the section's data, before the wire format pads it to a multiple of 8."""
         return self.count * _itemsize(self.dtype)
 
 
@@ -71,6 +72,10 @@ class Codec(ABC):
 
     @property
     def contractive(self) -> bool:
+        """Whether the codec is contractive (see the class flags), i.e. error feedback suits it.
+
+        A property, not a class flag, because it can depend on parameters (stochastic rounding, the inner codec).
+        """
         return True
 
     # ---- description -------------------------------------------------------------------
@@ -137,11 +142,12 @@ class Codec(ABC):
     def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         """Decode validated `sections` into the flat fp32 `out` (every element written)."""
 
-    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:  # noqa: B027 - optional hook
         """Check section *contents* that could make decoding misbehave (indices, counts).
 
         Sizes and dtypes are already checked against `layout`; NaN/Inf are checked on the
-        decoded result. Raise CodecError naming the problem.
+        decoded result. Raise CodecError naming the problem. Optional: dense codecs, whose
+        sections hold only values, have nothing to check and keep this no-op.
         """
 
     def subtract_decoded(
@@ -154,6 +160,7 @@ class Codec(ABC):
 
 
 def total_numel(shapes: Sequence[Shape]) -> int:
+    """Element count of an update made of tensors with these shapes."""
     return sum(math.prod(s) for s in shapes)
 
 
@@ -166,6 +173,7 @@ _REGISTRY: dict[str, type[Codec]] = {}
 
 
 def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator adding a codec to the registry under its `kind`, which must be new."""
     assert cls.kind not in _REGISTRY, cls.kind
     _REGISTRY[cls.kind] = cls
     return cls
@@ -241,5 +249,6 @@ def check_inner(owner: str, inner: Codec) -> None:
 
 
 def check_int(name: str, value: int, lo: int, hi: int) -> None:
+    """Raise ValueError("name: ...") unless lo <= value <= hi (for codec parameters in __post_init__)."""
     if not lo <= value <= hi:
         raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")

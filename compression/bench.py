@@ -148,6 +148,10 @@ def _targets(results: list[dict], refs: dict[int, dict[str, float]], powersgd_ra
 
 
 def run(numels: Sequence[int], specs: Sequence[Any], repeat: int) -> dict[str, Any]:
+    """Measure every codec in `specs` on N(0, 1) inputs of each size in `numels`, best of `repeat` rounds.
+
+    Returns the JSON-ready report: per-codec rows, the reference speeds, and the issue's targets with pass/fail.
+    """
     results, reference, refs = [], [], {}
     gen = torch.Generator().manual_seed(0)
     for n in numels:

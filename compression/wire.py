@@ -63,6 +63,7 @@ _SECTION_CODES = {v: k for k, v in SECTION_DTYPES.items()}
 
 
 def tensor_dtype_code(dtype: torch.dtype) -> int:
+    """The wire code of a tensor dtype; CodecError for dtypes an update cannot carry (non-float)."""
     code = _TENSOR_CODES.get(dtype)
     if code is None:
         raise CodecError(f"dtype: cannot encode {dtype} tensors (floating point only: {', '.join(map(str, _TENSOR_CODES))})")
@@ -71,6 +72,10 @@ def tensor_dtype_code(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Header:
+    """A parsed and fully validated payload header: the codec, the tensors' shapes and dtypes,
+    and the sections (exactly `codec.layout(shapes)`) with their byte offsets in a payload of `total` bytes.
+    """
+
     codec: Codec
     shapes: list[Shape]
     dtypes: list[torch.dtype]
@@ -145,6 +150,9 @@ class _Reader:
 
 
 def parse(mv: memoryview, *, max_bytes: int, expected_shapes: Sequence[Shape] | None) -> Header:
+    """Validate the header of payload `mv` without allocating anything it declares (see the module
+    docstring for every check) and return it; CodecError naming the first problem.
+    """
     n = len(mv)
     if n > max_bytes:
         raise CodecError(f"too big: payload of {n} bytes exceeds max_bytes={max_bytes}")

@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `geofed` command line; returns the exit code (2: bad arguments or config, 130: interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
@@ -137,4 +138,5 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def entry() -> None:
+    """The console script: main() as the process's exit status."""
     sys.exit(main())

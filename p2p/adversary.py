@@ -31,6 +31,7 @@ __all__ = ["HostilePeer", "huge_update", "outcome_of"]
 
 
 def outcome_of(exc: grpc.RpcError) -> str:
+    """The refusal reason of a failed call (from its status details), or the gRPC code in lower case."""
     details = exc.details() or ""
     prefix = details.split(":", 1)[0]
     return prefix if prefix in REASONS else exc.code().name.lower()

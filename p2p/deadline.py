@@ -19,6 +19,10 @@ from collections import deque
 
 
 class AdaptiveDeadline:
+    """The receive deadline of one region, learnt from how long complete rounds waited (see the
+    module docstring); `current()` is the deadline for the next round.
+    """
+
     def __init__(self, initial_s: float, min_s: float, max_s: float, k: float, *,
                  window: int = 32, min_samples: int = 3, growth: float = 1.5):
         if not 0 < min_s <= initial_s <= max_s:
@@ -46,6 +50,7 @@ class AdaptiveDeadline:
         self._boost = min(self._boost * self.growth, self.max_s / self.min_s)
 
     def base(self) -> float:
+        """median + k * MAD of the samples (MAD floored at 10% of the median); initial_s before min_samples."""
         if len(self._samples) < self.min_samples:
             return self.initial_s
         med = statistics.median(self._samples)
@@ -53,12 +58,15 @@ class AdaptiveDeadline:
         return med + self.k * max(mad, 0.1 * med)
 
     def current(self) -> float:
+        """The deadline for the next round: base() stretched by the misses since the last complete round, clamped."""
         return min(self.max_s, max(self.min_s, self.base() * self._boost))
 
     def state_dict(self) -> dict:
+        """Samples and miss factor, for a checkpoint."""
         return {"samples": list(self._samples), "boost": self._boost}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore `state_dict()`; the bounds and k stay this instance's (the config's)."""
         self._samples.clear()
         self._samples.extend(float(s) for s in d.get("samples", []))
         self._boost = float(d.get("boost", 1.0))

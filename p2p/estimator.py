@@ -51,6 +51,11 @@ from typing import Any
 
 
 class LinkEstimator:
+    """Bandwidth and RTT of one directed link, from its transfers and pings (see the module docstring
+    for what counts as a sample). Not thread-safe: the Exchanger that keeps one per out-link
+    serialises the updates with its own lock.
+    """
+
     def __init__(self, *, window: int = 3, rtt_window: int = 30, min_exposed_fraction: float = 0.25,
                  min_exposed_s: float = 0.05, min_bytes: int = 1024, raise_bytes: int = 256 << 10,
                  drop_ratio: float = 3.0, srtt_gain: float = 0.125):
@@ -75,6 +80,7 @@ class LinkEstimator:
         self.concurrent: int | None = None  # pushes in flight at once when the last sample was taken
 
     def observe_rtt(self, seconds: float) -> None:
+        """One ping's round trip (finite, > 0): a sample of the windowed-minimum RTT and of the smoothed SRTT."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds: an RTT must be a finite number > 0, got {seconds}")
         self._rtts.append(seconds)
@@ -137,6 +143,7 @@ class LinkEstimator:
 
     @property
     def rtt_s(self) -> float | None:
+        """The windowed minimum RTT in seconds, or None before any ping or transfer."""
         return min(self._rtts) if self._rtts else None
 
     def predict_s(self, nbytes: int) -> float | None:
@@ -147,16 +154,19 @@ class LinkEstimator:
         return (rtt or 0.0) + nbytes * 8 / bw
 
     def snapshot(self) -> dict[str, Any]:
+        """The estimate for the round's metrics (Mbit/s, ms; None where unknown): what the policy is given."""
         bw, rtt = self.bandwidth_bps, self.rtt_s
         return {"bandwidth_mbps": None if bw is None else bw / 1e6, "rtt_ms": None if rtt is None else rtt * 1e3,
                 "srtt_ms": None if self.srtt_s is None else self.srtt_s * 1e3, "transfers": self.transfers,
                 "cold_transfers": self.cold_transfers, "concurrent": self.concurrent}
 
     def state_dict(self) -> dict[str, Any]:
+        """The samples and counters, for a checkpoint (`load_state_dict` restores them)."""
         return {"rates": list(self._rates), "rtts": list(self._rtts), "srtt_s": self.srtt_s,
                 "transfers": self.transfers, "cold_transfers": self.cold_transfers, "concurrent": self.concurrent}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s samples; the window sizes stay this estimator's own."""
         self._rates = deque(d["rates"], maxlen=self.window)
         self._rtts = deque(d["rtts"], maxlen=self.rtt_window)
         self.srtt_s, self.concurrent = d.get("srtt_s"), d.get("concurrent")

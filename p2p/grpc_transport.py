@@ -115,6 +115,10 @@ class GrpcTransport(Transport):
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> str:
+        """Bind the server to the first free port of the range and start it; returns the address peers
+        dial (the default route's IP when bound to all interfaces, unless advertised_host is given).
+        OSError when no port of the range is free, RuntimeError on a second call.
+        """
         if self._server is not None:
             raise RuntimeError(f"{self.region}: start() called twice")
         server = grpc.server(
@@ -144,6 +148,9 @@ class GrpcTransport(Transport):
         return f"{host}:{port}"
 
     def connect(self, peers: Mapping[str, str]) -> None:
+        """Open one long-lived channel per peer (with TLS, the certificate must name the peer, also
+        through a proxy); a peer whose address changed gets a new channel and its old one is closed.
+        """
         opened, stale = {}, []
         for peer, address in peers.items():
             if peer == self.region:
@@ -198,6 +205,7 @@ class GrpcTransport(Transport):
         return cold
 
     def close(self) -> None:
+        """Stop the server (0.2 s grace) and close every channel, in parallel; idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -223,6 +231,11 @@ class GrpcTransport(Transport):
         return entry
 
     def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
+        """Stream a header and `payload` in chunk_bytes chunks to `peer` and wait for its ack.
+
+        ValueError for a payload above max_message_bytes or a negative round (our bug, not the peer's);
+        TransportError, with the peer's refusal reason or the gRPC status as ``reason``, otherwise.
+        """
         n = len(payload)
         if n > self.mailbox.max_message_bytes:
             raise ValueError(f"payload: {n} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
@@ -260,6 +273,9 @@ class GrpcTransport(Transport):
                              receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self._note_warm(peer))
 
     def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
+        """Push `nbytes` (at most MAX_PROBE_BYTES) of zeros on the Probe method, which the peer counts
+        and drops; timed like a push. The stats carry round -1 and `cold` as a push's do.
+        """
         if not 0 < nbytes <= MAX_PROBE_BYTES:
             raise ValueError(f"nbytes: need 0 < nbytes <= {MAX_PROBE_BYTES}, got {nbytes}")
         probe = self._entry(peer, timeout_s)[4]
@@ -291,6 +307,7 @@ class GrpcTransport(Transport):
                              receiver_seconds=ack.receiver_seconds, chunks=full + bool(rest), cold=self._note_warm(peer))
 
     def ping(self, peer: str, *, timeout_s: float) -> float:
+        """Round trip of one Ping with a fresh nonce; TransportError if the reply names another region or nonce."""
         stub = self._stub(peer, timeout_s)
         with self._lock:
             self._nonce += 1
@@ -307,6 +324,9 @@ class GrpcTransport(Transport):
         return rtt
 
     def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
+        """Stream `peer`'s state. Refuses (TransportError) a declared size above max_state_bytes and a
+        malformed, overrunning or truncated stream; the buffer grows only with bytes that arrive.
+        """
         stub = self._stub(peer, timeout_s)
         limit = self.max_state_bytes
         try:
@@ -333,18 +353,25 @@ class GrpcTransport(Transport):
 
     # -- receiving -----------------------------------------------------------------------
     def expect(self, round: int, senders: Collection[str]) -> None:
+        """The mailbox's (the rules every transport shares)."""
         self.mailbox.expect(round, senders)
 
     def receive(self, round: int, deadline_s: float) -> Inbox:
+        """The mailbox's (the rules every transport shares)."""
         return self.mailbox.receive(round, deadline_s)
 
     def set_state_provider(self, fn: Callable[[], bytes]) -> None:
+        """Read per FetchState call by the servicer; None (not yet set) is refused ``no_state``."""
         self._state_provider = fn
 
     def set_validator(self, fn: Validator) -> None:
+        """Runs in the mailbox on the server thread, before the push is acknowledged."""
         self.mailbox.set_validator(fn)
 
     def stats(self) -> dict:
+        """This end's send counters merged with the mailbox's, plus the servicer's open calls and, with
+        TLS, connection counts (refused handshakes counted under ``refused["tls_handshake"]``).
+        """
         with self._lock:
             own = {"region": self.region, "tls": self.tls is not None, "bytes_sent": dict(self._sent_bytes),
                    "messages_sent": dict(self._sent_messages), "send_failures": dict(self._send_failures),

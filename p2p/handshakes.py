@@ -32,6 +32,10 @@ _MAX_PENDING = 100_000   # accepted connections younger than the grace (a flood 
 
 
 class HandshakeLedger:
+    """Counts the connections of one server that never carried an authenticated call (refused in the
+    TLS handshake, or dropped before a call); see the module docstring. Thread-safe.
+    """
+
     def __init__(self, region: str, *, grace_s: float = GRACE_S, clock=time.monotonic):
         self.region = region
         self.grace_s = grace_s

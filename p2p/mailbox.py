@@ -41,6 +41,8 @@ log = logging.getLogger("geofed.p2p")
 
 
 class Refusal(Exception):
+    """A refused push or call; `reason` is one of transport.REASONS (it leads the gRPC status details)."""
+
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
@@ -49,6 +51,8 @@ class Refusal(Exception):
 
 @dataclass(frozen=True)
 class Ticket:
+    """A push `admit` let in; its declared size stays charged to the sender until deliver() or release()."""
+
     sender: str
     round: int
     declared_bytes: int
@@ -74,6 +78,10 @@ def _opaque(sender: str, round: int, payload: memoryview) -> bytes:
 
 
 class Mailbox:
+    """The receive side of one region (see the module docstring): admits, validates and files pushes
+    by (sender, round) and hands a round's updates to receive(). Thread-safe.
+    """
+
     def __init__(self, region: str, *, round_window: int, max_message_bytes: int, max_inflight_per_sender: int = 4,
                  peer_budget_bytes: int | None = None):
         if round_window < 0:

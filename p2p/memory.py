@@ -23,6 +23,10 @@ _HEADER_BYTES = 32  # about what the gRPC header message costs, so byte counters
 
 
 class InMemoryHub:
+    """The switchboard of in-memory transports in one process, with per-link delay and cuts
+    (`set_link`) for testing deadlines.
+    """
+
     def __init__(self):
         self._lock = threading.Lock()
         self._members: dict[str, InMemoryTransport] = {}
@@ -56,6 +60,10 @@ class InMemoryHub:
 
 
 class InMemoryTransport(Transport):
+    """A Transport whose sends go straight into the peer's Mailbox through the hub: the receive rules
+    of GrpcTransport without sockets, for algorithm tests. Probes and pings only reflect the hub's delays.
+    """
+
     def __init__(self, region: str, hub: InMemoryHub, *, max_message_bytes: int = 1 << 30,
                  round_window: int = 2, chunk_bytes: int = 1 << 20, max_inflight_per_sender: int = 4,
                  peer_budget_bytes: int | None = None):

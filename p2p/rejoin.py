@@ -18,6 +18,7 @@ log = logging.getLogger("geofed.p2p")
 
 
 def donor_order(joiner: str, donors: Sequence[str], *, salt: str = "") -> list[str]:
+    """The donors (without the joiner) in the order `joiner` tries them: rendezvous hashing of (salt, joiner, donor)."""
     def score(d: str) -> bytes:
         return hashlib.sha256(f"{salt}\0{joiner}\0{d}".encode()).digest()
 

@@ -53,6 +53,7 @@ def l2_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def max_abs(tensors: Sequence[torch.Tensor]) -> float:
+    """The largest |value| over all tensors (0.0 for none): what security.max_update_value bounds."""
     return max((float(t.detach().abs().max()) for t in tensors if t.numel()), default=0.0)
 
 

@@ -140,6 +140,10 @@ def add_to_server(servicer: "GossipServicer", server: grpc.Server) -> None:
 
 
 class GossipServicer(gossip_pb2_grpc.GossipServicer):
+    """The gRPC servicer of one region: checks every call (identity, deadline, per-caller limits,
+    see the module docstring) and hands pushes to the mailbox; a refusal aborts the call with a status.
+    """
+
     def __init__(self, region: str, mailbox: Mailbox, *, tls: bool, max_rpc_s: float,
                  state_provider: Callable[[], Callable[[], bytes] | None]):
         self.region = region
@@ -153,6 +157,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServicer):
         self.handshakes = HandshakeLedger(region)
 
     def limit(self, method: str) -> int:
+        """How many calls of `method` one caller may run at once (Push: the mailbox's max_inflight_per_sender)."""
         return self.mailbox.max_inflight_per_sender if method == "Push" else CALLER_LIMITS[method]
 
     # -- helpers -------------------------------------------------------------------------

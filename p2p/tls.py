@@ -64,11 +64,14 @@ class TlsMaterial:
 
 @dataclass(frozen=True, kw_only=True)
 class Pki:
+    """A run's PKI as `make_pki` wrote it: the folder, the CA certificate and the regions with a certificate."""
+
     directory: Path
     ca_cert: Path
     regions: tuple[str, ...]
 
     def material(self, region: str) -> TlsMaterial:
+        """Load `region`'s TLS material from the folder (see `load_tls` for the checks)."""
         return load_tls(self.directory, region)
 
 
@@ -166,6 +169,7 @@ def load_tls(directory: Path, region: str) -> TlsMaterial:
 
 
 def certificate_region(cert_pem: bytes) -> str:
+    """The region a PEM certificate names (its one subject common name); ValueError for none or several."""
     cert = x509.load_pem_x509_certificate(cert_pem)
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if len(names) != 1:

@@ -41,12 +41,15 @@ class Topology(ABC):
         """Regions that region i sends its value to in `round` (sorted)."""
 
     def in_neighbours(self, i: int, round: int) -> list[int]:
+        """Regions whose values region i receives and mixes in `round` (sorted)."""
         return sorted(self.in_weights(i, round))
 
     def self_weight(self, i: int, round: int) -> float:
+        """The weight region i keeps for its own value: what its in-weights leave of 1."""
         return 1.0 - math.fsum(self.in_weights(i, round).values())
 
     def matrix(self, round: int) -> np.ndarray:
+        """The n x n mixing matrix of `round` (row i: region i's weights); doubly stochastic."""
         w = np.zeros((self.n, self.n))
         for i in range(self.n):
             for j, wij in self.in_weights(i, round).items():
@@ -72,10 +75,12 @@ class StaticTopology(Topology):
         self._w = [{j: 1.0 / (1 + max(deg[i], deg[j])) for j in nb} for i, nb in enumerate(self._nbrs)]
 
     def in_weights(self, i: int, round: int) -> dict[int, float]:
+        """Metropolis-Hastings weights of i's graph neighbours; the same every round."""
         self._check(i)
         return dict(self._w[i])
 
     def out_neighbours(self, i: int, round: int) -> list[int]:
+        """i's graph neighbours (undirected, so also its in-neighbours); the same every round."""
         self._check(i)
         return list(self._nbrs[i])
 
@@ -95,12 +100,14 @@ class OnePeerExponential(Topology):
         return 2 ** (round % self.period)
 
     def in_weights(self, i: int, round: int) -> dict[int, float]:
+        """Weight 1/2 for the one region 2^k behind i (none for n = 1)."""
         self._check(i)
         if self.n == 1:
             return {}
         return {(i - self._distance(round)) % self.n: 0.5}
 
     def out_neighbours(self, i: int, round: int) -> list[int]:
+        """The one region 2^k ahead of i (none for n = 1)."""
         self._check(i)
         if self.n == 1:
             return []
@@ -120,6 +127,7 @@ class RandomMatching(Topology):
         self._cache: tuple[int, dict[int, int]] | None = None
 
     def partner(self, i: int, round: int) -> int | None:
+        """i's partner in `round`'s matching, or None when i sits the round out (n odd)."""
         self._check(i)
         if self._cache is None or self._cache[0] != round:
             perm = np.random.default_rng([self.seed, round]).permutation(self.n)
@@ -130,10 +138,12 @@ class RandomMatching(Topology):
         return self._cache[1].get(i)
 
     def in_weights(self, i: int, round: int) -> dict[int, float]:
+        """Weight 1/2 for the round's partner; empty when i sits out."""
         p = self.partner(i, round)
         return {} if p is None else {p: 0.5}
 
     def out_neighbours(self, i: int, round: int) -> list[int]:
+        """The round's partner, or nobody when i sits out."""
         p = self.partner(i, round)
         return [] if p is None else [p]
 
@@ -158,10 +168,12 @@ _MAKERS: dict[str, Callable[[int, int], Topology]] = {
 
 
 def topology_names() -> list[str]:
+    """The topology kinds `make_topology` accepts (``network.topology``)."""
     return list(_MAKERS)
 
 
 def make_topology(kind: str, n: int, *, seed: int = 0) -> Topology:
+    """The topology `kind` for n regions; `seed` only matters to random-matching. ValueError for an unknown kind."""
     if kind not in _MAKERS:
         raise ValueError(f"kind: unknown topology {kind!r} (known: {', '.join(_MAKERS)})")
     return _MAKERS[kind](n, seed)

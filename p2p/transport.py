@@ -14,7 +14,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # Resolved at run time by the module __getattr__ below (the implementations import this
+    # module); named here so that `__all__` and static tools see what it exports.
+    from .grpc_transport import GrpcTransport
+    from .memory import InMemoryHub, InMemoryTransport
 
 __all__ = [
     "Transport", "TransportError", "TransferStats", "Arrival", "Inbox", "REASONS",
@@ -166,7 +172,10 @@ class Transport(ABC):
         """The bytes `peer`'s state provider returns (a rejoining region's parameters)."""
 
     @abstractmethod
-    def set_state_provider(self, fn: Callable[[], bytes]) -> None: ...
+    def set_state_provider(self, fn: Callable[[], bytes]) -> None:
+        """Install the function whose bytes this region serves to a peer's fetch_state (called per
+        fetch, so a rejoining region gets the parameters of that moment); until then fetches are
+        refused ``no_state``."""
 
     @abstractmethod
     def set_validator(self, fn: Validator) -> None:
@@ -177,7 +186,8 @@ class Transport(ABC):
         """Counters: bytes and messages per peer both ways, refusals by reason, late drops."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop serving and drop the connections; idempotent. Later sends raise TransportError(reason="closed")."""
 
     def __enter__(self):
         return self

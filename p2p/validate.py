@@ -14,6 +14,9 @@ from .transport import Validator
 
 
 def update_validator(*, max_bytes: int, expected_shapes: Sequence[tuple[int, ...]] | None = None) -> Validator:
+    """A Validator decoding a geofed.compression update within `max_bytes` (and `expected_shapes`,
+    if given); its CodecError, a ValueError, becomes the sender's ``invalid_payload`` refusal.
+    """
     from geofed.compression import decode_update
 
     shapes = None if expected_shapes is None else [tuple(s) for s in expected_shapes]

@@ -36,6 +36,10 @@ HEALTH_GROUP = "health"
 
 
 class RegionActor(RegionWorker):
+    """The Ray actor of a region: a RegionWorker that advertises its node's address and answers
+    heartbeats on a thread of their own.
+    """
+
     def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls.
@@ -47,6 +51,7 @@ class RegionActor(RegionWorker):
         return {"pid": os.getpid(), "completed_round": self.completed_round}
 
     def node_info(self) -> dict[str, Any]:
+        """info() plus the Ray node the actor runs on (id, IP, labels), for the placement check."""
         ctx = ray.get_runtime_context()
         node_id = ctx.get_node_id()
         labels: dict[str, str] = {}

@@ -39,6 +39,7 @@ class CheckpointError(ValueError):
 
 
 def save_atomic(path: Path, state: Any) -> None:
+    """Write `state` as a checksummed checkpoint at `path`: whole or absent, readable by its owner only."""
     buf = io.BytesIO()
     torch.save(state, buf)
     body = buf.getvalue()
@@ -88,6 +89,7 @@ def make_private_dirs(path: Path) -> None:
 
 
 def load_verified(path: Path) -> Any:
+    """Load a checkpoint after checking its magic and checksum; CheckpointError for any file that fails."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -120,10 +122,12 @@ def load_tensors(body: bytes, *, what: str) -> Any:
 
 
 def checkpoint_path(directory: Path, round_: int) -> Path:
+    """The file of round `round_`'s checkpoint in `directory` (zero-padded: names sort by round)."""
     return Path(directory) / f"ckpt-{round_:08d}.pt"
 
 
 def list_rounds(directory: Path) -> list[int]:
+    """Rounds that have a checkpoint file in `directory`, ascending (files not verified; [] without the folder)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []

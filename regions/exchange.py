@@ -30,6 +30,10 @@ SHARE_SPREAD = 1.5          # concurrent probes within this ratio read as even s
 
 @dataclass
 class ExchangeResult:
+    """One exchange as the algorithm sees it: the decoded updates received, what each out-peer
+    decodes of this region's own payload, who was missing, and the traffic of the exchange.
+    """
+
     received: dict[str, list[torch.Tensor]]  # sender -> decoded tensors
     own_decoded: dict[str, list[torch.Tensor]]  # peer -> what that peer decodes of my payload
     missing: list[str]
@@ -70,9 +74,11 @@ class Exchanger:
         self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
 
     def close(self) -> None:
+        """Stop the send pool without waiting: queued pushes are cancelled, running ones end on their timeout."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def estimator(self, peer: str) -> LinkEstimator:
+        """The link estimator of the out-link to `peer` (made on first use); callers that update it hold the lock."""
         return self.estimators.setdefault(peer, LinkEstimator())
 
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
@@ -152,11 +158,12 @@ class Exchanger:
     def _collect_sends(self, futures: dict[str, Future], round_: int, result: ExchangeResult, *,
                        grace_s: float) -> None:
         wait(list(futures.values()), timeout=grace_s)
+        n_sends = len(futures)
         for peer, fut in futures.items():
             if not fut.done():
                 # Still running (a stalled link): leave it, skip the peer until it ends.
                 self._stalled[peer] = (round_, fut)
-                fut.add_done_callback(lambda f, p=peer, r=round_, k=len(futures): self._stalled_ended(p, r, f, k))
+                fut.add_done_callback(lambda f, p=peer, r=round_: self._stalled_ended(p, r, f, n_sends))
                 result.send_failures[peer] = f"still in flight {grace_s:.1f}s after the receive deadline; left running"
                 log.warning("push of round %d to %s still in flight after the deadline; not waiting for it", round_, peer)
                 continue
@@ -166,7 +173,7 @@ class Exchanger:
                 result.send_failures[peer] = str(exc)
                 log.warning("send to %s failed: %s", peer, exc)
                 continue
-            self._count_send(result, peer, stats, concurrent=len(futures))
+            self._count_send(result, peer, stats, concurrent=n_sends)
 
     def _count_send(self, result: ExchangeResult, peer: str, stats, *, concurrent: int, **extra) -> None:
         result.bytes_sent += stats.bytes
@@ -259,6 +266,7 @@ class Exchanger:
             self._count_send(result, peer, stats, concurrent=concurrent, late_round=round_)
 
     def link_estimates(self, region: str) -> dict[str, dict]:
+        """Every out-link's estimate keyed 'region->peer', as the round's metrics report them."""
         with self._est_lock:
             return {f"{region}->{peer}": est.snapshot() for peer, est in self.estimators.items()}
 
@@ -271,6 +279,7 @@ class Exchanger:
                 "codecs": {key: _codec_state_dict(st) for key, st in self.states.items()}}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore `state_dict()`: the deadline's samples, every codec stream's state and the link estimates."""
         if "deadline" in d:
             self.deadline.load_state_dict(d["deadline"])
         for key, sd in d.get("codecs", {}).items():

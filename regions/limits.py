@@ -30,6 +30,8 @@ _HEADER_SLACK = 4096  # the wire header: codec spec, tensor and section records 
 
 @dataclass(frozen=True, kw_only=True)
 class WireLimits:
+    """The size and time bounds of one region's transport, derived from its model (see the module docstring)."""
+
     max_message_bytes: int
     peer_budget_bytes: int
     max_state_bytes: int

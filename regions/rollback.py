@@ -35,6 +35,10 @@ _PROBE_SEED = 7919  # the probe batch's own generator: the training data stream 
 
 
 class RoundGuard:
+    """Keeps a region's state at the start of each round and undoes a round that leaves the model
+    non-finite (see the module docstring).
+    """
+
     def __init__(self, w: RegionWorker):
         self.w = w
         gen = torch.Generator().manual_seed(w.cfg.run.seed * 1000 + w.index + _PROBE_SEED)
@@ -44,11 +48,13 @@ class RoundGuard:
         self.total = 0
 
     def snapshot(self) -> None:
+        """Keep a deep copy of the model, inner optimizer and algorithm state the round starts from."""
         w = self.w
         self._state = copy.deepcopy({"model": w.model.state_dict(), "inner": w.inner.state_dict(),
                                      "algorithm": w.algorithm.state_dict()})
 
     def probe_loss(self) -> float:
+        """The model's loss on the fixed probe batch, in eval mode and without gradients."""
         w = self.w
         was_training = w.model.training
         w.model.eval()

@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class RoundPlan:
+    """What the coordinator asks of a region for one round: H local steps, the codec of each
+    out-link, the lr scale, evaluation and sketch flags, whether it is the last round, and which
+    regions it believes are up.
+    """
+
     round: int
     H: int
     codecs: dict[str, CodecSpec] = field(default_factory=dict)  # peer -> codec of my link to it
@@ -110,9 +115,11 @@ class RegionWorker:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
+        """Start the transport's server; returns the address peers dial."""
         return self.transport.start()
 
     def connect(self, peers: dict[str, str]) -> None:
+        """Dial every other region at its address (region -> address; this region's own entry is skipped)."""
         self.transport.connect({r: a for r, a in peers.items() if r != self.region})
 
     def probe(self) -> dict[str, Any]:
@@ -124,11 +131,13 @@ class RegionWorker:
         return {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region)}
 
     def close(self) -> None:
+        """Stop the algorithm's background work, the send pool and the transport, in that order."""
         self.algorithm.close()
         self.exchanger.close()
         self.transport.close()
 
     def info(self) -> dict[str, Any]:
+        """Identity and size facts for the driver: pid, host, parameter and example counts, round, RSS."""
         import socket
 
         return {"region": self.region, "pid": os.getpid(), "host": socket.gethostname(),
@@ -137,6 +146,9 @@ class RegionWorker:
 
     # -- one round -------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        """Run one planned round (a non-finite one is rolled back if configured), evaluate if planned,
+        and return the region's metrics record for it (losses, exchange, links, codecs, refusals).
+        """
         t_start = time.time()
         metrics = self._guarded_round(plan)
         self.completed_round = plan.round
@@ -186,6 +198,7 @@ class RegionWorker:
         return delta
 
     def finish_pending(self) -> dict[str, Any]:
+        """Apply an exchange still in flight (overlap) so the model includes every round; its metrics."""
         return self.algorithm.finish()
 
     def inner_steps(self, H: int, lr_scale: float, *, before_step=None) -> dict[str, Any]:
@@ -209,6 +222,7 @@ class RegionWorker:
         return metrics
 
     def forward_backward(self) -> float:
+        """One batch of the shard: gradients zeroed, then forward and backward; returns the loss."""
         self.inner.zero_grad(set_to_none=False)
         batch = next(self.batches)
         self.batches_drawn += 1
@@ -217,17 +231,22 @@ class RegionWorker:
         return float(loss.detach())
 
     def optimizer_step(self, lr_scale: float) -> None:
+        """One inner optimizer step at sync.inner.lr x `lr_scale` (the plan's schedule)."""
         for group in self.inner.param_groups:
             group["lr"] = self.cfg.sync.inner.lr * lr_scale
         self.inner.step()
 
     # -- exchange helpers used by the algorithms ------------------------------------------
     def out_peers(self, plan: RoundPlan) -> list[str]:
+        """This round's out-neighbours in the topology, less those the coordinator believes are down."""
         alive = set(plan.alive) if plan.alive is not None else None
         return [self.regions[j] for j in self.topology.out_neighbours(self.index, plan.round)
                 if alive is None or self.regions[j] in alive]
 
     def in_weights(self, round_: int) -> dict[str, float]:
+        """The topology's in-neighbours of this region in `round_`, by name, with their mixing weights
+        (down or not: the mix folds a missing peer's weight into this region's own).
+        """
         return {self.regions[j]: w for j, w in self.topology.in_weights(self.index, round_).items()}
 
     def exchange(self, plan: RoundPlan, tensors, *, single_codec: bool = False, send: bool = True):
@@ -241,6 +260,9 @@ class RegionWorker:
                                        codecs=codecs, default_codec=self.cfg.compression.codec)
 
     def mix(self, plan: RoundPlan, own, res) -> list[torch.Tensor]:
+        """The round's aggregate of `own` and what `res` received: the topology's weighted mix, or the
+        robust coordinate-wise one that security.robust_aggregation selects (full-topology runs only).
+        """
         how = self.cfg.security.robust_aggregation
         if how in ("trimmed-mean", "median"):  # the config allows them for full-topology diloco/allreduce only
             return robust_mix(own, res.received, how=how, trim_fraction=self.cfg.security.trim_fraction)
@@ -257,6 +279,7 @@ class RegionWorker:
 
     # -- evaluation and state --------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
+        """The task's metric of the region's live model as it stands (evaluate_synced: the synchronised one)."""
         r = self.task.evaluate(self.model)
         return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
 
@@ -290,9 +313,13 @@ class RegionWorker:
         return count_sketch(self.algorithm.eval_params(), seed=self.cfg.run.seed)
 
     def get_params(self) -> list[torch.Tensor]:
+        """Detached copies of the trainable parameters."""
         return [p.detach().clone() for p in self.params]
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything a restore needs to go on exactly: model, inner optimizer, algorithm, exchanger (codec
+        and link state), the data stream's position and the global RNG.
+        """
         return {"round": self.completed_round, "model": self.model.state_dict(), "inner": self.inner.state_dict(),
                 "algorithm": self.algorithm.state_dict(), "exchanger": self.exchanger.state_dict(),
                 "data": {"start": self._data_start, "drawn": self.batches_drawn},
@@ -324,9 +351,12 @@ class RegionWorker:
         return peer, self.completed_round
 
     def transport_stats(self) -> dict[str, Any]:
+        """The transport's counters (see Transport.stats)."""
         return self.transport.stats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s state and take up the run after its round (the data stream replays to the
+        same batch)."""
         self.model.load_state_dict(state["model"])
         self.inner.load_state_dict(state["inner"])
         self.algorithm.load_state_dict(state["algorithm"])
@@ -355,6 +385,9 @@ class RegionWorker:
             self.transport.receive(round_, 0.0)
 
     def save_checkpoint(self) -> str:
+        """Write the state of the completed round atomically under RUN_DIR/checkpoints/<region>/ and keep
+        the newest run.keep_checkpoints; returns the file's path.
+        """
         d = self.run_dir / "checkpoints" / self.region
         path = checkpoint.checkpoint_path(d, self.completed_round)
         checkpoint.save_atomic(path, self.state_dict())

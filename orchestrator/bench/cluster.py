@@ -44,6 +44,9 @@ PROBE_ROUNDS = 3
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
+    """The shaped cluster of one bench: the regions, each region's egress, the one-way latency, namespace prefix,
+    CPUs per node."""
+
     regions: tuple[str, ...] = REGIONS
     egress_mbps: float = 50.0      # each region's egress (tbf, IP bytes), shared by all its flows
     latency_ms: float = 40.0       # one way, every path
@@ -71,6 +74,8 @@ def probe_links(cluster, payload_bytes: int) -> dict[str, Any]:
 
 
 def link_truth(cluster, probed: dict[str, Any]):
+    """What the shaped links really give (egress, payload efficiency, measured RTTs, plain TCP's warm push rate),
+    from the set-up probe."""
     from .cluster_checks import LinkTruth
 
     push = {link: round(probed["payload_bytes"] * 8 / max(1e-6, s - probed["rtt_ms"][link] / 1e3) / 1e6, 3)
@@ -109,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
+    """`geofed bench cluster ARGS`; returns the exit code (2: no shaped cluster possible here or bad
+    arguments, 1: a run failed, 130: interrupted).
+    """
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:
@@ -204,6 +212,7 @@ def _aggregate(runs: list[dict[str, Any]], arms: Sequence[str]) -> list[dict[str
 
 
 def print_table(doc: dict[str, Any]) -> None:
+    """The bench's table (medians and ranges per arm over the seeds), then its target checks."""
     from rich.console import Console
     from rich.table import Table
 

@@ -39,6 +39,8 @@ ARMS = ("H100-int8", "adaptive-overlap", "multi-region")
 
 @dataclass(frozen=True, kw_only=True)
 class Target:
+    """The metric value each arm's time to target is measured to."""
+
     metric: str = "accuracy"
     value: float = 0.95
 
@@ -55,6 +57,8 @@ def common_mapping(*, regions=REGIONS, max_steps: int = 1500, rounds: int = 60, 
 
 
 def arm_mapping(arm: str, common: dict[str, Any]) -> dict[str, Any]:
+    """The config mapping of `arm`: `common` (not modified) with the arm's keys changed; ValueError for an
+    unknown arm."""
     m = copy.deepcopy(common)
     if arm == "H100-int8":
         m["sync"]["policy"] = {"kind": "fixed", "H": 100}
@@ -91,6 +95,8 @@ def write_config(mapping: dict[str, Any], path: Path, *, target: Target | None) 
 
 @dataclass(frozen=True, kw_only=True)
 class Reached:
+    """What one run of an arm reached, and when: time, steps and MB per region to the target, plus the run's totals."""
+
     time_s: float | None       # from round 0's start; None: not reached
     steps: int | None          # inner steps per region by then
     mb_per_region: float | None  # geofed's bytes sent per region by then (mean over regions), MB

@@ -37,6 +37,8 @@ FRAMING = 1.0   # gRPC/HTTP2/TLS framing (~0.998) is left out of the true rate: 
 
 @dataclass(frozen=True, kw_only=True)
 class LinkTruth:
+    """What the shaped links of a cluster really give, to hold a run's link estimates against."""
+
     egress_mbps: float          # each region's tbf rate (IP bytes)
     payload_efficiency: float   # TCP payload per IP byte of a full segment (hub.RegionNet.payload_efficiency)
     rtt_ms: Mapping[str, float]  # per link "a->b", measured (hub_probe.probe)
@@ -124,6 +126,7 @@ def replay_H(run_dir: Path, truth: LinkTruth) -> list[dict[str, Any]]:
 
 
 def model_numel(cfg) -> int:
+    """Trainable parameters of the config's model (what one update carries), built here without Ray."""
     from geofed.regions.tasks import make_task
 
     task = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=cfg.run.seed)
@@ -149,6 +152,9 @@ def flow_class(key: tuple, geofed_ports: tuple[int, int], ray_ports: Mapping[int
 
 
 def ray_ports(plan: LaunchPlan) -> tuple[dict[int, str], tuple[int, int]]:
+    """Ray's ports in `plan` by name (port -> name), and the range of its worker ports: how router flows
+    are told apart as Ray's.
+    """
     p = plan.ports["between_nodes"]
     named = {int(p["gcs (head only)"]): "gcs", int(p["node_manager"]): "raylet",
              int(p["object_manager"]): "object_manager", int(p["dashboard_agent_grpc"]): "agent"}

@@ -62,6 +62,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
+    """`geofed bench codecs ARGS`; returns the exit code (2: bad arguments, 1: --check and a target missed)."""
     try:
         args = _parse(argv)
     except SystemExit as exc:

@@ -40,6 +40,7 @@ def _print(doc: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """`geofed bench link ARGS`: loopback and emulated rows as tables or one JSON document; returns 0."""
     p = argparse.ArgumentParser(prog="geofed bench link", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--sizes", type=float, nargs="+", default=[1, 8, 64], help="loopback sizes, MB")

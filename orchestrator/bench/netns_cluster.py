@@ -98,6 +98,8 @@ class NetnsCluster(LocalCluster):
 
 @dataclass
 class Snapshot:
+    """The router's flow counters at one moment of a driver run (a phase boundary: launch, a round, the end)."""
+
     label: str          # "launch", "started", "round 3", "end"
     t: float            # time.monotonic()
     flows: dict         # router FlowCounters.snapshot()

@@ -41,6 +41,8 @@ SHAPES = [(32, 64), (32,), (10, 32), (10,)]  # the digits MLP with 32 hidden uni
 
 
 def soak_config(overrides: Sequence[str] = ()) -> Any:
+    """The soak run's config: the digits task on 3 regions without emulation, rounds without end (time ends it),
+    then `overrides`."""
     return config_from_mapping({
         "run": {"name": "soak", "rounds": 10_000_000, "report": False, "checkpoint_every": 50, "seed": 0},
         "task": {"kind": "mlp-digits", "hidden": 32},
@@ -131,6 +133,9 @@ def rss_slopes(run_dir: Path, *, warmup_s: float) -> dict[str, dict[str, float]]
 
 
 def soak(minutes: float, *, rate: float, out: Path, overrides: Sequence[str] = (), log=print) -> dict[str, Any]:
+    """Run the soak for `minutes` with the hostile peer attacking at `rate` calls a second; returns
+    the result (finished, refusals, what the attacker was told, each region's memory trend).
+    """
     cfg = soak_config(overrides)
     out.mkdir(parents=True)
     runner = _TimedRunner(cfg, out, show_progress=False, seconds=minutes * 60)
@@ -187,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
+    """`geofed bench soak ARGS`; returns 0 when the run finished and no region's memory grew past the target, else 1."""
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:

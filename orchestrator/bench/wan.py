@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
+    """`geofed bench wan ARGS`; returns the exit code (1: a run failed, a signal's code after a clean stop)."""
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:
@@ -130,6 +131,7 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
 
 
 def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index: int, total: int) -> ArmResult:
+    """Run one arm as a real `geofed run` in its own run directory under `out`, and measure it."""
     from ..driver.rundir import new_run_dir
     from ..driver.runner import Runner, prepare_task
 
@@ -197,6 +199,7 @@ class _ProgressWatch:
 
 
 def print_results(console: Console, scenario: Scenario, results: list[ArmResult], doc: dict[str, Any]) -> None:
+    """The arms' table (H, time and bytes to target, losses, utilisation), then the issue's target checks."""
     t = Table(title=f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g}, "
                     f"{scenario.max_steps} steps per region)")
     for col in ("arm", "H", "to target", "bytes to target", "final loss", "eval", "util", "wall util", "wall"):

@@ -27,6 +27,9 @@ BASE_CONFIG = "bench-wan.yaml"
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
+    """One `geofed bench wan` scenario: the links, the optional bandwidth drop, the target loss, the step budget
+    and the arms to run."""
+
     name: str
     bandwidth_mbps: float = 50.0     # every link, as issue 6 gives it (before bandwidth_scale)
     rtt_ms: float = 80.0
@@ -65,6 +68,8 @@ class Scenario:
 
 @dataclass(frozen=True, kw_only=True)
 class Arm:
+    """One arm of a scenario: its name, kind (allreduce, fixed or adaptive), fixed H and its run config."""
+
     name: str
     kind: str            # allreduce | fixed | adaptive
     H: int | None        # fixed H (allreduce: 1; adaptive: None, the policy's)

@@ -22,6 +22,8 @@ FINAL_FRACTION = 0.1  # final loss: step-weighted mean train loss over the last 
 
 @dataclass(frozen=True, kw_only=True)
 class ArmResult:
+    """What one arm's run directory says: time and bytes to the target loss, H over rounds, losses, utilisation."""
+
     name: str
     kind: str
     H: int | None                 # fixed H; adaptive: the median H over rounds
@@ -54,6 +56,9 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 
 def measure(run_dir: Path, *, name: str, kind: str, H: int | None, target_loss: float,
             drop_at_s: float | None = None, baseline_steps: int | None = None) -> ArmResult:
+    """Read an arm's run directory back into an ArmResult (time to `target_loss` from round 0;
+    `baseline_steps`: also the loss at the allreduce arm's step count).
+    """
     run = load_run(run_dir)
     t0 = training_start(run)
     reached = to_target(run, target_loss)

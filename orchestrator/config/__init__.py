@@ -35,6 +35,8 @@ def _doc(text: str, **kw) -> dict:
 
 @dataclass(frozen=True, kw_only=True)
 class TargetSection:
+    """``run.target``: the evaluated metric value at which the run stops early."""
+
     metric: str = field(metadata=_doc(
         "the task's evaluation metric, as its evaluation names it: accuracy (mlp-digits, gcn-planetoid), loss (char-lm)"))
     value: float = field(metadata=_doc(
@@ -48,6 +50,10 @@ class TargetSection:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSection:
+    """``run``: length (rounds, step budget), seed, output folder, checkpoints, evaluation, target,
+    and what a region failure does to the run.
+    """
+
     name: str = field(default="geofed", metadata=_doc("run name; the run directory is runs/<name>-<UTC timestamp>"))
     rounds: int = field(default=30, metadata=_doc("number of sync rounds"))
     max_steps: int = field(default=0, metadata=_doc(
@@ -109,6 +115,10 @@ def _check_out_dir(out_dir: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RegionsSection:
+    """``regions``: the region names, which Ray nodes may host each (node labels), and each actor's
+    CPUs, threads, restarts and timeouts.
+    """
+
     names: tuple[str, ...] = field(
         default=("us-east-1", "eu-west-1", "ap-northeast-1", "eu-central-1"),
         metadata=_doc("region names (cloud region ids); one worker actor each"))
@@ -150,11 +160,16 @@ class RegionsSection:
             raise ValueError(f"heartbeat_timeout_s: must be in [0.5, 86400], got {self.heartbeat_timeout_s}")
 
     def label_of(self, region: str) -> str:
+        """The value of regions.label_key a node must carry to host `region`: its name unless regions.labels maps it."""
         return self.labels.get(region, region)
 
 
 @dataclass(frozen=True, kw_only=True)
 class NetworkSection:
+    """``network``: where the gRPC servers bind and what they advertise, message and memory limits,
+    the set-up link probes, and the WAN emulation.
+    """
+
     bind_host: str = field(default="127.0.0.1", metadata=_doc("address each region's gRPC server binds"))
     advertised_host: str | None = field(default=None, metadata=_doc("address peers dial (default: bind_host, or the node IP when bind_host is 0.0.0.0)"))
     port_range: tuple[int, int] | None = field(default=None, metadata=_doc("[first, last] ports for gRPC servers; null: ephemeral"))
@@ -192,6 +207,8 @@ class NetworkSection:
 
 @dataclass(frozen=True, kw_only=True)
 class InnerOptimizer:
+    """``sync.inner``: each region's local optimizer, its batch size and the lr schedule over the run."""
+
     kind: Literal["adamw", "sgd"] = field(default="adamw", metadata=_doc("inner (local) optimizer"))
     lr: float = field(default=1e-3, metadata=_doc("inner learning rate"))
     weight_decay: float = field(default=0.0, metadata=_doc(
@@ -212,6 +229,8 @@ class InnerOptimizer:
 
 @dataclass(frozen=True, kw_only=True)
 class OuterOptimizer:
+    """``sync.outer``: DiLoCo's outer SGD (with Nesterov momentum) on the mixed pseudo-gradients."""
+
     lr: float = field(default=0.7, metadata=_doc("outer SGD learning rate (DiLoCo: 0.7)"))
     momentum: float = field(default=0.9, metadata=_doc("outer momentum (DiLoCo: 0.9)"))
     nesterov: bool = field(default=True, metadata=_doc("Nesterov momentum"))
@@ -223,6 +242,8 @@ class OuterOptimizer:
 
 @dataclass(frozen=True, kw_only=True)
 class DeadlineSection:
+    """``sync.deadline``: the start value, bounds and slack of the adaptive receive deadline."""
+
     initial_s: float = field(default=30.0, metadata=_doc("receive deadline before any arrival was measured"))
     min_s: float = field(default=1.0, metadata=_doc("smallest adaptive deadline"))
     max_s: float = field(default=120.0, metadata=_doc("largest adaptive deadline"))
@@ -237,6 +258,8 @@ class DeadlineSection:
 
 @dataclass(frozen=True, kw_only=True)
 class GossipSection:
+    """``sync.gossip``: CHOCO compression of the gossip and gradient tracking."""
+
     choco: bool = field(default=True, metadata=_doc("CHOCO-SGD: compress differences to public copies"))
     gamma: float = field(default=0.5, metadata=_doc("CHOCO consensus step size"))
     tracking: bool = field(default=False, metadata=_doc(
@@ -250,6 +273,10 @@ class GossipSection:
 
 @dataclass(frozen=True, kw_only=True)
 class SyncSection:
+    """``sync``: the algorithm, topology, H/codec policy, the optimizers, overlap, deadlines and
+    resyncs. Refuses CHOCO gossip over a time-varying topology.
+    """
+
     algorithm: Literal["diloco", "allreduce", "gossip"] = field(
         default="diloco", metadata=_doc("diloco: H local steps then outer step on mixed pseudo-gradients; allreduce: per-step gradient averaging (baseline); gossip: decentralized model mixing"))
     topology: str = field(default="full", metadata=_doc("full, ring, exponential, one-peer-exponential, random-matching"))
@@ -283,6 +310,10 @@ def _static_topology(name: str) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionSection:
+    """``compression``: the default codec, error feedback, and the ladder of codecs a policy may
+    choose per link (all CodecSpecs: the loader parses every spelling).
+    """
+
     codec: CodecSpec = field(default=CodecSpec(kind="fp16"), metadata=_doc(
         "a codec name (int8), a mapping ({kind: topk, fraction: 0.01, inner: int8}) or its key "
         "(topk(fraction=0.01,inner=int8)); see docs/compression.md"))
@@ -298,6 +329,10 @@ class CompressionSection:
 
 @dataclass(frozen=True, kw_only=True)
 class SecuritySection:
+    """``security``: mutual TLS, how far ahead updates may come, what admission does with outsized
+    updates, and the rollback of rounds that turn a model non-finite.
+    """
+
     tls: bool = field(default=True, metadata=_doc("mutual TLS on every channel (false: plaintext, warns)"))
     round_window: int = field(default=2, metadata=_doc("accept updates at most this many rounds ahead"))
     robust_aggregation: Literal["none", "clip", "trimmed-mean", "median"] = field(default="clip", metadata=_doc(
@@ -329,6 +364,8 @@ class SecuritySection:
 
 @dataclass(frozen=True, kw_only=True)
 class RaySection:
+    """``ray``: start a local Ray or join a cluster, and how long to wait for it."""
+
     address: str | None = field(default=None, metadata=_doc("null: start a local Ray; auto, HOST:PORT or ray://... joins a cluster"))
     num_cpus: int | None = field(default=None, metadata=_doc("CPUs of the local Ray (null: all)"))
     init_timeout_s: float = field(default=120.0, metadata=_doc("give up starting/joining Ray after this"))
@@ -340,6 +377,10 @@ class RaySection:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
+    """A whole run config, one frozen section per component. Construction validates it, rules across
+    sections included (CHOCO's codecs, robust aggregation's topology); load_config builds one from YAML.
+    """
+
     run: RunSection = field(default_factory=RunSection, metadata=_doc("the run"))
     task: Any = field(metadata=_doc("what is trained: kind mlp-digits, char-lm, gcn-planetoid or python:module:function", choose=task_config_class))
     regions: RegionsSection = field(default_factory=RegionsSection, metadata=_doc("the regions"))
@@ -392,6 +433,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def config_from_mapping(data: dict, overrides=(), *, source: str = "<config>") -> RunConfig:
+    """Apply `--set` overrides to a parsed YAML mapping (in place) and build the RunConfig strictly;
+    a plug-in task's factory is looked up (imported, not called). ConfigError names `source` and the key.
+    """
     try:
         for assignment in overrides:
             strict.apply_override(data, assignment)

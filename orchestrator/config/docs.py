@@ -34,6 +34,8 @@ def _clean_type(tp: str) -> str:
 
 
 def config_docs_markdown() -> str:
+    """docs/CONFIG.md as `geofed config-docs` prints it: every key of every section, task and policy kind, and
+    the codecs."""
     parts = [HEADER, "## Sections\n\n", _table(field_docs(RunConfig))]
     parts.append("\n## `task` (by `task.kind`)\n")
     for kind in task_kinds():

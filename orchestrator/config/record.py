@@ -50,10 +50,14 @@ NEVER_ON_RESUME = ("security.",)  # TLS cannot be turned off, nor message checks
 
 
 def sha256(data: bytes) -> str:
+    """Hex SHA-256 of `data` (the config file's bytes, as the record keeps them)."""
     return hashlib.sha256(data).hexdigest()
 
 
 def write_record(run_dir: Path, cfg: RunConfig, config_yaml: bytes, *, changes: list | None = None) -> None:
+    """Write RUN_DIR/config.record.json: the config file's hash, the parsed config, and the keys
+    changed by resumes so far.
+    """
     write_json(Path(run_dir) / RECORD_FILE, {"sha256": sha256(config_yaml), "config": _plain(cfg),
                                              "changes": changes or []})
 

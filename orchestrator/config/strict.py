@@ -55,7 +55,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one dispatch over type forms
+def _convert(tp: Any, value: Any, path: str) -> Any:  # one dispatch over type forms
     origin = typing.get_origin(tp)
     if tp is Any:
         return value

@@ -42,7 +42,7 @@ class _NoAliasLoader(yaml.SafeLoader):
         self._nodes = 0
         self._depth = 0
 
-    def compose_node(self, parent, index):  # noqa: D401 - PyYAML hook
+    def compose_node(self, parent, index):  # a PyYAML hook
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise ConfigError("", f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in configs")

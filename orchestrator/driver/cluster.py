@@ -35,6 +35,8 @@ class PlacementError(RuntimeError):
 
 @dataclass
 class RayHandle:
+    """The Ray session a run uses; shutdown() ends it only if this driver started it (tests share one)."""
+
     started_here: bool
     address: str | None
 
@@ -98,6 +100,8 @@ def node_labels(label_key: str) -> dict[str, list[str]]:
 
 @dataclass
 class RegionActors:
+    """The region actors by region, and what each reported when it started (node_info)."""
+
     handles: dict[str, Any]
     info: dict[str, dict] = field(default_factory=dict)
 
@@ -146,6 +150,9 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
 
 
 def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dict[str, dict]:
+    """node_info of every actor once all answer; PlacementError naming the regions that did not start
+    within `timeout_s`, or the actor that failed to.
+    """
     refs = {h.node_info.remote(): r for r, h in handles.items()}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
@@ -210,4 +217,5 @@ def wait_alive(handle: Any, timeout_s: float) -> dict | None:
 
 
 def elapsed(t0: float) -> float:
+    """Seconds since `t0` on the monotonic clock."""
     return time.monotonic() - t0

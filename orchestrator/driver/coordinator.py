@@ -38,6 +38,11 @@ MIN_OVERHEAD_SAMPLES = 3
 
 
 class Coordinator:
+    """The driver's planner: folds each round's region metrics into Measurements, asks the policy for
+    the next H and codecs, and turns the decision into one RoundPlan per alive region (see the module
+    docstring for what the policy is fed). Its state goes into the driver's checkpoint.
+    """
+
     def __init__(self, cfg: RunConfig, *, model_numel: int, clock):
         self.cfg = cfg
         self.regions = list(cfg.regions.names)
@@ -67,11 +72,15 @@ class Coordinator:
 
     @property
     def round_overhead_s(self) -> float | None:
+        """The per-round control-plane time (the floor of the last few rounds after warm-up), or None
+        until MIN_OVERHEAD_SAMPLES rounds were measured.
+        """
         # The floor of recent rounds: what every round pays; spikes (a loaded host) come and go,
         # and a floor needs a few rounds (one 34 ms spike once sent H from 53 to 448).
         return min(self._overheads) if len(self._overheads) >= MIN_OVERHEAD_SAMPLES else None
 
     def lr_scale(self, round_: int) -> float:
+        """The factor on sync.inner.lr for `round_`: 1, or cosine over the step budget (else over run.rounds)."""
         if self.cfg.sync.inner.lr_decay == "cosine":
             progress = self.steps_done / self.max_steps if self.max_steps else round_ / max(1, self.cfg.run.rounds)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
@@ -167,6 +176,7 @@ class Coordinator:
 
     @property
     def links(self) -> dict[str, LinkEstimate]:
+        """Every link's latest estimate (LinkView's), keyed 'src->dst'."""
         return {k: self.link_view.estimate(k) for k in self.link_view.links()}
 
     def links_record(self) -> dict[str, dict[str, Any]]:
@@ -176,11 +186,15 @@ class Coordinator:
                 for k, e in self.links.items()}
 
     def state_dict(self) -> dict[str, Any]:
+        """The policy's state and the measurements the next plan depends on (step times, loss, overheads,
+        links, steps done): a resumed run plans as the uninterrupted one would.
+        """
         return {"policy": self.policy.state_dict(), "step_time_s": self.step_time_s, "loss": self.loss,
                 "last_sync_s": self.last_sync_s, "steps_done": self.steps_done,
                 "overheads": list(self._overheads), "steps": list(self._steps), "links": self.link_view.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore `state_dict()` (keys missing from older checkpoints keep their fresh values)."""
         self.policy.load_state_dict(d["policy"])
         self.step_time_s, self.loss, self.last_sync_s = d["step_time_s"], d["loss"], d["last_sync_s"]
         self.steps_done = int(d.get("steps_done", 0))

@@ -24,10 +24,15 @@ from .summary import evaluate_average
 
 
 def fetched_bytes(params: Mapping[str, list[torch.Tensor]]) -> int:
+    """Bytes of the parameters fetched from the regions (what a gossip evaluation costs)."""
     return sum(t.numel() * t.element_size() for tensors in params.values() for t in tensors)
 
 
 class RunEvaluation:
+    """The run's evaluations: which rounds evaluate (run.eval_every, or every round toward a target),
+    the record of each, and whether and at what cost (time, steps, bytes) run.target was reached.
+    """
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.target = cfg.run.target

@@ -63,6 +63,10 @@ class _Liveness:
 
 
 class FaultHandling:
+    """The Runner's fault handling (a base class working on its state): calls to the regions that
+    survive dead, hung and stalled ones, revivals and resyncs (see the module docstring).
+    """
+
     def _gather(self, refs: dict, what: str, *, timeout: float) -> dict[str, Any]:
         """region -> result of one call per region. A region whose actor died, or that did not
         answer within `timeout` (then it is killed for Ray to restart), is failed; one that stops
@@ -93,7 +97,7 @@ class FaultHandling:
                                f"{time.monotonic() - t_last:.0f}s after the others (it answers the liveness probe)")
                     self._event("waiting_for_region", region=region, what=what,
                                 waited_s=round(time.monotonic() - t_last, 2))
-        for ref, region in pending.items():
+        for region in pending.values():
             self._region_failed(region, f"{what} did not finish within {timeout:.0f}s")
             ray.kill(self.actors.handles[region], no_restart=False)
         return out

@@ -10,6 +10,8 @@ from rich.table import Table
 
 
 class RunProgress:
+    """The round progress bar on stderr (loss, H, MB sent); a no-op when disabled (--quiet)."""
+
     def __init__(self, total_rounds: int, *, enabled: bool, start: int = 0):
         self.console = Console(stderr=True)
         self.enabled = enabled
@@ -35,6 +37,7 @@ class RunProgress:
 
 
 def print_summary(summary: dict[str, Any], run_dir: str) -> None:
+    """Print the end-of-run table: rounds, wall time, losses, evaluation, bytes, faults, refusals."""
     console = Console()
     t = Table(title="geofed run", show_header=False)
     ev = summary.get("eval") or {}

@@ -29,10 +29,12 @@ class RunFailed(RuntimeError):
 
 
 def signal_name(signum: int | None) -> str | None:
+    """'SIGTERM' for signal 15 and so on; None for None."""
     return None if signum is None else signal.Signals(signum).name
 
 
 def first_line(exc: BaseException) -> str:
+    """'ExcType: first line of its message', for one-line logs and events."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
@@ -89,6 +91,8 @@ class StopSignals:
 
 @dataclass(frozen=True, kw_only=True)
 class Resync:
+    """One region that missed an update and pulls the model from one of `donors`, which missed none."""
+
     region: str
     donors: tuple[str, ...]  # any of them will do; the joiner's rendezvous order spreads the load
 

@@ -27,6 +27,8 @@ from ..config.yamlconfig import parse_yaml, read_config_bytes
 
 
 class DriverCheckpoint(NamedTuple):
+    """The driver checkpoint a resume starts from, with what verification skipped and the rounds that run again."""
+
     round: int
     state: dict[str, Any]
     skipped: list[str]  # newer driver checkpoints that failed verification, why
@@ -78,6 +80,9 @@ def emulation_for_resume(cfg: RunConfig, ckpt: DriverCheckpoint | None) -> RunCo
 
 
 def reap_previous_driver(run_dir: Path) -> list[dict]:
+    """End what a killed driver of this run directory left running (and say so on stderr); RunFailed
+    if that driver is still alive.
+    """
     try:
         reaped = reap_previous(run_dir)
     except RuntimeError as exc:  # two drivers on one run directory would interleave its files

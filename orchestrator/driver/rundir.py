@@ -115,6 +115,7 @@ class JsonlLog:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON lines file, up to a torn last line (a crash's); [] when the file is missing."""
     if not path.exists():
         return []
     out = []
@@ -147,10 +148,12 @@ def read_json_file(path: Path, *, limit: int = 4 << 20) -> Any:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON atomically and privately (NaN and infinities become null)."""
     write_bytes_atomic(path, (json.dumps(_clean(data), indent=2) + "\n").encode())
 
 
 def utc_now() -> str:
+    """The current UTC time, ISO 8601 to the second."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def run_from_args(args) -> int:
+    """`geofed run`: load or resume the config, run it, print the summary and write the report; returns
+    the exit code (143/130 after a clean stop on SIGTERM/SIGINT, 130 after an immediate one, 1 on a failed run).
+    """
     if args.resume:
         cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or ())
     else:
@@ -94,6 +97,11 @@ def _with_address(cfg: RunConfig, address: str | None) -> RunConfig:
 
 
 class Runner(FaultHandling):
+    """The driver of one run: sets up TLS, Ray, the region actors, the emulator and the links, then
+    paces rounds (plan, run, log, evaluate, checkpoint) and survives region faults (FaultHandling).
+    Call run(), then shutdown() whatever happened.
+    """
+
     def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False):
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
         self.regions = list(cfg.regions.names)
@@ -124,6 +132,9 @@ class Runner(FaultHandling):
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
+        """Everything before round 0: TLS material, Ray, the region actors and their servers, the
+        emulator, the connections, the logs (a resume restores its checkpoint), the link probes.
+        """
         ensure_private_dir(self.run_dir)  # 0700, also for a Runner started without new_run_dir
         mark = self._phase_marker()
         self._make_tls()
@@ -216,6 +227,9 @@ class Runner(FaultHandling):
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Set up and run rounds until run.rounds, run.max_steps or run.target ends the run; returns the
+        summary (also in summary.json). A stop signal checkpoints and raises Interrupted between rounds.
+        """
         with self.stop:
             self.stop._notify = self._on_signal
             self.setup()
@@ -376,6 +390,9 @@ class Runner(FaultHandling):
         return summary
 
     def shutdown(self) -> None:
+        """Close the logs, the region actors (then kill them), the emulator and a Ray this driver
+        started; safe after a failed or partial setup.
+        """
         for logf in ("metrics_log", "rounds_log", "events_log"):
             if hasattr(self, logf):
                 getattr(self, logf).close()

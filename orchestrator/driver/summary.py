@@ -39,6 +39,7 @@ def evaluate_average(cfg: RunConfig, params: dict[str, list[torch.Tensor]]) -> t
 def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, consensus, transport_stats,
                   faults, placement, emulator, wall_s: float,
                   refusals_since_last_round: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """summary.json's content, built from the run's logs and what the driver passes in."""
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     rounds = read_jsonl(run_dir / "rounds.jsonl")
     last_round = max((m["round"] for m in metrics), default=-1)

@@ -18,6 +18,8 @@ def _doc(text: str) -> dict:
 
 @dataclass(frozen=True, kw_only=True)
 class RayPorts:
+    """``launch.ports``: the fixed Ray ports, so a firewall can open exactly them; checked for range and clashes."""
+
     gcs: int = field(default=6379, metadata=_doc("head: GCS port (`ray start --port`); every node and the driver dial it"))
     client_server: int = field(default=10001, metadata=_doc("head: Ray Client port, for a driver joining with ray://"))
     dashboard: int = field(default=8265, metadata=_doc("head: dashboard / job API, bound to localhost (reach it over ssh)"))
@@ -51,6 +53,8 @@ class RayPorts:
 
 @dataclass(frozen=True, kw_only=True)
 class SetupSection:
+    """``launch.setup``: how every node installs geofed (venv, Python, torch, the package, Ray, extra commands)."""
+
     venv: str = field(default="/opt/geofed/venv", metadata=_doc("virtual environment created on every node"))
     python: str | None = field(
         default=None, metadata=_doc("interpreter the venv is made from (null: pythonX.Y of the machine making the plan; Ray needs one Python version on every node and the driver)"))
@@ -73,6 +77,9 @@ class SetupSection:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchSection:
+    """``launch``: the head region, Ray's ports, how long a node may be unreachable, the auth token's path, node
+    setup."""
+
     head_region: str | None = field(default=None, metadata=_doc("region whose node runs the Ray head and the driver (null: the first of regions.names)"))
     ports: RayPorts = field(default_factory=RayPorts, metadata=_doc(f"fixed Ray ports, so a firewall can open exactly them ({_RAY_DOCS})"))
     tolerate_outage_s: float = field(

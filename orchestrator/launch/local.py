@@ -39,6 +39,8 @@ class LocalClusterError(RuntimeError):
 
 @dataclass
 class LocalNode:
+    """One node of a LocalCluster: its plan, loopback address, Ray temp dir, log file and process group."""
+
     plan: NodePlan
     ip: str
     temp_dir: Path
@@ -47,6 +49,10 @@ class LocalNode:
 
 
 class LocalCluster:
+    """A launch plan's nodes brought up as Ray processes on this machine (see the module docstring);
+    stops exactly what it started.
+    """
+
     def __init__(self, plan: LaunchPlan, *, regions: list[str] | None = None, num_cpus: int = 1,
                  object_store_mb: int = 100, start_timeout_s: float = 90.0, grpc_ports: int = 8):
         """`regions`: the regions that get a worker node (default: every region but the head's).

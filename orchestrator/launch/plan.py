@@ -45,6 +45,9 @@ class NodePlan:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
+    """Everything `geofed launch plan` computes for a config: nodes, ports, Ray settings sized by RTT, driver,
+    setup and TLS."""
+
     version: int
     config_path: str
     run_name: str
@@ -94,6 +97,7 @@ def plan_from_args(args) -> int:
 
 
 def build_plan(cfg: RunConfig, *, config_path: str = "CONFIG") -> LaunchPlan:
+    """The launch plan of `cfg` (pure: nothing is contacted); ConfigError when the config cannot run multi-node."""
     _check_config(cfg, config_path)
     regions = list(cfg.regions.names)
     head = cfg.launch.head_region or regions[0]

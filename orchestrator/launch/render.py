@@ -10,6 +10,7 @@ from .plan import LaunchPlan, NodePlan, ray_start_argv
 
 
 def write_plan(plan: LaunchPlan, out: Path) -> Path:
+    """Write plan.json, setup.sh, driver.sh, one script per node and README.md into `out`; returns `out`."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"plan.json": plan.to_json(), "setup.sh": setup_script(plan), "driver.sh": driver_script(plan),
              "README.md": readme(plan)}
@@ -38,11 +39,13 @@ def _exports(env: dict[str, str]) -> list[str]:
 
 
 def setup_script(plan: LaunchPlan) -> str:
+    """setup.sh: the plan's install commands, for every node and the driver's machine."""
     lines = _header(plan, "install geofed on a node (every node, and where the driver runs)")
     return "\n".join(lines + plan.setup) + "\n"
 
 
 def node_script(plan: LaunchPlan, node: NodePlan) -> str:
+    """The script that starts `node`'s Ray (head or worker) with the plan's options; needs NODE_IP (and HEAD_IP)."""
     venv_ray = f"{plan.venv}/bin/ray"
     role = "the Ray head" if node.head else "a Ray worker node"
     lines = _header(plan, f"{role} in region {node.region}")
@@ -65,6 +68,7 @@ def node_script(plan: LaunchPlan, node: NodePlan) -> str:
 
 
 def driver_script(plan: LaunchPlan) -> str:
+    """driver.sh: `geofed run CONFIG --address HEAD` with the plan's environment, on the head node."""
     venv = plan.venv
     lines = _header(plan, f"the driver, on the head node (region {plan.head_region})")
     lines.append('# usage: HEAD_IP=<head address> driver.sh CONFIG [more `geofed run` options]')
@@ -79,6 +83,7 @@ def driver_script(plan: LaunchPlan) -> str:
 
 
 def readme(plan: LaunchPlan) -> str:
+    """README.md of the plan: nodes, RTTs, ports to open and the steps to bring the cluster up."""
     gcs = plan.ports["between_nodes"]["gcs (head only)"]
     lo, hi = plan.ports["between_nodes"]["geofed_grpc"]
     out = [f"# Launch plan: {plan.run_name}", "",

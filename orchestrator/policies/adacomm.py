@@ -42,6 +42,9 @@ class AdacommPolicy:
         self._start_s: float | None = None
 
     def decide(self, m: Measurements) -> Decision:
+        """The base's decision with H times the current interval's factor (clamped to [H_min, H_max]);
+        the factor is recomputed when an interval ends, from the loss (and lr) then.
+        """
         b = self.base.decide(m)
         event = self._update(m)
         c = self.cfg
@@ -84,11 +87,13 @@ class AdacommPolicy:
         return m.round - self._start_round >= self.cfg.interval_rounds
 
     def state_dict(self) -> dict[str, Any]:
+        """F0, the factor and its interval, and the base policy's state."""
         return {"kind": self.kind, "F0": self._F0, "factor": self._factor, "loss_ratio": self._loss_ratio,
                 "lr_ratio": self._lr_ratio, "start_round": self._start_round, "start_s": self._start_s,
                 "base": self.base.state_dict()}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` (the base's too); ValueError for another kind's state."""
         if d.get("kind") != self.kind:
             raise ValueError(f"policy state is for {d.get('kind')!r}, not {self.kind!r}")
         self._F0, self._factor = d["F0"], float(d["factor"])

@@ -55,6 +55,7 @@ class BandwidthPolicy:
     # -- the decision ------------------------------------------------------------------------
 
     def decide(self, m: Measurements) -> Decision:
+        """H and per-link codecs for the next round, in the three steps of the module docstring."""
         measured = {name: est for name, est in m.links.items() if est.measured}
         rungs = self._rungs = self.ladder.rungs(m.model_numel)
         self._start_spec = self._codec if self._codec_in_ladder else rungs[0].spec
@@ -201,11 +202,13 @@ class BandwidthPolicy:
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """Current H, the round of the last change, each link's codec (by key) and the last sync prediction."""
         return {"kind": self.kind, "H": self._H, "last_change": self._last_change,
                 "codecs": {link: spec.key for link, spec in self._codecs.items()},
                 "last_sync_pred": self._last_sync_pred}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`; ValueError for another kind's state."""
         if d.get("kind") != self.kind:
             raise ValueError(f"policy state is for {d.get('kind')!r}, not {self.kind!r}")
         self._H = int(d["H"])

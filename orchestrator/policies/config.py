@@ -19,6 +19,8 @@ def _doc(text: str, **kw) -> dict:
 
 @dataclass(frozen=True, kw_only=True)
 class FixedPolicyConfig:
+    """``sync.policy.kind: fixed``: the same H every round."""
+
     kind: Literal["fixed"] = "fixed"
     H: int = field(default=20, metadata=_doc("local steps between syncs"))
 
@@ -29,6 +31,10 @@ class FixedPolicyConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class BandwidthPolicyConfig:
+    """``sync.policy.kind: bandwidth``: H (and, with a ladder, each link's codec) from the measured
+    links and step time, with hysteresis.
+    """
+
     kind: Literal["bandwidth"] = "bandwidth"
     initial_H: int = field(default=50, metadata=_doc("H until links and step time are measured"))
     H_min: int = field(default=1, metadata=_doc("smallest H the policy picks"))
@@ -79,6 +85,8 @@ def base_config_class(kind: str) -> type:
 
 @dataclass(frozen=True, kw_only=True)
 class AdacommPolicyConfig:
+    """``sync.policy.kind: adacomm``: AdaComm's loss (and lr) factor on a base policy's H."""
+
     kind: Literal["adacomm"] = "adacomm"
     base: Any = field(
         default_factory=BandwidthPolicyConfig,

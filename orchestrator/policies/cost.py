@@ -37,6 +37,8 @@ def compression_ratio(spec: CodecSpec, numel: int) -> float:
 
 @dataclass(frozen=True)
 class Rung:
+    """One codec of a ladder with its estimated compression ratio for the model's size."""
+
     spec: CodecSpec
     ratio: float
 
@@ -57,6 +59,7 @@ class Ladder:
         self._cache: dict[int, list[Rung]] = {}
 
     def rungs(self, numel: int) -> list[Rung]:
+        """The codecs with their ratios for an update of `numel` floats, least compression first."""
         if numel not in self._cache:
             rungs = []
             for spec in self._specs:
@@ -68,6 +71,7 @@ class Ladder:
         return self._cache[numel]
 
     def index_of(self, spec: CodecSpec, numel: int) -> int | None:
+        """Position of `spec` among rungs(numel), or None when it is not in the ladder."""
         for i, g in enumerate(self.rungs(numel)):
             if g.spec == spec:
                 return i
@@ -75,10 +79,12 @@ class Ladder:
 
     @property
     def specs(self) -> list[CodecSpec]:
+        """The codecs in the order they were given (not sorted by ratio)."""
         return list(self._specs)
 
 
 def payload_bytes(numel: int, ratio: float) -> float:
+    """Wire bytes of an update of `numel` fp32 values at compression `ratio`."""
     return FP32_BYTES * numel / ratio
 
 
@@ -121,6 +127,7 @@ def budget_for_H(H: float, step_s: float, *, overlap: bool, comm_fraction: float
 
 
 def ceil_H(x: float) -> int:
+    """The smallest integer H >= x (at least 1), ignoring float noise just above an integer."""
     return max(1, math.ceil(x - _EPS))
 
 

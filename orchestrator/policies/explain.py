@@ -17,10 +17,12 @@ from .types import LinkEstimate, Measurements
 
 
 def mbps(bps: float | None) -> float | None:
+    """bits/s -> Mbit/s, rounded for the details (None stays None)."""
     return None if bps is None else round(bps / 1e6, 4)
 
 
 def ms(seconds: float | None) -> float | None:
+    """seconds -> milliseconds, rounded for the details (None stays None)."""
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
@@ -29,6 +31,7 @@ def _g(x: float) -> str:
 
 
 def describe_link(est: LinkEstimate, rung: cost.Rung | None = None, numel: int = 0, sync_s: float | None = None) -> dict:
+    """One link in a decision's details: its estimate, and with a rung its codec, ratio, bytes and sync time."""
     out: dict[str, Any] = {"bandwidth_mbps": mbps(est.bandwidth_bps), "rtt_ms": ms(est.rtt_s)}
     if rung is not None:
         out.update(codec=rung.spec.key, ratio=round(rung.ratio, 4), bytes=int(cost.payload_bytes(numel, rung.ratio)),
@@ -47,6 +50,7 @@ def explain_bandwidth(cfg: BandwidthPolicyConfig, m: Measurements, measured: Map
                       rungs: Sequence[cost.Rung], chosen: Mapping[str, int], D_of: Mapping[str, float], *,
                       bottleneck: str, H: int, H_prev: int, H_want: int, H_raw: float, need_link: str,
                       event: str, last_pred: float | None, since_change: int | None) -> tuple[dict, str]:
+    """The bandwidth policy's decision details and its one-line reason."""
     D = D_of[bottleneck]
     overhead = m.round_overhead_s or 0.0
     budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap, comm_fraction=cfg.target_comm_fraction,

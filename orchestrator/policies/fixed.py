@@ -23,6 +23,7 @@ class FixedPolicy:
         self.codec = codec
 
     def decide(self, m: Measurements) -> Decision:
+        """Always the configured H and compression.codec; the details still describe the links."""
         details = {"kind": self.kind, "event": "steady", "mode": "overlap" if m.overlap else "serial",
                    "H": self.cfg.H, "H_prev": self.cfg.H, "H_wanted": self.cfg.H,
                    "links": {n: describe_link(e) for n, e in m.links.items()}}
@@ -30,9 +31,11 @@ class FixedPolicy:
                         reason=f"fixed H={self.cfg.H}", details=details)
 
     def state_dict(self) -> dict[str, Any]:
+        """Stateless: only its kind, so a checkpoint of another policy is refused on load."""
         return {"kind": self.kind}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Check the state is a fixed policy's (ValueError otherwise); there is nothing else to restore."""
         if d.get("kind") != self.kind:
             raise ValueError(f"policy state is for {d.get('kind')!r}, not {self.kind!r}")
 

@@ -15,6 +15,10 @@ from .types import LinkEstimate
 
 
 class LinkView:
+    """The coordinator's view of every link: the latest value of each field the regions' estimators
+    reported, so a link that did not report this round keeps its last known figures.
+    """
+
     def __init__(self):
         self._links: dict[str, dict[str, Any]] = {}
 
@@ -34,16 +38,20 @@ class LinkView:
                 self.observe(link, snapshot)
 
     def estimate(self, link: str) -> LinkEstimate:
+        """The policy's LinkEstimate of `link`; all None before any report."""
         e = self._links.get(link)
         if e is None:
             return LinkEstimate()
         return LinkEstimate(bandwidth_bps=e["bandwidth_bps"], rtt_s=e["rtt_s"], concurrent=e["concurrent"])
 
     def links(self) -> list[str]:
+        """Every link reported so far, sorted."""
         return sorted(self._links)
 
     def state_dict(self) -> dict[str, Any]:
+        """The latest figures per link, for the driver's checkpoint."""
         return {"links": {k: dict(v) for k, v in self._links.items()}}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`, replacing what is known."""
         self._links = {k: dict(v) for k, v in d.get("links", {}).items()}

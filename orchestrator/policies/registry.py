@@ -47,6 +47,8 @@ PolicyFactory = Callable[[Any, PolicyContext], Policy]
 
 @dataclass(frozen=True)
 class PolicyKind:
+    """A registered policy kind: its config class and its factory."""
+
     config: type
     factory: PolicyFactory
 

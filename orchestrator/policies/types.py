@@ -91,6 +91,7 @@ class Decision:
         assert "\n" not in self.reason, "reason is one line"
 
     def codec_for(self, link: str) -> CodecSpec | None:
+        """The codec of `link`: its own, else the decision's default (None when the decision has neither)."""
         return self.codecs.get(link, self.default_codec)
 
     def to_record(self) -> dict[str, Any]:
@@ -105,8 +106,12 @@ class Policy(Protocol):
     state, which ``state_dict``/``load_state_dict`` carry through checkpoints (plain JSON-able
     values: a resumed policy decides exactly as the uninterrupted one would)."""
 
-    def decide(self, m: Measurements) -> Decision: ...
+    def decide(self, m: Measurements) -> Decision:
+        """H and the codecs for round ``m.round``; may update the policy's own state (hysteresis,
+        intervals), never read a clock or anything else outside `m`."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's state as plain JSON-able values, including its ``kind``."""
 
-    def load_state_dict(self, d: Mapping[str, Any]) -> None: ...
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s output; ValueError when `d` is another kind's."""

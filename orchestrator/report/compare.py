@@ -33,6 +33,9 @@ from .style import (
 
 @dataclass(frozen=True)
 class CompareRow:
+    """One run of a comparison: its label, headline figures, when it reached the target, and its setup in a few
+    words."""
+
     label: str
     run: Run
     head: Headline
@@ -41,6 +44,8 @@ class CompareRow:
 
 
 def compare_rows(runs: Sequence[Run], labels: Sequence[str], target: float | None) -> list[CompareRow]:
+    """A row per run for the comparison table and plots; `target`: the train loss the runs are timed to (None:
+    not timed)."""
     rows = []
     for run, label in zip(runs, labels):
         hl = dict(config_highlights(run))
@@ -51,6 +56,7 @@ def compare_rows(runs: Sequence[Run], labels: Sequence[str], target: float | Non
 
 
 def unique_labels(runs: Sequence[Run]) -> list[str]:
+    """The runs' names, with ' (2)', ' (3)'... added to repeats so every label is unique."""
     labels, seen = [], {}
     for run in runs:
         n = seen.get(run.name, 0)
@@ -71,6 +77,7 @@ def _curve(run: Run):
 
 
 def plot_compare_loss(rows: Sequence[CompareRow], out: Path, target: float | None) -> Plot | None:
+    """compare_loss.png: mean train loss against time and against bytes, per run; None when no run has a loss."""
     curves = [_curve(r.run) for r in rows]
     if not any(curves):
         return None
@@ -109,6 +116,7 @@ def plot_compare_loss(rows: Sequence[CompareRow], out: Path, target: float | Non
 
 
 def plot_compare_sync(rows: Sequence[CompareRow], out: Path) -> Plot | None:
+    """compare_sync.png: H and compute utilisation over time, per run; None when no run recorded H."""
     have = [r for r in rows if any(x.H is not None and x.t_start is not None for x in r.run.rounds)]
     if not have:
         return None
@@ -139,6 +147,7 @@ def plot_compare_sync(rows: Sequence[CompareRow], out: Path) -> Plot | None:
 
 
 def plot_compare_eval(rows: Sequence[CompareRow], out: Path) -> Plot | None:
+    """compare_eval.png: the mean evaluation metric over time, per run; None when no run evaluated."""
     series = []
     for row in rows:
         metric, per_region = row.run.eval_series()

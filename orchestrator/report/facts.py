@@ -11,6 +11,8 @@ from .load import Run, num
 
 @dataclass(frozen=True)
 class Headline:
+    """The figures a report leads with, from summary.json where present, else from the per-round files."""
+
     rounds: int
     wall_s: float | None
     bytes_sent: float
@@ -21,6 +23,7 @@ class Headline:
 
 
 def headline(run: Run) -> Headline:
+    """The run's Headline: summary.json's figures, each falling back to what rounds.jsonl gives (a run still going)."""
     s = run.summary
     rows = run.rounds
     ends = [r.t_end for r in rows if r.t_end is not None]
@@ -90,6 +93,9 @@ def _codec_text(spec: Any) -> Any:
 
 @dataclass(frozen=True)
 class ToTarget:
+    """When a run first reached a target loss: the round, seconds since round 0 started, bytes sent by then
+    (None: never)."""
+
     round: int | None
     seconds: float | None
     bytes: float | None

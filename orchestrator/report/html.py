@@ -44,6 +44,8 @@ def _num_cell(v: float | None, fmt=lambda v: f"{v:.4g}") -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, numeric: Sequence[int] = ()) -> str:
+    """An HTML table with every cell escaped; `numeric` columns right-aligned; rows beyond MAX_TABLE_ROWS are
+    counted, not shown."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     shown = rows[:MAX_TABLE_ROWS]
     body = "".join("<tr>" + "".join(
@@ -53,10 +55,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, numeric: 
 
 
 def anchor(p: Plot) -> str:
+    """The id of a plot's figure in the page (from its file name)."""
     return "plot-" + p.file.rsplit(".", 1)[0]
 
 
 def figure(p: Plot) -> str:
+    """A plot as an HTML figure linking to its image, with title and caption (escaped)."""
     return (f'<figure id="{escape(anchor(p))}"><a href="{escape(p.file)}"><img src="{escape(p.file)}" alt="{escape(p.title)}">'
             f"</a><figcaption><b>{escape(p.title)}.</b> {escape(p.caption)}</figcaption></figure>")
 
@@ -167,6 +171,7 @@ def _events_table(run: Run) -> str:
 
 
 def comparison_section(rows: Sequence[CompareRow], plots: Sequence[Plot], target: float | None) -> str:
+    """The comparison's HTML: a table of the runs (time and bytes to target relative to the first run) and the plots."""
     base = rows[0] if rows else None
 
     def rel(v, b):
@@ -191,6 +196,7 @@ def comparison_section(rows: Sequence[CompareRow], plots: Sequence[Plot], target
 
 
 def page(title: str, subtitle: str, body: str) -> str:
+    """A whole self-contained HTML page (inline CSS) around `body`."""
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><title>{escape(title)}</title>'
@@ -199,6 +205,7 @@ def page(title: str, subtitle: str, body: str) -> str:
 
 
 def render_run(run: Run, plots: Sequence[Plot], comparison: str = "") -> str:
+    """The report page of one run: headline tiles, config, faults, plots, regions, links, policy decisions, events."""
     warn = "".join(f'<div class="warn">{escape(w)}</div>' for w in run.warnings)
     if not run.rounds:
         warn += '<div class="warn">No rounds recorded yet: nothing to plot.</div>'

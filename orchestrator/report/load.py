@@ -50,6 +50,10 @@ class RoundRow:
 
 @dataclass
 class Run:
+    """A run directory read back for the report: config, summary, metrics, rounds and events, with
+    warnings for what was missing or torn (a run may still be going, or have crashed).
+    """
+
     path: Path
     name: str
     config: dict[str, Any]
@@ -104,6 +108,9 @@ def num(v: Any) -> float | None:
 
 
 def load_run(run_dir: str | Path) -> Run:
+    """Read a run directory (any of its record files suffices); RunDirError when it is not one.
+    A torn last line is skipped with a warning; a round logged twice (a resume redid it) keeps its later record.
+    """
     path = Path(run_dir)
     if not path.exists():
         raise RunDirError(path, "no such run directory")

@@ -29,6 +29,7 @@ MAX_LINK_PANELS = 16
 
 
 def time_axis(run: Run) -> tuple[float, str]:
+    """(divisor, label) of the run's time axis, sized to the last round's end."""
     ends = [r.t_end for r in run.rounds if r.t_end is not None]
     return time_unit(max(ends) if ends else 0.0)
 
@@ -57,6 +58,7 @@ def _draw_series(ax, run: Run, series, mean_pts, *, use_time: bool, div: float) 
 
 
 def plot_loss(run: Run, out: Path) -> Plot | None:
+    """loss.png: train loss per region and mean, against time and round; None when no loss was recorded."""
     series = run.series("train_loss")
     mean_pts = [(r.round, r.t_end, r.mean_train_loss) for r in run.rounds if r.mean_train_loss is not None]
     if not mean_pts and not any(series.values()):
@@ -78,6 +80,7 @@ def plot_loss(run: Run, out: Path) -> Plot | None:
 
 
 def plot_eval(run: Run, out: Path) -> Plot | None:
+    """eval.png: the evaluation metric per region and mean, against time and round; None when nothing was evaluated."""
     metric, series = run.eval_series()
     if not any(series.values()):
         return None
@@ -124,6 +127,7 @@ def _codec_label(codecs: dict[str, str]) -> str:
 
 
 def plot_sync(run: Run, out: Path) -> Plot | None:
+    """sync.png: H and the codecs per round above the link estimates on the same time axis; None without H."""
     rows = [r for r in run.rounds if r.H is not None]
     if not rows:
         return None
@@ -246,6 +250,7 @@ def link_bytes(run: Run) -> dict[str, float]:
 
 
 def plot_bytes_matrix(run: Run, out: Path) -> Plot | None:
+    """bytes_matrix.png: bytes each region sent to each peer over the run; None without traffic."""
     per_link = link_bytes(run)
     if not per_link:
         return None
@@ -281,6 +286,7 @@ def plot_bytes_matrix(run: Run, out: Path) -> Plot | None:
 
 
 def plot_bytes_cumulative(run: Run, out: Path) -> Plot | None:
+    """bytes_cumulative.png: bytes sent so far, all regions and per region, against time; None without traffic."""
     rows = [r for r in run.rounds if r.t_end is not None]
     if not rows or not any(r.bytes_sent for r in rows):
         return None

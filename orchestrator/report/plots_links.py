@@ -51,6 +51,7 @@ def _pick_links(run: Run, measured: str, configured: str) -> tuple[list[str], in
 
 
 def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
+    """Per-link `quantity` ('bandwidth' or 'rtt'): measured, and configured when emulated; None when no link has it."""
     measured, configured, unit = _QUANT[quantity]
     links, total = _pick_links(run, measured, configured)
     if not links:
@@ -91,6 +92,7 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
 
 
 def plot_utilization(run: Run, out: Path) -> Plot | None:
+    """utilization.png: compute utilisation per round and per region; None when not recorded."""
     series = run.series("utilization")
     per_region = {r: num(v) for r, v in (run.summary.get("utilization_per_region") or {}).items() if num(v) is not None}
     if not per_region:
@@ -130,6 +132,7 @@ def plot_utilization(run: Run, out: Path) -> Plot | None:
 
 
 def plot_consensus(run: Run, out: Path) -> Plot | None:
+    """consensus.png: the consensus distance per round (gossip); None when not recorded."""
     pts = [(r.round, r.consensus_distance) for r in run.rounds if r.consensus_distance is not None]
     if not pts:
         return None

@@ -37,6 +37,7 @@ class Plot:
 
 
 def color(i: int) -> str:
+    """The i-th colour of the report's palette (cycling)."""
     return PALETTE[i % len(PALETTE)]
 
 
@@ -49,12 +50,14 @@ def region_style(i: int, n_regions: int, region: str) -> dict:
 
 
 def new_figure(width: float, height: float) -> Figure:
+    """A matplotlib Figure with its own Agg canvas (no pyplot: no global state, no display needed)."""
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
 def save(fig: Figure, out_dir: Path, name: str) -> str:
+    """Save `fig` as `name` in `out_dir` (white background); returns `name`."""
     fig.savefig(out_dir / name, dpi=DPI, facecolor="white")
     return name
 
@@ -68,6 +71,7 @@ def human_bytes(n: float) -> str:
 
 
 def human_seconds(s: float) -> str:
+    """Seconds as s, min or h, whichever reads best, to 3 significant digits."""
     if s < 120:
         return f"{s:.3g} s"
     if s < 7200:
@@ -76,6 +80,7 @@ def human_seconds(s: float) -> str:
 
 
 def bytes_formatter() -> FuncFormatter:
+    """A tick formatter writing bytes in decimal units (human_bytes)."""
     return FuncFormatter(lambda v, _pos: human_bytes(v) if v else "0")
 
 

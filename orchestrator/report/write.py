@@ -32,6 +32,7 @@ def _resolve_out(out: str | Path | None, default_dir: Path) -> Path:
 
 
 def run_plots(run: Run, out_dir: Path) -> list[Plot]:
+    """Draw every plot the run's data supports into `out_dir`; returns those drawn, in report order."""
     makers = [plots.plot_loss, plots.plot_eval, plots.plot_sync, plots.plot_bytes_matrix, plots.plot_bytes_cumulative,
               lambda r, o: plots_links.plot_link(r, o, "bandwidth"), lambda r, o: plots_links.plot_link(r, o, "rtt"),
               plots_links.plot_utilization, plots_links.plot_consensus]

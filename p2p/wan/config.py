@@ -81,6 +81,10 @@ class ScheduleEvent:
 
 @dataclass(frozen=True, kw_only=True)
 class EmulationConfig:
+    """The ``network.emulation`` section: how the links between regions are shaped (mode, preset
+    table, per-link overrides, schedule of changes and outages). Field docs are in each field's metadata.
+    """
+
     mode: Literal["none", "proxy", "kernel"] = field(
         default="proxy", metadata={"doc": "none: direct; proxy: user-space shaping TCP proxy; kernel: netns + veth + tc tbf for bandwidth (root), the proxy for latency"})
     preset: str | None = field(default="aws", metadata={"doc": "table of measured inter-region links (see p2p/wan/presets.yaml), or null"})

@@ -25,6 +25,7 @@ LOOP_NICE = -10
 
 
 def split_target(target: str) -> tuple[str, int]:
+    """Parse 'host:port' ('[v6]:port' too) into (host, port); ValueError for anything else."""
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"target: expected 'host:port', got {target!r}")

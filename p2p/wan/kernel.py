@@ -60,6 +60,7 @@ def _run(*args: str) -> str:
 
 
 def list_namespaces(prefix: str) -> list[str]:
+    """Network namespaces whose name starts with `prefix`, sorted (runs `ip netns list`)."""
     names = [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
     return sorted(n for n in names if n.startswith(prefix))
 

@@ -20,6 +20,7 @@ Pair = tuple[str, str]
 
 
 def link_name(pair: Pair) -> str:
+    """The display and config name of a directed pair: 'src->dst'."""
     return f"{pair[0]}->{pair[1]}"
 
 
@@ -42,6 +43,9 @@ class Shape:
 
 @dataclass(frozen=True)
 class Outage:
+    """A cut of one direction over [start_s, end_s) (emulator clock): 'stall' holds the bytes,
+    'reset' resets the connections."""
+
     start_s: float
     end_s: float
     mode: str               # "stall" | "reset"

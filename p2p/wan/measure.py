@@ -128,6 +128,7 @@ class SinkServer:
 
 
 def connect(address: str, timeout: float = 10.0) -> socket.socket:
+    """A TCP connection to 'host:port' with Nagle off and a long I/O timeout, as the measuring client uses."""
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -210,6 +211,8 @@ def _measure(sock: socket.socket, mode: str, mbps: float, latency_ms: float, nby
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m geofed.p2p.wan.measure`: print the accuracy table of docs/wan.md (measured RTT and
+    goodput against the configured link)."""
     p = argparse.ArgumentParser(prog="python -m geofed.p2p.wan.measure", description=__doc__)
     p.add_argument("--mode", choices=["proxy", "kernel"], default="proxy")
     p.add_argument("--netns-endpoints", action="store_true", help="kernel mode: client and sink inside the namespaces")

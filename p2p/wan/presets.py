@@ -35,6 +35,7 @@ class Preset:
 
 
 def preset_names() -> list[str]:
+    """The names of the preset tables in presets.yaml, sorted."""
     return sorted(_load_all())
 
 

@@ -27,6 +27,8 @@ STREAM_LIMIT = 256 * 1024   # asyncio's read buffer; pipes read at most 64 KiB a
 
 @dataclass(eq=False)
 class Route:
+    """One listener of the proxy: connections to it go src -> dst and are forwarded to the target."""
+
     src: str
     dst: str
     target_host: str
@@ -38,6 +40,7 @@ class Route:
 
     @property
     def pair(self) -> Pair:
+        """The directed link its connections' client-to-server bytes cross."""
         return (self.src, self.dst)
 
 
@@ -45,6 +48,7 @@ OpenUpstream = Callable[[Route], Awaitable[tuple[asyncio.StreamReader, asyncio.S
 
 
 async def open_tcp(route: Route) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The default upstream: a plain TCP connection to the route's target."""
     return await asyncio.open_connection(route.target_host, route.target_port, limit=STREAM_LIMIT)
 
 
@@ -78,6 +82,10 @@ class _Conn:
 
 
 class Proxy:
+    """The shaping TCP proxy: every route's connections are forwarded through two Pipes that apply the
+    link table's shape and outages. Runs on the emulator's event loop; not thread-safe.
+    """
+
     def __init__(self, *, table: LinkTable, clock: Callable[[], float], seed: int, cap_bytes: int,
                  open_upstream: OpenUpstream = open_tcp, shape_bandwidth: bool = True,
                  slow_start_after_idle: bool = False):
@@ -94,6 +102,7 @@ class Proxy:
         self._n = 0
 
     async def serve(self, route: Route) -> None:
+        """Start accepting connections on `route`'s listening socket."""
         route.server = await asyncio.start_server(lambda r, w: self._handle(route, r, w), sock=route.sock,
                                                   limit=STREAM_LIMIT)
         self.routes.append(route)

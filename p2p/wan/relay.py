@@ -24,6 +24,7 @@ Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter
 
 
 def tcp_opener(host: str, port: int) -> Opener:
+    """An Opener dialling host:port (the next hop of a relay)."""
     return lambda: asyncio.open_connection(host, port, limit=STREAM_LIMIT)
 
 
@@ -36,6 +37,8 @@ async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 class Relay:
+    """A forwarder listening on `sock`: each connection is copied both ways to a fresh one from `opener`."""
+
     def __init__(self, sock: socket.socket, opener: Opener, name: str = ""):
         self.sock = sock          # bound and listening (in whichever namespace it was made)
         self.opener = opener      # dials the next hop
@@ -44,6 +47,7 @@ class Relay:
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
+        """Start accepting on the listening socket."""
         self.server = await asyncio.start_server(self._handle, sock=self.sock, limit=STREAM_LIMIT)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -163,7 +163,7 @@ class PacketRouter:
                     if fd != self._wake_r:
                         self._read(fd)
                 self._flush()
-        except BaseException as exc:  # noqa: BLE001 - kept for the owner: a dead router is a dead network
+        except BaseException as exc:  # kept for the owner: a dead router is a dead network
             self.error = exc
             log.exception("wan router stopped")
         finally:

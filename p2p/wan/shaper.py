@@ -40,6 +40,7 @@ READ_WAIT_S = 0.001     # a read that waited longer than this found no bytes wai
 
 
 def read_size(shape: Shape) -> int:
+    """Bytes to read at a time on a link of this shape: about 5 ms of its rate, within [4 KiB, 64 KiB]."""
     return int(min(MAX_READ, max(MIN_READ, shape.rate_bps * READ_TIME_S)))
 
 
@@ -57,6 +58,7 @@ def window_cap(shape: Shape, rtt_s: float) -> float:
 
 
 def rto_s(shape: Shape) -> float:
+    """The retransmission timeout a loss costs on this link: 2 x one-way latency + 4 x jitter, at least MIN_RTO_S."""
     return max(MIN_RTO_S, 2 * shape.latency_s + 4 * shape.jitter_s)
 
 
@@ -139,7 +141,9 @@ _EOF = b""
 
 async def wait_outage(table: LinkTable, pair: Pair, clock: Callable[[], float]) -> None:
     """Block while an outage holds `pair`; a reset outage also has its connections reset by the proxy."""
-    while (o := table.outage(*pair, clock())) is not None:
+    # Polled, not an asyncio.Event: an outage ends by the clock or by a table edit (end_outage), and
+    # neither wakes a waiter.
+    while (o := table.outage(*pair, clock())) is not None:  # noqa: ASYNC110 - see above
         # Re-check at least every 50 ms: an end_outage event may cut the window short.
         await asyncio.sleep(min(OUTAGE_POLL_S, max(0.001, o.end_s - clock())))
 

@@ -247,6 +247,7 @@ class GraphView:
 
 
 def adjacency_for(kind: str, edge_index: np.ndarray, n: int) -> torch.Tensor:
+    """The propagation matrix of `kind`: 'gcn' (normalised, with self-loops) or 'mean' (GraphSAGE)."""
     if kind == "gcn":
         return gcn_adjacency(edge_index, n)
     if kind == "mean":
@@ -274,5 +275,6 @@ def build_view(data: GraphData, nodes: np.ndarray, edge_index: np.ndarray, *, ad
 
 
 def full_view(data: GraphData, *, adjacency: str) -> GraphView:
+    """The whole graph as one view: a single region's shard, and what evaluation runs on."""
     nodes = np.arange(data.num_nodes)
     return build_view(data, nodes, data.edge_index, adjacency=adjacency)

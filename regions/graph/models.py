@@ -122,6 +122,7 @@ def gnn_loss(model: nn.Module, x: torch.Tensor, adj: torch.Tensor, y: torch.Tens
 
 @torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, adj: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> float:
+    """Share of the `mask` nodes predicted right, computed in eval mode (the model's mode is restored)."""
     was_training = model.training
     model.eval()
     pred = model(x, adj).argmax(dim=1)

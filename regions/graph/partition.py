@@ -115,6 +115,10 @@ class Subgraph:
 
 
 def extract_subgraph(data: GraphData, assign: np.ndarray, region: int, *, halo: bool) -> Subgraph:
+    """Region `region`'s subgraph under `assign`: its nodes and the edges among them, plus with `halo`
+    the 1-hop neighbours owned elsewhere and the edges to them (their bytes counted); without it the
+    cross edges are dropped and counted.
+    """
     owned = np.flatnonzero(assign == region)
     src, dst = data.edge_index
     inside = (assign[src] == region) & (assign[dst] == region)

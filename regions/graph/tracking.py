@@ -34,10 +34,12 @@ def _params(model: Params) -> list[torch.Tensor]:
 
 
 def flat_params(model: Params) -> torch.Tensor:
+    """The parameters concatenated into one flat vector (a copy)."""
     return torch.cat([p.detach().reshape(-1) for p in _params(model)])
 
 
 def load_flat_params(model: Params, flat: torch.Tensor) -> None:
+    """Copy a flat vector back into the parameters, in order; its length must match exactly."""
     offset = 0
     with torch.no_grad():
         for p in _params(model):
@@ -47,11 +49,13 @@ def load_flat_params(model: Params, flat: torch.Tensor) -> None:
 
 
 def flat_grad(model: Params) -> torch.Tensor:
+    """The gradients as one flat vector, zeros for parameters without a gradient."""
     return torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
                       for p in _params(model)])
 
 
 def add_to_grads(model: Params, flat: torch.Tensor) -> None:
+    """Add a flat vector to the gradients in place (a parameter without a gradient gets its piece)."""
     offset = 0
     for p in _params(model):
         piece = flat[offset: offset + p.numel()].view_as(p)

@@ -22,9 +22,13 @@ class AllReduceSync:
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
+        """One message is the gradient: the parameters' shapes."""
         return list(shapes)
 
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        """One step whatever plan.H says: forward/backward, the gradient exchanged and mixed, then one
+        inner optimizer step on the mixed gradient.
+        """
         ctx = self.ctx
         t0 = time.monotonic()
         loss = ctx.stepper.forward_backward()
@@ -42,6 +46,7 @@ class AllReduceSync:
                 "sync_s": t2 - t1, **exchange_metrics(res)}
 
     def finish(self) -> dict:
+        """Nothing is ever in flight between rounds."""
         return {}
 
     def eval_params(self) -> list:
@@ -49,13 +54,17 @@ class AllReduceSync:
         return self.ctx.params
 
     def state_dict(self) -> dict:
+        """No state of its own: the model and the inner optimizer are the worker's."""
         return {}
 
     def load_state_dict(self, d: dict) -> None:
+        """No state of its own (see state_dict)."""
         pass
 
     def rolled_back(self) -> None:
+        """No state of its own to start over."""
         pass
 
     def close(self) -> None:
+        """No background work."""
         pass

@@ -11,6 +11,7 @@ from ..exchange import ExchangeResult
 
 
 def exchange_metrics(res: ExchangeResult) -> dict[str, Any]:
+    """The exchange keys of a round's metrics record, from one exchange's result."""
     return {"bytes_sent": res.bytes_sent, "bytes_received": res.bytes_received,
             "transfers": res.transfers, "peers_missing": res.missing, "wait_s": round(res.wait_s, 6),
             "send_failures": res.send_failures}

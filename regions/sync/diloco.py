@@ -53,9 +53,14 @@ class DilocoSync:
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
+        """One message is the pseudo-gradient: the parameters' shapes."""
         return list(shapes)
 
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        """H inner steps, then the pseudo-gradient (round start - local) exchanged and mixed and the outer
+        step applied; with overlap, this round's exchange is handed to the background thread and the
+        previous round's is applied instead (see the module docstring).
+        """
         ctx = self.ctx
         metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale)
         start = self._start if self.overlap else self.global_params
@@ -129,6 +134,7 @@ class DilocoSync:
         return self.overlap
 
     def rolled_back(self) -> None:
+        """Nothing left to undo: the worker's restore covered this object's state_dict too."""
         pass  # the worker restored our state_dict (global model, outer momentum) with the round's start
 
     def _outer_step(self, mixed: list[torch.Tensor]) -> None:
@@ -153,9 +159,13 @@ class DilocoSync:
         return self.global_params
 
     def state_dict(self) -> dict:
+        """The global model (copied) and the outer optimizer's state_dict (its momentum buffers)."""
         return {"global": [g.detach().clone() for g in self.global_params], "outer": self.outer_opt.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore the global model and outer momentum (a checkpoint's, or a donor's on rejoin) and restart
+        the local model from it.
+        """
         with torch.no_grad():
             for g, s in zip(self.global_params, d["global"]):
                 g.copy_(s)
@@ -163,5 +173,8 @@ class DilocoSync:
         self._load_global()
 
     def close(self) -> None:
+        """Stop the overlap thread without waiting for it: an exchange still in flight is abandoned
+        (finish() first applies it).
+        """
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

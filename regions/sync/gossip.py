@@ -111,6 +111,9 @@ class GossipSync:
 
     # -- one round ---------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        """H inner steps (corrected by the gradient tracker, if on), then one gossip exchange and mix of the parameters
+        (and tracker); with CHOCO, stale peers are resynced and this round's public copy is published.
+        """
         hook = self._track if self.tracker is not None else None
         metrics = self.ctx.stepper.inner_steps(plan.H, plan.lr_scale, before_step=hook)
         t0 = time.monotonic()
@@ -215,6 +218,7 @@ class GossipSync:
 
     # -- state -------------------------------------------------------------------------------
     def finish(self) -> dict:
+        """Nothing is in flight between rounds."""
         return {}
 
     def eval_params(self) -> list[torch.Tensor]:
@@ -222,6 +226,9 @@ class GossipSync:
         return self.ctx.params
 
     def state_dict(self) -> dict:
+        """Round, published public copies (what FetchState serves to resyncing peers), CHOCO copies and
+        tracker. Taken under the lock: FetchState threads call it while a round runs.
+        """
         with self._lock:
             d: dict[str, Any] = {"region": self.region, "round": self.round, "published": dict(self.published)}
             if self.choco is not None:
@@ -231,6 +238,9 @@ class GossipSync:
         return d
 
     def load_state_dict(self, d: dict) -> None:
+        """The region's own state: restore it. Another region's (a donor's, with the model the worker
+        just loaded): start the public copies over as a rejoin and stay silent for one round.
+        """
         if d.get("region") != self.region:
             self._rejoin_from(d)
             return
@@ -264,6 +274,7 @@ class GossipSync:
             self._rejoin_from({"round": self.round})
 
     def close(self) -> None:
+        """No background work (FetchState runs on the transport's threads)."""
         pass
 
 

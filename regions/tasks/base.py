@@ -31,6 +31,8 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class EvalResult:
+    """A task's held-out metric: its name, its value and which direction is better."""
+
     metric: str  # e.g. "accuracy", "loss"
     value: float
     higher_is_better: bool = True
@@ -41,7 +43,8 @@ class Shard(ABC):
 
     @property
     @abstractmethod
-    def num_examples(self) -> int: ...
+    def num_examples(self) -> int:
+        """Training examples in the shard (reported with the region's info)."""
 
     @abstractmethod
     def batches(self, generator: torch.Generator) -> Iterator[Any]:
@@ -54,10 +57,14 @@ class Task(ABC):
     kind: str = "?"
 
     @abstractmethod
-    def build_model(self, seed: int) -> nn.Module: ...
+    def build_model(self, seed: int) -> nn.Module:
+        """A fresh model. The same seed must give the same weights in every process: DiLoCo starts
+        every region from one model."""
 
     @abstractmethod
-    def shard(self, region_index: int, n_regions: int, seed: int) -> Shard: ...
+    def shard(self, region_index: int, n_regions: int, seed: int) -> Shard:
+        """Region `region_index`'s training data out of `n_regions`; a function of its arguments (and
+        the task's config), so every process computes the same split."""
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -106,6 +113,7 @@ def task_factory(fn: Callable[..., Task]) -> Callable[..., Task]:
 
 
 def is_task_factory(fn: Any) -> bool:
+    """Whether `fn` was marked by @task_factory (by identity, which no look-alike object can fake)."""
     return _FACTORIES.get(id(fn)) is fn
 
 
@@ -153,6 +161,7 @@ def register_task(kind: str, config_cls: type, factory: Callable[..., Task]) -> 
 
 
 def task_kinds() -> list[str]:
+    """The registered (built-in) task kinds; plug-ins are named python:module:function instead."""
     _load_builtin()
     return sorted(_REGISTRY)
 

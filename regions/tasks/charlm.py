@@ -23,6 +23,8 @@ MAX_VOCAB = 65_536
 
 @dataclass(frozen=True, kw_only=True)
 class CharLMConfig:
+    """``task.kind: char-lm``: a character-level GRU language model trained on a text file."""
+
     kind: Literal["char-lm"] = "char-lm"
     path: str = field(default=DEFAULT_TEXT, metadata={"doc": (
         "UTF-8 text file (relative to the working directory); a regular file of any size, of which only the "
@@ -49,6 +51,8 @@ class CharLMConfig:
 
 
 class CharGRU(nn.Module):
+    """Embedding, GRU and linear head: next-character logits at every position."""
+
     def __init__(self, vocab: int, embed: int, hidden: int, layers: int):
         super().__init__()
         self.embed = nn.Embedding(vocab, embed)
@@ -61,6 +65,10 @@ class CharGRU(nn.Module):
 
 
 class TextShard(Shard):
+    """Random windows of seq_len + 1 characters of `ids` (a region's stretch of the text, or all of
+    the training text with partition iid).
+    """
+
     def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int):
         if len(ids) <= seq_len + 1:
             raise ValueError(f"task.max_chars: a region's text ({len(ids)} chars) is shorter than seq_len + 1")
@@ -78,6 +86,10 @@ class TextShard(Shard):
 
 
 class CharLMTask(Task):
+    """Next-character prediction; the text's last test_fraction is held out and evaluation is the
+    loss on fixed, evenly spaced windows of it.
+    """
+
     kind = "char-lm"
 
     def __init__(self, cfg: CharLMConfig, *, batch_size: int = 32, seed: int = 0):

@@ -33,6 +33,8 @@ def _doc(text: str) -> dict:
 
 @dataclass(frozen=True, kw_only=True)
 class GcnPlanetoidConfig:
+    """``task.kind: gcn-planetoid``: node classification on a graph .npz, its nodes split across regions."""
+
     kind: Literal["gcn-planetoid"] = "gcn-planetoid"
     path: str = field(default=DEFAULT_PATH, metadata=_doc(
         "graph .npz (x, y, edge_index, train/val/test masks); relative paths from the working directory"))
@@ -86,6 +88,10 @@ class GraphShard(Shard):
 
 
 class GcnPlanetoidTask(Task):
+    """Full-batch GCN or GraphSAGE: each region trains on its subgraph (a step is an epoch of it);
+    evaluation is test accuracy on the whole graph.
+    """
+
     kind = "gcn-planetoid"
 
     def __init__(self, config: GcnPlanetoidConfig, *, batch_size: int = 32, seed: int = 0):
@@ -160,6 +166,7 @@ class GcnPlanetoidTask(Task):
 
 
 def load_task_graph(path: str, *, max_mb: int = MAX_GRAPH_BYTES >> 20) -> GraphData:
+    """Load the task's graph, within `max_mb` MiB; errors name task.path and where it was resolved."""
     resolved = Path(path).expanduser()
     if not resolved.exists():
         raise ValueError(

@@ -61,4 +61,5 @@ class TensorShard(Shard):
 
 
 def label_histogram(labels: np.ndarray, parts: list[np.ndarray], n_classes: int) -> list[list[int]]:
+    """Per part, how many examples of each label it holds: how skewed a partition is."""
     return [np.bincount(labels[p], minlength=n_classes).tolist() for p in parts]

@@ -68,7 +68,7 @@ def wait_gone(identities: set[tuple[int, int]], timeout_s: float) -> set[tuple[i
 
 def kill_exactly(identities: set[tuple[int, int]]) -> None:
     """SIGKILL each process that is still the one recorded (same pid and start time)."""
-    for pid, start in alive(identities):
+    for pid, _start in alive(identities):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -78,7 +78,7 @@ def kill_exactly(identities: set[tuple[int, int]]) -> None:
 def start_geofed(args: list[str], *, cwd: Path, log: Path) -> subprocess.Popen:
     """`geofed ARGS` in its own session (so a terminal-like Ctrl-C can go to its group)."""
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}
-    out = open(log, "wb")  # noqa: SIM115 - closed by the child's exit; the test reads the file
+    out = open(log, "wb")  # not a `with`: closed by the child's exit; the test reads the file
     return subprocess.Popen(GEOFED + args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -43,7 +43,7 @@ def _check(tmp_path, summary, outage_s: float, rounds: int) -> None:
     at_dst = {m["round"]: m for m in metrics if m["region"] == DST}
     at_src = {m["round"]: m for m in metrics if m["region"] == SRC}
     cut = [r for r, m in sorted(at_dst.items()) if SRC in m["peers_missing"]]
-    t_cut, t_back = t[START][0], t[START][0] + outage_s
+    t_back = t[START][0] + outage_s
     # Left out by the deadline from the round the outage began, in every round whose deadline
     # passed inside the outage...
     assert cut and cut[0] == START, cut

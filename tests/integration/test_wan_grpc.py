@@ -10,7 +10,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
-from geofed.p2p.wan import EmulationConfig, LinkSpec, ScheduleEvent, WanEmulator  # noqa: E402
+from geofed.p2p.wan import EmulationConfig, LinkSpec, ScheduleEvent, WanEmulator
 
 pytestmark = pytest.mark.timeout(120)
 

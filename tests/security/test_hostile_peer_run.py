@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from geofed.compression import encode_update  # noqa: E402
-from geofed.orchestrator.config import config_from_mapping  # noqa: E402
-from geofed.orchestrator.driver.rundir import read_jsonl  # noqa: E402
-from geofed.p2p.adversary import HostilePeer  # noqa: E402
-from reliability_harness import BackgroundRun, events  # noqa: E402
+from geofed.compression import encode_update
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.p2p.adversary import HostilePeer
+from reliability_harness import BackgroundRun, events
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 

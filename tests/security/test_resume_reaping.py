@@ -125,7 +125,7 @@ AGENT = ("import os, sys, time, ray._raylet; ray._raylet.setproctitle('ray::Dash
 
 def _agent(run_dir: Path, session: Path) -> subprocess.Popen:
     (session / "logs").mkdir(parents=True, exist_ok=True)
-    out = open(session / "logs" / "dashboard_agent.out", "wb")  # noqa: SIM115 - the child holds it
+    out = open(session / "logs" / "dashboard_agent.out", "wb")  # not a `with`: the child holds it
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEOFED_")}
     proc = subprocess.Popen([sys.executable, "-c", AGENT], env=env, stdout=out)
     deadline = time.monotonic() + 30

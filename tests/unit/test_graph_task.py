@@ -125,7 +125,7 @@ def test_one_region_is_the_whole_graph(task):
 
 def test_config_is_frozen_keyword_only():
     with pytest.raises(TypeError):
-        GcnPlanetoidConfig("x.npz")  # noqa
+        GcnPlanetoidConfig("x.npz")  # type: ignore[misc]
     cfg = GcnPlanetoidConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hidden = 3  # type: ignore[misc]

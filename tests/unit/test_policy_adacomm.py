@@ -18,7 +18,8 @@ def meas(round_, loss, *, now=None, lr=1.0, lr0=1.0, links=LINKS):
                         lr=lr, lr0=lr0, model_numel=1_000_000, links=links, overlap=False)
 
 
-def adacomm(base=FixedPolicyConfig(H=64), **kw):
+def adacomm(base=None, **kw):
+    base = FixedPolicyConfig(H=64) if base is None else base
     return make_policy(AdacommPolicyConfig(base=base, **kw), codec="fp16", ratio=ratio)
 
 
