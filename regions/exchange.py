@@ -117,7 +117,9 @@ class Exchanger:
         return result
 
     def _send(self, peer: str, round_: int, payload: bytes):
-        if self.estimator(peer).rtt_s is None:
+        with self._est_lock:  # a ping of the last round may still be adding to this estimator
+            cold = self.estimator(peer).rtt_s is None
+        if cold:
             # The first ping on a fresh channel pays the TCP + TLS handshake (several RTTs): warm
             # up with an unrecorded one, then measure.
             self._probe_rtt(peer, warm_up=True)
@@ -243,7 +245,8 @@ class Exchanger:
         seconds = self._first_probe.get(peer)
         if seconds is None:
             return None
-        rtt = self.estimator(peer).rtt_s or 0.0
+        with self._est_lock:
+            rtt = self.estimator(peer).rtt_s or 0.0
         rate = warm_bytes / max(seconds - rtt, 1e-3)  # bytes/s; a cold transfer reads low, hence 1.5x
         return int(min(max_bytes, max(MIN_PROBE_BYTES, 1.5 * rate * max(duration_s, 2 * rtt))))
 
