@@ -90,7 +90,8 @@ def emulated(mbps_list: Sequence[float], latency_ms: float, sizes_mb: Sequence[f
         cfg = EmulationConfig(mode="proxy", preset=None,
                               default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps, jitter_ms=0.0, loss=0.0))
         with WanEmulator(cfg, ["a", "b"]) as emu:
-            pair = _Pair(pki_dir, int(max(sizes_mb) * MB) + 1, route=lambda addr: emu.route("a", "b", addr))
+            # At least 1 MB: the warm-up push of _emulated_link is 1 MB whatever the sizes measured.
+            pair = _Pair(pki_dir, int(max(*sizes_mb, 1) * MB) + 1, route=lambda addr: emu.route("a", "b", addr))
             try:
                 rows += _emulated_link(pair, mbps, latency_ms, sizes_mb, repeats, max_transfer_s)
             finally:
@@ -122,7 +123,10 @@ def _emulated_link(pair: _Pair, mbps: float, latency_ms: float, sizes_mb: Sequen
             "configured_mbps": mbps, "rtt_ms": round(est.rtt_s * 1e3, 1), "size_mb": size,
             "goodput_mbps": round(goodput, 2), "goodput_ratio": round(goodput / mbps, 3),
             "sync_s": round(sync_s, 3), "limit_s": round(limit_s, 3),
-            "estimated_mbps": round(est.bandwidth_bps / 1e6, 2), "ratio": round(sync_s / limit_s, 3),
+            # None: every transfer of the row was latency-bound (under the estimator's exposure floor)
+            # and so not a bandwidth sample (p2p/estimator.py), as in a run.
+            "estimated_mbps": None if est.bandwidth_bps is None else round(est.bandwidth_bps / 1e6, 2),
+            "ratio": round(sync_s / limit_s, 3),
             "sync_runs": [round(x, 3) for x in syncs],
         })
     return rows

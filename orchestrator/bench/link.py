@@ -34,7 +34,7 @@ def _print(doc: dict) -> None:
                       "sync/limit", "estimated Mbit/s", "sync s (runs)"],
                      [[f"{r['configured_mbps']:g}", r["rtt_ms"], f"{r['size_mb']:g}", r["goodput_mbps"], r["goodput_ratio"],
                        r["sync_s"], r["limit_s"],
-                       r["ratio"], r["estimated_mbps"], " ".join(map(str, r["sync_runs"]))] for r in doc["emulated"]]))
+                       r["ratio"], "-" if r["estimated_mbps"] is None else r["estimated_mbps"], " ".join(map(str, r["sync_runs"]))] for r in doc["emulated"]]))
     elif doc.get("emulated_skipped"):
         print(f"\nemulated: skipped ({doc['emulated_skipped']})")
 

@@ -33,3 +33,14 @@ def test_bench_link_table_and_argument_errors(capsys):
     assert "| size MB | TLS | MB/s | runs |" in out and "mTLS" in out and "emulated WAN" not in out
     with pytest.raises(SystemExit):
         bench.main(["--repeats", "0"])
+
+
+def test_a_latency_bound_row_has_no_estimate_and_the_table_says_so(capsys):
+    # 0.25 MB at 400 Mbit/s over 40 ms each way: 5 ms of bytes behind an 80 ms RTT, under the
+    # estimator's exposure floor, so no transfer is a bandwidth sample (as in a run); the bench
+    # once crashed on that row.
+    assert bench.main(["--sizes", "1", "--repeats", "1", "--mbps", "400", "--latency-ms", "40",
+                       "--emulated-sizes", "0.25", "--emulated-repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| 400 |")]
+    assert len(row) == 1 and row[0].split("|")[9].strip() == "-", out
