@@ -214,8 +214,3 @@ def wait_alive(handle: Any, timeout_s: float) -> dict | None:
         return ray.get(handle.node_info.remote(), timeout=timeout_s)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
         return None
-
-
-def elapsed(t0: float) -> float:
-    """Seconds since `t0` on the monotonic clock."""
-    return time.monotonic() - t0
