@@ -100,7 +100,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "validate":
         from .config import load_config
 
+        from .config.devicecheck import local_device_problem
+
         cfg = load_config(args.config, args.overrides)
+        if (problem := local_device_problem(cfg)) is not None:
+            raise ConfigError("", problem, source=args.config)
         print(f"{args.config}: ok ({len(cfg.regions.names)} regions, task {cfg.task.kind}, {cfg.run.rounds} rounds)")
         return 0
     if args.command == "config-docs":

@@ -62,9 +62,11 @@ class RegionActor(RegionWorker):
         return {**self.info(), "node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels}
 
 
-def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: dict[str, str] | None = None):
+def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: dict[str, str] | None = None,
+                       num_gpus: float = 0.0):
     """A remote class with the region's resources; pinned to nodes whose labels match `label_selector`."""
-    options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": max_restarts, "max_task_retries": 0,
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts,
+                               "max_task_retries": 0,
                                # the default group keeps max_concurrency 1: region calls stay serial
                                "concurrency_groups": {HEALTH_GROUP: 1}}
     if label_selector:

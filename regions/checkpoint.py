@@ -108,7 +108,9 @@ def load_tensors(body: bytes, *, what: str) -> Any:
     ("re-run torch.load with weights_only set to False"), which for a hostile file is the one
     thing never to do."""
     try:
-        return torch.load(io.BytesIO(body), weights_only=True)
+        # Host memory first: a checkpoint written on a GPU loads on a node without one; the
+        # loader copies each tensor into the model where it lives (regions.device).
+        return torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         found = _GLOBAL.search(str(exc))
         thing = f"a Python object ({found.group(1)})" if found else "a Python object"

@@ -25,6 +25,7 @@ from geofed.p2p.robust import UpdateAdmission, robust_mix
 from geofed.p2p.topology import make_topology
 
 from . import checkpoint
+from .device import Precision, device_name, move_received, resolve_device, to_device
 from .sync import ALGORITHMS, mix
 from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
@@ -68,9 +69,15 @@ class RegionWorker:
         seed = cfg.run.seed
         # Workers of one process (regions/inprocess.py) may share one task built from cfg.task:
         # the data is loaded and partitioned once instead of once per region.
-        self.task = task if task is not None else make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed)
+        # Gossip keeps its public copies in host memory: auto trains it on the CPU (the config
+        # refuses an explicit cuda with gossip).
+        spec = "cpu" if cfg.sync.algorithm == "gossip" and cfg.regions.device == "auto" else cfg.regions.device
+        self.device = resolve_device(spec, region=region)
+        self.precision = Precision(cfg.sync.inner.precision, self.device)
+        self.task = task if task is not None else make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed,
+                                                            device=str(self.device))
         # Same init everywhere (seed, not seed + index): DiLoCo starts every region from one model.
-        self.model = self.task.build_model(seed)
+        self.model = self.task.build_model(seed).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.shard = self.task.shard(self.index, len(self.regions), seed)
@@ -141,6 +148,8 @@ class RegionWorker:
         import socket
 
         return {"region": self.region, "pid": os.getpid(), "host": socket.gethostname(),
+                "device": str(self.device), "device_name": device_name(self.device),
+                "precision": self.precision.name,
                 "params": sum(p.numel() for p in self.params), "examples": self.shard.num_examples,
                 "completed_round": self.completed_round, "rss_mb": rss_mb()}
 
@@ -224,17 +233,18 @@ class RegionWorker:
     def forward_backward(self) -> float:
         """One batch of the shard: gradients zeroed, then forward and backward; returns the loss."""
         self.inner.zero_grad(set_to_none=False)
-        batch = next(self.batches)
+        batch = to_device(next(self.batches), self.device)
         self.batches_drawn += 1
-        loss = self.task.loss(self.model, batch)
-        loss.backward()
+        with self.precision.autocast():
+            loss = self.task.loss(self.model, batch)
+        self.precision.backward(loss, self.inner)
         return float(loss.detach())
 
     def optimizer_step(self, lr_scale: float) -> None:
         """One inner optimizer step at sync.inner.lr x `lr_scale` (the plan's schedule)."""
         for group in self.inner.param_groups:
             group["lr"] = self.cfg.sync.inner.lr * lr_scale
-        self.inner.step()
+        self.precision.step(self.inner)
 
     # -- exchange helpers used by the algorithms ------------------------------------------
     def out_peers(self, plan: RoundPlan) -> list[str]:
@@ -256,8 +266,10 @@ class RegionWorker:
         in_peers = [p for p in self.in_weights(plan.round) if alive is None or p in alive]
         codecs = {} if single_codec else plan.codecs
         out_peers = self.out_peers(plan) if send else []
-        return self.exchanger.exchange(plan.round, tensors, out_peers=out_peers, in_peers=in_peers,
-                                       codecs=codecs, default_codec=self.cfg.compression.codec)
+        res = self.exchanger.exchange(plan.round, tensors, out_peers=out_peers, in_peers=in_peers,
+                                      codecs=codecs, default_codec=self.cfg.compression.codec)
+        res.received = move_received(res.received, self.device)
+        return res
 
     def mix(self, plan: RoundPlan, own, res) -> list[torch.Tensor]:
         """The round's aggregate of `own` and what `res` received: the topology's weighted mix, or the
@@ -313,8 +325,8 @@ class RegionWorker:
         return count_sketch(self.algorithm.eval_params(), seed=self.cfg.run.seed)
 
     def get_params(self) -> list[torch.Tensor]:
-        """Detached copies of the trainable parameters."""
-        return [p.detach().clone() for p in self.params]
+        """Detached copies of the trainable parameters, in host memory (the driver may have no GPU)."""
+        return [p.detach().to("cpu", copy=True) for p in self.params]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a restore needs to go on exactly: model, inner optimizer, algorithm, exchanger (codec
@@ -323,7 +335,7 @@ class RegionWorker:
         return {"round": self.completed_round, "model": self.model.state_dict(), "inner": self.inner.state_dict(),
                 "algorithm": self.algorithm.state_dict(), "exchanger": self.exchanger.state_dict(),
                 "data": {"start": self._data_start, "drawn": self.batches_drawn},
-                "torch_rng": torch.get_rng_state()}  # dropout and other draws from the global generator
+                "torch_rng": torch.get_rng_state(), "precision": self.precision.state_dict()}  # dropout and other draws from the global generator
 
     def state_bytes(self) -> bytes:
         """What FetchState serves to a rejoining peer: the model and the algorithm's shared state."""
@@ -363,6 +375,7 @@ class RegionWorker:
         self.exchanger.load_state_dict(state.get("exchanger", {}))
         self._seek_data(state["data"]["start"], int(state["data"]["drawn"]))
         torch.set_rng_state(state["torch_rng"])
+        self.precision.load_state_dict(state.get("precision") or {})
         self._set_completed(int(state["round"]))
 
     def _seek_data(self, start: torch.Tensor, drawn: int) -> None:

@@ -24,6 +24,7 @@ from .strict import ConfigError
 MAX_REGIONS = 256
 # fullmatch: `$` alone also matches before a trailing newline ("x\n" would pass).
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # Names the run directory uses for itself: checkpoints/driver/, tls/ca.pem.
 RESERVED_REGION_NAMES = ("driver", "ca")
 DEFAULT_CONFIG = "local-wan.yaml"
@@ -126,6 +127,11 @@ class RegionsSection:
     labels: dict[str, str] = field(default_factory=dict, metadata=_doc("region -> label value when it differs from the name"))
     num_cpus: float = field(default=0.5, metadata=_doc("CPUs Ray reserves per region actor"))
     torch_threads: int = field(default=1, metadata=_doc("torch intra-op threads per region worker"))
+    device: str = field(default="auto", metadata=_doc(
+        "where each region trains, decided on its node: auto (its first GPU if any, else the CPU), cpu, cuda, "
+        "cuda:N; cuda where the node has none is an error, never a silent fallback"))
+    num_gpus: float = field(default=0.0, metadata=_doc(
+        "GPUs Ray reserves per region actor (fractions share one GPU: 0.25 puts 4 regions on it)"))
     max_restarts: int = field(default=3, metadata=_doc("Ray restarts of a crashed region actor"))
     placement_timeout_s: float = field(default=60.0, metadata=_doc("fail if some region has no alive Ray node carrying its label within this (nodes may still be joining)"))
     start_timeout_s: float = field(default=180.0, metadata=_doc("fail if a region actor has not started (placed, torch imported, model and data built) within this"))
@@ -135,6 +141,10 @@ class RegionsSection:
         "rejoins when it answers again; fail-fast runs stop"))
 
     def __post_init__(self):
+        if not _DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 <= self.num_gpus <= 64:
+            raise ValueError(f"num_gpus: must be in [0, 64], got {self.num_gpus}")
         if not 1 <= len(self.names) <= MAX_REGIONS:
             raise ValueError(f"names: need 1..{MAX_REGIONS} regions, got {len(self.names)}")
         for n in self.names:
@@ -217,6 +227,9 @@ class InnerOptimizer:
     momentum: float = field(default=0.0, metadata=_doc("sgd momentum"))
     batch_size: int = field(default=32, metadata=_doc("examples per inner step"))
     lr_decay: Literal["none", "cosine"] = field(default="none", metadata=_doc("inner lr schedule over the run"))
+    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata=_doc(
+        "autocast of the forward pass: bf16 or fp16 matrix products (fp16 with a loss scaler); parameters, "
+        "optimizer state and updates stay fp32 (regions/device.py)"))
 
     def __post_init__(self):
         if not 0 < self.lr <= 10:
@@ -392,6 +405,12 @@ class RunConfig:
     launch: LaunchSection = field(default_factory=LaunchSection, metadata=_doc("multi-region cloud launch: `geofed launch plan` (docs/launch.md)"))
 
     def __post_init__(self):
+        if self.regions.device.startswith("cuda") and self.regions.num_gpus <= 0:
+            raise ValueError(f"regions.num_gpus: must be > 0 with regions.device {self.regions.device!r} "
+                             f"(Ray hides the GPUs from an actor that reserves none)")
+        if self.regions.device.startswith("cuda") and self.sync.algorithm == "gossip":
+            raise ValueError("regions.device: gossip keeps its copies in host memory and runs on the CPU; "
+                             "set regions.device to cpu or auto (auto trains gossip on the CPU)")
         if self.sync.algorithm == "gossip" and self.sync.gossip.choco:
             _check_choco_compression(self.compression)
         robust = self.security.robust_aggregation

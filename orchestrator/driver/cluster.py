@@ -136,7 +136,8 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
     handles = {}
     for region in rc.names:
         selector = {rc.label_key: rc.label_of(region)} if pin else None
-        cls = region_actor_class(num_cpus=rc.num_cpus, max_restarts=rc.max_restarts, label_selector=selector)
+        cls = region_actor_class(num_cpus=rc.num_cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
+                                 label_selector=selector)
         handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
     actors = RegionActors(handles)
     try:

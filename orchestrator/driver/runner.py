@@ -17,6 +17,7 @@ from geofed.regions.worker import rss_mb
 
 from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
 from ..config import RunConfig, load_config
+from ..config.devicecheck import local_device_problem
 from .coordinator import Coordinator
 from .emulation import configured_link, start_emulation
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
@@ -42,6 +43,8 @@ def run_from_args(args) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
     cfg = _with_address(cfg, args.address)
+    if (problem := local_device_problem(cfg)) is not None:
+        raise ConfigError("", problem, source=args.resume or args.config or "default config")
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
     if run_dir is None:  # only once the config and its data are known to be good
         run_dir = new_run_dir(cfg, args.out)

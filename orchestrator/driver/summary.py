@@ -58,7 +58,8 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "utilization_per_region": util,
         "links": _links(metrics, rounds, emulator),
         "H_history": [{"round": r["round"], "H": r["H"], "t": r["t_start"], "codecs": r.get("codecs", {})} for r in rounds],
-        "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host", "grpc_address")}
+        "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host", "grpc_address",
+                                                  "device", "device_name", "precision")}
                       for reg, info in placement.items()},
         "transport": _transport(transport_stats),
         "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values())},

@@ -176,22 +176,37 @@ def task_config_class(kind: str) -> type:
     return _REGISTRY[kind][0]
 
 
-def make_task(config: Any, *, batch_size: int = 32, seed: int = 0) -> Task:
-    """Build the task; `batch_size` and `seed` come from the run config (sync.inner, run.seed)."""
+def make_task(config: Any, *, batch_size: int = 32, seed: int = 0, device: str = "cpu") -> Task:
+    """Build the task; `batch_size` and `seed` come from the run config (sync.inner, run.seed),
+    `device` is where the region trains (a plug-in may put its data there). A plug-in factory gets
+    each of the three it names in its signature (or takes through **kwargs), unless its options
+    already set it."""
     _load_builtin()
     if isinstance(config, PluginTaskConfig):
         fn = load_task_factory(config)
+        options = {**_run_facts(fn, batch_size=batch_size, seed=seed, device=device), **dict(config.options)}
         try:
-            inspect.signature(fn).bind(**dict(config.options))
+            inspect.signature(fn).bind(**options)
         except TypeError as exc:
             raise ValueError(f"options: {config.kind!r} does not take these options: {exc}") from None
         except ValueError:  # no signature to read (a builtin): the call itself will say
             pass
-        task = fn(**dict(config.options))
+        task = fn(**options)
         if not isinstance(task, Task):
             raise ValueError(f"kind: {config.kind!r} returned {type(task).__name__}, not a geofed Task")
         return task
     return _REGISTRY[config.kind][1](config, batch_size=batch_size, seed=seed)
+
+
+def _run_facts(fn: Callable[..., Any], **facts: Any) -> dict[str, Any]:
+    """The run facts (batch_size, seed, device) that `fn`'s signature takes by name or by **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return facts
+    return {k: v for k, v in facts.items() if k in params and params[k].kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
 def _load_builtin() -> None:

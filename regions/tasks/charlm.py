@@ -127,6 +127,7 @@ class CharLMTask(Task):
         n = len(self.test_ids) - self.cfg.seq_len - 1
         starts = torch.linspace(0, n - 1, self.cfg.eval_sequences).long()
         batch = self.test_ids[starts[:, None] + torch.arange(self.cfg.seq_len + 1)]
+        batch = batch.to(next(model.parameters()).device)
         model.eval()
         with torch.no_grad():
             value = float(self.loss(model, batch))

@@ -83,7 +83,8 @@ class DigitsTask(Task):
     def evaluate(self, model: nn.Module) -> EvalResult:
         model.eval()
         with torch.no_grad():
-            pred = model(torch.from_numpy(self.x_test)).argmax(1).numpy()
+            device = next(model.parameters()).device
+            pred = model(torch.from_numpy(self.x_test).to(device)).argmax(1).cpu().numpy()
         model.train()
         return EvalResult(metric="accuracy", value=float((pred == self.y_test).mean()))
 
