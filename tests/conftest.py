@@ -74,13 +74,13 @@ def _cached(name: str) -> Path:
     return path
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def cora_npz(data_cache) -> Path:
     """Cora's graph .npz, as `geofed data fetch cora` writes it."""
     return _cached("cora")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def citeseer_npz(data_cache) -> Path:
     """CiteSeer's graph .npz, as `geofed data fetch citeseer` writes it."""
     return _cached("citeseer")

@@ -50,6 +50,22 @@ def resolve_dataset(name: str) -> Path:
     """The path of `name`'s task file in the cache; DatasetMissing (a ValueError) says how to fetch it."""
     path = product_path(name)
     if not path.is_file():
-        raise DatasetMissing(f"dataset {name!r} is not in the data cache ({path.parent}); "
+        raise DatasetMissing(f"dataset {name!r} is not in the data cache ({dataset_dir(name)}); "
                              f"fetch it with: {fetch_command(name)}")
     return path
+
+
+def task_data_path(dataset: str, task_kind: str) -> str:
+    """The cached file of `dataset` for a task of kind `task_kind`, as a string; ValueError
+    ("dataset: ...", one line with the fetch command) for an unknown, mismatched or unfetched one."""
+    from .registry import DATASETS
+
+    ds = DATASETS.get(dataset)
+    fitting = sorted(n for n, d in DATASETS.items() if d.task == task_kind)
+    if ds is None or ds.task != task_kind:
+        raise ValueError(f"dataset: {dataset!r} is not a {task_kind} dataset (known: {', '.join(fitting)}); "
+                         "for your own file set path instead")
+    try:
+        return str(resolve_dataset(dataset))
+    except DatasetMissing as exc:
+        raise ValueError(f"dataset: {exc}") from None
