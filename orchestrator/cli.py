@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
     rep.add_argument("--out", help="output folder (default: RUN_DIR/report)")
 
+    data = sub.add_parser("data", help="datasets: list, fetch, verify, path, convert-graph (docs/data.md)",
+                          add_help=False)
+    data.add_argument("rest", nargs=argparse.REMAINDER)
+
     net = sub.add_parser("net", help="WAN emulation housekeeping", add_help=False)
     net.add_argument("net_command", choices=["cleanup"], metavar="cleanup",
                      help="remove network namespaces left by kernel-mode runs that crashed")
@@ -82,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The `geofed` command line; returns the exit code (2: bad arguments or config, 130: interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["data"]:  # its own parser (and -h): argparse's REMAINDER would not take a leading option
+        from .datacmd import main as data_main
+
+        return data_main(argv[1:])
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help

@@ -5,8 +5,8 @@ gives to each value it mixes (its own on the diagonal); every matrix is doubly s
 repeated mixing preserves the average and converges to it.
 
 Static undirected graphs use Metropolis-Hastings weights ``w_ij = 1 / (1 + max(deg_i, deg_j))``,
-``w_ii = 1 - sum_j w_ij`` (spectral gaps measured for n=16: ring 0.0507, exponential 0.50; see
-/work/shared/FIELD-NOTES.md). Time-varying topologies (one-peer exponential, random matching)
+``w_ii = 1 - sum_j w_ij`` (spectral gaps measured for n=16: ring 0.0507, exponential 0.50,
+the project's field notes). Time-varying topologies (one-peer exponential, random matching)
 give weight 1/2 to the single peer of the round.
 """
 

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The project's test mirror: the raw dataset files, served over a local HTTP server and fetched
+# with `geofed data`'s own code into a temporary cache ($GEOFED_DATA) for the whole session.
 DATASETS = ROOT.parent / "shared" / "datasets"
+FETCHED = ("cora", "citeseer", "tinyshakespeare")
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +31,59 @@ def ray_session():
 
 
 @pytest.fixture
-def datasets() -> Path:
+def data_mirror():
+    """A mirror of the test datasets on 127.0.0.1 (tests/support/httpmirror.py)."""
+    from support.httpmirror import MirrorServer
+
     if not DATASETS.is_dir():
-        pytest.skip(f"shared datasets not found at {DATASETS}")
-    return DATASETS
+        pytest.skip(f"test mirror source not found at {DATASETS}")
+    with MirrorServer(DATASETS) as server:
+        yield server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """A data cache for the session: cora, citeseer and tinyshakespeare fetched from the local HTTP
+    mirror and $GEOFED_DATA pointed at it, so `task.dataset: cora` resolves as for a user who ran
+    `geofed data fetch`. None (and $GEOFED_DATA untouched) when the mirror's source is absent."""
+    if not DATASETS.is_dir():
+        yield None
+        return
+    from geofed.regions.datasets import ENV_DATA, FetchOptions, fetch_dataset
+    from support.httpmirror import MirrorServer
+
+    root = tmp_path_factory.mktemp("geofed-data")
+    with MirrorServer(DATASETS) as server:
+        for name in FETCHED:
+            fetch_dataset(name, FetchOptions(mirror=server.url, retries=0), root=root)
+    old = os.environ.get(ENV_DATA)
+    os.environ[ENV_DATA] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop(ENV_DATA, None)
+    else:
+        os.environ[ENV_DATA] = old
+
+
+def _cached(name: str) -> Path:
+    from geofed.regions.datasets import product_path
+
+    path = product_path(name)
+    if not path.is_file():
+        pytest.skip(f"dataset {name} not in the test data cache (needs {DATASETS})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cora_npz(data_cache) -> Path:
+    """Cora's graph .npz, as `geofed data fetch cora` writes it."""
+    return _cached("cora")
+
+
+@pytest.fixture(scope="session")
+def citeseer_npz(data_cache) -> Path:
+    """CiteSeer's graph .npz, as `geofed data fetch citeseer` writes it."""
+    return _cached("citeseer")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 """Graph data: the ``.npz`` node-classification format and the sparse tensors a GNN needs.
 
-The format (documented in docs/graph.md and ../shared/datasets/README.md) is one ``.npz``
+The format (documented in docs/graph.md and docs/data.md) is one ``.npz``
 holding ``x`` (N x F features), ``y`` (N class ids, -1 = unlabelled), ``edge_index`` (2 x E
 directed edges, both directions present) and the boolean split masks. It is read with
 ``allow_pickle=False`` so a file can never run code.

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from geofed.regions.datasets.cache import task_data_path
 from geofed.regions.inputfiles import InputFileError, open_regular
 
 from .base import EvalResult, Shard, Task, register_task
 
-DEFAULT_TEXT = "../shared/datasets/tinyshakespeare/input.txt"
+DEFAULT_DATASET = "tinyshakespeare"
 # Characters are classes of the model's output layer: a "text" of 10^5 distinct code points is
 # a file built to blow the model up, not prose (the largest scripts in use need ~20k).
 MAX_VOCAB = 65_536
@@ -26,9 +27,12 @@ class CharLMConfig:
     """``task.kind: char-lm``: a character-level GRU language model trained on a text file."""
 
     kind: Literal["char-lm"] = "char-lm"
-    path: str = field(default=DEFAULT_TEXT, metadata={"doc": (
-        "UTF-8 text file (relative to the working directory); a regular file of any size, of which only the "
-        "first max_chars characters are read")})
+    dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
+        "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
+        "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
+    path: str = field(default="", metadata={"doc": (
+        "your own UTF-8 text file instead of dataset (relative to the working directory); a regular file of any "
+        "size, of which only the first max_chars characters are read")})
     max_chars: int = field(default=300_000, metadata={"doc": (
         "use at most this many characters from the start of the file (at most 4 bytes each are read)")})
     seq_len: int = field(default=64, metadata={"doc": "characters per training sequence"})
@@ -41,6 +45,8 @@ class CharLMConfig:
     eval_sequences: int = field(default=64, metadata={"doc": "held-out sequences scored at evaluation"})
 
     def __post_init__(self):
+        if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)
+            object.__setattr__(self, "path", task_data_path(self.dataset, "char-lm"))
         for key, lo, hi in (("max_chars", 1000, 10**9), ("seq_len", 2, 4096), ("embed", 1, 4096),
                             ("hidden", 1, 8192), ("layers", 1, 16), ("eval_sequences", 1, 100_000)):
             v = getattr(self, key)

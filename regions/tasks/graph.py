@@ -18,13 +18,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from geofed.regions.datasets.cache import task_data_path
 from geofed.regions.graph.data import MAX_GRAPH_BYTES, GraphData, GraphView, build_view, full_view, load_graph_npz
 from geofed.regions.graph.models import accuracy, build_gnn, gnn_loss
 from geofed.regions.graph.partition import extract_subgraph, partition_nodes, partition_stats, train_flags
 
 from .base import EvalResult, Shard, Task, register_task
 
-DEFAULT_PATH = "../shared/datasets/planetoid/cora.npz"
+DEFAULT_DATASET = "cora"
 
 
 def _doc(text: str) -> dict:
@@ -36,8 +37,12 @@ class GcnPlanetoidConfig:
     """``task.kind: gcn-planetoid``: node classification on a graph .npz, its nodes split across regions."""
 
     kind: Literal["gcn-planetoid"] = "gcn-planetoid"
-    path: str = field(default=DEFAULT_PATH, metadata=_doc(
-        "graph .npz (x, y, edge_index, train/val/test masks); relative paths from the working directory"))
+    dataset: str = field(default=DEFAULT_DATASET, metadata=_doc(
+        "cora or citeseer, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
+        "`geofed data fetch NAME`, docs/data.md); resolved on the driver; ignored when path is set"))
+    path: str = field(default="", metadata=_doc(
+        "your own graph .npz (x, y, edge_index, train/val/test masks; `geofed data convert-graph` writes one) "
+        "instead of dataset; relative paths from the working directory"))
     model: Literal["gcn", "sage"] = field(default="gcn", metadata=_doc("gcn (Kipf & Welling) or sage (GraphSAGE-mean)"))
     hidden: int = field(default=16, metadata=_doc("hidden units"))
     dropout: float = field(default=0.5, metadata=_doc("dropout on input features and hidden layer"))
@@ -58,8 +63,8 @@ class GcnPlanetoidConfig:
         "is decompressed (the driver and every region load the whole graph; Cora is 4 MB)"))
 
     def __post_init__(self):
-        if not self.path:
-            raise ValueError("path: must name a graph .npz file")
+        if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)
+            object.__setattr__(self, "path", task_data_path(self.dataset, "gcn-planetoid"))
         if not 1 <= self.hidden <= 65536:
             raise ValueError(f"hidden: must be in [1, 65536], got {self.hidden}")
         if not 0 <= self.dropout < 1:
@@ -171,7 +176,8 @@ def load_task_graph(path: str, *, max_mb: int = MAX_GRAPH_BYTES >> 20) -> GraphD
     if not resolved.exists():
         raise ValueError(
             f"task.path: no graph file at {str(resolved)!r} (resolved from the working directory "
-            f"{str(Path.cwd())!r}); point task.path at a .npz in the documented graph format")
+            f"{str(Path.cwd())!r}); point task.path at a .npz in the documented graph format, or use task.dataset "
+            "(docs/data.md)")
     try:
         return load_graph_npz(resolved, max_bytes=max_mb << 20)
     except ValueError as exc:

@@ -53,11 +53,8 @@ class Cluster(InProcessRegions):
 
 
 @pytest.fixture
-def cora(datasets):
-    path = datasets / "planetoid" / "cora.npz"
-    if not path.is_file():
-        pytest.skip(f"Cora missing: {path}")
-    return path
+def cora(cora_npz):
+    return cora_npz
 
 
 @pytest.fixture

@@ -24,21 +24,18 @@ ROUNDS = 10
 
 
 @pytest.fixture
-def cora(datasets):
-    path = datasets / "planetoid" / "cora.npz"
-    if not path.is_file():
-        pytest.skip(f"Cora missing: {path}")
-    return path
+def cora(cora_npz):
+    return cora_npz
 
 
 def test_small_dfgl_run_beats_local_only_and_survives_a_lost_message(cora, tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the config's relative task.path, as a user runs it
+    monkeypatch.chdir(ROOT)  # the shipped config, its task.dataset from the data cache, as a user runs it
     out = tmp_path / "run"
     # Round 4's push us-east-1 -> eu-west-1 stalls for 6 s, past any deadline (at most 4 s): lost.
     outage = '[{link: "us-east-1->eu-west-1", at_round: 4, outage_s: 6}]'
     code = main(["run", "configs/dfgl-cora.yaml", "--out", str(out), "--no-report", "--quiet",
                  "--set", f"regions.names=[{', '.join(REGIONS)}]", "--set", f"run.rounds={ROUNDS}",
-                 "--set", f"task.path={cora}", "--set", f"network.emulation.schedule={outage}",
+                 "--set", f"network.emulation.schedule={outage}",
                  "--set", "sync.deadline={initial_s: 4, min_s: 1, max_s: 4}"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -85,7 +82,7 @@ def _assert_public_copies_agree(checkpoints: Path) -> None:
 def test_bench_dfgl_json_document(cora, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     code = main(["bench", "dfgl", "--json", "--regions", "2", "--seeds", "1", "--epochs", "10",
-                 "--out", str(tmp_path / "bench"), "--set", f"task.path={cora}"])
+                 "--out", str(tmp_path / "bench")])
     assert code == 0
     doc = json.loads(capsys.readouterr().out)  # stdout holds the document and nothing else
     assert set(doc) == {"dataset", "regions", "seeds", "arms"}
@@ -109,7 +106,7 @@ def test_bench_dfgl_json_document(cora, tmp_path, capsys, monkeypatch):
     # In process (RegionWorkers on the in-memory transport, no Ray, no sockets): the same code,
     # so the same models, rounds and (up to the framing) bytes.
     code = main(["bench", "dfgl", "--json", "--in-process", "--regions", "2", "--seeds", "1", "--epochs", "10",
-                 "--out", str(tmp_path / "inproc"), "--set", f"task.path={cora}"])
+                 "--out", str(tmp_path / "inproc")])
     assert code == 0
     same = json.loads(capsys.readouterr().out)["arms"]
     inproc = json.loads((tmp_path / "inproc" / "bench.json").read_text())["details"]

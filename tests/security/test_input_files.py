@@ -180,10 +180,11 @@ def test_graph_task_refuses_devices_and_fifos_and_reads_a_good_file(tmp_path):
         build(task_config_class("gcn-planetoid"), {"kind": "gcn-planetoid", "max_mb": 0}, "task")
 
 
-def test_the_real_datasets_still_load(datasets):
+def test_the_real_datasets_still_load(cora_npz):
+    from geofed.regions.datasets import resolve_dataset
     from geofed.regions.tasks.charlm import read_text_prefix
 
-    graph = load_graph_npz(datasets / "planetoid" / "cora.npz")
+    graph = load_graph_npz(cora_npz)
     assert graph.num_nodes == 2708
-    text = read_text_prefix(str(datasets / "tinyshakespeare" / "input.txt"), 300_000)
+    text = read_text_prefix(str(resolve_dataset("tinyshakespeare")), 300_000)
     assert len(text) == 300_000 and text.startswith("First Citizen")

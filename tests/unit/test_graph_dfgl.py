@@ -22,15 +22,11 @@ from geofed.regions.tasks import make_task
 from geofed.regions.worker import RoundPlan
 
 torch.set_num_threads(1)
-DATA = (Path(__file__).resolve().parents[2] / ".." / "shared" / "datasets" / "planetoid").resolve()
 
 
 @pytest.fixture(scope="module")
-def cora_path() -> Path:
-    path = DATA / "cora.npz"
-    if not path.is_file():
-        pytest.skip(f"dataset missing: {path}")
-    return path
+def cora_path(cora_npz) -> Path:
+    return cora_npz
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,15 +13,11 @@ from geofed.regions.tasks.base import make_task, task_config_class
 from geofed.regions.tasks.graph import GcnPlanetoidConfig, GcnPlanetoidTask, GraphShard
 
 torch.set_num_threads(1)
-DATA = (Path(__file__).resolve().parents[2] / ".." / "shared" / "datasets" / "planetoid").resolve()
 
 
 @pytest.fixture(scope="module")
-def cora_path() -> str:
-    path = DATA / "cora.npz"
-    if not path.is_file():
-        pytest.skip(f"dataset missing: {path}")
-    return str(path)
+def cora_path(cora_npz) -> str:
+    return str(cora_npz)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +47,36 @@ def test_config_errors_name_the_key(task_map, needle):
 
 
 def test_missing_file_names_task_path(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the default ../shared/... does not exist from here
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as exc:
-        GcnPlanetoidTask(GcnPlanetoidConfig())
+        GcnPlanetoidTask(GcnPlanetoidConfig(path="graphs/mine.npz"))
     msg = str(exc.value)
-    assert msg.startswith("task.path:") and "../shared/datasets/planetoid/cora.npz" in msg and str(tmp_path) in msg
+    assert msg.startswith("task.path:") and "graphs/mine.npz" in msg and str(tmp_path) in msg
 
 
-def test_default_path_resolves_from_the_repo_root(cora_path, monkeypatch):
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])
-    assert GcnPlanetoidTask(GcnPlanetoidConfig()).data.num_nodes == 2708
+def test_the_default_dataset_resolves_through_the_data_cache(cora_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the working directory plays no part
+    cfg = GcnPlanetoidConfig()
+    assert (cfg.dataset, cfg.path) == ("cora", cora_path)
+    assert GcnPlanetoidTask(cfg).data.num_nodes == 2708
+    own = GcnPlanetoidConfig(dataset="citeseer", path=cora_path)  # path overrides dataset
+    assert own.path == cora_path
+
+
+def test_a_dataset_not_fetched_names_the_fetch_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEOFED_DATA", str(tmp_path / "empty-cache"))
+    with pytest.raises(ConfigError) as exc:
+        config_from_mapping({"task": {"kind": "gcn-planetoid", "dataset": "citeseer"}}, source="c.yaml")
+    msg = str(exc.value)
+    assert msg.startswith("c.yaml: task.dataset: ") and msg.endswith("fetch it with: geofed data fetch citeseer")
+    assert "\n" not in msg and str(tmp_path / "empty-cache") in msg
+
+
+@pytest.mark.parametrize("kind,dataset", [("gcn-planetoid", "pubmed"), ("gcn-planetoid", "tinyshakespeare"),
+                                          ("char-lm", "cora")])
+def test_a_dataset_of_another_task_or_unknown_is_refused(kind, dataset):
+    with pytest.raises(ConfigError, match=rf"task\.dataset: '{dataset}' is not a {kind} dataset \(known: "):
+        config_from_mapping({"task": {"kind": kind, "dataset": dataset}})
 
 
 def test_shards_cover_the_train_labels_and_weight_by_nodes(task):
