@@ -24,7 +24,7 @@ from .faults import FaultHandling
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
-from .rundir import Clock, JsonlLog, ensure_private_dir, new_run_dir, process_age_s, write_json
+from .rundir import Clock, JsonlLog, ensure_private_dir, lock_run_dir, new_run_dir, process_age_s, release_run_dir, write_json
 from ..config.strict import ConfigError
 from .summary import build_summary, evaluate_average
 
@@ -38,6 +38,7 @@ def run_from_args(args) -> int:
     """
     if args.resume:
         cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or ())
+        lock_run_dir(run_dir, key="--resume")  # at once: a run still going there is named before any work
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
@@ -136,6 +137,7 @@ class Runner(FaultHandling):
         emulator, the connections, the logs (a resume restores its checkpoint), the link probes.
         """
         ensure_private_dir(self.run_dir)  # 0700, also for a Runner started without new_run_dir
+        lock_run_dir(self.run_dir)  # held until shutdown(); new_run_dir or --resume may hold it already
         mark = self._phase_marker()
         self._make_tls()
         mark("tls")
@@ -406,3 +408,4 @@ class Runner(FaultHandling):
             self.emulator.stop()
         if self.ray is not None:
             self.ray.shutdown()
+        release_run_dir(self.run_dir)
