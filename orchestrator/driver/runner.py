@@ -43,6 +43,9 @@ def run_from_args(args) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
     cfg = _with_address(cfg, args.address)
+    if len(cfg.regions.names) == 1:
+        print(f"geofed: warning: one region ({cfg.regions.names[0]}): nothing is exchanged, no link is measured; "
+              "list two or more in regions.names to train across regions", file=sys.stderr)
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
     if run_dir is None:  # only once the config and its data are known to be good
         run_dir = new_run_dir(cfg, args.out)

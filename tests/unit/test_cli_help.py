@@ -26,3 +26,16 @@ def test_help_exits_0_and_describes(argv, wanted, capsys):
 def test_missing_or_unknown_name_exits_2(argv, capsys):
     assert cli.main(argv) == 2
     assert "usage: geofed" in capsys.readouterr().err
+
+
+def test_one_region_warns(tmp_path, monkeypatch, capsys):
+    """Issue 19: one region ran without a word, though nothing is exchanged."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    cfg = {"run": {"name": "one", "rounds": 1, "report": False}, "task": {"kind": "mlp-digits", "hidden": 8},
+           "regions": {"names": ["us-east-1"]}, "network": {"emulation": {"mode": "none"}},
+           "ray": {"address": "127.0.0.1:9", "init_timeout_s": 1}}  # unreachable: ends quickly after the warning
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["run", "run.yaml", "--quiet"]) == 1
+    assert "warning: one region (us-east-1): nothing is exchanged" in capsys.readouterr().err
