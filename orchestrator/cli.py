@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                      "only keys that may change mid-run: " + ", ".join(RESUMABLE_KEYS)
                      + "; never security.* (TLS cannot be turned off on resume)")
     run.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--quiet", action="store_true", help="no progress (a bar on a terminal, else one line per round)")
+    run.add_argument("--verbose", action="store_true", help="let Ray's own start-up messages through (its "
+                     "token-auth warning, 'Started a local Ray instance'); without it only Ray's errors show")
 
     val = sub.add_parser("validate", help="check a config without running it")
     val.add_argument("config", help="YAML run config")
@@ -150,3 +152,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def entry() -> None:
     """The console script: main() as the process's exit status."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -48,14 +48,18 @@ class RayHandle:
             ray.shutdown()
 
 
-def init_ray(cfg: RunConfig) -> RayHandle:
-    """Reuse an already initialised Ray (tests share one), else start a local one or join `ray.address`."""
+def init_ray(cfg: RunConfig, *, verbose: bool = False) -> RayHandle:
+    """Reuse an already initialised Ray (tests share one), else start a local one or join `ray.address`.
+    Ray's own start-up messages (its token-auth warning, "Started a local Ray instance") reach the
+    terminal only when `verbose` (--verbose); its errors always do."""
     if ray.is_initialized():
         return RayHandle(started_here=False, address=None)
     address = cfg.ray.address
+    level = logging.INFO if verbose else logging.ERROR
+    logging.getLogger("ray").setLevel(level)
     # Region workers must not each grab every core: torch threads are set per worker.
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.regions.torch_threads))
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": level,
                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}}}
     if address:
         _wait_reachable(address, cfg.ray.init_timeout_s)

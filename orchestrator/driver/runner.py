@@ -49,7 +49,8 @@ def run_from_args(args) -> int:
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
     if run_dir is None:  # only once the config and its data are known to be good
         run_dir = new_run_dir(cfg, args.out)
-    runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume))
+    runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume),
+                    verbose=bool(getattr(args, "verbose", False)))
     try:
         summary = runner.run()
     except Interrupted as stop:
@@ -106,8 +107,9 @@ class Runner(FaultHandling):
     Call run(), then shutdown() whatever happened.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False):
-        self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False,
+                 verbose: bool = False):
+        self.cfg, self.run_dir, self.resume, self.verbose = cfg, Path(run_dir), resume, verbose
         self.regions = list(cfg.regions.names)
         self.show_progress = show_progress
         self.ray = None
@@ -146,7 +148,7 @@ class Runner(FaultHandling):
         mark("tls")
         reaped = reap_previous_driver(self.run_dir) if self.resume else []
         with marked_processes(self.run_dir) as token:  # what a later --resume may end proves it is ours
-            self.ray = init_ray(self.cfg)
+            self.ray = init_ray(self.cfg, verbose=self.verbose)
         mark("ray")
         self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
@@ -237,6 +239,9 @@ class Runner(FaultHandling):
         """
         with self.stop:
             self.stop._notify = self._on_signal
+            if self.show_progress:
+                print(f"geofed: setting up {len(self.regions)} regions (Ray, region actors, TLS, link probes); "
+                      f"run directory {self.run_dir}", file=sys.stderr, flush=True)
             self.setup()
             self.progress = RunProgress(self.cfg.run.rounds, enabled=self.show_progress, start=self.next_round)
             try:
@@ -277,8 +282,11 @@ class Runner(FaultHandling):
         self._resync(r, results)
         if cfg.run.checkpoint_every and (r + 1) % cfg.run.checkpoint_every == 0:
             self._checkpoint(r)
+        codecs = sorted({c.key for c in self.coordinator.last_codecs.values()}) or ["-"]
         self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=self._bytes_sent / 1e6,
-                             note=f"down: {','.join(sorted(self.dead))}" if self.dead else "")
+                             note=f"down: {','.join(sorted(self.dead))}" if self.dead else "", codec=",".join(codecs),
+                             utilization=sum(m["utilization"] for m in results.values()) / max(1, len(results)),
+                             elapsed_s=t_end)
 
     def _run_round(self, r: int, plans) -> dict[str, dict[str, Any]]:
         refs = {self.actors.handles[reg].run_round.remote(plan): reg for reg, plan in plans.items()}
