@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write report.html and plots for a run directory")
     rep.add_argument("run_dir")
     rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
-    rep.add_argument("--out", help="output folder (default: RUN_DIR/report)")
+    rep.add_argument("--out", help="output folder (default: RUN_DIR/report; with --compare RUN_DIR/compare-vs-<names>)")
 
     net = sub.add_parser("net", help="WAN emulation housekeeping")
     nsub = net.add_subparsers(dest="net_command", required=True, metavar="SUBCOMMAND")
