@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from geofed.p2p.tls import make_pki
+from geofed.p2p.tls import RENEW_WITHIN_DAYS, make_pki, renew_expiring
 from geofed.regions import checkpoint
 from geofed.regions.worker import rss_mb
 
@@ -176,6 +176,8 @@ class Runner(FaultHandling):
                              for r, i in self.actors.info.items()})
         if reaped:
             self._event("reaped_previous_driver", processes=reaped)
+        if getattr(self, "_tls_renewed", None):
+            self._event("tls_renewed", certificates=self._tls_renewed)
         if restored is not None:
             self._restore(*restored)
         mark("logs_restore")
@@ -206,7 +208,12 @@ class Runner(FaultHandling):
         tls = self.run_dir / "tls"
         names = ["ca", *self.regions]
         if self.resume and all((tls / f"{n}.pem").is_file() and (tls / f"{n}.key").is_file() for n in names):
-            return  # a resumed run keeps its CA and certificates
+            # A resumed run keeps its CA and certificates, renewing those about to expire (30-day certificates).
+            self._tls_renewed = renew_expiring(tls, self.regions)
+            if self._tls_renewed:
+                print(f"geofed: renewed TLS certificates expiring within {RENEW_WITHIN_DAYS} days from the run's CA: "
+                      f"{', '.join(self._tls_renewed)}", file=sys.stderr)
+            return
         make_pki(tls, self.regions)
 
     def _connect_all(self) -> None:
