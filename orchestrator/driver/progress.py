@@ -89,7 +89,7 @@ def _times(summary: dict[str, Any]) -> list[tuple[str, str]]:
     a run that waited 39 s must not say only "4.4 s"."""
     startup = (summary.get("startup") or {}).get("process_to_round0_s")
     setup = startup if startup is not None else summary.get("setup_s")
-    rows = [("set-up time (start to round 0)", "-" if setup is None else f"{setup:.1f} s")]
+    rows = [("set-up time (start to first round)", "-" if setup is None else f"{setup:.1f} s")]
     return [*rows, ("training time (round 0 to end)", f"{summary.get('wall_s', 0):.1f} s")]
 
 

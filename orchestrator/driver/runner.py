@@ -24,7 +24,7 @@ from .faults import FaultHandling
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
-from .rundir import Clock, JsonlLog, ensure_private_dir, lock_run_dir, new_run_dir, process_age_s, release_run_dir, write_json
+from .rundir import Clock, JsonlLog, ensure_private_dir, read_jsonl, lock_run_dir, new_run_dir, process_age_s, release_run_dir, write_json
 from ..config.strict import ConfigError
 from .summary import build_summary, evaluate_average
 
@@ -368,6 +368,8 @@ class Runner(FaultHandling):
         self.coordinator.clock = self.clock
         self.next_round = r + 1
         self._last_checkpoint = r
+        # The progress counts bytes over the whole run, as the summary does.
+        self._bytes_sent = sum(rec.get("bytes_sent") or 0 for rec in read_jsonl(self.run_dir / "rounds.jsonl"))
         self._event("resumed", from_checkpoint=r, lost_rounds=lost)
 
     def _stop_cleanly(self) -> None:

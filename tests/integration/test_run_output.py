@@ -23,4 +23,4 @@ def test_a_run_without_a_terminal(tmp_path):
         for field in (" loss ", " H ", " codec ", " sent ", " MB util ", " elapsed ", " eta "):
             assert field in ln, (field, ln)
     assert "Token authentication" not in done.stderr and "Started a local Ray" not in done.stderr, done.stderr
-    assert "set-up time (start to round 0)" in done.stdout and "training time (round 0 to end)" in done.stdout
+    assert "set-up time (start to first round)" in done.stdout and "training time (round 0 to end)" in done.stdout

@@ -42,6 +42,6 @@ def test_summary_shows_set_up_and_training_apart(capsys):
                "faults": {"region_restarts": 0, "peers_left_out": 0}, "refusals": {"total": 0}}
     print_summary(summary, "runs/x")
     out = capsys.readouterr().out
-    assert "set-up time (start to round 0)" in out and "39.0 s" in out
+    assert "set-up time (start to first round)" in out and "39.0 s" in out
     assert "training time (round 0 to end)" in out and "4.4 s" in out
     assert "wall time" not in out
