@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                      "only keys that may change mid-run: " + ", ".join(RESUMABLE_KEYS)
                      + "; never security.* (TLS cannot be turned off on resume)")
     run.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--quiet", action="store_true", help="no progress (a bar on a terminal, else one line per round)")
+    run.add_argument("--verbose", action="store_true", help="let Ray's own start-up messages through (its "
+                     "token-auth warning, 'Started a local Ray instance'); without it only Ray's errors show")
 
     val = sub.add_parser("validate", help="check a config without running it")
     val.add_argument("config", help="YAML run config")
@@ -55,24 +57,26 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("config-docs", help="print the table of every config key (docs/CONFIG.md)")
 
-    bench = sub.add_parser("bench", help="benchmarks that print comparison tables", add_help=False)
-    bench.add_argument("name", nargs="?", choices=sorted(BENCHES), metavar="NAME",
-                       help="; ".join(f"{k}: {v[1]}" for k, v in sorted(BENCHES.items())))
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench", help="benchmarks that print comparison tables",
+                           description="Benchmarks that print comparison tables; `geofed bench NAME -h` for NAME's options.")
+    bsub = bench.add_subparsers(dest="name", required=True, metavar="NAME")
+    for name, (_, text) in sorted(BENCHES.items()):
+        # Each bench parses its own options (main() hands them over before argparse sees them).
+        bsub.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
 
     rep = sub.add_parser("report", help="write report.html and plots for a run directory")
     rep.add_argument("run_dir")
     rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
-    rep.add_argument("--out", help="output folder (default: RUN_DIR/report)")
+    rep.add_argument("--out", help="output folder (default: RUN_DIR/report; with --compare RUN_DIR/compare-vs-<names>)")
 
     data = sub.add_parser("data", help="datasets: list, fetch, verify, path, convert-graph (docs/data.md)",
                           add_help=False)
     data.add_argument("rest", nargs=argparse.REMAINDER)
 
-    net = sub.add_parser("net", help="WAN emulation housekeeping", add_help=False)
-    net.add_argument("net_command", choices=["cleanup"], metavar="cleanup",
-                     help="remove network namespaces left by kernel-mode runs that crashed")
-    net.add_argument("rest", nargs=argparse.REMAINDER)
+    net = sub.add_parser("net", help="WAN emulation housekeeping")
+    nsub = net.add_subparsers(dest="net_command", required=True, metavar="SUBCOMMAND")
+    nsub.add_parser("cleanup", help="remove network namespaces left by kernel-mode runs that crashed",
+                    add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
 
     launch = sub.add_parser("launch", help="multi-region cloud launch helpers")
     lsub = launch.add_subparsers(dest="launch_command", required=True, metavar="SUBCOMMAND")
@@ -91,10 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return data_main(argv[1:])
     try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
-        return int(exc.code or 0)
-    try:
+        if len(argv) >= 2 and (argv[0], argv[1]) in _FORWARDED:
+            # `geofed bench NAME ...` and `geofed net cleanup ...` parse their own options, -h included.
+            return _forward(argv[0], argv[1], argv[2:])
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
+            return int(exc.code or 0)
         return _dispatch(args)
     except ConfigError as exc:
         print(f"geofed: {exc}", file=sys.stderr)
@@ -104,10 +111,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+_FORWARDED = {("bench", name) for name in BENCHES} | {("net", "cleanup")}
+
+
+def _forward(command: str, name: str, rest: list[str]) -> int:
+    try:
+        if command == "net":
+            from geofed.p2p.wan.kernel import cleanup_main
+
+            return cleanup_main(rest)
+        return int(importlib.import_module(BENCHES[name][0]).main(rest))
+    except SystemExit as exc:  # their argparse: 0 after -h, 2 on bad arguments
+        return exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "validate":
         from .config import load_config
-
         from .config.devicecheck import local_device_problem
 
         cfg = load_config(args.config, args.overrides)
@@ -120,13 +140,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(config_docs_markdown(), end="")
         return 0
-    if args.command == "bench":
-        if args.name is None:
-            print("usage: geofed bench NAME [options]\n\nbenchmarks:")
-            for k, (_, text) in sorted(BENCHES.items()):
-                print(f"  {k:8s} {text}")
-            return 0 if "-h" in args.rest or "--help" in args.rest else 2
-        return int(importlib.import_module(BENCHES[args.name][0]).main(args.rest))
+    if args.command in ("bench", "net"):
+        return _forward(args.command, args.name if args.command == "bench" else args.net_command, args.rest)
     if args.command == "run":
         if args.allow_config_change and not args.resume:
             raise ConfigError("", "only with --resume RUN_DIR (a new run takes any config)", source="--allow-config-change")
@@ -138,10 +153,6 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(write_report(args.run_dir, compare=args.compare, out=args.out))
         return 0
-    if args.command == "net":
-        from geofed.p2p.wan.kernel import cleanup_main
-
-        return cleanup_main(args.rest)
     if args.command == "launch":
         from .launch.plan import plan_from_args
 
@@ -152,3 +163,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def entry() -> None:
     """The console script: main() as the process's exit status."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

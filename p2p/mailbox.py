@@ -106,6 +106,9 @@ class Mailbox:
         self._expected: dict[int, frozenset[str]] = {}
         self._newest = -1       # newest round passed to expect()
         self._closed_upto = -1  # every round <= this one is closed
+        # After a restore (resume, rejoin) late pushes of the rounds around it are expected: logged
+        # at INFO, not WARNING (still counted in `refused`).
+        self.quiet_late_upto = -1
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._inflight_per_sender: Counter[str] = Counter()
         self._held: Counter[str] = Counter()  # bytes charged to each sender's budget
@@ -299,7 +302,9 @@ class Mailbox:
     def count_refusal(self, refusal: Refusal, sender: str, round: int) -> None:
         with self._cond:  # an RLock: also called with it held
             self.refused[refusal.reason] += 1
-        log.warning("%s refused a message from %r for round %s: %s", self.region, sender, round, refusal)
+        expected = refusal.reason == "late" and isinstance(round, int) and round <= self.quiet_late_upto
+        log.log(logging.INFO if expected else logging.WARNING, "%s refused a message from %r for round %s: %s",
+                self.region, sender, round, refusal)
 
     # -- the owner's side ----------------------------------------------------------------
     def receive(self, round: int, deadline_s: float) -> Inbox:

@@ -22,7 +22,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["Pki", "TlsMaterial", "make_pki", "load_tls", "certificate_region"]
+__all__ = ["Pki", "TlsMaterial", "make_pki", "load_tls", "certificate_region", "renew_expiring", "RENEW_WITHIN_DAYS"]
+
+# A resumed run renews certificates that expire within this many days (or have expired).
+RENEW_WITHIN_DAYS = 7
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,8 +96,10 @@ def _name(cn: str) -> x509.Name:
                       x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def make_ca(run_name: str = "geofed-run", *, valid_days: int = 30) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
+def make_ca(run_name: str = "geofed-run", *, valid_days: int = 30,
+            key: ec.EllipticCurvePrivateKey | None = None) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A self-signed CA; with `key`, a renewal of that CA (same key and name: what it signed still verifies)."""
+    key = key or ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.timezone.utc)
     cert = (x509.CertificateBuilder()
             .subject_name(_name(f"{run_name} CA")).issuer_name(_name(f"{run_name} CA"))
@@ -145,6 +150,31 @@ def make_pki(directory: Path, regions: Sequence[str], *, valid_days: int = 30) -
         _write_private(directory / f"{region}.key", _key_pem(key))
         _write_private(directory / f"{region}.pem", cert.public_bytes(serialization.Encoding.PEM))
     return Pki(directory=directory, ca_cert=directory / "ca.pem", regions=tuple(regions))
+
+
+def renew_expiring(directory: Path, regions: Sequence[str], *, within_days: float = RENEW_WITHIN_DAYS,
+                   valid_days: int = 30) -> list[str]:
+    """Renew, from the run's own CA key (ca.key), every certificate in `directory` that has expired
+    or expires within `within_days`; returns the names renewed ("ca" and/or regions), [] when all
+    are good. A renewed CA keeps its key and name, and every region certificate is then reissued too."""
+    directory = Path(directory)
+    ca_key = serialization.load_pem_private_key(_read(directory / "ca.key"), password=None)
+    ca_cert = x509.load_pem_x509_certificate(_read(directory / "ca.pem"))
+    soon = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=within_days)
+    renewed = []
+    if ca_cert.not_valid_after_utc <= soon:
+        cn = ca_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value.removesuffix(" CA")
+        _, ca_cert = make_ca(cn, valid_days=valid_days, key=ca_key)
+        _write_private(directory / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+        renewed.append("ca")
+    for region in regions:
+        cert = x509.load_pem_x509_certificate(_read(directory / f"{region}.pem"))
+        if renewed or cert.not_valid_after_utc <= soon:
+            key, cert = issue(ca_key, ca_cert, region, valid_days=valid_days)
+            _write_private(directory / f"{region}.key", _key_pem(key))
+            _write_private(directory / f"{region}.pem", cert.public_bytes(serialization.Encoding.PEM))
+            renewed.append(region)
+    return renewed
 
 
 def _read(path: Path) -> bytes:

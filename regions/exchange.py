@@ -70,6 +70,7 @@ class Exchanger:
         # Pushes left running that then succeeded, (peer, round, stats): reported with the next
         # exchange, so a link that only got slow still teaches its estimator and the policy.
         self._late: list[tuple[str, int, Any]] = []
+        self.quiet_late_upto = -1  # a peer refusing these rounds as `late` is expected (after a restore)
         # One push per peer plus one stalled push per peer never queue behind each other.
         self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
 
@@ -173,7 +174,8 @@ class Exchanger:
                 stats = fut.result()
             except TransportError as exc:
                 result.send_failures[peer] = str(exc)
-                log.warning("send to %s failed: %s", peer, exc)
+                expected = exc.reason == "late" and round_ <= self.quiet_late_upto
+                log.log(logging.INFO if expected else logging.WARNING, "send to %s failed: %s", peer, exc)
                 continue
             self._count_send(result, peer, stats, concurrent=n_sends)
 

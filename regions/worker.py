@@ -392,6 +392,11 @@ class RegionWorker:
         """Take up the run at `round_`: the mailbox closes every round up to it, so peers pushing
         round_ + 1 are inside its window at once (a fresh mailbox would call them future rounds)."""
         self.completed_round = round_
+        # Peers still finishing (or re-sending) the rounds around this one are refused `late`, and a
+        # resumed run's first round runs cold: expected, so logged quietly on both sides.
+        self.exchanger.quiet_late_upto = round_ + 1
+        if getattr(self.transport, "mailbox", None) is not None:
+            self.transport.mailbox.quiet_late_upto = round_ + 1
         closed = self.transport.stats().get("closed_upto", -1)
         if round_ > closed:
             self.transport.expect(round_, [])

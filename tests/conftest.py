@@ -86,6 +86,12 @@ def citeseer_npz(data_cache) -> Path:
     return _cached("citeseer")
 
 
+@pytest.fixture(scope="session")
+def shakespeare_txt(data_cache) -> Path:
+    """tinyshakespeare's input.txt, as `geofed data fetch tinyshakespeare` writes it."""
+    return _cached("tinyshakespeare")
+
+
 def pytest_collection_modifyitems(config, items):
     """`slow` tests run when asked for with `-m slow` (CI runs them after the default suite): the
     long variants of tests that always run in a shorter form (the 200-round soak, the 30 s

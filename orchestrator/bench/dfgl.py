@@ -198,7 +198,7 @@ def _init_ray(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     # Logical CPUs: enough for every region actor even on a small machine.
-    need = math.ceil(len(cfg.regions.names) * cfg.regions.num_cpus)
+    need = math.ceil(len(cfg.regions.names) * (cfg.regions.num_cpus or 0.5))
     threads = str(cfg.regions.torch_threads)
     ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})

@@ -125,7 +125,9 @@ class RegionsSection:
         metadata=_doc("region names (cloud region ids); one worker actor each"))
     label_key: str = field(default="ray.io/availability-region", metadata=_doc("Ray node label that says a node's region"))
     labels: dict[str, str] = field(default_factory=dict, metadata=_doc("region -> label value when it differs from the name"))
-    num_cpus: float = field(default=0.5, metadata=_doc("CPUs Ray reserves per region actor"))
+    num_cpus: float | None = field(default=None, metadata=_doc(
+        "CPUs Ray reserves per region actor (null: 0.5, or on a local Ray less, so that every region fits); a run "
+        "asking for more than the cluster has stops before any actor starts (exit 1, with the arithmetic)"))
     torch_threads: int = field(default=1, metadata=_doc("torch intra-op threads per region worker"))
     device: str = field(default="auto", metadata=_doc(
         "where each region trains, decided on its node: auto (its first GPU if any, else the CPU), cpu, cuda, "
@@ -158,7 +160,7 @@ class RegionsSection:
         for k in self.labels:
             if k not in self.names:
                 raise ValueError(f"labels: {k!r} is not a configured region")
-        if not 0 < self.num_cpus <= 1024:
+        if self.num_cpus is not None and not 0 < self.num_cpus <= 1024:
             raise ValueError(f"num_cpus: must be in (0, 1024], got {self.num_cpus}")
         if not 1 <= self.torch_threads <= 256:
             raise ValueError(f"torch_threads: must be in [1, 256], got {self.torch_threads}")

@@ -9,6 +9,7 @@ object store.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # How often the label check looks again while nodes may still be joining.
 _LABEL_POLL_S = 1.0
+# regions.num_cpus when the config leaves it unset (a local run shrinks it to fit its CPUs).
+DEFAULT_REGION_CPUS = 0.5
 
 
 class PlacementError(RuntimeError):
@@ -45,14 +48,18 @@ class RayHandle:
             ray.shutdown()
 
 
-def init_ray(cfg: RunConfig) -> RayHandle:
-    """Reuse an already initialised Ray (tests share one), else start a local one or join `ray.address`."""
+def init_ray(cfg: RunConfig, *, verbose: bool = False) -> RayHandle:
+    """Reuse an already initialised Ray (tests share one), else start a local one or join `ray.address`.
+    Ray's own start-up messages (its token-auth warning, "Started a local Ray instance") reach the
+    terminal only when `verbose` (--verbose); its errors always do."""
     if ray.is_initialized():
         return RayHandle(started_here=False, address=None)
     address = cfg.ray.address
+    level = logging.INFO if verbose else logging.ERROR
+    logging.getLogger("ray").setLevel(level)
     # Region workers must not each grab every core: torch threads are set per worker.
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.regions.torch_threads))
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": level,
                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}}}
     if address:
         _wait_reachable(address, cfg.ray.init_timeout_s)
@@ -129,6 +136,7 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
     rc = cfg.regions
     if pin:
         wait_for_labels(cfg)
+    cpus = region_cpus(cfg, pin=pin)
     tls = region_tls(cfg, run_dir)
     # Absolute: an actor's working directory is not the driver's, and on another node each region
     # writes its checkpoints under this same path on its own disk.
@@ -136,7 +144,7 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
     handles = {}
     for region in rc.names:
         selector = {rc.label_key: rc.label_of(region)} if pin else None
-        cls = region_actor_class(num_cpus=rc.num_cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
+        cls = region_actor_class(num_cpus=cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
                                  label_selector=selector)
         handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
     actors = RegionActors(handles)
@@ -148,6 +156,46 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
     if pin:
         check_placement(cfg, actors.info)
     return actors
+
+
+def region_cpus(cfg: RunConfig, *, pin: bool) -> float:
+    """The CPUs each region actor asks Ray for, checked against the cluster before any actor is
+    created: PlacementError with the arithmetic and the key to change, instead of actors that
+    wait for CPUs until regions.start_timeout_s. Unset on a local run, it shrinks to fit."""
+    rc = cfg.regions
+    n = len(rc.names)
+    total = float(ray.cluster_resources().get("CPU", 0.0))
+    cpus = rc.num_cpus if rc.num_cpus is not None else DEFAULT_REGION_CPUS
+    if rc.num_cpus is None and not pin and total > 0:
+        cpus = min(cpus, math.floor(total / n * 1e4) / 1e4)  # Ray counts CPUs in 1e-4 units
+    if pin:
+        check_label_cpus(cfg, cpus)
+    elif n * cpus > total + 1e-9:
+        hint = (f"set regions.num_cpus to at most {math.floor(total / n * 1e4) / 1e4:g}"
+                + (" (or leave it unset: a local run then fits the regions to its CPUs)" if rc.num_cpus is not None else "")
+                + ", or give Ray more CPUs (ray.num_cpus)")
+        raise PlacementError(f"{n} regions x regions.num_cpus {cpus:g} = {n * cpus:g} CPUs requested, "
+                             f"but the Ray cluster has {total:g}: {hint}")
+    return cpus
+
+
+def check_label_cpus(cfg: RunConfig, cpus: float) -> None:
+    """Pinned regions: the nodes carrying each label must hold that label's regions' CPUs."""
+    rc = cfg.regions
+    have: dict[str, float] = {}
+    for node in ray.nodes():
+        value = (node.get("Labels") or {}).get(rc.label_key)
+        if node.get("Alive") and value is not None:
+            have[value] = have.get(value, 0.0) + float((node.get("Resources") or {}).get("CPU", 0.0))
+    wanted: dict[str, list[str]] = {}
+    for r in rc.names:
+        wanted.setdefault(rc.label_of(r), []).append(r)
+    short = [(label, regs, have.get(label, 0.0)) for label, regs in sorted(wanted.items())
+             if len(regs) * cpus > have.get(label, 0.0) + 1e-9]
+    if short:
+        detail = "; ".join(f"{rc.label_key}={label}: {len(regs)} region(s) x regions.num_cpus {cpus:g} = "
+                           f"{len(regs) * cpus:g} CPUs requested, its nodes have {got:g}" for label, regs, got in short)
+        raise PlacementError(f"{detail}: lower regions.num_cpus or give those nodes more CPUs")
 
 
 def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dict[str, dict]:

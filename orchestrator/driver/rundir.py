@@ -3,9 +3,11 @@ in it is its owner's alone: folders 0700, files 0600."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import secrets
 import time
 import unicodedata
 from datetime import datetime, timezone
@@ -35,10 +37,14 @@ def new_run_dir(cfg: RunConfig, out: str | None) -> Path:
         check_printable(cfg.run.out_dir, key)
         _refuse_links(Path(cfg.run.out_dir), key)
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        path = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+        # Two runs started in the same second must not share a directory.
+        path = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}"
     if path.is_symlink():
         raise ConfigError(key, f"{path} is a symbolic link; a run directory is never reached through one")
+    if path.is_dir():
+        lock_run_dir(path, key=key)  # a run in progress there is named before anything else is said
     if (path / "rounds.jsonl").exists() or (path / "checkpoints").exists():
+        release_run_dir(path)
         raise ConfigError("", f"{path} already holds a run; use --resume {path} to continue it", source=key)
     try:
         make_private_dirs(path.parent)
@@ -49,8 +55,44 @@ def new_run_dir(cfg: RunConfig, out: str | None) -> Path:
         os.chmod(path, PRIVATE_DIR)  # an existing empty folder given with --out becomes the run's
     except OSError as exc:
         raise ConfigError("", f"cannot create the run directory {path}: {exc.strerror}", source=key) from None
+    lock_run_dir(path, key=key)  # before config.yaml: a second run must not overwrite the first's
     write_config(path, cfg)
     return path
+
+
+LOCK_FILE = "run.lock"
+_held: dict[Path, int] = {}  # run directory (resolved) -> the fd holding its lock, in this process
+
+
+def lock_run_dir(run_dir: Path, *, key: str = "run directory") -> None:
+    """Hold RUN_DIR/run.lock (fcntl.flock, exclusive) until release_run_dir or this process ends,
+    so two drivers never interleave one run directory's files. Idempotent within a process.
+    ConfigError (exit 2) at once, naming the holder's pid, when another process holds it."""
+    where = Path(run_dir).resolve()
+    if where in _held:
+        return
+    path = where / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE)
+    except OSError as exc:
+        raise ConfigError("", f"cannot open the run lock {path}: {exc.strerror}", source=key) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError("", f"{run_dir} is in use by another geofed run (pid {holder}, holding {LOCK_FILE}); "
+                          "wait for it to end or stop it, or choose another run directory", source=key) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[where] = fd
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Give up the run lock taken by lock_run_dir (no-op when this process does not hold it)."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)  # closing the file releases the flock; the file stays (its pid is stale, harmless)
 
 
 def ensure_private_dir(path: Path) -> None:

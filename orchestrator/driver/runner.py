@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from geofed.p2p.tls import make_pki
+from geofed.p2p.tls import RENEW_WITHIN_DAYS, make_pki, renew_expiring
 from geofed.regions import checkpoint
 from geofed.regions.worker import rss_mb
 
@@ -25,7 +25,7 @@ from .faults import FaultHandling
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
-from .rundir import Clock, JsonlLog, ensure_private_dir, new_run_dir, process_age_s, write_json
+from .rundir import Clock, JsonlLog, ensure_private_dir, read_jsonl, lock_run_dir, new_run_dir, process_age_s, release_run_dir, write_json
 from ..config.strict import ConfigError
 from .summary import build_summary, evaluate_average
 
@@ -39,16 +39,21 @@ def run_from_args(args) -> int:
     """
     if args.resume:
         cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or ())
+        lock_run_dir(run_dir, key="--resume")  # at once: a run still going there is named before any work
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
     cfg = _with_address(cfg, args.address)
     if (problem := local_device_problem(cfg)) is not None:
         raise ConfigError("", problem, source=args.resume or args.config or "default config")
+    if len(cfg.regions.names) == 1:
+        print(f"geofed: warning: one region ({cfg.regions.names[0]}): nothing is exchanged, no link is measured; "
+              "list two or more in regions.names to train across regions", file=sys.stderr)
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
     if run_dir is None:  # only once the config and its data are known to be good
         run_dir = new_run_dir(cfg, args.out)
-    runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume))
+    runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume),
+                    verbose=bool(getattr(args, "verbose", False)))
     try:
         summary = runner.run()
     except Interrupted as stop:
@@ -105,8 +110,9 @@ class Runner(FaultHandling):
     Call run(), then shutdown() whatever happened.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False):
-        self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False,
+                 verbose: bool = False):
+        self.cfg, self.run_dir, self.resume, self.verbose = cfg, Path(run_dir), resume, verbose
         self.regions = list(cfg.regions.names)
         self.show_progress = show_progress
         self.ray = None
@@ -139,12 +145,13 @@ class Runner(FaultHandling):
         emulator, the connections, the logs (a resume restores its checkpoint), the link probes.
         """
         ensure_private_dir(self.run_dir)  # 0700, also for a Runner started without new_run_dir
+        lock_run_dir(self.run_dir)  # held until shutdown(); new_run_dir or --resume may hold it already
         mark = self._phase_marker()
         self._make_tls()
         mark("tls")
         reaped = reap_previous_driver(self.run_dir) if self.resume else []
         with marked_processes(self.run_dir) as token:  # what a later --resume may end proves it is ours
-            self.ray = init_ray(self.cfg)
+            self.ray = init_ray(self.cfg, verbose=self.verbose)
         mark("ray")
         self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
@@ -172,6 +179,8 @@ class Runner(FaultHandling):
                              for r, i in self.actors.info.items()})
         if reaped:
             self._event("reaped_previous_driver", processes=reaped)
+        if getattr(self, "_tls_renewed", None):
+            self._event("tls_renewed", certificates=self._tls_renewed)
         if restored is not None:
             self._restore(*restored)
         mark("logs_restore")
@@ -202,7 +211,12 @@ class Runner(FaultHandling):
         tls = self.run_dir / "tls"
         names = ["ca", *self.regions]
         if self.resume and all((tls / f"{n}.pem").is_file() and (tls / f"{n}.key").is_file() for n in names):
-            return  # a resumed run keeps its CA and certificates
+            # A resumed run keeps its CA and certificates, renewing those about to expire (30-day certificates).
+            self._tls_renewed = renew_expiring(tls, self.regions)
+            if self._tls_renewed:
+                print(f"geofed: renewed TLS certificates expiring within {RENEW_WITHIN_DAYS} days from the run's CA: "
+                      f"{', '.join(self._tls_renewed)}", file=sys.stderr)
+            return
         make_pki(tls, self.regions)
 
     def _connect_all(self) -> None:
@@ -235,6 +249,9 @@ class Runner(FaultHandling):
         """
         with self.stop:
             self.stop._notify = self._on_signal
+            if self.show_progress:
+                print(f"geofed: setting up {len(self.regions)} regions (Ray, region actors, TLS, link probes); "
+                      f"run directory {self.run_dir}", file=sys.stderr, flush=True)
             self.setup()
             self.progress = RunProgress(self.cfg.run.rounds, enabled=self.show_progress, start=self.next_round)
             try:
@@ -275,8 +292,11 @@ class Runner(FaultHandling):
         self._resync(r, results)
         if cfg.run.checkpoint_every and (r + 1) % cfg.run.checkpoint_every == 0:
             self._checkpoint(r)
+        codecs = sorted({c.key for c in self.coordinator.last_codecs.values()}) or ["-"]
         self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=self._bytes_sent / 1e6,
-                             note=f"down: {','.join(sorted(self.dead))}" if self.dead else "")
+                             note=f"down: {','.join(sorted(self.dead))}" if self.dead else "", codec=",".join(codecs),
+                             utilization=sum(m["utilization"] for m in results.values()) / max(1, len(results)),
+                             elapsed_s=t_end)
 
     def _run_round(self, r: int, plans) -> dict[str, dict[str, Any]]:
         refs = {self.actors.handles[reg].run_round.remote(plan): reg for reg, plan in plans.items()}
@@ -351,6 +371,8 @@ class Runner(FaultHandling):
         self.coordinator.clock = self.clock
         self.next_round = r + 1
         self._last_checkpoint = r
+        # The progress counts bytes over the whole run, as the summary does.
+        self._bytes_sent = sum(rec.get("bytes_sent") or 0 for rec in read_jsonl(self.run_dir / "rounds.jsonl"))
         self._event("resumed", from_checkpoint=r, lost_rounds=lost)
 
     def _stop_cleanly(self) -> None:
@@ -409,3 +431,4 @@ class Runner(FaultHandling):
             self.emulator.stop()
         if self.ray is not None:
             self.ray.shutdown()
+        release_run_dir(self.run_dir)

@@ -7,6 +7,7 @@ gives one.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 _RAY_DOCS = "https://docs.ray.io/en/latest/ray-core/configure.html#ports-configurations"
@@ -51,6 +52,10 @@ class RayPorts:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("min_worker", "max_worker")}
 
 
+# `geofed`, `geofed[mlflow]`, `geofed==0.1.0`, `geofed >= 0.1`: names an index would resolve.
+_BARE_GEOFED = re.compile(r"geofed\s*(\[[^\]]*\])?\s*([=<>!~].*)?", re.IGNORECASE)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SetupSection:
     """``launch.setup``: how every node installs geofed (venv, Python, torch, the package, Ray, extra commands)."""
@@ -62,7 +67,10 @@ class SetupSection:
     torch_index_url: str | None = field(
         default="https://download.pytorch.org/whl/cpu",
         metadata=_doc("index of the torch wheel; the CPU index keeps a CPU node from pulling a multi-GB CUDA build (null: PyPI)"))
-    package: str = field(default="geofed", metadata=_doc("pip requirement that installs geofed (a wheel path, a git URL, ...)"))
+    package: str | None = field(default=None, metadata=_doc(
+        "pip requirement that installs geofed (a wheel path or URL, a git URL, a name on an index you publish to); "
+        "null: a wheel built from this checkout by `geofed launch plan`, shipped in the plan folder. Never the bare "
+        "name `geofed`: it is not published on the package index, and anyone could take it there"))
     ray: str | None = field(
         default=None, metadata=_doc("Ray requirement (null: ray[default]==the version installed where the plan is made; every node and the driver must run the same Ray)"))
     extra_commands: tuple[str, ...] = field(default=(), metadata=_doc("more shell commands run on every node after installing (data, sysctl, ...)"))
@@ -71,6 +79,10 @@ class SetupSection:
         for key in ("venv", "python", "torch", "package", "ray"):
             if getattr(self, key) is not None and not getattr(self, key).strip():
                 raise ValueError(f"{key}: must not be empty")
+        if self.package is not None and _BARE_GEOFED.fullmatch(self.package.strip()):
+            raise ValueError(f"package: {self.package!r} would install whatever the package index serves under the "
+                             "name geofed, which this project does not publish; leave it null (a wheel built from "
+                             "this checkout ships in the plan folder) or give a wheel path, a URL or a git URL")
         if not self.venv.startswith("/"):
             raise ValueError(f"venv: must be an absolute path, got {self.venv!r}")
 

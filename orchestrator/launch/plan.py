@@ -64,6 +64,7 @@ class LaunchPlan:
     setup: list[str]
     tls: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+    wheel: str | None = None                   # file name of the geofed wheel write_plan builds into the folder
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -126,7 +127,8 @@ def build_plan(cfg: RunConfig, *, config_path: str = "CONFIG") -> LaunchPlan:
                               "dashboard_agent_listen": ports.dashboard_agent_listen}},
         driver={"node": "head", "env": dict(base_env),
                 "command": ["geofed", "run", "CONFIG", "--address", f"$HEAD_IP:{ports.gcs}"]},
-        venv=cfg.launch.setup.venv, setup=setup_commands(cfg), tls=_tls_note(cfg), warnings=_warnings(cfg, rtts, worst))
+        venv=cfg.launch.setup.venv, setup=setup_commands(cfg), tls=_tls_note(cfg), warnings=_warnings(cfg, rtts, worst),
+        wheel=None if cfg.launch.setup.package else wheel_name())
 
 
 def _check_config(cfg: RunConfig, source: str) -> None:
@@ -262,15 +264,25 @@ def setup_commands(cfg: RunConfig) -> list[str]:
     pip = f"{s.venv}/bin/pip"
     index = f" --index-url {s.torch_index_url}" if s.torch_index_url else ""
     ray_req = s.ray or f"ray[default]=={version('ray')}"
-    return [f"{python} -m venv {s.venv}",
+    # Never the bare name: a wheel shipped next to this script, or the operator's requirement.
+    package = f"'{s.package}'" if s.package else f'"$PLAN_DIR/{wheel_name()}"'
+    return ['PLAN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+            f"{python} -m venv {s.venv}",
             f"{pip} install --upgrade pip",
             # torch before geofed: an unpinned torch from PyPI is a multi-GB CUDA build
             f"{pip} install '{s.torch}'{index}",
-            f"{pip} install '{ray_req}' '{s.package}'",
+            f"{pip} install '{ray_req}' {package}",
             f"{s.venv}/bin/python -c 'import geofed.orchestrator.cli, ray, torch'",
             # FIELD-NOTES: with reno/cubic Linux restarts slow start after every idle gap between rounds.
             "sysctl -w net.ipv4.tcp_slow_start_after_idle=0",
             *s.extra_commands]
+
+
+def wheel_name() -> str:
+    """The file name of the wheel built from this checkout (pure Python: one wheel for every node)."""
+    from importlib.metadata import version
+
+    return f"geofed-{version('geofed')}-py3-none-any.whl"
 
 
 def _tls_note(cfg: RunConfig) -> dict[str, Any]:

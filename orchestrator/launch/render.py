@@ -10,8 +10,13 @@ from .plan import LaunchPlan, NodePlan, ray_start_argv
 
 
 def write_plan(plan: LaunchPlan, out: Path) -> Path:
-    """Write plan.json, setup.sh, driver.sh, one script per node and README.md into `out`; returns `out`."""
+    """Write plan.json, setup.sh, driver.sh, one script per node, README.md and (launch.setup.package unset)
+    the geofed wheel built from this checkout into `out`; returns `out`."""
     out.mkdir(parents=True, exist_ok=True)
+    if plan.wheel:  # launch.setup.package unset: setup.sh installs this checkout's wheel from the folder
+        from .wheel import build_wheel
+
+        build_wheel(out, plan.wheel)
     files = {"plan.json": plan.to_json(), "setup.sh": setup_script(plan), "driver.sh": driver_script(plan),
              "README.md": readme(plan)}
     for node in plan.nodes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -29,6 +30,16 @@ def _resolve_out(out: str | Path | None, default_dir: Path) -> Path:
         return default_dir / REPORT_NAME
     out = Path(out)
     return out if out.suffix.lower() in (".html", ".htm") else out / REPORT_NAME
+
+
+def compare_dir(run_dir: Path, others: Sequence[Path]) -> Path:
+    """Where `geofed report RUN_DIR --compare OTHER ...` writes by default: RUN_DIR/compare-vs-<OTHER
+    names joined by +> (a short hash of their paths instead when that name would be long)."""
+    name = "compare-vs-" + "+".join(Path(o).name for o in others)
+    if len(name) > 100:
+        digest = hashlib.sha256("\0".join(str(Path(o).resolve()) for o in others).encode()).hexdigest()[:10]
+        name = f"compare-vs-{len(others)}-runs-{digest}"
+    return Path(run_dir) / name
 
 
 def run_plots(run: Run, out_dir: Path) -> list[Plot]:
@@ -64,11 +75,12 @@ def _write_page(path: Path, text: str, made: Sequence[Plot]) -> Path:
 
 def write_report(run_dir: str | Path, *, compare: Sequence[str | Path] = (), out: str | Path | None = None) -> Path:
     """Write report.html and its PNGs for one run (default RUN_DIR/report/report.html); with
-    `compare`, the other runs are overlaid on it. Raises RunDirError (a ConfigError) when a
+    `compare`, the other runs are overlaid on it, by default in a folder of its own (compare_dir). Raises RunDirError (a ConfigError) when a
     directory is not a run directory. Returns the path of report.html."""
     run = load_run(run_dir)
     others = [load_run(c) for c in compare]
-    path = _resolve_out(out, run.path / "report")
+    # A comparison gets a folder of its own: the run's own report.html stays what it was.
+    path = _resolve_out(out, compare_dir(run.path, [o.path for o in others]) if others else run.path / "report")
     path.parent.mkdir(parents=True, exist_ok=True)
     with matplotlib.rc_context(RC):
         made = run_plots(run, path.parent)

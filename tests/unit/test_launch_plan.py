@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import version
@@ -141,7 +142,8 @@ def test_token_auth_everywhere_and_no_secret_in_the_plan(written):
     for env in [n.env for n in plan.nodes] + [plan.driver["env"]]:
         assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == cfg.launch.auth_token_path
     for f in written.iterdir():
-        assert "RAY_AUTH_TOKEN=" not in f.read_text(), f.name
+        if f.suffix != ".whl":
+            assert "RAY_AUTH_TOKEN=" not in f.read_text(), f.name
     for name in ("head", "worker-eu-west-1"):
         assert 'if [ ! -s "$RAY_AUTH_TOKEN_PATH" ]' in (written / f"{name}.sh").read_text()
 
@@ -149,7 +151,7 @@ def test_token_auth_everywhere_and_no_secret_in_the_plan(written):
 def test_setup_installs_cpu_torch_first_and_the_same_ray(written):
     setup = (written / "setup.sh").read_text().splitlines()
     torch_line = next(i for i, line in enumerate(setup) if "'torch==2.13.0'" in line)
-    geofed_line = next(i for i, line in enumerate(setup) if "'geofed'" in line)
+    geofed_line = next(i for i, line in enumerate(setup) if '"$PLAN_DIR/geofed-' in line)
     assert torch_line < geofed_line
     assert "--index-url https://download.pytorch.org/whl/cpu" in setup[torch_line]
     assert f"'ray[default]=={version('ray')}'" in setup[geofed_line]
@@ -224,3 +226,36 @@ def test_plan_json_round_trips(written):
     bad["version"] = 99
     with pytest.raises(ValueError, match="version"):
         LaunchPlan.from_json(json.dumps(bad))
+
+
+def test_setup_installs_the_wheel_shipped_in_the_folder_never_the_bare_name(written, tmp_path):
+    """Issue 19: setup.sh ran `pip install geofed`, a name not published on the package index (anyone could take it)."""
+    from geofed.orchestrator.launch.plan import wheel_name
+
+    text = (written / "setup.sh").read_text()
+    installs = [line for line in text.splitlines() if "pip install" in line]
+    assert installs and not any(re.search(r"""['"\s]geofed(['"\s=<>\[]|$)""", line) for line in installs), installs
+    wheel = written / wheel_name()
+    assert wheel.is_file() and f'"$PLAN_DIR/{wheel_name()}"' in text
+    assert 'PLAN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"' == text.splitlines()[4]
+    # The wheel holds this checkout's code: install it alone and import from it.
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=120)
+    code = "import geofed.orchestrator.launch.wheel as w; print(w.__file__)"
+    out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.startswith(str(target))
+
+
+@pytest.mark.parametrize("package", ["geofed", "geofed==0.1.0", "GeoFed[mlflow] >= 0.1", " geofed "])
+def test_a_bare_geofed_requirement_is_refused(package):
+    with pytest.raises(ConfigError, match=r"launch.setup.package: .* this project does not publish"):
+        load_config(CONFIG, [f"launch.setup.package={package}"])
+
+
+def test_a_configured_requirement_is_used_as_given(tmp_path):
+    cfg = load_config(CONFIG, ["launch.setup.package=git+https://example.org/me/geofed@v0.1.0"])
+    plan = build_plan(cfg)
+    assert plan.wheel is None
+    assert any("'git+https://example.org/me/geofed@v0.1.0'" in line for line in plan.setup)

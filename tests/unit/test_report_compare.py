@@ -84,3 +84,18 @@ def test_report_with_compare_overlays_the_other_runs(tmp_path):
     assert "<h2>Comparison</h2>" in text
     assert "adaptive-20261129T200000Z (2)" in text  # two runs with one name stay apart
     assert "compare_loss.png" in text and "loss.png" in text
+
+
+def test_compare_writes_to_its_own_folder_and_leaves_the_run_report(tmp_path):
+    """Issue 19: `geofed report A --compare B` overwrote A's own report.html."""
+    from geofed.orchestrator import cli
+
+    a = fake_run_dir(tmp_path / "a", rounds=4, regions=REGIONS[:2], name="adaptive")
+    b = fake_run_dir(tmp_path / "b", rounds=4, regions=REGIONS[:2], name="fixed", seed=3)
+    own = write_report(a)
+    before = own.read_text()
+    assert cli.main(["report", str(a), "--compare", str(b)]) == 0
+    assert own.read_text() == before and "<h2>Comparison</h2>" not in before
+    page = a / "compare-vs-b" / "report.html"
+    assert "<h2>Comparison</h2>" in page.read_text() and report_problems(page) == []
+    assert (a / "report" / "loss.png").is_file()  # the run's own plots are still there

@@ -1,0 +1,47 @@
+"""Issue 19, trap 3 (output): without a terminal nothing was printed per round, and the summary's
+"wall time 4.4 s" followed a 39 s wait without saying that set-up was left out."""
+
+from __future__ import annotations
+
+import io
+
+from geofed.orchestrator.driver.progress import RunProgress, print_summary, round_line
+from rich.console import Console
+
+
+def test_without_a_terminal_one_line_per_round():
+    buf = io.StringIO()
+    p = RunProgress(3, enabled=True, console=Console(file=buf, force_terminal=False, width=80))
+    assert p.plain
+    for r in range(3):
+        p.update(round_=r, loss=2.0 - r, H=20, mb_sent=1.5 * (r + 1), codec="int8", utilization=0.8, elapsed_s=r + 1.0)
+    p.stop()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("round 1/3 loss 2.0000 H 20 codec int8 sent 1.50 MB util 0.80 elapsed 1.0s eta ")
+    assert lines[2].startswith("round 3/3 loss 0.0000") and lines[2].endswith("eta 0.0s")
+
+
+def test_quiet_prints_nothing():
+    buf = io.StringIO()
+    p = RunProgress(2, enabled=False, console=Console(file=buf, force_terminal=False))
+    p.update(round_=0, loss=1.0, H=5, mb_sent=0.1)
+    p.stop()
+    assert buf.getvalue() == ""
+
+
+def test_round_line_long_runs():
+    line = round_line(round_=9, total=100, loss=None, H=400, codec="int8,topk", mb_sent=123.4, utilization=None,
+                      elapsed_s=125, eta_s=4000, note="down: eu-west-1")
+    assert line == "round 10/100 loss - H 400 codec int8,topk sent 123.4 MB util - elapsed 2m05s eta 1h06m down: eu-west-1"
+
+
+def test_summary_shows_set_up_and_training_apart(capsys):
+    summary = {"rounds": 3, "wall_s": 4.4, "setup_s": 30.0, "startup": {"process_to_round0_s": 39.0},
+               "eval": {"metric": "accuracy", "value": 0.9}, "bytes_sent": 1e6, "compute_utilization": 0.8,
+               "faults": {"region_restarts": 0, "peers_left_out": 0}, "refusals": {"total": 0}}
+    print_summary(summary, "runs/x")
+    out = capsys.readouterr().out
+    assert "set-up time (start to first round)" in out and "39.0 s" in out
+    assert "training time (round 0 to end)" in out and "4.4 s" in out
+    assert "wall time" not in out
