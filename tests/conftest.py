@@ -81,6 +81,12 @@ def cora_npz(data_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tinyshakespeare_txt(data_cache) -> Path:
+    """tinyshakespeare's text, as `geofed data fetch tinyshakespeare` writes it."""
+    return _cached("tinyshakespeare")
+
+
+@pytest.fixture(scope="session")
 def citeseer_npz(data_cache) -> Path:
     """CiteSeer's graph .npz, as `geofed data fetch citeseer` writes it."""
     return _cached("citeseer")

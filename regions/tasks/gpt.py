@@ -20,8 +20,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from geofed.regions.datasets.cache import task_data_path
+
 from .base import EvalResult, Shard, Task, register_task
-from .charlm import DEFAULT_TEXT, read_text_prefix
+from .charlm import DEFAULT_DATASET, read_text_prefix
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,8 +31,12 @@ class GPTConfig:
     """``task.kind: gpt``: a decoder-only transformer trained on a text file (byte tokens or BPE)."""
 
     kind: Literal["gpt"] = "gpt"
-    path: str = field(default=DEFAULT_TEXT, metadata={"doc": (
-        "UTF-8 text file (relative to the working directory); only the first max_chars characters are read")})
+    dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
+        "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
+        "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
+    path: str = field(default="", metadata={"doc": (
+        "your own UTF-8 text file instead of dataset (relative to the working directory); only the first "
+        "max_chars characters are read")})
     tokenizer: str | None = field(default=None, metadata={"doc": (
         "a Hugging Face `tokenizers` JSON file (e.g. a trained BPE); null: byte-level tokens (vocabulary 256)")})
     max_chars: int = field(default=1_000_000, metadata={"doc": "use at most this many characters from the start of the file"})
@@ -46,6 +52,8 @@ class GPTConfig:
     eval_sequences: int = field(default=64, metadata={"doc": "held-out sequences scored at evaluation"})
 
     def __post_init__(self):
+        if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)
+            object.__setattr__(self, "path", task_data_path(self.dataset, "gpt"))
         for key, lo, hi in (("max_chars", 1000, 10**10), ("n_layer", 1, 128), ("n_head", 1, 256),
                             ("d_model", 8, 16384), ("context", 2, 65_536), ("eval_sequences", 1, 100_000)):
             v = getattr(self, key)
