@@ -63,7 +63,7 @@ def _list(args) -> int:
     print(f"cache: {data_root()} (${ENV_DATA})")
     for name, ds in sorted(DATASETS.items()):
         state = "cached " if cached(name) else "-      "
-        print(f"  {name:16s} {state} {ds.task:14s} {ds.description}  [{ds.source}]")
+        print(f"  {name:16s} {state} {','.join(ds.tasks):14s} {ds.description}  [{ds.source}]")
     return 0
 
 

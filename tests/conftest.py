@@ -81,15 +81,15 @@ def cora_npz(data_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
-def citeseer_npz(data_cache) -> Path:
-    """CiteSeer's graph .npz, as `geofed data fetch citeseer` writes it."""
-    return _cached("citeseer")
+def tinyshakespeare_txt(data_cache) -> Path:
+    """tinyshakespeare's text, as `geofed data fetch tinyshakespeare` writes it."""
+    return _cached("tinyshakespeare")
 
 
 @pytest.fixture(scope="session")
-def shakespeare_txt(data_cache) -> Path:
-    """tinyshakespeare's input.txt, as `geofed data fetch tinyshakespeare` writes it."""
-    return _cached("tinyshakespeare")
+def citeseer_npz(data_cache) -> Path:
+    """CiteSeer's graph .npz, as `geofed data fetch citeseer` writes it."""
+    return _cached("citeseer")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -61,8 +61,8 @@ def task_data_path(dataset: str, task_kind: str) -> str:
     from .registry import DATASETS
 
     ds = DATASETS.get(dataset)
-    fitting = sorted(n for n, d in DATASETS.items() if d.task == task_kind)
-    if ds is None or ds.task != task_kind:
+    fitting = sorted(n for n, d in DATASETS.items() if task_kind in d.tasks)
+    if ds is None or task_kind not in ds.tasks:
         raise ValueError(f"dataset: {dataset!r} is not a {task_kind} dataset (known: {', '.join(fitting)}); "
                          "for your own file set path instead")
     try:

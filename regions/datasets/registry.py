@@ -31,7 +31,7 @@ class Dataset:
     files: tuple[RemoteFile, ...]
     product: str  # file name of what a task reads, in the dataset's cache folder
     kind: str  # "planetoid": converted from the raw pickles; "text": the raw file itself
-    task: str  # the task kind that reads it
+    tasks: tuple[str, ...]  # the task kinds that read it
     source: str  # citation / origin, for `geofed data list`
 
 
@@ -66,7 +66,7 @@ def _planetoid(name: str, description: str) -> Dataset:
                    sha256=_PLANETOID_SUMS[name][part], mirror_path=f"planetoid/raw/ind.{name}.{part}")
         for part in PLANETOID_PARTS)
     return Dataset(name=name, description=description, files=files, product=f"{name}.npz", kind="planetoid",
-                   task="gcn-planetoid", source="Planetoid (Yang, Cohen, Salakhutdinov 2016), kimiyoung/planetoid")
+                   tasks=("gcn-planetoid",), source="Planetoid (Yang, Cohen, Salakhutdinov 2016), kimiyoung/planetoid")
 
 
 DATASETS: dict[str, Dataset] = {
@@ -77,7 +77,7 @@ DATASETS: dict[str, Dataset] = {
         files=(RemoteFile(name="input.txt", url=TINYSHAKESPEARE_URL,
                           sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
                           mirror_path="tinyshakespeare/input.txt"),),
-        product="raw/input.txt", kind="text", task="char-lm", source="char-rnn (Karpathy), karpathy/char-rnn"),
+        product="raw/input.txt", kind="text", tasks=("char-lm", "gpt"), source="char-rnn (Karpathy), karpathy/char-rnn"),
 }
 
 

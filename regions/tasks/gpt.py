@@ -32,8 +32,8 @@ class GPTConfig:
 
     kind: Literal["gpt"] = "gpt"
     dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
-        "a text dataset of the data cache (tinyshakespeare; `geofed data fetch tinyshakespeare`, docs/data.md), "
-        "resolved on the driver; ignored when path is set")})
+        "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
+        "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
     path: str = field(default="", metadata={"doc": (
         "your own UTF-8 text file instead of dataset (relative to the working directory); only the first "
         "max_chars characters are read")})
@@ -53,7 +53,7 @@ class GPTConfig:
 
     def __post_init__(self):
         if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)
-            object.__setattr__(self, "path", task_data_path(self.dataset, "char-lm"))
+            object.__setattr__(self, "path", task_data_path(self.dataset, "gpt"))
         for key, lo, hi in (("max_chars", 1000, 10**10), ("n_layer", 1, 128), ("n_head", 1, 256),
                             ("d_model", 8, 16384), ("context", 2, 65_536), ("eval_sequences", 1, 100_000)):
             v = getattr(self, key)

@@ -73,7 +73,7 @@ def test_a_dataset_not_fetched_names_the_fetch_command(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,dataset", [("gcn-planetoid", "pubmed"), ("gcn-planetoid", "tinyshakespeare"),
-                                          ("char-lm", "cora")])
+                                          ("char-lm", "cora"), ("gpt", "citeseer")])
 def test_a_dataset_of_another_task_or_unknown_is_refused(kind, dataset):
     with pytest.raises(ConfigError, match=rf"task\.dataset: '{dataset}' is not a {kind} dataset \(known: "):
         config_from_mapping({"task": {"kind": kind, "dataset": dataset}})

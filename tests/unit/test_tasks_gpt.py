@@ -19,8 +19,8 @@ TINY = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32, "max_chars": 60
 
 
 @pytest.fixture
-def text(shakespeare_txt):
-    return str(shakespeare_txt)
+def text(tinyshakespeare_txt):
+    return str(tinyshakespeare_txt)
 
 
 def test_default_size_is_a_one_to_three_million_parameter_model():
