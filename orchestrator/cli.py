@@ -65,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
     rep.add_argument("--out", help="output folder (default: RUN_DIR/report)")
 
+    exp = sub.add_parser("export", help="write a checkpoint's averaged model as safetensors or a torch state_dict")
+    exp.add_argument("run_dir", metavar="RUN_DIR")
+    exp.add_argument("--round", type=int, help="the checkpoint's round (default: the newest)")
+    exp.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    exp.add_argument("--out", help="file to write (default: RUN_DIR/export/model-round<N>.safetensors or .pt); "
+                     "its description goes next to it, as .json")
+
     net = sub.add_parser("net", help="WAN emulation housekeeping", add_help=False)
     net.add_argument("net_command", choices=["cleanup"], metavar="cleanup",
                      help="remove network namespaces left by kernel-mode runs that crashed")
@@ -126,6 +133,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(write_report(args.run_dir, compare=args.compare, out=args.out))
         return 0
+    if args.command == "export":
+        from .driver.export import export_from_args
+
+        return export_from_args(args)
     if args.command == "net":
         from geofed.p2p.wan.kernel import cleanup_main
 

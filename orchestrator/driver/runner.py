@@ -13,6 +13,7 @@ from typing import Any
 import ray
 from geofed.p2p.tls import make_pki
 from geofed.regions import checkpoint
+from geofed.regions.export import average_states
 from geofed.regions.worker import rss_mb
 
 from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
@@ -20,6 +21,7 @@ from ..config import RunConfig, load_config
 from .coordinator import Coordinator
 from .emulation import configured_link, start_emulation
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
+from .export import params_by_region, write_model
 from .faults import FaultHandling
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
@@ -366,14 +368,20 @@ class Runner(FaultHandling):
         self._checkpoint(self.next_round - 1)
         per_region = self._call(self.alive, "evaluate", timeout=600)
         if self.cfg.sync.algorithm == "gossip":
-            params = self._fetch_params()
+            states = self._call(self.alive, "result_state", timeout=600)
+            params = params_by_region(self.cfg, states)
             self.evaluation.fetch_bytes += fetched_bytes(params)
             avg_eval, consensus = evaluate_average(self.cfg, params)
-        else:  # every region holds the synchronised model now: one evaluation, no model fetched
+        else:  # every region holds the synchronised model now: one evaluation, one model fetched (the export)
             sketches = self._call(self.alive, "sketch", timeout=600)
             avg_eval = per_region.get(self.alive[0]) if self.alive else None
             consensus = consensus_from_sketches([sketches[r] for r in self.alive if r in sketches])
-        return self._write_summary(avg_eval, per_region, consensus)
+            states = self._call(self.alive[:1], "result_state", timeout=600)
+        summary = self._write_summary(avg_eval, per_region, consensus)
+        if states:
+            write_model(self.run_dir / "model.safetensors", self.cfg, average_states(list(states.values())),
+                        round_=self.next_round - 1, regions=list(states), eval_=avg_eval)
+        return summary
 
     def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None) -> dict[str, Any]:
         stats = self._call(self.alive, "transport_stats", timeout=60)
