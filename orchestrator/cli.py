@@ -26,7 +26,7 @@ BENCHES = {
 
 # config_record.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
 RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
-                  "run.report", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
+                  "run.report", "run.trackers", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
                   "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")
 
 
@@ -108,6 +108,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .config import load_config
 
         cfg = load_config(args.config, args.overrides)
+        from .driver.trackers import check_trackers
+
+        check_trackers(cfg, source=args.config)
         print(f"{args.config}: ok ({len(cfg.regions.names)} regions, task {cfg.task.kind}, {cfg.run.rounds} rounds)")
         return 0
     if args.command == "config-docs":
