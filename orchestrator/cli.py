@@ -26,7 +26,7 @@ BENCHES = {
 
 # config_record.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
 RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
-                  "run.report", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
+                  "run.report", "run.trackers", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
                   "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")
 
 
@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir")
     rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
     rep.add_argument("--out", help="output folder (default: RUN_DIR/report; with --compare RUN_DIR/compare-vs-<names>)")
+
+    exp = sub.add_parser("export", help="write a checkpoint's averaged model as safetensors or a torch state_dict")
+    exp.add_argument("run_dir", metavar="RUN_DIR")
+    exp.add_argument("--round", type=int, help="the checkpoint's round (default: the newest)")
+    exp.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    exp.add_argument("--out", help="file to write (default: RUN_DIR/export/model-round<N>.safetensors or .pt); "
+                     "its description goes next to it, as .json")
 
     data = sub.add_parser("data", help="datasets: list, fetch, verify, path, convert-graph (docs/data.md)",
                           add_help=False)
@@ -133,6 +140,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         if (problem := local_device_problem(cfg)) is not None:
             raise ConfigError("", problem, source=args.config)
+        from .driver.trackers import check_trackers
+
+        check_trackers(cfg, source=args.config)
         print(f"{args.config}: ok ({len(cfg.regions.names)} regions, task {cfg.task.kind}, {cfg.run.rounds} rounds)")
         return 0
     if args.command == "config-docs":
@@ -153,6 +163,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(write_report(args.run_dir, compare=args.compare, out=args.out))
         return 0
+    if args.command == "export":
+        from .driver.export import export_from_args
+
+        return export_from_args(args)
     if args.command == "launch":
         from .launch.plan import plan_from_args
 

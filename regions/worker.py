@@ -26,6 +26,7 @@ from geofed.p2p.topology import make_topology
 
 from . import checkpoint
 from .device import Precision, device_name, move_received, resolve_device, to_device
+from .export import result_state
 from .sync import ALGORITHMS, mix
 from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
@@ -323,6 +324,11 @@ class RegionWorker:
     def sketch(self) -> torch.Tensor:
         """A count sketch of the synchronised model (regions/sketch.py): 32 KiB, whatever its size."""
         return count_sketch(self.algorithm.eval_params(), seed=self.cfg.run.seed)
+
+    def result_state(self) -> dict[str, torch.Tensor]:
+        """The region's result as a state_dict: the algorithm's eval_params (DiLoCo: the global
+        model) over the model's buffers (regions/export.py)."""
+        return result_state(self.model, self.algorithm.eval_params())
 
     def get_params(self) -> list[torch.Tensor]:
         """Detached copies of the trainable parameters, in host memory (the driver may have no GPU)."""

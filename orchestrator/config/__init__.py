@@ -79,6 +79,11 @@ class RunSection:
     on_region_failure: Literal["elastic", "fail-fast"] = field(
         default="elastic", metadata=_doc("elastic: carry on without a crashed region while Ray restarts it; fail-fast: stop"))
     report: bool = field(default=True, metadata=_doc("write report.html at the end"))
+    trackers: tuple[Literal["tensorboard", "mlflow"], ...] = field(default=(), metadata=_doc(
+        "experiment trackers that get every round's loss, eval, H, bytes, utilisation and per-link bandwidth and RTT, "
+        "and the config as params, in local stores inside the run directory (no server): tensorboard "
+        "(RUN_DIR/tensorboard/, pip install 'geofed[tensorboard]'), mlflow (RUN_DIR/mlflow.db, pip install "
+        "'geofed[mlflow]'); docs/trackers.md"))
 
     def __post_init__(self):
         if not _NAME_RE.fullmatch(self.name):

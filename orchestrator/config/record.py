@@ -38,6 +38,7 @@ SAFE_ON_RESUME: dict[str, str] = {
     "run.checkpoint_every": "how often to checkpoint",
     "run.keep_checkpoints": "how many checkpoints to keep",
     "run.report": "whether to write report.html",
+    "run.trackers": "which experiment trackers get the rounds from now on",
     "run.on_region_failure": "elastic or fail-fast from now on",
     "regions.start_timeout_s": "patience while actors start",
     "regions.placement_timeout_s": "patience while nodes join",

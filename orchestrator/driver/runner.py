@@ -13,6 +13,7 @@ from typing import Any
 import ray
 from geofed.p2p.tls import RENEW_WITHIN_DAYS, make_pki, renew_expiring
 from geofed.regions import checkpoint
+from geofed.regions.export import average_states
 from geofed.regions.worker import rss_mb
 
 from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
@@ -21,6 +22,7 @@ from ..config.devicecheck import local_device_problem
 from .coordinator import Coordinator
 from .emulation import configured_link, start_emulation
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
+from .export import params_by_region, write_model
 from .faults import FaultHandling
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
@@ -28,6 +30,7 @@ from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_
 from .rundir import Clock, JsonlLog, ensure_private_dir, read_jsonl, lock_run_dir, new_run_dir, process_age_s, release_run_dir, write_json
 from ..config.strict import ConfigError
 from .summary import build_summary, evaluate_average
+from .trackers import Trackers, check_trackers
 
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ def run_from_args(args) -> int:
         print(f"geofed: warning: one region ({cfg.regions.names[0]}): nothing is exchanged, no link is measured; "
               "list two or more in regions.names to train across regions", file=sys.stderr)
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
+    check_trackers(cfg, source=str(args.resume or args.config or "default config"))
     if run_dir is None:  # only once the config and its data are known to be good
         run_dir = new_run_dir(cfg, args.out)
     runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume),
@@ -135,6 +139,7 @@ class Runner(FaultHandling):
                        "resyncs": 0}
         self.progress: RunProgress | None = None
         self.stop = StopSignals()
+        self.outcome = "FAILED"  # for the trackers: FINISHED once the summary is written, KILLED when stopped
         s = cfg.sync
         self._resync_on = (s.resync_after_miss and s.algorithm in ("diloco", "allreduce") and s.topology == "full"
                            and not s.overlap)
@@ -174,6 +179,7 @@ class Runner(FaultHandling):
         self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
         self.rounds_log = JsonlLog(self.run_dir / "rounds.jsonl")
         self.events_log = JsonlLog(self.run_dir / "events.jsonl")
+        self.trackers = Trackers(self.cfg, self.run_dir)
         self._event("started", driver_pid=os.getpid(), resume=self.resume,
                     regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip")}
                              for r, i in self.actors.info.items()})
@@ -327,7 +333,7 @@ class Runner(FaultHandling):
                     entry.update(configured_link(self.emulator, *link.split("->", 1)))
                 links[link] = entry
         losses = [m["train_loss"] for m in results.values()]
-        self.rounds_log.write({
+        record = {
             "round": r, "t_start": t_start, "t_end": t_end, "H": self.coordinator.last_H,
             "codecs": {k: v.key for k, v in self.coordinator.last_codecs.items()},
             "reason": self.coordinator.last_reason, "policy": self.coordinator.last_record.get("policy", {}),
@@ -335,7 +341,9 @@ class Runner(FaultHandling):
             "mean_train_loss": sum(losses) / len(losses) if losses else None,
             "utilization": sum(m["utilization"] for m in results.values()) / max(1, len(results)),
             "bytes_sent": sum(m["bytes_sent"] for m in results.values()), "driver_rss_mb": rss_mb(),
-            **(extra or {})})
+            **(extra or {})}
+        self.rounds_log.write(record)
+        self.trackers.log_round(record)
 
     # -- checkpoints, resume, stop, end ------------------------------------------------------
     def _checkpoint(self, r: int) -> None:
@@ -384,6 +392,7 @@ class Runner(FaultHandling):
         # outlast the grace period), the last one stands.
         self._write_summary(self.evaluation.last, None, None,
                             interrupted={"signal": signal_name(self.stop.signum), "last_round": last})
+        self.outcome = "KILLED"
         raise Interrupted(self.stop.signum, last)
 
     def _finish(self) -> dict[str, Any]:
@@ -391,14 +400,21 @@ class Runner(FaultHandling):
         self._checkpoint(self.next_round - 1)
         per_region = self._call(self.alive, "evaluate", timeout=600)
         if self.cfg.sync.algorithm == "gossip":
-            params = self._fetch_params()
+            states = self._call(self.alive, "result_state", timeout=600)
+            params = params_by_region(self.cfg, states)
             self.evaluation.fetch_bytes += fetched_bytes(params)
             avg_eval, consensus = evaluate_average(self.cfg, params)
-        else:  # every region holds the synchronised model now: one evaluation, no model fetched
+        else:  # every region holds the synchronised model now: one evaluation, one model fetched (the export)
             sketches = self._call(self.alive, "sketch", timeout=600)
             avg_eval = per_region.get(self.alive[0]) if self.alive else None
             consensus = consensus_from_sketches([sketches[r] for r in self.alive if r in sketches])
-        return self._write_summary(avg_eval, per_region, consensus)
+            states = self._call(self.alive[:1], "result_state", timeout=600)
+        summary = self._write_summary(avg_eval, per_region, consensus)
+        self.outcome = "FINISHED"
+        if states:
+            write_model(self.run_dir / "model.safetensors", self.cfg, average_states(list(states.values())),
+                        round_=self.next_round - 1, regions=list(states), eval_=avg_eval)
+        return summary
 
     def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None) -> dict[str, Any]:
         stats = self._call(self.alive, "transport_stats", timeout=60)
@@ -421,6 +437,8 @@ class Runner(FaultHandling):
         for logf in ("metrics_log", "rounds_log", "events_log"):
             if hasattr(self, logf):
                 getattr(self, logf).close()
+        if hasattr(self, "trackers"):
+            self.trackers.close(self.outcome)
         if self.actors is not None:
             try:
                 ray.get([h.close.remote() for h in self.actors.handles.values()], timeout=10)
