@@ -45,7 +45,8 @@ def cluster():
 
 def _geofed_run(cluster: LocalCluster, out: Path, *overrides: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
     lo, hi = cluster.grpc_port_range
-    cmd = [GEOFED, "run", str(CONFIG), "--address", cluster.head_address, "--out", str(out), "--no-report", "--quiet",
+    # --verbose: Ray's own start-up lines (which say it joined the cluster) reach stderr.
+    cmd = [GEOFED, "run", str(CONFIG), "--address", cluster.head_address, "--out", str(out), "--no-report", "--quiet", "--verbose",
            "--set", f"run.rounds={ROUNDS}", "--set", "run.eval_every=0", "--set", "task.hidden=256",
            "--set", "sync.policy={kind: fixed, H: 10}", "--set", f"network.port_range=[{lo}, {hi}]",
            "--set", f"regions.placement_timeout_s={PLACEMENT_TIMEOUT_S}", *overrides]
