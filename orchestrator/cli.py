@@ -86,14 +86,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The `geofed` command line; returns the exit code (2: bad arguments or config, 130: interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 2 and (argv[0], argv[1]) in _FORWARDED:
-        # `geofed bench NAME ...` and `geofed net cleanup ...` parse their own options, -h included.
-        return _forward(argv[0], argv[1], argv[2:])
     try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
-        return int(exc.code or 0)
-    try:
+        if len(argv) >= 2 and (argv[0], argv[1]) in _FORWARDED:
+            # `geofed bench NAME ...` and `geofed net cleanup ...` parse their own options, -h included.
+            return _forward(argv[0], argv[1], argv[2:])
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
+            return int(exc.code or 0)
         return _dispatch(args)
     except ConfigError as exc:
         print(f"geofed: {exc}", file=sys.stderr)
