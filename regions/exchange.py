@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
 WARM_BYTES = 256 << 10      # a connection's first probe: about one BDP of a 25 Mbit/s, 80 ms link
 MIN_PROBE_BYTES = 64 << 10
+PROBE_RETRIES = 2           # larger probes of a link whose measuring probe was latency-bound
+PROBE_GROWTH = 4
 SHARE_SPREAD = 1.5          # concurrent probes within this ratio read as even shares of one egress
 
 
@@ -207,28 +209,48 @@ class Exchanger:
         records: list[dict] = []
         timeout_s = min(self.send_timeout_s, 60.0)
         warm = {p: min(max_bytes, WARM_BYTES) for p in peers}
-        for measured in (False, True):
-            sizes = warm if not measured else {p: self._probe_size(p, warm[p], duration_s, max_bytes) for p in peers}
-            futures = {p: self._pool.submit(self._probe_one, p, sizes[p], timeout_s, not measured)
-                       for p in peers if sizes.get(p)}
-            done = {}
-            for peer, fut in futures.items():
-                try:
-                    done[peer] = fut.result(timeout=timeout_s + 15.0)
-                except (TransportError, TimeoutError) as exc:
-                    log.warning("probe of the link to %s failed: %s", peer, exc)
-                    warm.pop(peer, None)
-            for peer, stats in done.items():
-                if measured:
-                    self._observe(peer, stats, len(futures))
-                else:
-                    self._first_probe[peer] = stats.seconds
-                records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
-                                "seconds": round(stats.seconds, 6), "concurrent": len(futures), "cold": stats.cold,
-                                "measured": measured})
+        sizes = warm
+        # A cold probe reads a fast link low (slow start), so the measuring probe it sizes may be
+        # over in less time than scheduling noise: latency-bound, no sample. Such links are probed
+        # again, PROBE_GROWTH times larger each time, up to max_bytes.
+        for phase in range(2 + PROBE_RETRIES):
+            measured = phase > 0
+            if phase == 1:
+                sizes = {p: self._probe_size(p, warm[p], duration_s, max_bytes) for p in peers if p in warm}
+            elif phase > 1:
+                sizes = self._probe_again(sizes, max_bytes)
+            done = self._probe_round(sizes, timeout_s, measured, warm, records)
             if measured:
                 self._even_out_shares(done)
         return records
+
+    def _probe_round(self, sizes: Mapping[str, int | None], timeout_s: float, measured: bool,
+                     warm: dict[str, int], records: list[dict]) -> dict[str, Any]:
+        """One probe to each peer of `sizes` at once; records appended, samples taken when `measured`."""
+        futures = {p: self._pool.submit(self._probe_one, p, n, timeout_s, not measured)
+                   for p, n in sizes.items() if n}
+        done = {}
+        for peer, fut in futures.items():
+            try:
+                done[peer] = fut.result(timeout=timeout_s + 15.0)
+            except (TransportError, TimeoutError) as exc:
+                log.warning("probe of the link to %s failed: %s", peer, exc)
+                warm.pop(peer, None)
+        for peer, stats in done.items():
+            if measured:
+                self._observe(peer, stats, len(futures))
+            else:
+                self._first_probe[peer] = stats.seconds
+            records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
+                            "seconds": round(stats.seconds, 6), "concurrent": len(futures), "cold": stats.cold,
+                            "measured": measured})
+        return done
+
+    def _probe_again(self, sizes: Mapping[str, int | None], max_bytes: int) -> dict[str, int]:
+        """Larger probes for the peers whose last one gave no bandwidth sample (latency-bound)."""
+        with self._est_lock:
+            unmeasured = [p for p, n in sizes.items() if n and self.estimator(p).bandwidth_bps is None]
+        return {p: min(max_bytes, sizes[p] * PROBE_GROWTH) for p in unmeasured if sizes[p] < max_bytes}
 
     def _even_out_shares(self, done: Mapping[str, Any]) -> None:
         """Concurrent probes that read within SHARE_SPREAD of each other shared this region's
