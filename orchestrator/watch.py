@@ -123,8 +123,9 @@ class RunView:
         for r in self.rounds.records:
             links.update(r.get("links") or {})
         t = Table(title="links (latest estimate)", title_justify="left")
-        for col in ("link", "bandwidth Mbit/s", "configured", "RTT ms", "configured"):
-            t.add_column(col, justify="left" if col == "link" else "right")
+        t.add_column("link", no_wrap=True)
+        for col in ("Mbit/s", "configured", "RTT ms", "configured"):
+            t.add_column(col, justify="right")
         for name, est in sorted(links.items()):
             t.add_row(name, _num(est.get("bandwidth_mbps"), 1), _num(est.get("configured_bandwidth_mbps"), 1),
                       _num(est.get("rtt_ms"), 1), _num(est.get("configured_rtt_ms"), 1))
