@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay other runs")
     rep.add_argument("--out", help="output folder (default: RUN_DIR/report; with --compare RUN_DIR/compare-vs-<names>)")
 
+    watch = sub.add_parser("watch", help="a live table of a run in progress, from its run directory's files")
+    watch.add_argument("run_dir", metavar="RUN_DIR")
+    watch.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes (default 2)")
+    watch.add_argument("--once", action="store_true", help="print one snapshot and exit (scripts, tests)")
+
     exp = sub.add_parser("export", help="write a checkpoint's averaged model as safetensors or a torch state_dict")
     exp.add_argument("run_dir", metavar="RUN_DIR")
     exp.add_argument("--round", type=int, help="the checkpoint's round (default: the newest)")
@@ -163,6 +168,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(write_report(args.run_dir, compare=args.compare, out=args.out))
         return 0
+    if args.command == "watch":
+        from .watch import watch
+
+        return watch(args.run_dir, interval=args.interval, once=args.once)
     if args.command == "export":
         from .driver.export import export_from_args
 

@@ -106,6 +106,7 @@ class MlflowTracker:
     def __init__(self, run_dir: Path, run_name: str):
         import mlflow
 
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its "Creating initial MLflow database tables" lines
         self.run_dir = run_dir
         self.uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         self.client = mlflow.MlflowClient(tracking_uri=self.uri)

@@ -74,8 +74,50 @@ def config_highlights(run: Run) -> list[tuple[str, str]]:
         ("topology", sc.get("topology") or dig("sync", "topology")),
         ("regions", sc.get("regions") or len(run.regions) or None),
         ("WAN emulation", sc.get("emulation") or dig("network", "emulation", "mode")),
+        ("H (local steps)", _h_text(run, dig("sync", "policy"))),
+        ("codecs used", ", ".join(_codecs_used(run)) or None),
+        ("inner lr", _lr_text(dig("sync", "inner"))),
+        ("outer lr / momentum", _outer_text(run, dig("sync", "outer"))),
+        ("overlap", sc.get("overlap") if "overlap" in sc else dig("sync", "overlap")),
     ]
     return [(k, str(v)) for k, v in pairs if v not in (None, "")]
+
+
+def _h_text(run: Run, policy: Any) -> str | None:
+    """The H the run used: its range over the rounds, with the fixed policy's setting or the adaptive bounds."""
+    hs = [int(r.H) for r in run.rounds if r.H is not None]
+    used = (f"{hs[0]}" if min(hs) == max(hs) else f"{min(hs)}–{max(hs)}") if hs else None
+    conf = None
+    if isinstance(policy, dict):
+        if policy.get("kind") == "fixed" and policy.get("H") is not None:
+            conf = f"fixed {policy['H']}"
+        elif policy.get("H_min") is not None and policy.get("H_max") is not None:
+            conf = f"{policy.get('kind')}, bounds {policy['H_min']}–{policy['H_max']}"
+    if used and conf:
+        return f"{used} ({conf})"
+    return used or conf
+
+
+def _codecs_used(run: Run) -> list[str]:
+    """Every codec key the run sent with, most used first (rounds x links)."""
+    from collections import Counter
+
+    n = Counter(c for r in run.rounds for c in r.codecs.values())
+    return [k for k, _ in n.most_common()]
+
+
+def _lr_text(inner: Any) -> str | None:
+    if not isinstance(inner, dict) or inner.get("lr") is None:
+        return None
+    decay = inner.get("lr_decay")
+    return f"{inner['lr']:g} ({inner.get('kind', 'adamw')}" + (f", {decay} decay)" if decay and decay != "none" else ")")
+
+
+def _outer_text(run: Run, outer: Any) -> str | None:
+    if run.algorithm not in (None, "diloco") or not isinstance(outer, dict) or outer.get("lr") is None:
+        return None  # only DiLoCo has an outer optimizer
+    nesterov = ", Nesterov" if outer.get("nesterov") else ""
+    return f"{outer['lr']:g} / {outer.get('momentum', 0):g}{nesterov}"
 
 
 def _codec_text(spec: Any) -> Any:

@@ -4,7 +4,6 @@ sit next to it and are referenced by bare file name, so the folder can be moved 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 from collections.abc import Sequence
 from html import escape
 
@@ -165,9 +164,34 @@ def _events_table(run: Run) -> str:
     for e in run.events:
         what = e.get("kind") or e.get("event") or e.get("type") or "event"
         rest = {k: v for k, v in e.items() if k not in ("t", "round", "kind", "event", "type")}
-        rows.append((_num_cell(num(e.get("t")), lambda v: f"{v:.1f}"), e.get("round", "—"), what,
-                     json.dumps(rest, sort_keys=True)[:300] if rest else ""))
+        rows.append((_num_cell(num(e.get("t")), lambda v: f"{v:.1f}"), e.get("round", "—"),
+                     str(what).replace("_", " "), event_details(str(what), rest)))
     return table(["t (s)", "round", "event", "details"], rows, numeric=[0, 1])
+
+
+def event_details(what: str, rest: dict) -> str:
+    """One event's fields as a line a person reads (not JSON): a summary for the bulky set-up
+    events, else `key: value` pairs with nested records counted rather than dumped."""
+    if what == "started" and isinstance(rest.get("regions"), dict):
+        return f"driver pid {rest.get('driver_pid', '?')}, {len(rest['regions'])} regions" + (", resumed" if rest.get("resume") else "")
+    if what == "links_probed" and isinstance(rest.get("links"), dict):
+        return f"{len(rest['links'])} links measured before round 0"
+    if what == "setup_done":
+        phases = rest.get("phases_s") if isinstance(rest.get("phases_s"), dict) else {}
+        total = num(rest.get("setup_s"))
+        parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.items() if num(v) is not None)
+        return (f"set-up {total:.1f} s" if total is not None else "set-up done") + (f" ({parts})" if parts else "")
+    out = []
+    for k, v in rest.items():
+        if isinstance(v, dict):
+            flat = all(not isinstance(x, (dict, list)) for x in v.values())
+            v = ", ".join(f"{a}={b}" for a, b in v.items()) if flat and len(v) <= 6 else f"{len(v)} entries"
+        elif isinstance(v, list):
+            v = ", ".join(map(str, v)) if len(v) <= 6 and all(not isinstance(x, (dict, list)) for x in v) else f"{len(v)} items"
+        elif isinstance(v, float):
+            v = f"{v:.4g}"
+        out.append(f"{k.replace('_', ' ')}: {v}")
+    return "; ".join(out)[:300]
 
 
 def comparison_section(rows: Sequence[CompareRow], plots: Sequence[Plot], target: float | None) -> str:

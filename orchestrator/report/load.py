@@ -46,6 +46,12 @@ class RoundRow:
     bytes_sent: float  # this round's bytes, all regions
     consensus_distance: float | None
     links: dict[str, dict[str, float]]
+    # The run's evaluation of its synchronised (gossip: averaged) model, what summary.json reports;
+    # with overlap it is of an earlier round (eval_round) and was made at eval_t.
+    eval_metric: str | None = None
+    eval_value: float | None = None
+    eval_round: int | None = None
+    eval_t: float | None = None
 
 
 @dataclass
@@ -63,6 +69,13 @@ class Run:
     events: list[dict[str, Any]]
     regions: list[str]
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def algorithm(self) -> str | None:
+        """sync.algorithm, from summary.json's config or config.yaml."""
+        sc = self.summary.get("config") if isinstance(self.summary.get("config"), dict) else {}
+        sync = self.config.get("sync") if isinstance(self.config.get("sync"), dict) else {}
+        return sc.get("algorithm") or sync.get("algorithm")
 
     @property
     def has_eval(self) -> bool:
@@ -241,8 +254,19 @@ def _round_rows(raw_rounds: list[dict[str, Any]], metrics: list[dict[str, Any]])
             bytes_sent=_first(num(c.get("bytes_sent")), _agg(ms, "bytes_sent", sum)) or 0.0,
             consensus_distance=num(c.get("consensus_distance")),
             links={k: v for k, v in (c.get("links") or {}).items() if isinstance(v, dict)},
+            **_eval_fields(c),
         ))
     return rows
+
+
+def _eval_fields(coord: dict[str, Any]) -> dict[str, Any]:
+    ev = coord.get("eval_avg")
+    if not isinstance(ev, dict) or num(ev.get("value")) is None:
+        return {}
+    rnd = coord.get("eval_round")
+    return {"eval_metric": str(ev.get("metric", "eval")), "eval_value": num(ev["value"]),
+            "eval_round": rnd if isinstance(rnd, int) and not isinstance(rnd, bool) else coord["round"],
+            "eval_t": _first(num(coord.get("eval_t")), num(coord.get("t_end")))}
 
 
 def _codecs(coord: dict[str, Any], ms: list[dict[str, Any]]) -> dict[str, str]:

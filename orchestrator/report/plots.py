@@ -79,28 +79,59 @@ def plot_loss(run: Run, out: Path) -> Plot | None:
                 "thick black: the mean over regions. Left against the driver's wall clock, right against the round.")
 
 
+def _averaged_eval(run: Run) -> tuple[str, list[tuple[int, float | None, float]]]:
+    """(metric, [(round, t, value)]) of the run's own evaluations (rounds.jsonl eval_avg: the
+    synchronised model, gossip's average); [] for a run that logged none (an older run)."""
+    rows = [r for r in run.rounds if r.eval_value is not None]
+    metric = rows[0].eval_metric if rows else ""
+    return metric or "", [(r.eval_round, r.eval_t, r.eval_value) for r in rows]
+
+
 def plot_eval(run: Run, out: Path) -> Plot | None:
-    """eval.png: the evaluation metric per region and mean, against time and round; None when nothing was evaluated."""
-    metric, series = run.eval_series()
-    if not any(series.values()):
+    """eval.png: the evaluation of the model the summary reports (DiLoCo's synchronised model, gossip's
+    average) against time and round, ending at the summary's final value; None when nothing was evaluated."""
+    metric, avg_pts = _averaged_eval(run)
+    series: dict = {}
+    if not avg_pts:  # a run that logged no eval_avg: the regions' own evaluations (metrics.jsonl), and their mean
+        metric, series = run.eval_series()
+        by_round: dict[int, list[float]] = {}
+        t_of: dict[int, float | None] = {}
+        for pts in series.values():
+            for rnd, t, v in pts:
+                by_round.setdefault(rnd, []).append(v)
+                t_of[rnd] = t
+        avg_pts = [(rnd, t_of[rnd], sum(v) / len(v)) for rnd, v in sorted(by_round.items())]
+    final = run.summary.get("eval") if isinstance(run.summary.get("eval"), dict) else None
+    final_v = num(final.get("value")) if final else None
+    if not avg_pts and (final_v is None or not run.rounds):
         return None
-    by_round: dict[int, list[float]] = {}
-    t_of: dict[int, float | None] = {}
-    for pts in series.values():
-        for rnd, t, v in pts:
-            by_round.setdefault(rnd, []).append(v)
-            t_of[rnd] = t
-    mean_pts = [(rnd, t_of[rnd], sum(v) / len(v)) for rnd, v in sorted(by_round.items())]
+    metric = metric or str(final.get("metric", "eval"))
     div, tlabel = time_axis(run)
     fig = new_figure(11, 4.0)
     ax_t, ax_r = fig.subplots(1, 2, sharey=True)
-    _draw_series(ax_t, run, series, mean_pts, use_time=True, div=div)
-    _draw_series(ax_r, run, series, mean_pts, use_time=False, div=div)
+    for i, region in enumerate(run.regions):
+        pts = series.get(region, [])
+        if pts and len(run.regions) > 1:
+            for ax, xs in ((ax_t, [t / div for _, t, _ in pts if t is not None]), (ax_r, [r for r, t, _ in pts if t is not None])):
+                ax.plot(xs, [v for _, t, v in pts if t is not None], lw=1.0, alpha=0.6,
+                        **region_style(i, len(run.regions), region), **markers_for(len(xs)))
+    label = "averaged model" if run.algorithm == "gossip" else "synchronised model"
+    timed = [(r, t, v) for r, t, v in avg_pts if t is not None]
+    ax_t.plot([t / div for _, t, _ in timed], [v for *_, v in timed], color=MEAN_COLOR, lw=2.4, label=label, **markers_for(len(timed)))
+    ax_r.plot([r for r, _, _ in avg_pts], [v for *_, v in avg_pts], color=MEAN_COLOR, lw=2.4, label=label, **markers_for(len(avg_pts)))
+    if final_v is not None and run.rounds:
+        last = run.rounds[-1]
+        if last.t_end is not None:
+            ax_t.plot([last.t_end / div], [final_v], marker="*", markersize=14, color="tab:red", ls="none", label="final (summary)")
+        ax_r.plot([last.round], [final_v], marker="*", markersize=14, color="tab:red", ls="none", label="final (summary)")
     ax_t.set(xlabel=tlabel, ylabel=metric, title=f"Eval {metric} vs wall-clock time")
     ax_r.set(xlabel="round", title=f"Eval {metric} vs round")
     round_axis(ax_r, run)
-    caption = ("The synchronised model evaluated where it already is (DiLoCo, all-reduce: the first alive region's "
-               "global model; gossip: each region's own) on the rounds where evaluation ran; thick black: the mean.")
+    caption = (f"Thick black: the {label} the run evaluates and summary.json reports (DiLoCo, all-reduce: the "
+               "synchronised model; gossip: the average of the regions' models), in the rounds where evaluation ran "
+               "(run.eval_every); red star: the final evaluation after the last round, summary.json's value.")
+    if series:
+        caption += " Thin lines: each region's own evaluation (this run logged no averaged evaluation per round)."
     target = run.summary.get("target") if isinstance(run.summary.get("target"), dict) else None
     if target and num(target.get("value")) is not None:
         caption += _mark_target(ax_t, ax_r, target, div)

@@ -63,7 +63,11 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
     ncols = per_sender if per_sender <= 5 and total == len(links) else min(4, len(links))
     nrows = math.ceil(len(links) / ncols)
     fig = new_figure(2.9 * ncols + 0.6, 2.2 * nrows + 0.8)
-    axes = fig.subplots(nrows, ncols, sharex=True, squeeze=False)
+    # RTT panels share one y-axis (an 8 ms link and a 250 ms one must not look alike); bandwidth
+    # differs by orders of magnitude between links, so each bandwidth panel keeps its own scale.
+    axes = fig.subplots(nrows, ncols, sharex=True, sharey=quantity == "rtt", squeeze=False)
+    top = max([y for k in links for key in (measured, configured) for _, y in _link_points(run, k, key, div)
+               if y is not None] + [1e-9]) * 1.15
     for i, link in enumerate(links):
         ax = axes[i // ncols][i % ncols]
         m = [(x, y) for x, y in _link_points(run, link, measured, div) if y is not None]
@@ -74,7 +78,7 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
                     label="configured", zorder=4, **({"marker": "_", "markersize": 28} if len(c) == 1 else {}))
         ax.plot([p[0] for p in m], [p[1] for p in m], color=color(0), lw=1.6, label="measured", **markers_for(len(m)))
         ax.set_title(link.replace("->", " → "), fontsize=9.5)
-        ax.set_ylim(bottom=0, top=max([y for _, y in m + c] + [1e-9]) * 1.15)
+        ax.set_ylim(bottom=0, top=top if quantity == "rtt" else max([y for _, y in m + c] + [1e-9]) * 1.15)
         if i % ncols == 0:
             ax.set_ylabel(unit)
     for j in range(len(links), nrows * ncols):
@@ -88,7 +92,8 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
     save(fig, out, name)
     shown = "" if total == len(links) else f" Showing the {len(links)} of {total} links furthest from their configuration."
     return Plot(name, f"Per-link {what}", "Solid: what the link estimator measured; dashed: what the WAN "
-                "emulator was configured to give (only when emulated)." + shown)
+                "emulator was configured to give (only when emulated)."
+                + (" The panels share one y-axis." if quantity == "rtt" else " Each panel has its own y-axis.") + shown)
 
 
 def plot_utilization(run: Run, out: Path) -> Plot | None:
@@ -133,8 +138,9 @@ def plot_utilization(run: Run, out: Path) -> Plot | None:
 
 def plot_consensus(run: Run, out: Path) -> Plot | None:
     """consensus.png: the consensus distance per round (gossip); None when not recorded."""
+    # DiLoCo and all-reduce over a full topology hold one model: their distance is float noise.
     pts = [(r.round, r.consensus_distance) for r in run.rounds if r.consensus_distance is not None]
-    if not pts:
+    if not pts or run.algorithm != "gossip":
         return None
     fig = new_figure(11, 3.2)
     ax = fig.subplots()
