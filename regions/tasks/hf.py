@@ -120,7 +120,10 @@ def build_hf_config(cfg: HFCausalLMConfig, vocab: int) -> Any:
     names (hidden_size, ...) map to each architecture's own through its attribute_map."""
     transformers = transformers_module()
     if cfg.config:
-        hf = transformers.AutoConfig.from_pretrained(str(_config_file(cfg.config)), **dict(cfg.extra))
+        try:
+            hf = transformers.AutoConfig.from_pretrained(str(_config_file(cfg.config)), **dict(cfg.extra))
+        except Exception as exc:  # noqa: BLE001 - the library's own error (bad JSON, unknown model_type), on one line
+            raise ValueError(f"config: cannot read {cfg.config!r}: {type(exc).__name__}: {exc}") from None
     else:
         sizes = {"hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
                  "intermediate_size": 4 * cfg.d_model, "max_position_embeddings": cfg.context,

@@ -74,6 +74,12 @@ def test_bad_keys_are_config_errors_naming_the_key(text, bad, key):
     assert f"task.{key}" in str(exc.value)
 
 
+def test_an_unreadable_config_json_is_an_error_naming_config(text, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(ValueError, match="^config: cannot read"):
+        HFCausalLMTask(HFCausalLMConfig(path=text, config=str(tmp_path / "config.json"), max_chars=20_000))
+
+
 def test_a_context_longer_than_the_models_positions_is_refused(text, tmp_path):
     hf = transformers.AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=256)
     hf.save_pretrained(tmp_path)
