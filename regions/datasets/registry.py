@@ -77,7 +77,7 @@ DATASETS: dict[str, Dataset] = {
         files=(RemoteFile(name="input.txt", url=TINYSHAKESPEARE_URL,
                           sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
                           mirror_path="tinyshakespeare/input.txt"),),
-        product="raw/input.txt", kind="text", tasks=("char-lm", "gpt"), source="char-rnn (Karpathy), karpathy/char-rnn"),
+        product="raw/input.txt", kind="text", tasks=("char-lm", "gpt", "hf-causal-lm"), source="char-rnn (Karpathy), karpathy/char-rnn"),
 }
 
 
