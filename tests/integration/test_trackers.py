@@ -26,7 +26,9 @@ def test_tensorboard_and_mlflow_get_every_round(tmp_path):
     # measure bandwidth (a small update measures only latency).
     cfg = load_config(None, ["run.rounds=3", "run.eval_every=1", "run.report=false", "run.trackers=[tensorboard, mlflow]",
                              "regions.names=[us-east-1, eu-west-1]", "task.hidden=2048", "compression.codec=identity",
-                             "network.emulation.bandwidth_scale=0.05"])
+                             "network.emulation.bandwidth_scale=0.05",
+                             # every round evaluates its own model (with overlap round 0 is evaluated in round 1)
+                             "sync.overlap=false", "sync.policy={kind: fixed, H: 20}"])
     runner = Runner(cfg, tmp_path, show_progress=False)
     try:
         runner.run()

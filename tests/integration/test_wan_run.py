@@ -14,7 +14,8 @@ def test_run_over_the_preset_measures_every_link_near_its_configured_bandwidth(t
     # 8192 hidden units: 2.4 MB fp32 updates, far above the estimator's 256 KiB floor, so each
     # transfer measures bandwidth (a small update measures only latency).
     cfg = load_config(None, ["run.rounds=4", "run.eval_every=0", "run.report=false", "task.hidden=8192",
-                             "compression.codec=identity", "network.emulation.bandwidth_scale=0.05"])
+                             "compression.codec=identity", "network.emulation.bandwidth_scale=0.05",
+                             "sync.policy={kind: fixed, H: 20}", "sync.overlap=false"])
     runner = Runner(cfg, tmp_path, show_progress=False)
     try:
         summary = runner.run()

@@ -25,8 +25,8 @@ def test_watch_follows_a_live_run_and_exits_when_it_ends(tmp_path):
     geofed = os.path.join(os.path.dirname(sys.executable), "geofed")  # the console script of this venv
     cmd = [geofed, "run", "--out", str(run_dir), "--quiet", "--no-report",
            "--set", "run.rounds=8", "--set", "regions.names=[us-east-1, eu-west-1]", "--set", "regions.num_cpus=0.5",
-           "--set", "ray.num_cpus=2", "--set", "network.emulation.mode=none", "--set", "sync.policy.kind=fixed",
-           "--set", "sync.policy.H=150", "--set", "sync.overlap=false", "--set", "task.hidden=64"]
+           "--set", "ray.num_cpus=2", "--set", "network.emulation.mode=none", "--set", "sync.policy={kind: fixed, H: 150}",
+           "--set", "sync.overlap=false", "--set", "task.hidden=64"]
     env = {**os.environ, "RAY_ADDRESS": ""}  # its own local Ray, as a user's terminal would start
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
