@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.report import write_report
 from support.report_check import html_refs, report_problems
-from test_report_html import assert_plots_rendered
+from test_report_html import assert_plots_rendered, fake_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,4 +59,25 @@ def test_cli_report_of_a_real_run_renders_in_chromium(real_run, tmp_path, capsys
     assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
     html = Path(capsys.readouterr().out.strip().splitlines()[-1])
     assert html == tmp_path / "rep" / "report.html" and html.is_file()
+    assert_plots_rendered(html, tmp_path)
+
+
+def test_the_default_runs_report_sets_every_link_against_its_configured_rate(real_run):
+    # The default config (adaptive policy, overlap, set-up probes) measures every link, so the
+    # report's link table has a measured and a configured bandwidth on each row.
+    run_dir, _ = real_run
+    text = (run_dir / "report" / "report.html").read_text()
+    assert "no bandwidth estimates in this run" not in text
+    assert "measured Mbit/s" in text and "configured Mbit/s" in text
+
+
+def test_a_compare_page_of_real_runs_renders_in_chromium(real_run, tmp_path, capsys):
+    run_dir, _ = real_run
+    other = fake_run_dir(tmp_path / "other", rounds=5)
+    before = (run_dir / "report" / "report.html").read_bytes()
+    assert main(["report", str(run_dir), "--compare", str(other)]) == 0
+    html = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert html.parent != run_dir / "report" and html.is_file()
+    assert (run_dir / "report" / "report.html").read_bytes() == before  # the run's own report is left alone
+    assert report_problems(html) == []
     assert_plots_rendered(html, tmp_path)
