@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,7 +13,8 @@ from torch import nn
 from geofed.regions.datasets.cache import task_data_path
 from geofed.regions.inputfiles import InputFileError, open_regular
 
-from .base import EvalResult, Shard, Task, register_task
+from .base import EvalResult, Task, register_task
+from .sequences import WindowShard, heldout_loss, region_shard
 
 DEFAULT_DATASET = "tinyshakespeare"
 # Characters are classes of the model's output layer: a "text" of 10^5 distinct code points is
@@ -70,27 +70,6 @@ class CharGRU(nn.Module):
         return self.head(out)
 
 
-class TextShard(Shard):
-    """Random windows of seq_len + 1 characters of `ids` (a region's stretch of the text, or all of
-    the training text with partition iid).
-    """
-
-    def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int):
-        if len(ids) <= seq_len + 1:
-            raise ValueError(f"task.max_chars: a region's text ({len(ids)} chars) is shorter than seq_len + 1")
-        self.ids, self.seq_len, self.batch_size = ids, seq_len, batch_size
-
-    @property
-    def num_examples(self) -> int:
-        return len(self.ids) - self.seq_len - 1
-
-    def batches(self, generator: torch.Generator) -> Iterator[torch.Tensor]:
-        offsets = torch.arange(self.seq_len + 1)
-        while True:
-            starts = torch.randint(0, self.num_examples, (self.batch_size,), generator=generator)
-            yield self.ids[starts[:, None] + offsets]
-
-
 class CharLMTask(Task):
     """Next-character prediction; the text's last test_fraction is held out and evaluation is the
     loss on fixed, evenly spaced windows of it.
@@ -118,27 +97,16 @@ class CharLMTask(Task):
         torch.manual_seed(seed)
         return CharGRU(len(self.vocab), self.cfg.embed, self.cfg.hidden, self.cfg.layers)
 
-    def shard(self, region_index: int, n_regions: int, seed: int) -> TextShard:
-        if self.cfg.partition == "iid":
-            return TextShard(self.train_ids, self.cfg.seq_len, self.batch_size)
-        bounds = torch.linspace(0, len(self.train_ids), n_regions + 1).long()
-        return TextShard(self.train_ids[bounds[region_index]:bounds[region_index + 1]], self.cfg.seq_len, self.batch_size)
+    def shard(self, region_index: int, n_regions: int, seed: int) -> WindowShard:
+        return region_shard(self.train_ids, region_index, n_regions, length=self.cfg.seq_len,
+                            batch_size=self.batch_size, partition=self.cfg.partition)
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         logits = model(batch[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
     def evaluate(self, model: nn.Module) -> EvalResult:
-        # Fixed, evenly spaced windows: the same held-out text for every region and run.
-        n = len(self.test_ids) - self.cfg.seq_len - 1
-        starts = torch.linspace(0, n - 1, self.cfg.eval_sequences).long()
-        batch = self.test_ids[starts[:, None] + torch.arange(self.cfg.seq_len + 1)]
-        batch = batch.to(next(model.parameters()).device)
-        model.eval()
-        with torch.no_grad():
-            value = float(self.loss(model, batch))
-        model.train()
-        return EvalResult(metric="loss", value=value, higher_is_better=False)
+        return heldout_loss(self.loss, model, self.test_ids, length=self.cfg.seq_len, windows=self.cfg.eval_sequences)
 
     def describe(self) -> dict:
         return {"vocab": len(self.vocab), "train_chars": len(self.train_ids), "test_chars": len(self.test_ids)}

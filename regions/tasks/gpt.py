@@ -11,7 +11,6 @@ reports its perplexity.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,8 +21,9 @@ from torch.nn import functional as F
 
 from geofed.regions.datasets.cache import task_data_path
 
-from .base import EvalResult, Shard, Task, register_task
+from .base import EvalResult, Task, register_task
 from .charlm import DEFAULT_DATASET, read_text_prefix
+from .sequences import WindowShard, heldout_loss, region_shard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,25 +133,6 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-class TokenShard(Shard):
-    """Random windows of context + 1 tokens of `ids`."""
-
-    def __init__(self, ids: torch.Tensor, context: int, batch_size: int):
-        if len(ids) <= context + 1:
-            raise ValueError(f"task.max_chars: a region's text ({len(ids)} tokens) is shorter than context + 1")
-        self.ids, self.context, self.batch_size = ids, context, batch_size
-
-    @property
-    def num_examples(self) -> int:
-        return len(self.ids) - self.context - 1
-
-    def batches(self, generator: torch.Generator) -> Iterator[torch.Tensor]:
-        offsets = torch.arange(self.context + 1)
-        while True:
-            starts = torch.randint(0, self.num_examples, (self.batch_size,), generator=generator)
-            yield self.ids[starts[:, None] + offsets]
-
-
 def tokenize(text: str, tokenizer: str | None) -> tuple[torch.Tensor, int]:
     """Token ids of `text` and the vocabulary size: UTF-8 bytes, or the `tokenizers` file's BPE."""
     if tokenizer is None:
@@ -188,12 +169,9 @@ class GPTTask(Task):
         torch.manual_seed(seed)
         return GPT(self.vocab_size, self.cfg)
 
-    def shard(self, region_index: int, n_regions: int, seed: int) -> TokenShard:
-        if self.cfg.partition == "iid":
-            return TokenShard(self.train_ids, self.cfg.context, self.batch_size)
-        bounds = torch.linspace(0, len(self.train_ids), n_regions + 1).long()
-        return TokenShard(self.train_ids[bounds[region_index]:bounds[region_index + 1]], self.cfg.context,
-                          self.batch_size)
+    def shard(self, region_index: int, n_regions: int, seed: int) -> WindowShard:
+        return region_shard(self.train_ids, region_index, n_regions, length=self.cfg.context,
+                            batch_size=self.batch_size, partition=self.cfg.partition)
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.to(_device_of(model))
@@ -201,15 +179,7 @@ class GPTTask(Task):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
     def evaluate(self, model: nn.Module) -> EvalResult:
-        # Fixed, evenly spaced windows: the same held-out text for every region and run.
-        n = len(self.test_ids) - self.cfg.context - 1
-        starts = torch.linspace(0, n - 1, self.cfg.eval_sequences).long()
-        batch = self.test_ids[starts[:, None] + torch.arange(self.cfg.context + 1)]
-        model.eval()
-        with torch.no_grad():
-            value = float(self.loss(model, batch))
-        model.train()
-        return EvalResult(metric="loss", value=value, higher_is_better=False)
+        return heldout_loss(self.loss, model, self.test_ids, length=self.cfg.context, windows=self.cfg.eval_sequences)
 
     def describe(self) -> dict:
         params = sum(p.numel() for p in self.build_model(0).parameters())

@@ -27,7 +27,8 @@ from geofed.regions.datasets.cache import task_data_path
 
 from .base import EvalResult, Task, register_task
 from .charlm import DEFAULT_DATASET, read_text_prefix
-from .gpt import TokenShard, tokenize
+from .gpt import tokenize
+from .sequences import WindowShard, heldout_loss, region_shard
 
 INSTALL_HINT = "pip install 'geofed[hf]'"
 
@@ -161,12 +162,9 @@ class HFCausalLMTask(Task):
         torch.manual_seed(seed)
         return transformers.AutoModelForCausalLM.from_config(self.hf_config)
 
-    def shard(self, region_index: int, n_regions: int, seed: int) -> TokenShard:
-        if self.cfg.partition == "iid":
-            return TokenShard(self.train_ids, self.cfg.context, self.batch_size)
-        bounds = torch.linspace(0, len(self.train_ids), n_regions + 1).long()
-        return TokenShard(self.train_ids[bounds[region_index]:bounds[region_index + 1]], self.cfg.context,
-                          self.batch_size)
+    def shard(self, region_index: int, n_regions: int, seed: int) -> WindowShard:
+        return region_shard(self.train_ids, region_index, n_regions, length=self.cfg.context,
+                            batch_size=self.batch_size, partition=self.cfg.partition)
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.to(next(model.parameters()).device)
@@ -174,15 +172,7 @@ class HFCausalLMTask(Task):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
     def evaluate(self, model: nn.Module) -> EvalResult:
-        # The same fixed, evenly spaced held-out windows for every region and run.
-        n = len(self.test_ids) - self.cfg.context - 1
-        starts = torch.linspace(0, n - 1, self.cfg.eval_sequences).long()
-        batch = self.test_ids[starts[:, None] + torch.arange(self.cfg.context + 1)]
-        model.eval()
-        with torch.no_grad():
-            value = float(self.loss(model, batch))
-        model.train()
-        return EvalResult(metric="loss", value=value, higher_is_better=False)
+        return heldout_loss(self.loss, model, self.test_ids, length=self.cfg.context, windows=self.cfg.eval_sequences)
 
     def describe(self) -> dict:
         params = sum(p.numel() for p in self.build_model(0).parameters())
