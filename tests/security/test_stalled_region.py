@@ -129,7 +129,9 @@ def test_a_frozen_region_is_left_out_by_the_deadline_and_rejoins_when_it_answers
 
     quality, undisturbed = summary["eval"]["value"], ref["eval"]["value"]
     assert undisturbed > 0.9  # the reference learned: the comparison means something
-    assert abs(quality - undisturbed) <= 0.01, (quality, undisturbed)
+    # 1.5 points: 7 of the 450 held-out digits. Where the stop lands moves which rounds the region
+    # misses; some runs on a loaded 2-core machine ended 1.1 points apart (0.960 against 0.971).
+    assert abs(quality - undisturbed) <= 0.015, (quality, undisturbed)
     assert set(summary["eval_per_region"]) == set(REGIONS)
 
 
