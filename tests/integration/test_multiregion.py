@@ -29,7 +29,9 @@ LABEL = "ray.io/availability-region"
 ROUNDS = 3
 PLACEMENT_TIMEOUT_S = 8
 
-pytestmark = pytest.mark.timeout(240)
+# slow (CI runs `pytest -m slow` after the default suite): four local Ray nodes and four runs take
+# about two minutes on 2 cores, which the default suite (well under 20 minutes) cannot spare.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,7 @@ def _events(run_dir, kind):
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
 
 
+@pytest.mark.slow  # two 160-round runs side by side, about 90 s: CI runs it with `pytest -m slow`
 def test_a_frozen_region_is_left_out_by_the_deadline_and_rejoins_when_it_answers(tmp_path, capsys):
     reference = _Run(tmp_path / "reference")  # undisturbed, same seed, alongside
     hurt = _Run(tmp_path / "hurt")
