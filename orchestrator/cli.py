@@ -30,10 +30,8 @@ RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every",
                   "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="geofed", description="Geo-distributed and federated training orchestrator.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_run(sub) -> None:
+    """`geofed run` and its options."""
     run = sub.add_parser("run", help="train: one Ray actor per region, updates exchanged over gRPC")
     run.add_argument("config", nargs="?", help="YAML run config (default: the embedded configs/local-wan.yaml)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -50,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress (a bar on a terminal, else one line per round)")
     run.add_argument("--verbose", action="store_true", help="let Ray's own start-up messages through (its "
                      "token-auth warning, 'Started a local Ray instance'); without it only Ray's errors show")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geofed", description="Geo-distributed and federated training orchestrator.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_run(sub)
 
     val = sub.add_parser("validate", help="check a config without running it")
     val.add_argument("config", help="YAML run config")
