@@ -122,6 +122,11 @@ class Mailbox:
         self._receive_started: dict[int, float] = {}
         self.bytes_received: Counter[str] = Counter()
         self.messages_received: Counter[str] = Counter()
+        # Quorum rounds (accept_stale): an expected sender that missed a closed round may still
+        # deliver it within `stale_window` rounds; it is filed for take_stale(), once.
+        self.stale_window = 0
+        self._missed: dict[int, set[str]] = {}
+        self._stale: list[tuple[str, int, _Entry]] = []
 
     # -- configuration -------------------------------------------------------------------
     def add_known(self, senders: Collection[str]) -> None:
@@ -187,7 +192,7 @@ class Mailbox:
             raise Refusal("identity_mismatch", f"certificate of {identity!r} claims to be {sender!r}")
         if sender not in self._known:
             raise Refusal("unknown_sender", f"{sender!r} is not a region of this run")
-        if round <= self._closed_upto:
+        if round <= self._closed_upto and not self._stale_ok(sender, round):
             self._note_late(round, sender)
             raise Refusal("late", f"round {round} from {sender} arrived after the round closed")
         limit = max(self._newest, 0) + self.round_window
@@ -237,6 +242,13 @@ class Mailbox:
                           wire_bytes=wire_bytes, seconds=seconds, arrived_at=time.monotonic())
         with self._cond:
             self._unreserve(ticket)
+            if ticket.round <= self._closed_upto and self._stale_ok(ticket.sender, ticket.round):
+                entry = _Entry(value, arrival, fingerprint, held_bytes(value, len(payload)))
+                self._missed[ticket.round].discard(ticket.sender)  # once: a second copy is late
+                self._held[ticket.sender] += entry.held
+                self._stale.append((ticket.sender, ticket.round, entry))
+                self.messages_received[ticket.sender] += 1
+                return
             if ticket.round <= self._closed_upto:
                 self._note_late(ticket.round, ticket.sender)
                 refusal = Refusal("late", f"round {ticket.round} from {ticket.sender} completed after the round closed")
@@ -278,6 +290,23 @@ class Mailbox:
         if refusal is not None:
             raise refusal
 
+    def accept_stale(self, window: int) -> None:
+        """Keep late updates of expected senders that missed a round, up to `window` rounds back (0: drop them)."""
+        with self._cond:
+            self.stale_window = max(0, int(window))
+
+    def _stale_ok(self, sender: str, round: int) -> bool:
+        return (self.stale_window > 0 and self._closed_upto - round < self.stale_window
+                and sender in self._missed.get(round, ()))
+
+    def take_stale(self) -> list[tuple[str, int, Any]]:
+        """The late updates filed since the last call, as (sender, round, value), oldest first."""
+        with self._cond:
+            out, self._stale = self._stale, []
+            for sender, _, entry in out:
+                self._refund(sender, entry.held)
+        return [(sender, r, entry.value) for sender, r, entry in out]
+
     def _note_late(self, round: int, sender: str) -> None:
         self.late_dropped += 1
         started = self._receive_started.get(round)
@@ -307,7 +336,9 @@ class Mailbox:
                 self.region, sender, round, refusal)
 
     # -- the owner's side ----------------------------------------------------------------
-    def receive(self, round: int, deadline_s: float) -> Inbox:
+    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
+        """Wait for the expected senders of `round` (all, or with `quorum` that many and then at
+        most `grace_s` for the rest) for at most `deadline_s`, then close every round <= it."""
         if not deadline_s >= 0:
             raise ValueError(f"deadline_s: must be >= 0, got {deadline_s}")
         start = time.monotonic()
@@ -318,6 +349,9 @@ class Mailbox:
             expected = self._expected[round]
             self._receive_started[round] = start
             while not expected <= self._arrived.get(round, {}).keys() | self._void.get(round, set()):
+                if quorum is not None and len(expected & self._arrived.get(round, {}).keys()) >= quorum:
+                    end = min(end, time.monotonic() + grace_s)  # the quorum is in: a grace for the rest
+                    quorum = None
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     break
@@ -325,6 +359,10 @@ class Mailbox:
             got = self._arrived.pop(round, {})
             for sender, entry in got.items():
                 self._refund(sender, entry.held)
+            if self.stale_window:
+                self._missed[round] = set(expected - got.keys())
+                for r in [r for r in self._missed if r <= round - self.stale_window]:
+                    del self._missed[r]
             self._close_upto(round)
         waited = time.monotonic() - start
         return Inbox(

@@ -136,8 +136,8 @@ class InMemoryTransport(Transport):
         return TransferStats(peer=peer, round=round, payload_bytes=len(payload), wire_bytes=wire,
                              seconds=seconds, receiver_seconds=time.monotonic() - t0, chunks=chunks)
 
-    def receive(self, round: int, deadline_s: float) -> Inbox:
-        return self.mailbox.receive(round, deadline_s)
+    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
+        return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s)
 
     def ping(self, peer: str, *, timeout_s: float) -> float:
         start = time.monotonic()

@@ -154,9 +154,19 @@ class Transport(ABC):
         Raises TransportError on refusal, failure or timeout."""
 
     @abstractmethod
-    def receive(self, round: int, deadline_s: float) -> Inbox:
-        """Wait at most `deadline_s` seconds for the expected senders of `round`, then close
-        the round: later messages for it are dropped and counted as late."""
+    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
+        """Wait at most `deadline_s` seconds for the expected senders of `round` (with `quorum`:
+        for that many, then at most `grace_s` for the rest), then close the round: later messages
+        for it are dropped and counted as late, unless accept_stale() keeps them."""
+
+    def accept_stale(self, window: int) -> None:
+        """Keep late updates of senders that missed a closed round, up to `window` rounds back
+        (quorum rounds: sync.pacing); take_stale() hands them over."""
+        self.mailbox.accept_stale(window)
+
+    def take_stale(self) -> list[tuple[str, int, Any]]:
+        """Late updates kept since the last call: (sender, round, validated value), oldest first."""
+        return self.mailbox.take_stale()
 
     @abstractmethod
     def ping(self, peer: str, *, timeout_s: float) -> float:

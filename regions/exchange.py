@@ -44,6 +44,7 @@ class ExchangeResult:
     bytes_received: int = 0
     send_failures: dict[str, str] = field(default_factory=dict)
     wait_s: float = 0.0
+    stale: list[tuple[str, int, list[torch.Tensor]]] = field(default_factory=list)  # (sender, its round, tensors): quorum rounds' late updates
 
 
 class Exchanger:
@@ -85,8 +86,10 @@ class Exchanger:
         return self.estimators.setdefault(peer, LinkEstimator())
 
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
-                 in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec) -> ExchangeResult:
-        """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`."""
+                 in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec,
+                 quorum: int | None = None, grace_s: float = 0.0) -> ExchangeResult:
+        """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`
+        (all of them by the deadline, or with `quorum` that many and a grace for the rest)."""
         self.transport.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
             self.observe_own(tensors)
@@ -95,16 +98,22 @@ class Exchanger:
         futures = {p: self._pool.submit(self._send, p, round_, payloads[p]) for p in out_peers if p not in skipped}
         t0 = time.monotonic()
         deadline_s = self.deadline.current()
-        inbox = self.transport.receive(round_, deadline_s)
+        if quorum is None:
+            inbox = self.transport.receive(round_, deadline_s)
+        else:
+            inbox = self.transport.receive(round_, deadline_s, quorum=quorum, grace_s=grace_s)
         wait_s = time.monotonic() - t0
         result = ExchangeResult(received=dict(inbox.received), own_decoded=own_decoded,
                                 missing=sorted(inbox.missing), wait_s=wait_s)
+        if quorum is not None:
+            result.stale = self.transport.take_stale()
         for peer in out_peers:
             if peer in skipped:
                 result.send_failures[peer] = f"skipped: its push of round {skipped[peer]} is still in flight"
         self._report_late(result)
-        if not inbox.missing:
-            # Only complete rounds teach the deadline samples: a dead peer must not skew them...
+        if not inbox.missing or quorum is not None:
+            # Only complete rounds teach the deadline samples: a dead peer must not skew them
+            # (a quorum round closes on purpose without the slowest, and is complete too)...
             self.deadline.observe(wait_s)
         else:
             # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.

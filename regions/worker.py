@@ -25,6 +25,7 @@ from geofed.p2p.robust import UpdateAdmission, robust_mix
 from geofed.p2p.topology import make_topology
 
 from . import checkpoint
+from .emulation import Slowdown
 from .device import Precision, device_name, move_received, resolve_device, to_device
 from .export import result_state
 from .sync import ALGORITHMS, mix
@@ -55,6 +56,13 @@ class RoundPlan:
     alive: tuple[str, ...] | None = None  # regions the coordinator believes are up (None: all)
     final: bool = False  # the run's last round: apply an exchange still in flight (overlap) before returning
     sketch: bool = False  # report a count sketch of the synchronised model (the driver's consensus distance)
+    # sync.pacing (regions/pacing.py): time-budget rounds step until budget_s (at most max_steps) and
+    # scale their pseudo-gradient by norm_steps / steps; quorum rounds close a receive at `quorum`.
+    budget_s: float | None = None
+    max_steps: int | None = None
+    norm_steps: float | None = None
+    quorum: int | None = None
+    grace_s: float = 0.0
 
 
 class RegionWorker:
@@ -75,6 +83,7 @@ class RegionWorker:
         spec = "cpu" if cfg.sync.algorithm == "gossip" and cfg.regions.device == "auto" else cfg.regions.device
         self.device = resolve_device(spec, region=region)
         self.precision = Precision(cfg.sync.inner.precision, self.device)
+        self.slowdown = Slowdown(cfg.regions.emulation.slowdown.get(region, 1.0))
         self.task = task if task is not None else make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed,
                                                             device=str(self.device))
         # Same init everywhere (seed, not seed + index): DiLoCo starts every region from one model.
@@ -101,6 +110,9 @@ class RegionWorker:
         self.transport = transport if transport is not None else make_transport(
             cfg, region, self.run_dir, limits=self.limits, tls=tls, advertised_host=advertised_host)
         self.transport.set_validator(self._validate)
+        pacing = cfg.sync.pacing
+        if pacing.mode == "quorum" and pacing.late_updates == "apply":
+            self.transport.accept_stale(pacing.max_staleness)
         self.transport.set_state_provider(self.state_bytes)
         d = cfg.sync.deadline
         self.exchanger = Exchanger(self.transport, error_feedback=cfg.compression.error_feedback,
@@ -211,20 +223,29 @@ class RegionWorker:
         """Apply an exchange still in flight (overlap) so the model includes every round; its metrics."""
         return self.algorithm.finish()
 
-    def inner_steps(self, H: int, lr_scale: float, *, before_step=None) -> dict[str, Any]:
-        """H local optimizer steps; returns loss and timing (compute only, no network).
-        `before_step(k)`, when given, runs between the k-th backward and step (e.g. gradient
-        tracking adds its drift correction to the gradients there)."""
+    def inner_steps(self, H: int, lr_scale: float, *, before_step=None, budget_s: float | None = None,
+                    max_steps: int | None = None) -> dict[str, Any]:
+        """H local optimizer steps, or with `budget_s` as many as fit in that many seconds (at least
+        one, at most `max_steps`); returns loss and timing (compute only, no network; an emulated
+        slowdown's sleep counts as compute: it stands for a slower device). `before_step(k)`, when
+        given, runs between the k-th backward and step (e.g. gradient tracking adds its drift
+        correction to the gradients there)."""
         losses = []
         t0 = time.monotonic()
-        for k in range(H):
+        limit = H if budget_s is None else max(1, max_steps or H)
+        for k in range(limit):
+            t_step = time.monotonic()
             losses.append(self.forward_backward())
             if before_step is not None:
                 before_step(k)
             self.optimizer_step(lr_scale)
+            self.slowdown.after_step(time.monotonic() - t_step)
+            if budget_s is not None and time.monotonic() - t0 >= budget_s:
+                break
         compute_s = time.monotonic() - t0
         loss = sum(losses) / len(losses)
-        metrics = {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / H, "steps": H}
+        steps = len(losses)
+        metrics = {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / steps, "steps": steps}
         if not math.isfinite(loss):
             exc = FloatingPointError(f"region {self.region}: train loss is {loss}")
             exc.metrics = metrics  # what the round's rollback reports (regions/rollback.py)
@@ -267,9 +288,14 @@ class RegionWorker:
         in_peers = [p for p in self.in_weights(plan.round) if alive is None or p in alive]
         codecs = {} if single_codec else plan.codecs
         out_peers = self.out_peers(plan) if send else []
+        quorum = None if plan.quorum is None else max(0, min(plan.quorum - 1, len(in_peers)))
         res = self.exchanger.exchange(plan.round, tensors, out_peers=out_peers, in_peers=in_peers,
-                                      codecs=codecs, default_codec=self.cfg.compression.codec)
+                                      codecs=codecs, default_codec=self.cfg.compression.codec,
+                                      quorum=quorum, grace_s=plan.grace_s)
         res.received = move_received(res.received, self.device)
+        if res.stale:
+            moved = move_received({f"{s}@{r}": t for s, r, t in res.stale}, self.device)
+            res.stale = [(s, r, moved[f"{s}@{r}"]) for s, r, _ in res.stale]
         return res
 
     def mix(self, plan: RoundPlan, own, res) -> list[torch.Tensor]:
@@ -279,6 +305,11 @@ class RegionWorker:
         how = self.cfg.security.robust_aggregation
         if how in ("trimmed-mean", "median"):  # the config allows them for full-topology diloco/allreduce only
             return robust_mix(own, res.received, how=how, trim_fraction=self.cfg.security.trim_fraction)
+        if self.cfg.sync.pacing.mode != "barrier":
+            # Paced rounds leave slow or absent regions out on purpose: the mean of what is in (the
+            # same set at every region of the round), not a missing peer's weight folded into self.
+            w = 1.0 / (1 + len(res.received))
+            return mix(own, res.received, {p: w for p in res.received}, w)
         return mix(own, res.received, self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round))
 
     def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from geofed.compression import CodecSpec
 from geofed.p2p.wan.config import EmulationConfig
+from geofed.regions.emulation import ComputeEmulation
+from geofed.regions.pacing import PacingSection
 from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_config_class
 
 from . import strict
@@ -146,6 +148,8 @@ class RegionsSection:
         "a region busy with a call that does not answer the driver's liveness probe (a Ray call served on its own "
         "thread) for this long is stalled (SIGSTOP, swap, a hung host): elastic runs go on without it and it "
         "rejoins when it answers again; fail-fast runs stop"))
+    emulation: ComputeEmulation = field(default_factory=ComputeEmulation, metadata=_doc(
+        "compute emulation: slower regions and absent rounds (docs/heterogeneity.md)"))
 
     def __post_init__(self):
         if not _DEVICE_RE.fullmatch(self.device):
@@ -175,6 +179,10 @@ class RegionsSection:
             raise ValueError(f"start_timeout_s: must be in (0, 86400], got {self.start_timeout_s}")
         if not 0.5 <= self.heartbeat_timeout_s <= 86400:
             raise ValueError(f"heartbeat_timeout_s: must be in [0.5, 86400], got {self.heartbeat_timeout_s}")
+        try:
+            self.emulation.check_regions(self.names)
+        except ValueError as exc:
+            raise ValueError(f"emulation.{exc}") from None
 
     def label_of(self, region: str) -> str:
         """The value of regions.label_key a node must carry to host `region`: its name unless regions.labels maps it."""
@@ -310,9 +318,18 @@ class SyncSection:
         "(deadline, outage, a crashed peer) pulls the model from one that missed none (FetchState) after the round, "
         "so every region trains one model; false: it keeps its own drifted copy"))
     gossip: GossipSection = field(default_factory=GossipSection, metadata=_doc("gossip algorithm settings"))
+    pacing: PacingSection = field(default_factory=PacingSection, metadata=_doc(
+        "whether a round waits for its slowest region: barrier, time-budget or quorum (docs/heterogeneity.md)"))
 
     def __post_init__(self):
         from geofed.p2p.topology import topology_names  # p2p owns the names
+
+        if self.pacing.mode != "barrier" and (self.algorithm != "diloco" or self.topology != "full"):
+            raise ValueError(f"pacing.mode: {self.pacing.mode} paces full-topology diloco, not {self.algorithm} "
+                             f"over {self.topology}")
+        if self.pacing.mode == "quorum" and self.overlap:
+            raise ValueError("pacing.mode: quorum rounds and sync.overlap do not combine (a late region's update "
+                             "would be two rounds old before it is applied); use time-budget with overlap")
 
         if self.topology not in topology_names():
             raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
@@ -420,6 +437,9 @@ class RunConfig:
                              "set regions.device to cpu or auto (auto trains gossip on the CPU)")
         if self.sync.algorithm == "gossip" and self.sync.gossip.choco:
             _check_choco_compression(self.compression)
+        if self.sync.pacing.quorum > len(self.regions.names):
+            raise ValueError(f"sync.pacing.quorum: {self.sync.pacing.quorum} is more than the "
+                             f"{len(self.regions.names)} regions of regions.names")
         robust = self.security.robust_aggregation
         if robust in ("trimmed-mean", "median") and (self.sync.algorithm == "gossip" or self.sync.topology != "full"):
             raise ValueError(f"security.robust_aggregation: {robust} replaces the mix of full-topology diloco or "

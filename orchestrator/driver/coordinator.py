@@ -64,6 +64,8 @@ class Coordinator:
         self._plan_t: float | None = None       # clock at the last plan()
         self._round_wall: float | None = None   # slowest region's wall time of the last observed round
         self._rounds_seen = 0
+        self.pacing = cfg.sync.pacing
+        self._region_steps: dict[str, deque[float]] = {}  # region -> its recent step times (time-budget)
 
     @property
     def done(self) -> bool:
@@ -112,20 +114,46 @@ class Coordinator:
         plans = {}
         evaluators = self.evaluators(alive) if evaluate else ()
         sketch = evaluate and self.cfg.sync.algorithm != "gossip"  # gossip fetches the models themselves
+        paced = self._pacing_fields(H, alive)
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
             plans[region] = RoundPlan(round=round_, H=H, codecs=mine, lr_scale=scale, evaluate=region in evaluators,
-                                      alive=tuple(alive), final=final, sketch=sketch)
+                                      alive=tuple(alive), final=final, sketch=sketch, **paced)
         self._plan_t = self.clock.now()
         return plans
 
     def evaluators(self, alive: list[str]) -> list[str]:
         """Who evaluates in an eval round. DiLoCo and all-reduce: the first alive region, on its
-        synchronised model, which every region holds alike (nothing crosses the wire). Gossip:
-        every region its own model; the driver then averages them (a fetch, counted)."""
+        synchronised model, which every region holds alike (nothing crosses the wire); quorum
+        rounds: the fastest one, which is in the quorum. Gossip: every region its own model; the
+        driver then averages them (a fetch, counted)."""
         if self.cfg.sync.algorithm == "gossip":
             return list(alive)
+        if self.pacing.mode == "quorum" and alive:
+            unknown = float("inf")  # a region that never reported in time may be the slow one
+            return [min(alive, key=lambda r: (self.region_step_time(r) or unknown, alive.index(r)))]
         return list(alive[:1])
+
+    def region_step_time(self, region: str) -> float | None:
+        """A region's step time (the floor of its last few rounds), or None before it reported one."""
+        steps = self._region_steps.get(region)
+        return min(steps) if steps else None
+
+    def _pacing_fields(self, H: int, alive: list[str]) -> dict[str, Any]:
+        """The plan's sync.pacing fields (regions/pacing.py): time-budget: the budget (H steps of the
+        fastest region), the step cap and FedNova's tau_eff (the mean of the steps expected of the
+        round's regions); quorum: k and the grace. Barrier, and a time-budget round before any
+        step time is known, plan H steps for all."""
+        p = self.pacing
+        if p.mode == "quorum":
+            return {"quorum": p.quorum_of(len(alive)), "grace_s": p.grace_s}
+        times = {r: self.region_step_time(r) for r in alive}
+        if p.mode != "time-budget" or not alive or any(t is None for t in times.values()):
+            return {}
+        cap = max(H, math.ceil(H * p.max_steps_factor))
+        budget = H * min(times.values())
+        expected = [min(cap, max(1.0, budget / t)) for t in times.values()]
+        return {"budget_s": budget, "max_steps": cap, "norm_steps": sum(expected) / len(expected)}
 
     def _note_overhead(self) -> None:
         """The last round's driver cycle (plan to plan) minus its slowest region's own wall time."""
@@ -165,7 +193,13 @@ class Coordinator:
         """Fold one round of region metrics into the measurements the policy sees next."""
         if not results:
             return
-        self._steps.append(max(m["step_time_s"] for m in results.values()))
+        for region, m in results.items():
+            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(m["step_time_s"])
+        if self.pacing.mode == "time-budget":
+            # The budget is H steps of the fastest region: the policy sizes H on its step time.
+            self._steps.append(min(m["step_time_s"] for m in results.values()))
+        else:
+            self._steps.append(max(m["step_time_s"] for m in results.values()))
         self.step_time_s = min(self._steps)
         losses = [m["train_loss"] for m in results.values() if m.get("train_loss") is not None]
         self.loss = sum(losses) / len(losses) if losses else self.loss
@@ -173,6 +207,12 @@ class Coordinator:
         self._round_wall = max(m.get("wall_s", 0.0) for m in results.values())
         self._rounds_seen += 1
         self.link_view.observe_round(results)
+
+    def observe_late(self, region: str, m: dict[str, Any]) -> None:
+        """A round that ended after its quorum round closed: its step time and links still count."""
+        if m.get("step_time_s") is not None:
+            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(m["step_time_s"])
+        self.link_view.observe_round({region: m})
 
     @property
     def links(self) -> dict[str, LinkEstimate]:
@@ -191,7 +231,8 @@ class Coordinator:
         """
         return {"policy": self.policy.state_dict(), "step_time_s": self.step_time_s, "loss": self.loss,
                 "last_sync_s": self.last_sync_s, "steps_done": self.steps_done,
-                "overheads": list(self._overheads), "steps": list(self._steps), "links": self.link_view.state_dict()}
+                "overheads": list(self._overheads), "steps": list(self._steps), "links": self.link_view.state_dict(),
+                "region_steps": {r: list(v) for r, v in self._region_steps.items()}}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore `state_dict()` (keys missing from older checkpoints keep their fresh values)."""
@@ -200,5 +241,6 @@ class Coordinator:
         self.steps_done = int(d.get("steps_done", 0))
         self._overheads = deque(d.get("overheads", []), maxlen=OVERHEAD_WINDOW)
         self._steps = deque(d.get("steps", []), maxlen=STEP_WINDOW)
+        self._region_steps = {r: deque(v, maxlen=STEP_WINDOW) for r, v in d.get("region_steps", {}).items()}
         if "links" in d:
             self.link_view.load_state_dict(d["links"])

@@ -24,6 +24,7 @@ from .emulation import configured_link, start_emulation
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .export import params_by_region, write_model
 from .faults import FaultHandling
+from .pacing import PacedRounds
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
@@ -108,7 +109,7 @@ def _with_address(cfg: RunConfig, address: str | None) -> RunConfig:
     return dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=address))
 
 
-class Runner(FaultHandling):
+class Runner(FaultHandling, PacedRounds):
     """The driver of one run: sets up TLS, Ray, the region actors, the emulator and the links, then
     paces rounds (plan, run, log, evaluate, checkpoint) and survives region faults (FaultHandling).
     Call run(), then shutdown() whatever happened.
@@ -141,8 +142,10 @@ class Runner(FaultHandling):
         self.stop = StopSignals()
         self.outcome = "FAILED"  # for the trackers: FINISHED once the summary is written, KILLED when stopped
         s = cfg.sync
+        # Quorum rounds leave the slowest out on purpose; its update comes late, not never.
         self._resync_on = (s.resync_after_miss and s.algorithm in ("diloco", "allreduce") and s.topology == "full"
-                           and not s.overlap)
+                           and not s.overlap and s.pacing.mode != "quorum")
+        self._init_pacing()
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -284,14 +287,16 @@ class Runner(FaultHandling):
         if self.emulator is not None:
             self.emulator.set_round(r)
         t_start = self.clock.now()
-        plans = self.coordinator.plan(r, alive=self.alive, evaluate=evaluate)
+        participants, absent = self._participants(r)
+        plans = self.coordinator.plan(r, alive=participants, evaluate=evaluate)
         results = self._run_round(r, plans)
         t_end = self.clock.now()
         self.coordinator.observe(results)
         self._bytes_sent += sum(m["bytes_sent"] for m in results.values())
         self.evaluation.note_round(r, results, steps=self.coordinator.steps_done)
         extra = self.evaluation.of_round(r, results, self.alive, self._fetch_params, t_end=t_end)
-        self._log_round(r, results, t_start, t_end, extra=extra)
+        self._log_round(r, results, t_start, t_end, extra={**extra, "participants": participants,
+                                                           "absent": sorted(absent), "in_flight": sorted(self.busy)})
         if extra.get("eval_avg") and self.evaluation.check(extra):
             self._event("target_reached", **self.evaluation.hit)
         self.next_round = r + 1
@@ -305,8 +310,13 @@ class Runner(FaultHandling):
                              elapsed_s=t_end)
 
     def _run_round(self, r: int, plans) -> dict[str, dict[str, Any]]:
-        refs = {self.actors.handles[reg].run_round.remote(plan): reg for reg, plan in plans.items()}
-        results = self._gather(refs, f"round {r}", timeout=self.cfg.sync.deadline.max_s * 3 + 600)
+        refs = self._dispatch(plans)
+        timeout = self.cfg.sync.deadline.max_s * 3 + 600
+        if self.pacing.mode == "quorum":
+            results = self._gather_quorum(refs, r, timeout=timeout)
+        else:
+            results = self._gather(refs, f"round {r}", timeout=timeout)
+            self._current = set(results)
         now = round(self.clock.now(), 4)
         for region, m in results.items():
             m["t_start"], m["t_end"] = round(now - m["wall_s"], 4), now
@@ -348,8 +358,10 @@ class Runner(FaultHandling):
     # -- checkpoints, resume, stop, end ------------------------------------------------------
     def _checkpoint(self, r: int) -> None:
         """Regions first, then the driver's: a driver checkpoint of round r means every region
-        alive then has one too (a crash between the two resumes from the previous pair)."""
-        self._call(self.alive, "save_checkpoint", timeout=300)
+        alive then has one too (a crash between the two resumes from the previous pair). A region
+        whose quorum round is in flight keeps its last one (a resume catches it up from a peer)."""
+        busy = self.busy
+        self._call([reg for reg in self.alive if reg not in busy], "save_checkpoint", timeout=300)
         state = {"round": r, "clock": self.clock.now(), "coordinator": self.coordinator.state_dict(),
                  "faults": dict(self.faults), "alive": list(self.alive)}
         d = self.run_dir / "checkpoints" / "driver"
@@ -396,6 +408,8 @@ class Runner(FaultHandling):
         raise Interrupted(self.stop.signum, last)
 
     def _finish(self) -> dict[str, Any]:
+        self._drain_inflight(timeout=self.cfg.sync.deadline.max_s * 3 + 600)
+        self._catch_up_behind()
         self._call(self.alive, "finish_pending", timeout=self.cfg.sync.deadline.max_s * 2 + 120)
         self._checkpoint(self.next_round - 1)
         per_region = self._call(self.alive, "evaluate", timeout=600)
@@ -427,6 +441,7 @@ class Runner(FaultHandling):
         summary["setup_s"] = None if self.setup_s is None else round(self.setup_s, 3)
         summary["startup"] = {"process_to_round0_s": self.startup_s, "phases_s": self.setup_phases}
         summary["interrupted"] = interrupted
+        summary["pacing"] = {"mode": self.pacing.mode, **self.pacing_stats}
         write_json(self.run_dir / "summary.json", summary)
         return summary
 

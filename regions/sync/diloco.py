@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..pacing import fednova_scale, mix_stale
 from .common import exchange_metrics, no_exchange_metrics
 from .protocol import Shapes, SyncContext
 
@@ -62,19 +63,32 @@ class DilocoSync:
         previous round's is applied instead (see the module docstring).
         """
         ctx = self.ctx
-        metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale)
+        metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
         start = self._start if self.overlap else self.global_params
         delta = [s.detach() - p.detach() for s, p in zip(start, ctx.params)]
+        # Time-budget rounds: FedNova's tau_eff / tau_i on what is sent (regions/pacing.py); the
+        # region's own unsynced progress (overlap) stays what it trained.
+        scale = fednova_scale(metrics["steps"], plan.norm_steps)
+        sent = delta if scale == 1.0 else [d * scale for d in delta]
+        if scale != 1.0:
+            metrics["fednova_scale"] = round(scale, 4)
         t0 = time.monotonic()
         if not self.overlap:
-            res = ctx.exchange(plan, delta)
-            self._outer_step(ctx.mix(plan, delta, res))
+            res = ctx.exchange(plan, sent)
+            mixed = ctx.mix(plan, sent, res)
+            if res.stale:
+                mixed, weights = mix_stale(mixed, [(r, t) for _, r, t in res.stale], round_=plan.round,
+                                           n_regions=1 + len(res.received),
+                                           exponent=ctx.settings.pacing.staleness_exponent)
+                metrics["stale_applied"] = [{"peer": p, "round": r, "weight": round(w, 4)}
+                                            for (p, r, _), w in zip(res.stale, weights)]
+            self._outer_step(mixed)
             self._load_global()
             metrics.update(exchange_metrics(res))
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, delta)
+            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent)
             self._pending_round = plan.round
             self._load_global(unsynced=delta)
         metrics["sync_s"] = time.monotonic() - t0

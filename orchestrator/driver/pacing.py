@@ -1,0 +1,170 @@
+"""The driver's side of sync.pacing and of the compute emulation's absences (docs/heterogeneity.md),
+as a base class of Runner.
+
+* Absent regions (regions.emulation.availability) are not dispatched for the round; they are not
+  failed, restarted or counted as faults.
+* Quorum rounds: a round closes once `quorum` of the regions dispatched for it have reported and a
+  grace has passed; the others keep running their round (in flight) and are not dispatched again
+  until it returns. Their result is logged as a late round; their update reaches the peers late
+  and is applied there with a staleness weight (regions/pacing.py).
+* A region that missed a round's outer update (absent, or in flight) takes the current model from
+  a region that has it before its next round: one state fetch by that region (Ray runs an actor's
+  calls in order, so the fetch is queued ahead of its round and the driver does not wait for it).
+
+It works on the Runner's state: ``cfg``, ``regions``, ``actors``, ``alive``, ``coordinator``,
+``clock``, ``metrics_log``, ``_bytes_sent``, and its ``_event``, ``_collect`` and ``_region_failed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+from geofed.regions.emulation import absent_regions
+
+from .recovery import first_line
+
+log = logging.getLogger("geofed.orchestrator.driver.runner")
+
+
+class PacedRounds:
+    """Who runs a round (absent and busy regions sit it out) and how a quorum round is gathered."""
+
+    def _init_pacing(self) -> None:
+        self.pacing = self.cfg.sync.pacing
+        self._inflight: dict[Any, tuple[str, int]] = {}   # ref -> (region, round) still running
+        self._behind: set[str] = set()                    # missed an outer update: catch up first
+        self._current: set[str] = set(self.regions)       # reported the last round in time
+        self._catch_ups: dict[Any, str] = {}              # catch_up refs, checked when they end
+        self.pacing_stats = {"absent_region_rounds": 0, "late_rounds": 0, "catch_ups": 0}
+
+    @property
+    def busy(self) -> set[str]:
+        """Regions whose quorum round is still in flight."""
+        return {region for region, _ in self._inflight.values()}
+
+    def _participants(self, r: int) -> tuple[list[str], set[str]]:
+        """This round's regions (alive, not absent, not busy), and the absent ones."""
+        emulation = self.cfg.regions.emulation
+        absent = absent_regions(emulation, r, self.regions) & set(self.alive) if emulation.active else set()
+        if absent:
+            self.pacing_stats["absent_region_rounds"] += len(absent)
+            self._behind |= absent
+            self._event("absent", regions=sorted(absent))
+        busy = self.busy
+        parts = [reg for reg in self.alive if reg not in absent and reg not in busy]
+        while not parts and self._inflight:  # every present region is busy: wait for one
+            self._collect_late(block=True)
+            parts = [reg for reg in self.alive if reg not in absent and reg not in self.busy]
+        return parts, absent
+
+    def _dispatch(self, plans: dict) -> dict:
+        """Start each planned region's round; one that missed an outer update first takes the model
+        of a region that has it (queued ahead of its round on the same actor)."""
+        donors = [reg for reg in plans if reg not in self._behind and reg in self._current]
+        refs = {}
+        for region, plan in plans.items():
+            handle = self.actors.handles[region]
+            if region in self._behind and donors:
+                ref = handle.catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s)
+                self._catch_ups[ref] = region
+                self.pacing_stats["catch_ups"] += 1
+            self._behind.discard(region)
+            refs[handle.run_round.remote(plan)] = region
+        return refs
+
+    def _gather_quorum(self, refs: dict, r: int, *, timeout: float) -> dict[str, dict[str, Any]]:
+        """Results of this round's regions once `quorum` of them are in and the grace has passed;
+        the rest stay in flight. Late results of earlier rounds that come in meanwhile are logged."""
+        k = self.pacing.quorum_of(len(refs))
+        for ref, region in refs.items():
+            self._inflight[ref] = (region, r)
+        out: dict[str, dict[str, Any]] = {}
+        t0 = time.monotonic()
+        end = t0 + timeout
+        while self._inflight and time.monotonic() < end:
+            ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=max(0.0, end - time.monotonic()))
+            for ref in ready:
+                region, rnd = self._inflight.pop(ref)
+                got: dict[str, Any] = {}
+                self._collect(ref, region, f"round {rnd}", got)
+                if region not in got:
+                    continue
+                if rnd == r:
+                    out[region] = got[region]
+                else:
+                    self._late_result(region, got[region])
+            if len(out) >= k:
+                if not any(rnd == r for _, rnd in self._inflight.values()):
+                    break
+                end = min(end, time.monotonic() + self.pacing.grace_s)
+        for ref, (region, rnd) in list(self._inflight.items()):
+            if rnd == r and len(out) < k:  # not even the quorum in time: the call's timeout, as _gather's
+                del self._inflight[ref]
+                self._region_failed(region, f"round {r} did not finish within {timeout:.0f}s")
+                ray.kill(self.actors.handles[region], no_restart=False)
+        self._current = set(out)
+        self._check_catch_ups()
+        return out
+
+    def _collect_late(self, *, block: bool) -> None:
+        """Log the rounds in flight that have finished (block: wait for at least one)."""
+        if not self._inflight:
+            return
+        ready, _ = ray.wait(list(self._inflight), num_returns=1 if block else len(self._inflight),
+                            timeout=None if block else 0)
+        for ref in ready:
+            region, rnd = self._inflight.pop(ref)
+            got: dict[str, Any] = {}
+            self._collect(ref, region, f"round {rnd}", got)
+            if region in got:
+                self._late_result(region, got[region])
+
+    def _drain_inflight(self, *, timeout: float) -> None:
+        """Wait for every round still in flight (the run's end, a stop); their results are logged."""
+        end = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < end:
+            self._collect_late(block=True)
+        self._check_catch_ups()
+
+    def _late_result(self, region: str, m: dict[str, Any]) -> None:
+        """A region's round that ended after its round closed: logged, its bytes and links counted;
+        the region missed outer updates meanwhile and catches up before its next round."""
+        now = round(self.clock.now(), 4)
+        m["t_start"], m["t_end"], m["late"] = round(now - m["wall_s"], 4), now, True
+        m.pop("sketch", None)
+        self.pacing_stats["late_rounds"] += 1
+        self._bytes_sent += m.get("bytes_sent", 0)
+        self.coordinator.observe_late(region, m)
+        self.metrics_log.write(m)
+        self._behind.add(region)
+        self._event("late_round", region=region, of_round=m.get("round"), wall_s=round(m["wall_s"], 3))
+
+    def _check_catch_ups(self) -> None:
+        """Catch-ups that ended: a failed one is logged; the region trains on its own model until
+        its next catch-up (it is marked behind again)."""
+        done = [ref for ref in self._catch_ups if ray.wait([ref], timeout=0)[0]]
+        for ref in done:
+            region = self._catch_ups.pop(ref)
+            try:
+                donor, state_round = ray.get(ref)
+                self._event("caught_up", region=region, donor=donor, state_round=state_round)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                log.warning("region %s: catching up failed: %s", region, first_line(exc))
+                self._behind.add(region)
+
+    def _catch_up_behind(self) -> None:
+        """Before the end of the run: every region that is behind takes the model of a current one."""
+        donors = [reg for reg in self.alive if reg in self._current and reg not in self._behind]
+        behind = [reg for reg in self.alive if reg in self._behind]
+        if not behind or not donors:
+            return
+        refs = {self.actors.handles[reg].catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s): reg
+                for reg in behind}
+        got = self._gather(refs, "catch_up", timeout=self.cfg.sync.deadline.max_s + 60)
+        for region, (donor, state_round) in got.items():
+            self.pacing_stats["catch_ups"] += 1
+            self._behind.discard(region)
+            self._event("caught_up", region=region, donor=donor, state_round=state_round)

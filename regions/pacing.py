@@ -1,0 +1,105 @@
+"""How rounds are paced when regions differ in speed (``sync.pacing``, docs/heterogeneity.md).
+
+* ``barrier`` (the default): every region runs H steps; the round ends when all have reported.
+* ``time-budget``: every region runs inner steps until a wall-clock budget the coordinator sets
+  from the measured step times (budget = H x the fastest region's step time), so fast regions
+  run more steps than slow ones. Each pseudo-gradient is normalised FedNova-style (Wang et al.
+  2020): scaled by tau_eff / tau_i, tau_i the steps behind it and tau_eff the mean of the steps
+  the coordinator expects of the round's regions, so a region's weight in the mean does not grow
+  with how fast its hardware is (objective drift toward the fast regions' data).
+* ``quorum``: a region's receive closes once `quorum` - 1 peer updates (plus its own) are in and
+  a short grace has passed; the driver closes the round once `quorum` regions have reported and
+  dispatches the next round to every region not still busy. A late update is not dropped: the
+  receiver keeps it (at most `max_staleness` rounds old) and mixes it into its next outer step
+  with the weight 1/n x (1 + staleness)^-`staleness_exponent` (polynomial staleness weighting,
+  FedAsync, Xie et al. 2019), the mean renormalised. ``late_updates: drop`` discards them
+  instead (deadline-and-drop). A region that finished late takes the current model from a peer
+  (one state fetch) before its next round.
+
+The functions here are pure: what a region computes from its own numbers and the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+def _doc(text: str) -> dict:
+    return {"doc": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PacingSection:
+    """``sync.pacing``: whether a round waits for its slowest region (docs/heterogeneity.md)."""
+
+    mode: Literal["barrier", "time-budget", "quorum"] = field(default="barrier", metadata=_doc(
+        "barrier: every region runs H steps and the round waits for all; time-budget: regions step until a "
+        "wall-clock budget (fast ones run more steps; FedNova-normalised pseudo-gradients); quorum: a round "
+        "closes once `quorum` regions are in, late updates are applied later with a staleness weight"))
+    quorum: int = field(default=0, metadata=_doc(
+        "quorum mode: regions whose updates close a round (0: all but one); capped by the regions in the round"))
+    grace_s: float = field(default=0.2, metadata=_doc(
+        "quorum mode: once the quorum is in, how long a receive (and the driver) still waits for the rest"))
+    late_updates: Literal["apply", "drop"] = field(default="apply", metadata=_doc(
+        "quorum mode: apply: a late update is mixed into the receiver's next outer step with a staleness weight; "
+        "drop: it is discarded (deadline-and-drop)"))
+    max_staleness: int = field(default=8, metadata=_doc(
+        "quorum mode: rounds a late update may be behind and still be applied (older ones are refused as late)"))
+    staleness_exponent: float = field(default=0.5, metadata=_doc(
+        "quorum mode: a late update's weight is (1 + staleness)^-exponent of an on-time one"))
+    max_steps_factor: float = field(default=4.0, metadata=_doc(
+        "time-budget mode: most steps a region runs in a round, as a multiple of the round's H"))
+
+    def __post_init__(self):
+        if self.quorum < 0:
+            raise ValueError(f"quorum: must be >= 0, got {self.quorum}")
+        if not 0 <= self.grace_s <= 600:
+            raise ValueError(f"grace_s: must be in [0, 600], got {self.grace_s}")
+        if not 0 <= self.max_staleness <= 1000:
+            raise ValueError(f"max_staleness: must be in [0, 1000], got {self.max_staleness}")
+        if not 0 <= self.staleness_exponent <= 10:
+            raise ValueError(f"staleness_exponent: must be in [0, 10], got {self.staleness_exponent}")
+        if not 1 <= self.max_steps_factor <= 1000:
+            raise ValueError(f"max_steps_factor: must be in [1, 1000], got {self.max_steps_factor}")
+
+    def quorum_of(self, participants: int) -> int:
+        """Regions (own included) that close a round of `participants` regions."""
+        k = self.quorum or max(1, participants - 1)
+        return max(1, min(k, participants))
+
+
+def stale_weight(staleness: int, exponent: float) -> float:
+    """An update `staleness` rounds late counts (1 + staleness)^-exponent of an on-time one."""
+    return float((1 + max(0, staleness)) ** -exponent)
+
+
+def fednova_scale(steps: int, norm_steps: float | None) -> float:
+    """The factor on a pseudo-gradient of `steps` inner steps (tau_eff / tau_i; 1 without a norm)."""
+    if not norm_steps or steps <= 0:
+        return 1.0
+    return float(norm_steps) / steps
+
+
+def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence[torch.Tensor]]], *,
+              round_: int, n_regions: int, exponent: float) -> tuple[list[torch.Tensor], list[float]]:
+    """Fold late pseudo-gradients into a round's mean: (mixed + sum_s w_s/n x delta_s) / (1 + sum_s w_s/n),
+    w_s = stale_weight(round_ - its round). `stale` holds (its round, its tensors). Returns the new
+    mean and the weights used (the round's metrics report them)."""
+    weights = [stale_weight(round_ - r, exponent) / n_regions for r, _ in stale]
+    if not stale:
+        return list(mixed), []
+    total = 1.0 + sum(weights)
+    out = []
+    for i, m in enumerate(mixed):
+        acc = m.clone()
+        for w, (_, tensors) in zip(weights, stale):
+            acc.add_(tensors[i].to(acc.device, acc.dtype), alpha=w)
+        out.append(acc.div_(total))
+    return out, [w * n_regions for w in weights]
+
+
+__all__ = ["PacingSection", "fednova_scale", "mix_stale", "stale_weight"]

@@ -1,0 +1,83 @@
+"""Issue 20 on the real stack (Ray actors, mutual-TLS gRPC on 127.0.0.1): one region 4x slower
+(regions.emulation.slowdown), one absent for two rounds (availability), under quorum and
+time-budget rounds (sync.pacing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
+from geofed.regions.pacing import stale_weight
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(400)]
+
+FAST, SLOW, AWAY = "us-east-1", "eu-west-1", "ap-northeast-1"
+REGIONS = [FAST, SLOW, AWAY]
+
+
+def _run(tmp_path, pacing: dict, *, rounds: int = 9, absent: bool = False):
+    availability = {"schedule": [{"region": AWAY, "from_round": 3, "to_round": 4}]} if absent else {}
+    cfg = config_from_mapping({
+        "run": {"name": "hetero", "rounds": rounds, "report": False, "checkpoint_every": 1, "seed": 1,
+                "eval_every": 1},
+        "task": {"kind": "mlp-digits", "hidden": 32},
+        "regions": {"names": REGIONS, "num_cpus": 0.5,
+                    "emulation": {"slowdown": {SLOW: 4.0}, "availability": availability}},
+        "network": {"emulation": {"mode": "none"}},
+        "sync": {"policy": {"kind": "fixed", "H": 20}, "inner": {"lr": 0.003}, "outer": {"momentum": 0.5},
+                 "pacing": pacing, "deadline": {"initial_s": 30.0, "min_s": 20.0, "max_s": 60.0}},
+        "compression": {"codec": "int8"},
+    })
+    runner = Runner(cfg, tmp_path, show_progress=False)
+    try:
+        summary = runner.run()
+    finally:
+        runner.shutdown()
+    return (summary, read_jsonl(tmp_path / "rounds.jsonl"), read_jsonl(tmp_path / "metrics.jsonl"),
+            read_jsonl(tmp_path / "events.jsonl"))
+
+
+def test_quorum_rounds_close_without_the_slow_region_and_apply_its_late_update(tmp_path):
+    summary, rounds, metrics, events = _run(tmp_path, {"mode": "quorum", "quorum": 2, "grace_s": 0.05}, absent=True)
+    assert [r["round"] for r in rounds] == list(range(9))
+    # Rounds closed at k with the slow region still running its round.
+    closed_early = [r for r in rounds if SLOW in r["in_flight"]]
+    assert len(closed_early) >= 3, [(r["round"], r["in_flight"]) for r in rounds]
+    for r in closed_early:
+        assert len(r["regions_reported"]) >= 1 and SLOW not in r["regions_reported"]
+    late = [e for e in events if e["event"] == "late_round"]
+    assert late and all(e["region"] == SLOW for e in late)
+    # Its update reached the others late and was applied with the staleness weight.
+    applied = [(m["round"], s) for m in metrics if m["region"] != SLOW and not m.get("late")
+               for s in m.get("stale_applied", [])]
+    assert applied, "no late update was applied"
+    for round_, s in applied:
+        assert s["peer"] == SLOW and s["round"] < round_
+        assert s["weight"] == pytest.approx(stale_weight(round_ - s["round"], 0.5), abs=1e-4)
+    # The absent region sat out rounds 3-4 (not a fault), then took the model from a peer once:
+    # one state fetch, no resync storm.
+    assert [e["round"] for e in events if e["event"] == "absent"] == [3, 4]
+    assert all(AWAY not in r["participants"] for r in rounds if r["round"] in (3, 4))
+    assert AWAY in rounds[5]["participants"]
+    rejoin = [e for e in events if e["event"] == "caught_up" and e["region"] == AWAY and e["round"] == 5]
+    assert len(rejoin) == 1 and rejoin[0]["donor"] != AWAY
+    assert not [e for e in events if e["event"] in ("resync", "region_failed", "region_rejoined")]
+    assert summary["faults"]["region_failures"] == 0 and summary["faults"]["region_restarts"] == 0
+    assert summary["pacing"]["absent_region_rounds"] == 2 and summary["pacing"]["late_rounds"] >= 1
+    assert summary["eval"]["value"] > 0.85
+
+
+def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
+    summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=6)
+    steps = {(m["round"], m["region"]): m["steps"] for m in metrics}
+    assert all(steps[(0, r)] == 20 for r in REGIONS)  # no step time yet: H for everyone
+    for r in range(2, 6):
+        assert steps[(r, FAST)] >= 2 * steps[(r, SLOW)], steps
+        budgeted = [m for m in metrics if m["round"] == r]
+        assert all("fednova_scale" in m for m in budgeted)
+        # Everyone stops at the budget: the slowest region's compute is no longer 4x the others'.
+        times = [m["compute_s"] for m in budgeted]
+        assert max(times) < 2.5 * min(times), times
+    assert summary["eval"]["value"] > 0.85

@@ -1,0 +1,174 @@
+"""Compute emulation and round pacing (issue 20) without Ray: absences, slowdown, staleness
+weights, FedNova scaling, the mailbox's quorum receive and late-update keeping, config errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.config.strict import ConfigError
+from geofed.p2p.mailbox import Mailbox, Refusal
+from geofed.regions.emulation import (AbsenceWindow, AvailabilityConfig, ComputeEmulation, Slowdown,
+                                      absent_regions)
+from geofed.regions.pacing import PacingSection, fednova_scale, mix_stale, stale_weight
+
+REGIONS = ["a", "b", "c", "d"]
+
+
+def test_absence_probability_holds_within_15_percent_and_replays_exactly():
+    emu = ComputeEmulation(availability=AvailabilityConfig(absent_p=0.25, seed=7, keep_one=False))
+    draws = [absent_regions(emu, r, REGIONS) for r in range(2000)]
+    rate = sum(len(d) for d in draws) / (2000 * len(REGIONS))
+    assert abs(rate - 0.25) / 0.25 < 0.15, rate
+    assert draws == [absent_regions(emu, r, REGIONS) for r in range(2000)]  # a resume replays it
+    other = ComputeEmulation(availability=AvailabilityConfig(absent_p=0.25, seed=8, keep_one=False))
+    assert draws != [absent_regions(other, r, REGIONS) for r in range(2000)]
+
+
+def test_absence_windows_and_keep_one():
+    emu = ComputeEmulation(availability=AvailabilityConfig(
+        schedule=(AbsenceWindow(region="b", from_round=2, to_round=3),)))
+    assert [sorted(absent_regions(emu, r, REGIONS)) for r in range(5)] == [[], [], ["b"], ["b"], []]
+    everyone = ComputeEmulation(availability=AvailabilityConfig(
+        schedule=tuple(AbsenceWindow(region=r, from_round=0, to_round=0) for r in REGIONS)))
+    assert absent_regions(everyone, 0, REGIONS) == {"b", "c", "d"}  # the first region stays
+
+
+def test_slowdown_stretches_steps_by_its_factor_within_15_percent():
+    slow = Slowdown(3.0)
+    work = torch.randn(256, 256)
+    t0 = time.monotonic()
+    real = 0.0
+    for _ in range(20):
+        t = time.monotonic()
+        for _ in range(20):
+            work = torch.tanh(work @ work.T / 256)
+        real += time.monotonic() - t
+        slow.after_step(time.monotonic() - t)
+    total = time.monotonic() - t0
+    assert abs(total / real - 3.0) / 3.0 < 0.15, (total, real)
+    assert Slowdown(1.0).after_step(1.0) is None  # factor 1 never sleeps
+
+
+def test_staleness_weights_and_the_renormalised_mean():
+    assert stale_weight(0, 0.5) == 1.0 and stale_weight(3, 0.5) == pytest.approx(0.5)
+    assert stale_weight(5, 0.0) == 1.0
+    mixed = [torch.full((3,), 2.0)]              # mean of 2 on-time updates, both 2.0
+    stale = [(4, [torch.full((3,), 8.0)])]        # 3 rounds late at round 7: weight 0.5
+    out, weights = mix_stale(mixed, stale, round_=7, n_regions=2, exponent=0.5)
+    # (2 + 2 + 0.5 * 8) / (2 + 0.5) = 3.2
+    assert weights == [pytest.approx(0.5)] and torch.allclose(out[0], torch.full((3,), 3.2))
+    assert mix_stale(mixed, [], round_=7, n_regions=2, exponent=0.5)[1] == []
+
+
+def test_fednova_scale():
+    assert fednova_scale(10, 40.0) == 4.0 and fednova_scale(80, 40.0) == 0.5
+    assert fednova_scale(10, None) == 1.0
+
+
+def test_quorum_of_caps_by_the_round():
+    assert PacingSection(mode="quorum").quorum_of(4) == 3
+    assert PacingSection(mode="quorum", quorum=3).quorum_of(2) == 2
+    assert PacingSection(mode="quorum", quorum=2).quorum_of(4) == 2
+
+
+def _mailbox(window: int = 0) -> Mailbox:
+    box = Mailbox("a", round_window=2, max_message_bytes=1 << 20)
+    box.add_known(["b", "c", "d"])
+    box.accept_stale(window)
+    return box
+
+
+def _push(box: Mailbox, sender: str, round_: int, payload: bytes = b"x") -> None:
+    t = box.admit(sender, round_, len(payload), identity=sender)
+    box.deliver(t, memoryview(payload), wire_bytes=len(payload), seconds=0.0)
+
+
+def test_a_quorum_receive_closes_at_k_after_the_grace():
+    box = _mailbox()
+    box.expect(0, ["b", "c", "d"])
+    _push(box, "b", 0)
+    _push(box, "c", 0)
+    t0 = time.monotonic()
+    inbox = box.receive(0, 10.0, quorum=2, grace_s=0.3)
+    waited = time.monotonic() - t0
+    assert sorted(inbox.received) == ["b", "c"] and inbox.missing == {"d"}
+    assert 0.25 <= waited < 2.0  # the grace, not the 10 s deadline
+    box.expect(1, ["b", "c", "d"])
+    for s in "bcd":
+        _push(box, s, 1)
+    t0 = time.monotonic()
+    assert sorted(box.receive(1, 10.0, quorum=2, grace_s=5.0).received) == ["b", "c", "d"]
+    assert time.monotonic() - t0 < 1.0  # everyone in: no grace to sit out
+
+
+def test_a_late_update_is_kept_once_within_the_window_and_refused_beyond():
+    box = _mailbox(window=3)
+    box.expect(0, ["b", "c", "d"])
+    _push(box, "b", 0)
+    box.receive(0, 0.0)                           # c and d missed round 0
+    for r in (1, 2):
+        box.expect(r, ["b"])
+        box.receive(r, 0.0)
+    _push(box, "c", 0, b"late c")                 # 2 rounds late: kept
+    with pytest.raises(Refusal) as e:
+        _push(box, "c", 0, b"late c")             # once
+    assert e.value.reason == "late"
+    with pytest.raises(Refusal) as e:
+        _push(box, "b", 0, b"again")              # b delivered round 0 in time: a late copy is refused
+    assert e.value.reason == "late"
+    box.expect(3, ["b"])
+    box.receive(3, 0.0)
+    with pytest.raises(Refusal) as e:
+        _push(box, "d", 0)                        # 3 rounds behind the closed one: beyond the window
+    assert e.value.reason == "late"
+    stale = box.take_stale()
+    assert [(s, r, bytes(v)) for s, r, v in stale] == [("c", 0, b"late c")]
+    assert box.take_stale() == [] and box.held("c") == 0
+
+
+def test_without_accept_stale_late_updates_are_refused():
+    box = _mailbox(window=0)
+    box.expect(0, ["b", "c"])
+    box.receive(0, 0.0)
+    with pytest.raises(Refusal) as e:
+        _push(box, "b", 0)
+    assert e.value.reason == "late"
+
+
+def _cfg(**over):
+    base = {"task": {"kind": "mlp-digits"}, "regions": {"names": REGIONS}}
+    for key, value in over.items():
+        section, _, rest = key.partition(".")
+        d = base.setdefault(section, {})
+        *path, last = rest.split(".")
+        for p in path:
+            d = d.setdefault(p, {})
+        d[last] = value
+    return config_from_mapping(base, source="t.yaml")
+
+
+@pytest.mark.parametrize(("over", "key"), [
+    ({"sync.pacing.mode": "quorum", "sync.overlap": True}, "sync"),
+    ({"sync.pacing.mode": "quorum", "sync.algorithm": "gossip"}, "sync"),
+    ({"sync.pacing.quorum": 5}, "sync.pacing.quorum"),
+    ({"regions.emulation.slowdown": {"mars": 2.0}}, "regions"),
+    ({"regions.emulation.slowdown": {"a": 0.5}}, "regions.emulation"),
+    ({"regions.emulation.availability.absent_p": 1.0}, "regions.emulation.availability.absent_p"),
+    ({"sync.pacing.mode": "sometimes"}, "sync.pacing.mode"),
+])
+def test_bad_pacing_and_emulation_keys_name_the_key(over, key):
+    with pytest.raises(ConfigError) as e:
+        _cfg(**over)
+    assert "t.yaml" in str(e.value) and key in str(e.value)
+
+
+def test_good_pacing_configs_load():
+    cfg = _cfg(**{"sync.pacing.mode": "time-budget", "sync.overlap": True,
+                  "regions.emulation.slowdown": {"b": 4.0},
+                  "regions.emulation.availability.schedule": [{"region": "c", "from_round": 1, "to_round": 2}]})
+    assert cfg.sync.pacing.mode == "time-budget" and cfg.regions.emulation.slowdown == {"b": 4.0}
+    assert cfg.regions.emulation.active
