@@ -20,6 +20,7 @@ BENCHES = {
     "wan": ("geofed.orchestrator.bench.wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
     "dfgl": ("geofed.orchestrator.bench.dfgl", "decentralized federated graph learning against centralized"),
     "cluster": ("geofed.orchestrator.bench.cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),
+    "hetero": ("geofed.orchestrator.bench.hetero", "barrier vs time-budget vs quorum rounds with a slow or flaky region"),
     "soak": ("geofed.orchestrator.bench.soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
 }
 

@@ -2,11 +2,12 @@
 
 * ``barrier`` (the default): every region runs H steps; the round ends when all have reported.
 * ``time-budget``: every region runs inner steps until a wall-clock budget the coordinator sets
-  from the measured step times (budget = H x the fastest region's step time), so fast regions
+  from the measured step times (budget = H x the median region's step time), so fast regions
   run more steps than slow ones. Each pseudo-gradient is normalised FedNova-style (Wang et al.
   2020): scaled by tau_eff / tau_i, tau_i the steps behind it and tau_eff the mean of the steps
-  the coordinator expects of the round's regions, so a region's weight in the mean does not grow
-  with how fast its hardware is (objective drift toward the fast regions' data).
+  the coordinator expects of the round's regions (the factor kept within [1/4, 4]), so a region's
+  weight in the mean does not grow with how fast its hardware is (objective drift toward the fast
+  regions' data).
 * ``quorum``: a region's receive closes once `quorum` - 1 peer updates (plus its own) are in and
   a short grace has passed; the driver closes the round once `quorum` regions have reported and
   dispatches the next round to every region not still busy. A late update is not dropped: the
@@ -77,11 +78,13 @@ def stale_weight(staleness: int, exponent: float) -> float:
     return float((1 + max(0, staleness)) ** -exponent)
 
 
-def fednova_scale(steps: int, norm_steps: float | None) -> float:
-    """The factor on a pseudo-gradient of `steps` inner steps (tau_eff / tau_i; 1 without a norm)."""
+def fednova_scale(steps: int, norm_steps: float | None, *, limit: float = 4.0) -> float:
+    """The factor on a pseudo-gradient of `steps` inner steps: tau_eff / tau_i (1 without a norm),
+    kept within [1/limit, limit]: a region that got far fewer steps than the coordinator expected
+    (a stall, a loaded host) must not have its few noisy steps multiplied tenfold."""
     if not norm_steps or steps <= 0:
         return 1.0
-    return float(norm_steps) / steps
+    return float(min(limit, max(1.0 / limit, float(norm_steps) / steps)))
 
 
 def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence[torch.Tensor]]], *,

@@ -389,6 +389,9 @@ class RegionWorker:
         not the model's); the state is checked whole before any of it is loaded."""
         timeout_s = self.cfg.sync.deadline.max_s if timeout_s is None else timeout_s
         peer, data = fetch_state_from_any(self.transport, peers, timeout_s=timeout_s)
+        # An overlapped exchange from before (the round before an absence) must not be applied on
+        # top of the state taken now: finish it here; the donor's state then replaces its result.
+        self.finish_pending()
         state = checkpoint.load_tensors(data, what=f"state from {peer}")  # refuses code, in our words
         try:
             round_ = int(state["round"])

@@ -21,6 +21,7 @@ overlapped exchange still in flight before it returns).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from typing import Any
 
@@ -135,9 +136,9 @@ class Coordinator:
         return list(alive[:1])
 
     def region_step_time(self, region: str) -> float | None:
-        """A region's step time (the floor of its last few rounds), or None before it reported one."""
+        """A region's step time (the median of its last few rounds), or None before it reported one."""
         steps = self._region_steps.get(region)
-        return min(steps) if steps else None
+        return statistics.median(steps) if steps else None
 
     def _pacing_fields(self, H: int, alive: list[str]) -> dict[str, Any]:
         """The plan's sync.pacing fields (regions/pacing.py): time-budget: the budget (H steps of the
@@ -151,7 +152,9 @@ class Coordinator:
         if p.mode != "time-budget" or not alive or any(t is None for t in times.values()):
             return {}
         cap = max(H, math.ceil(H * p.max_steps_factor))
-        budget = H * min(times.values())
+        # H steps of the median region: on time-shared cores the fastest region's best step time
+        # is an outlier (a budget sized on it gave the fast regions 20 of H=50 steps).
+        budget = H * statistics.median(times.values())
         expected = [min(cap, max(1.0, budget / t)) for t in times.values()]
         return {"budget_s": budget, "max_steps": cap, "norm_steps": sum(expected) / len(expected)}
 
@@ -196,8 +199,8 @@ class Coordinator:
         for region, m in results.items():
             self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(m["step_time_s"])
         if self.pacing.mode == "time-budget":
-            # The budget is H steps of the fastest region: the policy sizes H on its step time.
-            self._steps.append(min(m["step_time_s"] for m in results.values()))
+            # The budget is H steps of the median region: the policy sizes H on its step time.
+            self._steps.append(statistics.median(m["step_time_s"] for m in results.values()))
         else:
             self._steps.append(max(m["step_time_s"] for m in results.values()))
         self.step_time_s = min(self._steps)

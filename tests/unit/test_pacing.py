@@ -67,6 +67,7 @@ def test_staleness_weights_and_the_renormalised_mean():
 def test_fednova_scale():
     assert fednova_scale(10, 40.0) == 4.0 and fednova_scale(80, 40.0) == 0.5
     assert fednova_scale(10, None) == 1.0
+    assert fednova_scale(1, 40.0) == 4.0 and fednova_scale(1, 40.0, limit=8.0) == 8.0  # kept within the limit
 
 
 def test_quorum_of_caps_by_the_round():

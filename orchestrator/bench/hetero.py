@@ -1,0 +1,218 @@
+"""`geofed bench hetero`: regions of unequal speed and flaky participation (issue 20).
+
+    geofed bench hetero [--quick] [--reps N] [--json] [--out DIR] [--set KEY=VALUE]
+
+Every run is a real `geofed run` (Ray actors, mutual-TLS gRPC, the proxy WAN emulator with the
+AWS preset) of configs/bench-hetero.yaml with a scenario (regions.emulation) and an arm
+(sync.pacing) laid over it:
+
+* scenarios: ``equal`` (the reference, barrier rounds), ``slow`` (eu-west-1 4x slower),
+  ``flaky`` (each region absent with probability 0.25 per round);
+* arms: ``barrier`` (today's rounds, with overlap), ``drop`` (quorum rounds that discard late
+  updates: deadline-and-drop), ``time-budget`` (with overlap), ``quorum`` (late updates applied
+  with a staleness weight).
+
+Runs are interleaved: repetition i runs every (scenario, arm) pair once, in an order rotated by
+i, so load that comes and goes on a shared machine spreads over the arms. Ratios are computed per
+repetition, then their median is reported with the min and max. docs/heterogeneity.md has the
+measured table and what each arm does wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..config import config_from_mapping, default_config_path
+from ..config.strict import parse_yaml_file
+
+BASE_CONFIG = "bench-hetero.yaml"
+SLOW_REGION, SLOW_FACTOR, ABSENT_P = "eu-west-1", 4.0, 0.25
+# Every region is emulated 2x slower than its share of this machine, the slow one 4x that: a
+# region that sleeps leaves the cores to the others, and without the common factor the three fast
+# regions of `slow` would run faster than the four of `equal` (2 cores, 4 regions time-sharing).
+BASE_SLOWDOWN = 2.0
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "equal": {},
+    "slow": {"slowdown": {SLOW_REGION: SLOW_FACTOR}},
+    "flaky": {"availability": {"absent_p": ABSENT_P, "seed": 1}},
+}
+ARMS: dict[str, dict[str, Any]] = {
+    "barrier": {"overlap": True, "pacing": {"mode": "barrier"}},
+    "drop": {"overlap": False, "pacing": {"mode": "quorum", "late_updates": "drop"}},
+    "time-budget": {"overlap": True, "pacing": {"mode": "time-budget"}},
+    "quorum": {"overlap": False, "pacing": {"mode": "quorum", "late_updates": "apply"}},
+}
+TARGET_ACCURACY = 0.95
+TARGETS = {"slow_best_vs_equal": 1.3, "flaky_best_vs_equal": 1.3, "slow_best_metric_delta": -0.01,
+           "slow_fast_idle_fraction": 0.1}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (scenario, arm) pair of the bench."""
+
+    scenario: str
+    arm: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.scenario}/{self.arm}"
+
+
+def cells() -> list[Cell]:
+    """equal runs the reference arm only; slow and flaky run every arm."""
+    return [Cell("equal", "barrier")] + [Cell(s, a) for s in ("slow", "flaky") for a in ARMS]
+
+
+def interleaved(items: Sequence[Cell], reps: int) -> list[tuple[int, Cell]]:
+    """The run order: repetition i runs every item once, starting at item i mod n (a rotation), so
+    no item always runs first or last."""
+    n = len(items)
+    return [(i, items[(i + j) % n]) for i in range(reps) for j in range(n)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geofed bench hetero", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one repetition of shorter runs (10 rounds), said so in the output")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every run, interleaved (default 3)")
+    p.add_argument("--json", action="store_true", help="print the JSON document on stdout")
+    p.add_argument("--out", help="folder for the run directories (default runs/bench-hetero-<UTC time>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config key in every run (e.g. --set run.seed=1)")
+    return p
+
+
+def arm_config(cell: Cell, *, quick: bool, overrides: Sequence[str] = (), base: dict | None = None):
+    """The RunConfig of one cell: the base file, the scenario's emulation, the arm's pacing."""
+    m = copy.deepcopy(base if base is not None else parse_yaml_file(default_config_path().parent / BASE_CONFIG))
+    emulation = copy.deepcopy(SCENARIOS[cell.scenario])
+    slowdown = {r: BASE_SLOWDOWN for r in m["regions"]["names"]}
+    slowdown.update({r: f * BASE_SLOWDOWN for r, f in emulation.get("slowdown", {}).items()})
+    m["regions"]["emulation"] = {**emulation, "slowdown": slowdown}
+    arm = ARMS[cell.arm]
+    m.setdefault("sync", {}).update({"overlap": arm["overlap"], "pacing": copy.deepcopy(arm["pacing"])})
+    if quick:
+        m["run"]["rounds"] = 10
+    return config_from_mapping(m, list(overrides), source=f"bench hetero {cell.name}")
+
+
+def main(argv: Sequence[str]) -> int:
+    """`geofed bench hetero ARGS`; returns the exit code (1: a run failed)."""
+    try:
+        args = _parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    reps = 1 if args.quick else args.reps
+    if reps < 1:
+        print("geofed bench hetero: --reps: must be >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-hetero-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
+    console = Console(stderr=True)
+    from ..driver.cluster import PlacementError
+    from ..driver.recovery import RunFailed
+
+    try:
+        doc = run_bench(out, reps=reps, quick=args.quick, overrides=args.overrides, console=console)
+    except (PlacementError, RunFailed) as exc:
+        print(f"geofed bench hetero: {exc} (run directories so far: {out})", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_table(Console(), doc)
+        print(f"run directories: {out}")
+    return 0
+
+
+def run_bench(out: Path, *, reps: int, quick: bool, overrides: Sequence[str] = (),
+              console: Console | None = None) -> dict[str, Any]:
+    """Run every cell `reps` times, interleaved; returns the JSON document (also out/bench.json)."""
+    import ray
+
+    from .hetero_results import document, measure
+
+    console = console or Console(stderr=True)
+    out.mkdir(parents=True, exist_ok=True)
+    order = interleaved(cells(), reps)
+    configs = {c: arm_config(c, quick=quick, overrides=overrides) for c in cells()}
+    started = False
+    if not ray.is_initialized():
+        cfg = next(iter(configs.values()))
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
+        started = True
+    rows: list[dict[str, Any]] = []
+    console.rule(f"geofed bench hetero: {len(order)} runs ({reps} interleaved repetition{'s' * (reps > 1)}"
+                 f"{', --quick' if quick else ''}), target accuracy {TARGET_ACCURACY}")
+    try:
+        for k, (rep, cell) in enumerate(order):
+            run_dir = _run(configs[cell], out / f"rep{rep}" / cell.scenario / cell.arm)
+            row = {"rep": rep, "scenario": cell.scenario, "arm": cell.arm,
+                   **measure(run_dir, target=TARGET_ACCURACY,
+                             slow=[SLOW_REGION] if cell.scenario == "slow" else [])}
+            rows.append(row)
+            tt = row["time_to_target_s"]
+            console.print(f"[{k + 1}/{len(order)}] rep {rep} {cell.name}: "
+                          f"{'not reached' if tt is None else f'{tt:.2f} s'} to {TARGET_ACCURACY}, "
+                          f"final {row['final_metric']}, idle {row['fast_idle_fraction']}")
+    finally:
+        if started:
+            ray.shutdown()
+    doc = document(rows, reps=reps, quick=quick, targets=TARGETS)
+    (out / "bench.json").write_text(json.dumps({**doc, "rows": rows}, indent=2))
+    return doc
+
+
+def _run(cfg, out: Path) -> Path:
+    from ..driver.rundir import new_run_dir
+    from ..driver.runner import Runner, prepare_task
+
+    cfg = prepare_task(cfg, source="bench hetero")
+    run_dir = new_run_dir(cfg, str(out))
+    runner = Runner(cfg, run_dir, show_progress=False)
+    try:
+        runner.run()
+    finally:
+        runner.shutdown()
+    return run_dir
+
+
+def print_table(console: Console, doc: dict[str, Any]) -> None:
+    """The per-arm medians and the ratios against their targets."""
+    t = Table(title=f"geofed bench hetero ({doc['reps']} rep{'s' * (doc['reps'] > 1)}{', quick' if doc['quick'] else ''};"
+                    " medians, [min-max])")
+    for col in ("scenario", "arm", "time to target s", "steps to target", "final accuracy", "MB sent", "fast idle"):
+        t.add_column(col)
+    for a in doc["arms"]:
+        t.add_row(a["scenario"], a["arm"], _spread(a, "time_to_target_s"), _fmt(a["steps_to_target"]),
+                  _fmt(a["final_metric"], 4), _fmt(None if a["bytes_sent"] is None else a["bytes_sent"] / 1e6),
+                  _fmt(a["fast_idle_fraction"]))
+    console.print(t)
+    for key, value in doc["ratios"].items():
+        sp = doc["spread"].get(key) or {}
+        target = TARGETS.get(key)
+        console.print(f"{key}: {_fmt(value)} [{_fmt(sp.get('min'))}-{_fmt(sp.get('max'))}]"
+                      + ("" if target is None else f" (target {'>=' if key.endswith('delta') else '<='} {target:g})"))
+
+
+def _spread(a: dict[str, Any], key: str) -> str:
+    sp = a.get("spread", {}).get(key) or {}
+    return f"{_fmt(a[key])} [{_fmt(sp.get('min'))}-{_fmt(sp.get('max'))}]"
+
+
+def _fmt(x, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+__all__ = ["ARMS", "SCENARIOS", "Cell", "cells", "interleaved", "main", "run_bench"]
