@@ -45,8 +45,9 @@ def measure(run_dir: Path, *, target: float, slow: Sequence[str] = ()) -> dict[s
 
 def document(rows: list[dict[str, Any]], *, reps: int, quick: bool, targets: dict[str, float]) -> dict[str, Any]:
     """Per-arm medians with their spread, and the ratios: each computed per repetition, then the
-    median (spread: min and max over repetitions). The best arm of a scenario is the non-barrier
-    arm with the smallest median time to target."""
+    median (spread: min and max over repetitions). An arm's time in slow or flaky is divided by
+    the same arm's in equal. The best arm of a scenario is the non-barrier arm with the smallest
+    median time to target."""
     cellsets: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
         cellsets[(row["scenario"], row["arm"])].append(row)
@@ -55,8 +56,7 @@ def document(rows: list[dict[str, Any]], *, reps: int, quick: bool, targets: dic
     per_rep: dict[str, list[float]] = defaultdict(list)
     for rep in sorted({r["rep"] for r in rows}):
         got = {(r["scenario"], r["arm"]): r for r in rows if r["rep"] == rep}
-        ref = got.get(("equal", "barrier"))
-        for name, value in _ratios(got, ref, best).items():
+        for name, value in _ratios(got, best).items():
             if value is not None:
                 per_rep[name].append(value)
     names = ("slow_barrier_vs_equal", "slow_best_vs_equal", "flaky_best_vs_equal", "slow_best_metric_delta",
@@ -70,18 +70,20 @@ def document(rows: list[dict[str, Any]], *, reps: int, quick: bool, targets: dic
             "targets": targets, "targets_met": met}
 
 
-def _ratios(got: dict, ref: dict | None, best: dict[str, str | None]) -> dict[str, float | None]:
-    def t(scenario: str, arm: str | None) -> float | None:
-        row = got.get((scenario, arm)) if arm else None
-        return None if row is None else row["time_to_target_s"]
+def _ratios(got: dict, best: dict[str, str | None]) -> dict[str, float | None]:
+    """One repetition's ratios: an arm's time in slow/flaky over the same arm's in equal."""
+    def ratio(scenario: str, arm: str | None) -> float | None:
+        row, ref = got.get((scenario, arm)), got.get(("equal", arm))
+        if row is None or ref is None or row["time_to_target_s"] is None or not ref["time_to_target_s"]:
+            return None
+        return row["time_to_target_s"] / ref["time_to_target_s"]
 
-    ref_t = None if ref is None else ref["time_to_target_s"]
     out: dict[str, float | None] = {}
     for scenario in ("slow", "flaky"):
-        for label, arm in (("barrier", "barrier"), ("best", best[scenario])):
-            x = t(scenario, arm)
-            out[f"{scenario}_{label}_vs_equal"] = None if x is None or not ref_t else x / ref_t
+        out[f"{scenario}_barrier_vs_equal"] = ratio(scenario, "barrier")
+        out[f"{scenario}_best_vs_equal"] = ratio(scenario, best[scenario]) if best[scenario] else None
     slow_best = got.get(("slow", best["slow"])) if best["slow"] else None
+    ref = got.get(("equal", best["slow"])) if best["slow"] else None
     if slow_best is not None and ref is not None and None not in (slow_best["final_metric"], ref["final_metric"]):
         out["slow_best_metric_delta"] = slow_best["final_metric"] - ref["final_metric"]
     out["slow_fast_idle_fraction"] = None if slow_best is None else slow_best["fast_idle_fraction"]

@@ -36,6 +36,7 @@ OVERHEAD_WINDOW = 5  # rounds in the minimum of the per-round control-plane over
 STEP_WINDOW = 5      # rounds in the minimum of the step time (regions time-sharing cores read +-40% a round)
 WARMUP_ROUNDS = 2    # Ray's first calls and the first exchanges are slower: their overhead is not the run's
 MIN_OVERHEAD_SAMPLES = 3
+CALIBRATION_STEPS = 10  # time-budget: the steps of a round that measures regions without a step time
 
 
 class Coordinator:
@@ -101,6 +102,10 @@ class Coordinator:
             H, reason = decision.H, decision.reason
             codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
             self.last_record = decision.to_record()
+        if self.pacing.mode == "time-budget" and any(self.region_step_time(r) is None for r in alive) and H > CALIBRATION_STEPS:
+            # No step time of some region yet: a short round measures them all, instead of a
+            # barrier round of H steps that waits for the slowest.
+            reason, H = f"{reason} | H {H}->{CALIBRATION_STEPS}: time-budget calibration round", CALIBRATION_STEPS
         left = self.max_steps - self.steps_done
         # The last round takes what is left, also a remainder under H/2 (a round of a few steps
         # would cost a whole exchange and report a loss over a handful of batches).

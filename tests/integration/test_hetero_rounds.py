@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.coordinator import CALIBRATION_STEPS
 from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.orchestrator.driver.runner import Runner
 from geofed.regions.pacing import stale_weight
@@ -72,7 +73,7 @@ def test_quorum_rounds_close_without_the_slow_region_and_apply_its_late_update(t
 def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
     summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=6)
     steps = {(m["round"], m["region"]): m["steps"] for m in metrics}
-    assert all(steps[(0, r)] == 20 for r in REGIONS)  # no step time yet: H for everyone
+    assert all(steps[(0, r)] == CALIBRATION_STEPS for r in REGIONS)  # no step time yet: a short round for everyone
     for r in range(2, 6):
         assert steps[(r, FAST)] >= 2 * steps[(r, SLOW)], steps
         budgeted = [m for m in metrics if m["round"] == r]
