@@ -92,7 +92,7 @@ def _commitment(ctx: RoundContext, dealer: str, holder: str, kind: str, share: s
 @dataclass(frozen=True, kw_only=True)
 class KeyAdvert:
     """A region's public key for one round and the commitments to the shares it dealt (per kind,
-    one per region in `RoundContext.regions` order, b"" for its own), signed with its TLS key."""
+    one per region in `RoundContext.regions` order, its own included), signed with its TLS key."""
 
     run_id: str
     round: int
@@ -148,11 +148,11 @@ class RoundSecrets:
         for pos, holder in enumerate(ctx.regions):
             pair = (dealt[0][pos], dealt[1][pos])
             for k, kind in enumerate(KINDS):
-                # The dealer's own point is dropped: it is not sent, so nothing commits to it.
-                commitments[k].append(b"" if holder == region else _commitment(ctx, region, holder, kind, pair[k]))
-            if holder != region:
-                bundles[holder] = ShareBundle(run_id=ctx.run_id, round=ctx.round, dealer=region, holder=holder,
-                                              shares=pair)
+                commitments[k].append(_commitment(ctx, region, holder, kind, pair[k]))
+            # The dealer holds a point of its own too: a survivor's seed is then rebuilt from the
+            # survivors' shares alone (its own among them) while up to n - t regions are missing.
+            bundles[holder] = ShareBundle(run_id=ctx.run_id, round=ctx.round, dealer=region, holder=holder,
+                                          shares=pair)
         public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         advert = KeyAdvert(run_id=ctx.run_id, round=ctx.round, region=region, public_key=public,
                            commitments=(tuple(commitments[0]), tuple(commitments[1])))
@@ -227,7 +227,7 @@ def verify_advert(advert: KeyAdvert, ctx: RoundContext, *, book: KeyBook, cert_p
         raise SecAggError("wrong_round", f"{advert.region}'s advert is for round {advert.round}, not {ctx.round}")
     ctx.index(advert.region)
     n = len(ctx.regions)
-    if len(advert.public_key) != 32 or any(len(c) != n for c in advert.commitments):
+    if len(advert.public_key) != 32 or any(len(c) != n or any(len(h) != 32 for h in c) for c in advert.commitments):
         raise SecAggError("malformed", f"{advert.region}'s advert holds a {len(advert.public_key)}-byte key "
                                        f"or commitments for other than {n} regions")
     if (cert_pem is None) != (ca_pem is None):
@@ -270,7 +270,7 @@ class ShareHolder:
             raise SecAggError("reveal_conflict", f"{sorted(survivors & dropped)} both survived and dropped")
         out = {}
         for dealers, kind in ((survivors, "seed"), (dropped, "key")):
-            for dealer in sorted(dealers - {self.me}):
+            for dealer in sorted(dealers):
                 if self.revealed.setdefault(dealer, kind) != kind:
                     raise SecAggError("reveal_conflict", f"{dealer}'s {self.revealed[dealer]} share was already "
                                                          f"revealed this round; its {kind} share never will be")
