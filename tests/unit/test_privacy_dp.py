@@ -161,3 +161,30 @@ def test_update_level_clip_and_noise():
     assert float(big[0].std()) == pytest.approx(1.5 * 2.0 * 0.5, rel=0.02)
     with pytest.raises(ValueError, match="non-finite"):
         clip_and_noise_update([torch.tensor([float("nan")])], clip=1.0, noise_multiplier=1.0)
+
+
+def test_a_planned_budget_ends_at_the_target_and_then_stops():
+    from geofed.regions.privacy.budget import PrivacyBudget
+
+    plan = dict(mode="record", noise_multiplier=None, target_epsilon=4.0, delta=1e-5, rounds=20,
+                steps_per_round=25, batch_size=32, smallest_shard=1000)
+    budget = PrivacyBudget.plan(**plan)
+    assert budget.sample_rate == 0.032
+    for _ in range(20):
+        assert budget.check_next(25) == "ok"
+        budget.spend(25)
+    assert 3.5 < budget.epsilon() <= 4.0
+    assert budget.check_next(25) == "stop"  # a 21st round would go past the budget
+    assert PrivacyBudget.plan(**{**plan, "on_target": "warn"}).check_next(10_000) == "warn"
+    assert budget.metrics()["dp_steps"] == 500
+
+
+def test_update_level_budget_counts_one_gaussian_step_per_round():
+    from geofed.regions.privacy.budget import PrivacyBudget
+
+    budget = PrivacyBudget.plan(mode="update", noise_multiplier=10.0, target_epsilon=None, delta=1e-5, rounds=30,
+                                steps_per_round=50, batch_size=32, smallest_shard=100)
+    budget.spend(50)
+    assert budget.accountant.steps == 1 and budget.check_next(50) == "ok"
+    assert budget.epsilon() == pytest.approx(epsilon_after(noise_multiplier=10.0, sample_rate=1.0, steps=1,
+                                                           delta=1e-5))
