@@ -63,23 +63,26 @@ def _share(b: bytes) -> Share:
         raise SecAggError("malformed", str(exc)) from None
 
 
-def encode_advert(a: KeyAdvert) -> bytes:
-    """A KeyAdvert: run, round, region, key, signature, n, then the key and seed commitments."""
+def encode_advert(a: KeyAdvert, cert_pem: bytes = b"") -> bytes:
+    """A KeyAdvert and the signer's certificate (PEM, checked against the run's CA by the
+    receiver; empty without TLS): run, round, region, key, signature, certificate, n, then the key
+    and seed commitments."""
     n = len(a.commitments[0])
     return _pack(ADVERT, [a.run_id.encode(), a.round.to_bytes(8, "big"), a.region.encode(), a.public_key,
-                          a.signature, n.to_bytes(2, "big"), *a.commitments[0], *a.commitments[1]])
+                          a.signature, cert_pem, n.to_bytes(2, "big"), *a.commitments[0], *a.commitments[1]])
 
 
-def decode_advert(data: bytes | memoryview) -> KeyAdvert:
-    """The advert in `data` (its signature and round are `verify_advert`'s to check)."""
+def decode_advert(data: bytes | memoryview) -> tuple[KeyAdvert, bytes]:
+    """The advert in `data` and the certificate it came with (`verify_advert` checks both)."""
     f = _unpack(data, ADVERT)
-    if len(f) < 6:
-        raise SecAggError("malformed", "an advert needs at least 6 fields")
-    n = int.from_bytes(f[5], "big")
-    if len(f) != 6 + 2 * n:
-        raise SecAggError("malformed", f"an advert for {n} regions has {len(f) - 6} commitments")
-    return KeyAdvert(run_id=_text(f[0]), round=_int(f[1]), region=_text(f[2]), public_key=f[3], signature=f[4],
-                     commitments=(tuple(f[6:6 + n]), tuple(f[6 + n:])))
+    if len(f) < 7:
+        raise SecAggError("malformed", "an advert needs at least 7 fields")
+    n = int.from_bytes(f[6], "big")
+    if len(f) != 7 + 2 * n:
+        raise SecAggError("malformed", f"an advert for {n} regions has {len(f) - 7} commitments")
+    advert = KeyAdvert(run_id=_text(f[0]), round=_int(f[1]), region=_text(f[2]), public_key=f[3], signature=f[4],
+                       commitments=(tuple(f[7:7 + n]), tuple(f[7 + n:])))
+    return advert, f[5]
 
 
 def encode_bundle(b: ShareBundle) -> bytes:

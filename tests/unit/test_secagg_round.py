@@ -50,11 +50,10 @@ class Region:
         self.holder = None
 
     def _advert(self, sender, round, payload):
-        advert = wire.decode_advert(payload)
+        advert, cert = wire.decode_advert(payload)
         if advert.region != sender:
             raise ValueError(f"an advert for {advert.region} from {sender}")
-        verify_advert(advert, self.ctx, book=self.book, cert_pem=self.tls[sender].cert_pem,
-                      ca_pem=self.tls[sender].ca_pem)
+        verify_advert(advert, self.ctx, book=self.book, cert_pem=cert, ca_pem=self.tls[self.name].ca_pem)
         return advert
 
     def _bundle(self, sender, round, payload):
@@ -87,7 +86,7 @@ def _run(tls, dropped=frozenset(), tamper=None):
     hubs = {p: InMemoryHub() for p in PHASES}
     ctx = RoundContext(run_id="run-x", round=ROUND, regions=REGIONS, threshold=default_threshold(4))
     regions = {r: Region(r, hubs, ctx, tls) for r in REGIONS}
-    _send_all(regions, "advert", lambda r, peer: wire.encode_advert(r.secrets.advert))
+    _send_all(regions, "advert", lambda r, peer: wire.encode_advert(r.secrets.advert, tls[r.name].cert_pem))
     for r in regions.values():
         r.adverts()
     refused = None
@@ -168,7 +167,7 @@ def test_a_replayed_advert_is_refused_and_counted(tls):
     target = fresh[REGIONS[1]]
     target.book = regions[REGIONS[1]].book  # the receiver remembers what it accepted before
     with pytest.raises(TransportError) as exc:  # round 7's signed advert pushed again in round 8
-        fresh[REGIONS[0]].t["advert"].send(REGIONS[1], ROUND + 1, wire.encode_advert(old), timeout_s=1.0)
+        fresh[REGIONS[0]].t["advert"].send(REGIONS[1], ROUND + 1, wire.encode_advert(old, tls[REGIONS[0]].cert_pem), timeout_s=1.0)
     assert "replayed_key" in str(exc.value)
     assert target.t["advert"].stats()["refused"] == {"invalid_payload": 1}
 
