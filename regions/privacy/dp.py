@@ -62,7 +62,7 @@ def clip_per_example(grads: dict[str, torch.Tensor], clip: float) -> tuple[dict[
     the clipped gradients and each example's norm before clipping."""
     if not clip > 0:
         raise ValueError(f"clip: must be > 0, got {clip}")
-    flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
+    flat = [g.flatten(1) for g in grads.values()]  # flatten, not reshape(n, -1): a Poisson batch may be empty
     norms = torch.linalg.vector_norm(torch.cat(flat, dim=1), dim=1)
     factor = (clip / (norms + 1e-12)).clamp(max=1.0)
     return {n: g * factor.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}, norms

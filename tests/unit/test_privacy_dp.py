@@ -188,3 +188,13 @@ def test_update_level_budget_counts_one_gaussian_step_per_round():
     assert budget.accountant.steps == 1 and budget.check_next(50) == "ok"
     assert budget.epsilon() == pytest.approx(epsilon_after(noise_multiplier=10.0, sample_rate=1.0, steps=1,
                                                            delta=1e-5))
+
+
+def test_an_empty_poisson_batch_gives_noise_alone():
+    model = _model()
+    empty = (torch.zeros(0, 6), torch.zeros(0, dtype=torch.long))
+    info = dp_gradients(model, _loss, empty, clip=1.0, noise_multiplier=1.0, expected_batch=4.0,
+                        generator=torch.Generator().manual_seed(0))
+    assert info["clipped_fraction"] == 0.0
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert 0.15 < float(grads.std()) < 0.35  # N(0, 1) / 4
