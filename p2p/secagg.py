@@ -194,15 +194,17 @@ def _check_identity(advert: KeyAdvert, cert_pem: bytes, ca_pem: bytes, now: dt.d
 @dataclass
 class KeyBook:
     """The public keys a region has accepted, per peer: a key seen in an earlier round is a
-    replay (every round's key is fresh), as is an advert for a round before the newest accepted."""
+    replay (every round's key is fresh), as is an advert for a round before the newest accepted.
+    The last MAX_KEYS keys per peer are kept (older rounds are refused by their round anyway)."""
 
-    keys: dict[str, set[bytes]] = field(default_factory=dict)
+    MAX_KEYS = 4096
+    keys: dict[str, dict[bytes, None]] = field(default_factory=dict)  # an insertion-ordered set
     newest: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # region -> (round, its key)
 
     def accept(self, advert: KeyAdvert) -> None:
         if self.newest.get(advert.region) == (advert.round, advert.public_key):
             return  # the same advert delivered twice (a retried push)
-        seen = self.keys.setdefault(advert.region, set())
+        seen = self.keys.setdefault(advert.region, {})
         if advert.public_key in seen:
             raise SecAggError("replayed_key", f"{advert.region}'s public key for round {advert.round} "
                                               "was already used in an earlier round")
@@ -210,8 +212,25 @@ class KeyBook:
         if advert.round <= last:
             raise SecAggError("replayed_key", f"{advert.region} already advertised a key for round {last}; "
                                               f"got another for round {advert.round}")
-        seen.add(advert.public_key)
+        seen[advert.public_key] = None
+        if len(seen) > self.MAX_KEYS:
+            del seen[next(iter(seen))]
         self.newest[advert.region] = (advert.round, advert.public_key)
+
+    def state(self) -> dict:
+        """For a region's checkpoint: the keys (hex) and the newest round per peer."""
+        return {r: {"keys": [k.hex() for k in ks], "newest": self.newest.get(r, (-1, b""))[0]}
+                for r, ks in self.keys.items()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> KeyBook:
+        book = cls()
+        for region, d in state.items():
+            keys = [bytes.fromhex(k) for k in d["keys"]]
+            book.keys[region] = dict.fromkeys(keys)
+            if keys:
+                book.newest[region] = (int(d["newest"]), keys[-1])
+        return book
 
 
 def verify_advert(advert: KeyAdvert, ctx: RoundContext, *, book: KeyBook, cert_pem: bytes | None = None,

@@ -76,6 +76,7 @@ class SecAggSession:
     def on_bundle(self, sender: str, payload: bytes | memoryview) -> None:
         """A peer's shares; checked once every advert is in (kept until then: pushes race)."""
         bundle = wire.decode_bundle(payload)
+        self.ctx.index(sender)  # a region of the run: at most one held bundle per region
         if bundle.dealer != sender or bundle.holder != self.me:
             raise SecAggError("unknown_region", f"shares of {bundle.dealer!r} for {bundle.holder!r} pushed by {sender!r}")
         if self.holder is None:

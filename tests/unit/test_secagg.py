@@ -247,3 +247,18 @@ def test_context_refuses_too_few_regions_and_bad_thresholds():
         RoundContext(run_id="r", round=0, regions=("a", "b", "c"), threshold=3)
     with pytest.raises(ValueError, match="bits"):
         RoundContext(run_id="r", round=0, regions=("a", "b", "c"), threshold=2, bits=12)
+
+
+def test_the_key_book_survives_a_checkpoint_and_stays_bounded():
+    ctx, _, adverts = _round(round=2)
+    book = KeyBook()
+    for a in adverts.values():
+        book.accept(a)
+    again = KeyBook.from_state(book.state())
+    with pytest.raises(SecAggError, match="replayed_key"):
+        again.accept(dataclasses.replace(adverts[REGIONS[0]], round=3))  # an old key in a later round
+    small = KeyBook()
+    small.MAX_KEYS = 3
+    for r in range(5):
+        small.accept(_round(round=r)[2][REGIONS[0]])
+    assert len(small.keys[REGIONS[0]]) == 3 and small.newest[REGIONS[0]][0] == 4
