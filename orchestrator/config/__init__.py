@@ -21,6 +21,7 @@ from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_
 from . import strict
 from ..launch.config import LaunchSection
 from ..policies import FixedPolicyConfig, policy_config_class
+from .privacy import PrivacySection, check_privacy_rules
 from .strict import ConfigError
 
 MAX_REGIONS = 256
@@ -387,6 +388,16 @@ class SecuritySection:
     rollback_on_nonfinite: bool = field(default=True, metadata=_doc(
         "a region whose loss or model turns non-finite goes back to its state at the start of the round and "
         "drops the round's inputs (an event), instead of failing the run; 3 in a row still fail it"))
+    secure_aggregation: bool = field(default=False, metadata=_doc(
+        "mask every region's update with pairwise X25519/ChaCha20 masks that cancel in the sum, so a region learns "
+        "only the sum of the others' updates; full-topology diloco, >= 3 regions, TLS, and a codec that sums as "
+        "integers (int8, int4, randomk; topk, sign and powersgd are refused). docs/privacy.md"))
+    secagg_threshold: int | None = field(default=None, metadata=_doc(
+        "Shamir threshold t of secure aggregation's dropout recovery: t regions rebuild a dropped region's masks, "
+        "fewer than t colluding learn nothing (null: a majority, max(2, n // 2 + 1), at most n - 1)"))
+    secagg_bits: Literal[8, 16, 32] = field(default=32, metadata=_doc(
+        "the mask ring Z_2^bits: a masked value costs bits on the wire (32: 4x an int8 update); 8 keeps int8's "
+        "bytes but leaves each region 127 // n levels so that the sum cannot wrap"))
 
     def __post_init__(self):
         if not 0 <= self.round_window <= 1000:
@@ -427,6 +438,8 @@ class RunConfig:
     security: SecuritySection = field(default_factory=SecuritySection, metadata=_doc("TLS and message validation"))
     ray: RaySection = field(default_factory=RaySection, metadata=_doc("the Ray cluster"))
     launch: LaunchSection = field(default_factory=LaunchSection, metadata=_doc("multi-region cloud launch: `geofed launch plan` (docs/launch.md)"))
+    privacy: PrivacySection = field(default_factory=PrivacySection, metadata=_doc(
+        "differential privacy (docs/privacy.md)"))
 
     def __post_init__(self):
         if self.regions.device.startswith("cuda") and self.regions.num_gpus <= 0:
@@ -444,6 +457,7 @@ class RunConfig:
         if robust in ("trimmed-mean", "median") and (self.sync.algorithm == "gossip" or self.sync.topology != "full"):
             raise ValueError(f"security.robust_aggregation: {robust} replaces the mix of full-topology diloco or "
                              f"allreduce, not {self.sync.algorithm} over {self.sync.topology} (use clip)")
+        check_privacy_rules(self)
 
 
 def _check_choco_compression(c: CompressionSection) -> None:

@@ -1,0 +1,108 @@
+"""``privacy``: differential privacy's config, and the rules that tie secure aggregation and DP to
+the rest of a run config (RunConfig calls `check_privacy_rules`; docs/privacy.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from geofed.p2p.secagg_codecs import secagg_codec_problem
+
+
+def _doc(text: str, **kw) -> dict:
+    return {"doc": text, **kw}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpSection:
+    """``privacy.dp``: which DP mechanism, its clip and noise, and the privacy budget."""
+
+    mode: Literal["off", "record", "update"] = field(default="off", metadata=_doc(
+        "off; record: DP-SGD inside every region (each example's gradient clipped to clip, Gaussian noise), "
+        "a guarantee per training record; update: each region's pseudo-gradient clipped to clip and noised once "
+        "per round, a guarantee per region's whole data (docs/privacy.md)"))
+    clip: float = field(default=1.0, metadata=_doc(
+        "L2 bound: of each example's gradient (record) or of each region's pseudo-gradient (update)"))
+    noise_multiplier: float | None = field(default=None, metadata=_doc(
+        "Gaussian noise std over clip; null: the smallest that keeps the planned run (run.rounds) within "
+        "target_epsilon, found by the accountant before round 0"))
+    target_epsilon: float | None = field(default=None, metadata=_doc(
+        "the privacy budget at delta; null: none (then noise_multiplier must be set and epsilon is only reported)"))
+    delta: float = field(default=1e-5, metadata=_doc(
+        "the delta of the reported (epsilon, delta); well below 1 / the number of records"))
+    on_target: Literal["stop", "warn"] = field(default="stop", metadata=_doc(
+        "when the next round would take epsilon past target_epsilon: stop the run before it, or warn and go on"))
+
+    def __post_init__(self):
+        if not 0 < self.clip <= 1e6:
+            raise ValueError(f"clip: must be in (0, 1e6], got {self.clip}")
+        if self.noise_multiplier is not None and not 0.01 <= self.noise_multiplier <= 1e4:
+            raise ValueError(f"noise_multiplier: must be in [0.01, 1e4] (or null), got {self.noise_multiplier}")
+        if self.target_epsilon is not None and not 0 < self.target_epsilon <= 1e3:
+            raise ValueError(f"target_epsilon: must be in (0, 1000] (or null), got {self.target_epsilon}")
+        if not 0 < self.delta < 0.1:
+            raise ValueError(f"delta: must be in (0, 0.1), got {self.delta}")
+        if self.mode != "off" and self.noise_multiplier is None and self.target_epsilon is None:
+            raise ValueError(f"noise_multiplier: privacy.dp.mode {self.mode} needs noise_multiplier or "
+                             "target_epsilon (which then chooses the noise)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacySection:
+    """``privacy``: differential privacy of the trained model (secure aggregation is ``security.secure_aggregation``)."""
+
+    dp: DpSection = field(default_factory=DpSection, metadata=_doc("differential privacy"))
+
+
+# Tasks whose records are not independent examples: a node's features reach its neighbours'
+# gradients, so clipping one example's gradient does not bound one record's influence.
+_NOT_PER_EXAMPLE = ("gcn-planetoid",)
+
+
+def check_privacy_rules(cfg: Any) -> None:
+    """Cross-section rules of secure aggregation and DP; ValueError("dotted.key: ...") names the key."""
+    sec, dp = cfg.security, cfg.privacy.dp
+    if sec.secure_aggregation:
+        _check_secure_aggregation(cfg)
+    elif sec.secagg_threshold is not None:
+        raise ValueError("security.secagg_threshold: only means something with security.secure_aggregation: true")
+    if dp.mode == "record" and getattr(cfg.task, "kind", "") in _NOT_PER_EXAMPLE:
+        raise ValueError(f"privacy.dp.mode: record-level DP clips per example, and {cfg.task.kind}'s examples share "
+                         "a graph (one node's features reach its neighbours' gradients); use mode update")
+    if dp.mode == "update" and cfg.sync.algorithm != "diloco":
+        raise ValueError(f"privacy.dp.mode: update-level DP noises DiLoCo's pseudo-gradient; sync.algorithm is "
+                         f"{cfg.sync.algorithm} (use mode record)")
+
+
+def _check_secure_aggregation(cfg: Any) -> None:
+    c = cfg.compression
+    for key, spec in [("codec", c.codec)] + [(f"ladder.{i}", s) for i, s in enumerate(c.ladder)]:
+        problem = secagg_codec_problem(spec)
+        if problem is not None:
+            raise ValueError(f"compression.{key}: {spec.key} cannot be combined with security.secure_aggregation: "
+                             f"{problem}; use int8, int4 or randomk")
+    if c.ladder:
+        raise ValueError("compression.ladder: security.secure_aggregation sums every region's update in one ring, "
+                         "so a round has one codec for all links; per-link codecs (a ladder) are refused")
+    if cfg.sync.algorithm != "diloco" or cfg.sync.topology != "full":
+        raise ValueError(f"security.secure_aggregation: needs sync.algorithm diloco over sync.topology full (every "
+                         f"region sums every update), got {cfg.sync.algorithm} over {cfg.sync.topology}")
+    n = len(cfg.regions.names)
+    if n < 3:
+        raise ValueError(f"security.secure_aggregation: needs >= 3 regions (with {n}, a region's own update and the "
+                         "sum give the other's)")
+    if sec_threshold_bad(cfg.security.secagg_threshold, n):
+        raise ValueError(f"security.secagg_threshold: must be in [2, {n - 1}] for {n} regions, "
+                         f"got {cfg.security.secagg_threshold}")
+    if not cfg.security.tls:
+        raise ValueError("security.secure_aggregation: needs security.tls: the round keys are signed by the regions' "
+                         "TLS identities; without them anyone on the path can swap a key")
+    if cfg.security.robust_aggregation in ("trimmed-mean", "median"):
+        raise ValueError(f"security.robust_aggregation: {cfg.security.robust_aggregation} needs each peer's update, "
+                         "which security.secure_aggregation hides; use clip (it acts on the unmasked sum) or none")
+
+
+def sec_threshold_bad(threshold: int | None, regions: int) -> bool:
+    """Whether a configured recovery threshold is out of [2, regions - 1] (null picks a majority)."""
+    return threshold is not None and not 2 <= threshold <= regions - 1
