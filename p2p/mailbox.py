@@ -125,6 +125,7 @@ class Mailbox:
         # Quorum rounds (accept_stale): an expected sender that missed a closed round may still
         # deliver it within `stale_window` rounds; it is filed for take_stale(), once.
         self.stale_window = 0
+        self.expect_late = False  # quorum rounds close without the slowest: its late pushes are no news
         self._missed: dict[int, set[str]] = {}
         self._stale: list[tuple[str, int, _Entry]] = []
 
@@ -331,7 +332,7 @@ class Mailbox:
     def count_refusal(self, refusal: Refusal, sender: str, round: int) -> None:
         with self._cond:  # an RLock: also called with it held
             self.refused[refusal.reason] += 1
-        expected = refusal.reason == "late" and isinstance(round, int) and round <= self.quiet_late_upto
+        expected = refusal.reason == "late" and (self.expect_late or isinstance(round, int) and round <= self.quiet_late_upto)
         log.log(logging.INFO if expected else logging.WARNING, "%s refused a message from %r for round %s: %s",
                 self.region, sender, round, refusal)
 

@@ -113,6 +113,8 @@ class RegionWorker:
         pacing = cfg.sync.pacing
         if pacing.mode == "quorum" and pacing.late_updates == "apply":
             self.transport.accept_stale(pacing.max_staleness)
+        if pacing.mode == "quorum" and getattr(self.transport, "mailbox", None) is not None:
+            self.transport.mailbox.expect_late = True
         self.transport.set_state_provider(self.state_bytes)
         d = cfg.sync.deadline
         self.exchanger = Exchanger(self.transport, error_feedback=cfg.compression.error_feedback,

@@ -56,7 +56,7 @@ class PacedRounds:
         busy = self.busy
         parts = [reg for reg in self.alive if reg not in absent and reg not in busy]
         while not parts and self._inflight:  # every present region is busy: wait for one
-            self._collect_late(block=True)
+            self._collect_late(block=True, timeout=self.cfg.sync.deadline.max_s * 3 + 600)
             parts = [reg for reg in self.alive if reg not in absent and reg not in self.busy]
         return parts, absent
 
@@ -109,12 +109,19 @@ class PacedRounds:
         self._check_catch_ups()
         return out
 
-    def _collect_late(self, *, block: bool) -> None:
-        """Log the rounds in flight that have finished (block: wait for at least one)."""
+    def _collect_late(self, *, block: bool, timeout: float = 0.0) -> None:
+        """Log the rounds in flight that have finished (block: wait up to `timeout` for at least one;
+        rounds still running then are failed, as _gather fails a call past its timeout)."""
         if not self._inflight:
             return
         ready, _ = ray.wait(list(self._inflight), num_returns=1 if block else len(self._inflight),
-                            timeout=None if block else 0)
+                            timeout=timeout if block else 0)
+        if block and not ready:
+            for ref, (region, rnd) in list(self._inflight.items()):
+                del self._inflight[ref]
+                self._region_failed(region, f"round {rnd} did not finish within {timeout:.0f}s")
+                ray.kill(self.actors.handles[region], no_restart=False)
+            return
         for ref in ready:
             region, rnd = self._inflight.pop(ref)
             got: dict[str, Any] = {}
@@ -125,8 +132,8 @@ class PacedRounds:
     def _drain_inflight(self, *, timeout: float) -> None:
         """Wait for every round still in flight (the run's end, a stop); their results are logged."""
         end = time.monotonic() + timeout
-        while self._inflight and time.monotonic() < end:
-            self._collect_late(block=True)
+        while self._inflight:
+            self._collect_late(block=True, timeout=max(1.0, end - time.monotonic()))
         self._check_catch_ups()
 
     def _late_result(self, region: str, m: dict[str, Any]) -> None:
