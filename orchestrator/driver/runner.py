@@ -431,8 +431,9 @@ class Runner(FaultHandling, PacedRounds):
         return summary
 
     def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None) -> dict[str, Any]:
-        stats = self._call(self.alive, "transport_stats", timeout=60)
-        tail = self._call(self.alive, "take_refusals", timeout=60)  # refused since each one's last round
+        idle = [reg for reg in self.alive if reg not in self.busy]  # a stop does not wait for a round in flight
+        stats = self._call(idle, "transport_stats", timeout=60)
+        tail = self._call(idle, "take_refusals", timeout=60)  # refused since each one's last round
         summary = build_summary(self.cfg, self.run_dir, eval_avg=avg_eval, eval_per_region=per_region,
                                 consensus=consensus, transport_stats=stats, faults=self.faults,
                                 placement=self.actors.info, emulator=self.emulator, wall_s=self.clock.now(),
