@@ -60,12 +60,23 @@ def _pack_bits(values: np.ndarray, bits: int, out: torch.Tensor) -> None:
 
 
 def _unpack_bits(packed: torch.Tensor, count: int, bits: int, what: str) -> np.ndarray:
-    """`count` values of `bits` bits from `packed`; CodecError when the padding bits are not zero."""
-    flat = np.unpackbits(packed.numpy(), bitorder="little")
-    if flat[count * bits:].any():
+    """`count` values of `bits` (<= 16) bits from `packed`; CodecError when a padding bit is set.
+
+    Each value lies within the 3 bytes from its first bit's byte: read those as one integer,
+    shift and mask (a tenth of the memory of unpacking every bit).
+    """
+    p = packed.numpy()
+    used = count * bits
+    if used % 8 and p[-1] >> (used % 8):
         raise CodecError(f"sparseloco: {what} padding bits are not zero")
-    planes = flat[: count * bits].reshape(count, bits).astype(np.int64)
-    return planes @ (np.int64(1) << np.arange(bits, dtype=np.int64))
+    if count == 0:
+        return np.empty(0, dtype=np.int64)
+    wide = np.zeros(p.size + 2, dtype=np.int32)
+    wide[: p.size] = p
+    start = np.arange(count, dtype=np.int64) * bits
+    byte, shift = start >> 3, (start & 7).astype(np.int32)
+    window = wide[byte] | (wide[byte + 1] << 8) | (wide[byte + 2] << 16)
+    return ((window >> shift) & ((1 << bits) - 1)).astype(np.int64)
 
 
 @register
