@@ -30,6 +30,10 @@ from .base import Codec, CodecError, Section, Shape, register, total_numel
 from .sparse import _check_fraction, _k
 
 _MIN_BITS, _MAX_BITS = 4, 16
+_EXACT_BELOW = 1 << 18  # torch.topk per row is quick enough below; per-row thresholds above
+_STRIDE = 8  # the per-row threshold is estimated on every 8th value
+_ROWS_PER_PASS = 64  # rows per compare pass: 1 MiB of fp32 at chunk 4096, inside L2
+_SMALLEST = np.float32(1e-45)  # zeros are never candidates (an all-zero update would make all n one)
 
 
 def _rows(n: int, chunk: int, fraction: float) -> list[tuple[int, int, int, int]]:
@@ -113,7 +117,7 @@ class SparseLoCo(Codec):
         c0 = 0
         for start, rows, length, k in _rows(x.numel(), self.chunk, self.fraction):
             block = x[start: start + rows * length].view(rows, length)
-            idx = torch.topk(block.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+            idx = rows_topk(block, k)
             vals = block.gather(1, idx).double()  # float64: sums of ~3e38 values must not overflow
             hi, neg, lo_mag, hi_mag = _two_levels(vals)
             mags.view(-1, 2)[c0: c0 + rows, 0].copy_(lo_mag)
@@ -168,6 +172,44 @@ class SparseLoCo(Codec):
         idx, vals = self._decoded(sections, residual.numel())
         if idx.numel():
             residual.index_add_(0, idx, vals, alpha=-1)
+
+
+def rows_topk(block: torch.Tensor, k: int) -> torch.Tensor:
+    """(rows, k) int64: the column indices of each row's k largest |values| (exact), sorted per row."""
+    rows, length = block.shape
+    if rows * length <= _EXACT_BELOW or 2 * k * _STRIDE > length:
+        return torch.topk(block.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    # torch.topk over 6100 rows of 4096 took ~160 ms (plus ~60 for the abs) of a ~290 ms encode
+    # at 25M floats; this takes about half. A per-row threshold from a strided sample keeps
+    # ~2k candidates per row; where at least k reach it the row's top k are among them (its
+    # k-th largest |value| is then >= the threshold), picked by one sort of all candidates by
+    # (row, |value| descending). Rows the sample overestimated fall back to torch.topk.
+    xn = block.numpy()
+    sample = np.abs(xn[:, ::_STRIDE])
+    m = sample.shape[1]
+    j = max(0, m - math.ceil(2 * k * m / length))
+    thr = np.maximum(np.partition(sample, j, axis=1)[:, j], _SMALLEST)
+    parts = []
+    mag = np.empty((min(rows, _ROWS_PER_PASS), length), np.float32)
+    for s in range(0, rows, _ROWS_PER_PASS):
+        e = min(rows, s + _ROWS_PER_PASS)
+        a = np.abs(xn[s:e], out=mag[: e - s])
+        parts.append(np.flatnonzero(a >= thr[s:e, None]) + s * length)
+    cand = np.concatenate(parts)
+    row = cand // length
+    counts = np.bincount(row, minlength=rows)
+    # |value| >= 0 as fp32 bits orders like the value: one uint64 key sorts by row, then largest first
+    bits = np.abs(xn.reshape(-1)[cand]).view(np.uint32).astype(np.uint64)
+    order = np.argsort((row.astype(np.uint64) << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - bits))
+    rank = np.arange(cand.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    good = counts >= k
+    out = torch.empty(rows, k, dtype=torch.int64)
+    g = torch.from_numpy(good)
+    chosen = cand[order][(rank < k) & np.repeat(good, counts)] % length
+    out[g] = torch.from_numpy(np.sort(chosen.reshape(-1, k), axis=1))
+    if not good.all():
+        out[~g] = torch.topk(block[~g].abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    return out
 
 
 def _two_levels(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -187,3 +187,24 @@ def test_empty_small_and_all_zero_updates():
     for x in [torch.zeros(0), torch.ones(1), torch.zeros(5000), torch.tensor([3e38, -3e38] * 40)]:
         _, got = _roundtrip("sparseloco", x, CodecState(error_feedback=True))
         assert torch.isfinite(got).all() and got.shape == x.shape
+
+
+@pytest.mark.parametrize("case", ["normal", "scales", "spiky", "sparse"])
+def test_the_sampled_per_row_threshold_path_is_exact(case):
+    from geofed.compression.sparseloco import rows_topk
+
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(80, 4096, generator=g)  # 327,680 values: above the exact-path size
+    if case == "scales":
+        y *= torch.logspace(-6, 2, 80)[:, None]
+    elif case == "spiky":
+        y[:, :100] *= 100  # the sample misses most spikes: rows fall back to torch.topk
+    elif case == "sparse":
+        y[::2, 30:] = 0  # fewer nonzeros than k in half the rows: zeros are never candidates
+    got = rows_topk(y, 41)
+    want = torch.topk(y.abs(), 41, dim=1).indices.sort(dim=1).values
+    if case == "sparse":
+        assert torch.equal(got[1::2], want[1::2])
+        assert all(set(range(30)) <= set(r.tolist()) and len(set(r.tolist())) == 41 for r in got[::2])
+    else:
+        assert torch.equal(got, want)
