@@ -116,3 +116,19 @@ def test_target_lines_say_the_median_and_spread_or_that_quick_has_none():
     assert lines[0].startswith("time_vs_allreduce: 10 (median of 3/3 repetitions, min 8, max 16) (target >= 20) [red]NOT met")
     doc1 = {**doc, "reps": 1}
     assert "(1 repetition: no spread)" in bench_wan.check_targets(SCENARIOS["steady"], [], doc1)[0]
+
+
+def test_the_table_shows_medians_and_names_the_repetitions():
+    from geofed.orchestrator.bench.wan_arms import SCENARIOS
+    from rich.console import Console
+
+    reps = _reps()
+    out = combine(reps, "steady")
+    doc = {"scenario": "steady", "arms": out["arms"], "ratios": out["ratios"], "reps": 3, "spread": out["spread"]}
+    results = [representative([next(a for a in rep if a.name == n) for rep in reps])
+               for n in ("allreduce", "fixed-H100", "adaptive")]
+    console = Console(record=True, width=200)
+    bench_wan.print_results(console, SCENARIOS["steady"], results, doc)
+    text = console.export_text()
+    assert "medians of 3 repetitions" in text and "1.50 s" in text and "12.00 s" in text  # medians, not a rep's
+    assert "median of 3/3 repetitions, min 8, max 16" in text
