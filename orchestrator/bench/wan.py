@@ -155,7 +155,7 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
 
 
 def _reps_text(reps: int) -> str:
-    return ("1 repetition (--quick: no spread; the full bench runs 3)" if reps == 1
+    return ("1 repetition (no spread; the full bench runs 3)" if reps == 1
             else f"{reps} repetitions, interleaved")
 
 
