@@ -15,6 +15,7 @@ from . import cast as _cast  # noqa: F401  (registers identity, fp16, bf16)
 from . import powersgd as _powersgd  # noqa: F401
 from . import quant as _quant  # noqa: F401
 from . import sparse as _sparse  # noqa: F401
+from . import sparseloco as _sparseloco  # noqa: F401
 from .base import Codec, CodecError, Section, codec_names, make_codec
 from .spec import CodecSpec, spec_key
 from .state import CodecState

@@ -1,10 +1,12 @@
 """`geofed bench wan`: per-step sync vs fixed H vs adaptive, 4 regions over the emulated WAN.
 
-    geofed bench wan [--scenario steady|drop] [--quick] [--json] [--out DIR]
+    geofed bench wan [--scenario steady|drop] [--quick] [--reps N] [--json] [--out DIR]
 
 Each arm is a real `geofed run` (Ray actors, mutual-TLS gRPC, the proxy WAN emulator) built
 by bench_wan_arms from configs/bench-wan.yaml; bench_wan_results reads each run directory back.
-Every arm's run directory is kept under ``--out``, with a comparison report (report.html).
+Every arm runs ``--reps`` times (3; ``--quick``: 1), interleaved round-robin with the start arm
+rotated per repetition, and ratios are medians over repetitions with their spread (wan_reps).
+Every run directory is kept under ``--out``, with a comparison report (report.html).
 ``--json`` prints issue 6's document on stdout and nothing else there (progress goes to stderr).
 docs/bench-wan.md has the scenarios, the scaling argument and measured tables.
 """
@@ -33,7 +35,8 @@ from rich.progress import (
 from rich.table import Table
 
 from .wan_arms import QUICK, SCENARIOS, Arm, Scenario, build_arms
-from .wan_results import ArmResult, measure, ratios
+from .wan_reps import combine, interleaved_schedule, representative
+from .wan_results import ArmResult, measure
 
 TARGETS = {  # issue 6
     "steady": {"time_vs_allreduce": 20.0, "bytes_vs_allreduce": 1000.0},
@@ -47,12 +50,24 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="geofed bench wan", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=("steady", "drop"), default="steady",
                    help="steady: every link 50 Mbit/s x scale, 80 ms RTT; drop: bandwidth falls 10x during the run")
-    p.add_argument("--quick", action="store_true", help="a smaller version (fewer steps and arms)")
+    p.add_argument("--quick", action="store_true", help="a smaller version (fewer steps and arms, one repetition)")
+    p.add_argument("--reps", type=_positive, default=None, metavar="N",
+                   help="run every arm N times, interleaved, and report medians with their spread (default 3; --quick: 1)")
     p.add_argument("--json", action="store_true", help="print issue 6's JSON document on stdout")
     p.add_argument("--out", help="folder for the arms' run directories (default runs/bench-wan-<scenario>-<UTC time>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key in every arm (e.g. --set run.seed=1)")
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
 
 
 def main(argv: Sequence[str]) -> int:
@@ -73,8 +88,9 @@ def main(argv: Sequence[str]) -> int:
     from ..driver.recovery import Interrupted
     from ..driver.runner import RunFailed
 
+    reps = args.reps or (1 if args.quick else 3)
     try:
-        doc, results, report = run_bench(scenario, out, console=console)
+        doc, results, report = run_bench(scenario, out, console=console, reps=reps)
     except (PlacementError, RunFailed) as exc:
         print(f"geofed bench wan: {exc} (run directories so far: {out})", file=sys.stderr)
         return 1
@@ -91,15 +107,17 @@ def main(argv: Sequence[str]) -> int:
 
 
 def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
-              base: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[ArmResult], Path]:
-    """Run every arm of ``scenario`` (run directories under ``out``); returns the --json document,
-    the per-arm results and the comparison report's path."""
+              base: dict[str, Any] | None = None, reps: int = 1) -> tuple[dict[str, Any], list[ArmResult], Path]:
+    """Run every arm of ``scenario`` ``reps`` times in `interleaved_schedule` order (run directories
+    under ``out``; ``out/rep<k>/<arm>`` when reps > 1); returns the --json document (medians over
+    repetitions), each arm's median repetition (`representative`) and the comparison report's path."""
     import ray
 
     from ..report import write_comparison
 
     console = console or Console(stderr=True)
     arms = build_arms(scenario, base)
+    schedule = interleaved_schedule(arms, reps)
     out.mkdir(parents=True, exist_ok=True)
     started = False
     if not ray.is_initialized():
@@ -107,30 +125,42 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
         started = True
-    results: list[ArmResult] = []
+    per_rep: list[list[ArmResult]] = [[] for _ in range(reps)]
     try:
         em = arms[0].cfg.network.emulation  # after --set: what the links really are
         mbps = em.default.bandwidth_mbps * em.bandwidth_scale
-        console.rule(f"geofed bench wan: {scenario.name}, {len(arms)} arms, links {mbps:g} Mbit/s "
+        console.rule(f"geofed bench wan: {scenario.name}, {len(arms)} arms x {_reps_text(reps)}, links {mbps:g} Mbit/s "
                      f"{scenario.rtt_ms:g} ms RTT" + (f", /{scenario.drop_factor:g} at {scenario.drop_at_s:g} s"
                                                       if scenario.drop_at_s else ""))
-        for i, arm in enumerate(arms):
-            results.append(run_arm(arm, scenario, out, console=console, index=i, total=len(arms)))
+        for i, (r, arm) in enumerate(schedule):
+            where = out if reps == 1 else out / f"rep{r + 1}"
+            label = arm.name if reps == 1 else f"rep {r + 1} {arm.name}"
+            per_rep[r].append(run_arm(arm, scenario, where, console=console, index=i, total=len(schedule), label=label))
     finally:
         if started:
             ray.shutdown()
-    rt = ratios(results, scenario.name)
-    notes = rt.pop("_notes")
-    doc = {"scenario": scenario.name, "arms": [r.doc() for r in results], "ratios": rt}
+    combined = combine(per_rep, scenario.name)
+    doc = {"scenario": scenario.name, "arms": combined["arms"], "ratios": combined["ratios"], "reps": reps,
+           "spread": combined["spread"]}
+    results = [representative([next(a for a in rep if a.name == arm.name) for rep in per_rep]) for arm in arms]
+    title = f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g})"
     report = write_comparison([Path(r.run_dir) for r in results], [r.name for r in results], out / "report",
                               target_loss=scenario.target_loss,
-                              title=f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g})")
-    (out / "bench.json").write_text(json.dumps({**doc, "notes": notes, "scenario_config": _scenario_dict(scenario),
-                                                "details": [_detail(r) for r in results]}, indent=2))
+                              title=title if reps == 1 else f"{title}, each arm's median of {reps} repetitions")
+    (out / "bench.json").write_text(json.dumps({
+        **doc, "notes": combined["notes"], "order": [[r + 1, a.name] for r, a in schedule],
+        "per_rep": combined["per_rep"], "scenario_config": _scenario_dict(scenario),
+        "details": [{"rep": r + 1, **_detail(a)} for r, rep in enumerate(per_rep) for a in rep]}, indent=2))
     return doc, results, report
 
 
-def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index: int, total: int) -> ArmResult:
+def _reps_text(reps: int) -> str:
+    return ("1 repetition (no spread; the full bench runs 3)" if reps == 1
+            else f"{reps} repetitions, interleaved")
+
+
+def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index: int, total: int,
+            label: str | None = None) -> ArmResult:
     """Run one arm as a real `geofed run` in its own run directory under `out`, and measure it."""
     from ..driver.rundir import new_run_dir
     from ..driver.runner import Runner, prepare_task
@@ -139,7 +169,7 @@ def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index:
     run_dir = new_run_dir(cfg, str(out / arm.name))
     runner = Runner(cfg, run_dir, show_progress=False)
     steps = cfg.run.max_steps or cfg.run.rounds
-    with _ProgressWatch(run_dir, steps, f"[{index + 1}/{total}] {arm.name}", console):
+    with _ProgressWatch(run_dir, steps, f"[{index + 1}/{total}] {label or arm.name}", console):
         try:
             summary = runner.run()
             # at_s counts from the emulator's start, the run's clock from round 0: where the drop fell.
@@ -151,7 +181,7 @@ def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index:
     res = measure(run_dir, name=arm.name, kind=arm.kind, H=arm.H, target_loss=scenario.target_loss, drop_at_s=drop,
                   baseline_steps=baseline)
     tt = "not reached" if res.time_to_target_s is None else f"{res.time_to_target_s:.2f} s"
-    console.print(f"  {arm.name}: {summary.get('rounds')} rounds, {res.steps} steps, {res.wall_s or 0:.1f} s; "
+    console.print(f"  {label or arm.name}: {summary.get('rounds')} rounds, {res.steps} steps, {res.wall_s or 0:.1f} s; "
                   f"target {scenario.target_loss:g} {tt}; final loss {_f(res.final_loss)}; "
                   f"utilisation {_f(res.utilization)}")
     return res
@@ -199,19 +229,33 @@ class _ProgressWatch:
 
 
 def print_results(console: Console, scenario: Scenario, results: list[ArmResult], doc: dict[str, Any]) -> None:
-    """The arms' table (H, time and bytes to target, losses, utilisation), then the issue's target checks."""
+    """The arms' table (H, time and bytes to target, losses, utilisation: medians over repetitions; the
+    adaptive H range, wall util and wall: the median repetition's run), then the issue's target checks."""
+    reps = doc.get("reps", 1)
     t = Table(title=f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g}, "
-                    f"{scenario.max_steps} steps per region)")
+                    f"{scenario.max_steps} steps per region, {'medians of ' + str(reps) if reps > 1 else '1'} "
+                    f"repetition{'s' if reps > 1 else ''})")
     for col in ("arm", "H", "to target", "bytes to target", "final loss", "eval", "util", "wall util", "wall"):
         t.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
+    med = {a["name"]: a for a in doc["arms"]}
     for r in results:
+        m = med[r.name]
         H = str(r.H) if r.kind != "adaptive" else _H_range(r)
-        t.add_row(r.name, H, "-" if r.time_to_target_s is None else f"{r.time_to_target_s:.2f} s",
-                  "-" if r.bytes_to_target is None else _bytes(r.bytes_to_target), _f(r.final_loss),
-                  _f(r.eval), _f(r.utilization), _f(r.utilization_wall), f"{r.wall_s or 0:.1f} s")
+        t.add_row(r.name, H, "-" if m["time_to_target_s"] is None else f"{m['time_to_target_s']:.2f} s",
+                  "-" if m["bytes_to_target"] is None else _bytes(m["bytes_to_target"]), _f(m["final_loss"]),
+                  _f(m["eval"]), _f(m["utilization"]), _f(r.utilization_wall), f"{r.wall_s or 0:.1f} s")
     console.print(t)
     for line in check_targets(scenario, results, doc):
         console.print(line)
+
+
+def _spread_text(doc: dict[str, Any], key: str) -> str:
+    reps, sp = doc.get("reps", 1), doc.get("spread", {}).get(key)
+    if reps == 1:
+        return " (1 repetition: no spread)"
+    if not sp or not sp.get("n"):
+        return f" (no value in any of {reps} repetitions)"
+    return f" (median of {sp['n']}/{reps} repetitions, min {_f(sp['min'])}, max {_f(sp['max'])})"
 
 
 def check_targets(scenario: Scenario, results: list[ArmResult], doc: dict[str, Any]) -> list[str]:
@@ -219,21 +263,26 @@ def check_targets(scenario: Scenario, results: list[ArmResult], doc: dict[str, A
     lines = []
     for key, want in TARGETS[scenario.name].items():
         got = doc["ratios"].get(key)
-        lines.append(f"{key}: {_f(got)} (target >= {want:.3g}) {_mark(got is not None and got >= want)}")
+        lines.append(f"{key}: {_f(got)}{_spread_text(doc, key)} (target >= {want:.3g}) "
+                     f"{_mark(got is not None and got >= want)}")
     by = {r.name: r for r in results}
     ad, ar = by.get("adaptive"), by.get("allreduce")
+    if doc.get("reps", 1) > 1 and ad is not None:
+        lines.append(f"below: the median repetition's run of each arm (by time to target), "
+                     f"utilisation the median of {doc['reps']}")
     if scenario.name == "steady" and ad is not None:
         if ar is not None and ad.loss_at_baseline_steps is not None and ar.final_loss is not None:
             ok = ad.loss_at_baseline_steps <= ar.final_loss * (1 + STEADY_FINAL_LOSS_TOLERANCE)
             lines.append(f"final loss at {ar.steps} steps (equal compute): adaptive {ad.loss_at_baseline_steps:.4g} "
                          f"vs per-step {ar.final_loss:.4g} (target: at most {STEADY_FINAL_LOSS_TOLERANCE:.0%} above) "
                          f"{_mark(ok)}; adaptive after {ad.steps} steps {_f(ad.final_loss)}")
-        if ad.utilization is not None:
+        util = next((a["utilization"] for a in doc["arms"] if a["name"] == "adaptive"), ad.utilization)
+        if util is not None:
             per_round = _round_utils(ad.run_dir)
             rounds = (f"; per round min {min(per_round):.3f}, median {statistics.median(per_round):.3f}"
                       if per_round else "")
-            lines.append(f"utilisation adaptive {ad.utilization:.3f} (target >= {STEADY_UTILIZATION}) "
-                         f"{_mark(ad.utilization >= STEADY_UTILIZATION)}; without the final flush "
+            lines.append(f"utilisation adaptive {util:.3f} (target >= {STEADY_UTILIZATION}) "
+                         f"{_mark(util >= STEADY_UTILIZATION)}; without the final flush "
                          f"{_f(ad.utilization_training)}; wall {_f(ad.utilization_wall)}{rounds}")
     if scenario.name == "drop" and ad is not None and ad.drop_at_s is not None:
         before = [h for _, e, h in ad.H_rounds if e <= ad.drop_at_s]

@@ -55,10 +55,13 @@ def test_steady_small_adaptive_beats_per_step_sync(tmp_path):
     base["sync"]["policy"]["initial_H"] = 60  # round 0 (nothing synced yet) stays above the target
     sc = Scenario(name="steady", bandwidth_scale=0.5, target_loss=0.5, max_steps=300, allreduce_steps=40,
                   fixed_H=())
-    doc, results, report = bench_wan.run_bench(sc, tmp_path / "bench", base=base)
-    assert set(doc) == {"scenario", "arms", "ratios"} and doc["scenario"] == "steady"
-    assert [a["name"] for a in doc["arms"]] == ["allreduce", "adaptive"]
-    assert all(set(a) == DOC_ARM_KEYS for a in doc["arms"]) and set(doc["ratios"]) == RATIO_KEYS
+    # two interleaved repetitions: allreduce, adaptive, then adaptive, allreduce
+    doc, results, report = bench_wan.run_bench(sc, tmp_path / "bench", base=base, reps=2)
+    assert set(doc) == {"scenario", "arms", "ratios", "reps", "spread"} and doc["scenario"] == "steady"
+    assert [a["name"] for a in doc["arms"]] == ["allreduce", "adaptive"] and doc["reps"] == 2
+    assert all(set(a) == DOC_ARM_KEYS for a in doc["arms"]) and set(doc["ratios"]) == set(doc["spread"]) == RATIO_KEYS
+    sp = doc["spread"]["time_vs_allreduce"]
+    assert sp["n"] == 2 and sp["min"] <= doc["ratios"]["time_vs_allreduce"] <= sp["max"]
     ar, ad = results
     assert ar.steps == 40 and ad.steps == 300
     assert ar.time_to_target_s is not None and ad.time_to_target_s is not None and ad.bytes_to_target > 0
@@ -70,6 +73,10 @@ def test_steady_small_adaptive_beats_per_step_sync(tmp_path):
     assert report.is_file() and "allreduce" in report.read_text()
     saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert saved["ratios"] == doc["ratios"] and saved["scenario_config"]["target_loss"] == 0.5
+    assert saved["order"] == [[1, "allreduce"], [1, "adaptive"], [2, "adaptive"], [2, "allreduce"]]
+    assert [r["rep"] for r in saved["per_rep"]] == [1, 2]
+    assert all((tmp_path / "bench" / f"rep{k}" / arm / "rounds.jsonl").is_file()
+               for k in (1, 2) for arm in ("allreduce", "adaptive"))
     lines = bench_wan.check_targets(sc, results, doc)
     assert any(line.startswith("time_vs_allreduce") for line in lines)
 

@@ -40,7 +40,7 @@ def _chunks(x, chunk):
 
 
 def test_registry_is_closed_and_complete():
-    assert codec_names() == ["bf16", "fp16", "identity", "int4", "int8", "powersgd", "randomk", "sign", "topk"]
+    assert codec_names() == ["bf16", "fp16", "identity", "int4", "int8", "powersgd", "randomk", "sign", "sparseloco", "topk"]
 
 
 def test_identity_is_exact_for_mixed_shapes_and_dtypes():
@@ -181,7 +181,8 @@ def test_powersgd_warm_start_approaches_the_best_rank_r_error():
 
 @pytest.mark.parametrize("spec,ratio", [("int8", 3.9), ("int4", 7.5), ("sign", 30), ({"kind": "topk", "fraction": 0.01}, 60),
                                         ({"kind": "topk", "fraction": 0.01, "inner": "int8"}, 100),
-                                        ({"kind": "randomk", "fraction": 0.01}, 150), ("fp16", 1.99)])
+                                        ({"kind": "randomk", "fraction": 0.01}, 150), ("fp16", 1.99),
+                                        ({"kind": "sparseloco", "fraction": 0.01}, 200)])
 def test_estimate_ratio_matches_actual_and_meets_the_target(spec, ratio):
     n = 1_000_003
     codec = make_codec(spec)
@@ -274,7 +275,8 @@ def test_inspect_update_reads_the_header():
 SPECS = ["identity", "fp16", "bf16", "int8", "int4", "sign", {"kind": "int8", "chunk": 3},
          {"kind": "int4", "chunk": 2, "stochastic": True}, {"kind": "sign", "chunk": 5},
          {"kind": "topk", "fraction": 0.3}, {"kind": "topk", "fraction": 1.0, "inner": "int4"},
-         {"kind": "randomk", "fraction": 0.5}, {"kind": "powersgd", "rank": 1}, {"kind": "powersgd", "rank": 3}]
+         {"kind": "randomk", "fraction": 0.5}, {"kind": "powersgd", "rank": 1}, {"kind": "powersgd", "rank": 3},
+         {"kind": "sparseloco", "fraction": 0.3, "chunk": 16}, {"kind": "sparseloco", "fraction": 1.0, "chunk": 16}]
 shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=0, max_size=4)
 dtype_st = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64])
 

@@ -33,6 +33,7 @@ BASES = [
     ({"kind": "topk", "fraction": 0.3, "inner": "int8"}, [(10, 10)]),
     ({"kind": "randomk", "fraction": 0.25}, [(64,)]),
     ({"kind": "powersgd", "rank": 2}, [(20, 30), (30,)]),
+    ({"kind": "sparseloco", "fraction": 0.1, "chunk": 64}, [(200,), (3, 7)]),  # 3 full chunks and a tail
 ]
 
 
@@ -176,6 +177,10 @@ def _poke(i, section, fmt, value, index=0):
     (6, 0, "<i", 5, 0, "topk: block counts sum to"),
     (6, 1, "<H", 0, 1, "topk: indices are not strictly increasing"),
     (7, 1, "<H", 200, 29, "topk: index 200 out of range for 100 elements"),
+    (10, 2, "<f", -1.0, 0, "sparseloco: chunk magnitudes must be finite with 0 <= low <= high"),
+    (10, 2, "<f", float("nan"), 3, "sparseloco: chunk magnitudes must be finite"),
+    (10, 0, "<B", 0xFF, 0, "sparseloco: indices within a chunk are not strictly increasing"),
+    (10, 0, "<B", 0xFF, 17, "sparseloco: in-chunk index 63 out of range for a chunk of 29"),
 ])
 def test_lying_section_contents(i, section, fmt, value, index, message):
     p, shapes = _poke(i, section, fmt, value, index)
@@ -278,6 +283,8 @@ def _nan(rng, p, shapes):
 
 def _topk_indices(rng, p, shapes):
     h = inspect_update(bytes(p), max_bytes=1 << 30)
+    if h.codec.kind == "sparseloco":
+        return _sparseloco_contents(rng, p, h)
     if h.codec.kind != "topk":
         return _nan(rng, p, shapes)
     off_c, off_l, k = h.offsets[0], h.offsets[1], h.sections[1].count
@@ -288,6 +295,19 @@ def _topk_indices(rng, p, shapes):
         struct.pack_into("<H", p, off_l + 2 * j, struct.unpack_from("<H", p, off_l + 2 * (j - 1))[0])
     else:
         struct.pack_into("<H", p, off_l, 0xFFFF)
+    return _reseal(p), True
+
+
+def _sparseloco_contents(rng, p, h):
+    """The sparseloco base keeps 7 of each of 3 chunks of 64, then 3 of a tail of 29 (6-bit indices)."""
+    what = rng.randrange(3)
+    if what == 0:  # index 0 := 63, first of its chunk's 7: the next ones cannot increase
+        p[h.offsets[0]] = 0xFF
+    elif what == 1:  # the last index := 63, past the tail of 29
+        p[h.offsets[0] + h.sections[0].count - 1] = 0xFF
+    else:  # a chunk's low level above its high one, or negative
+        j = rng.randrange(h.sections[2].count // 2)
+        struct.pack_into("<ff", p, h.offsets[2] + 8 * j, *rng.choice([(2.0, 1.0), (-1.0, 1.0), (-3.0, -2.0)]))
     return _reseal(p), True
 
 
@@ -363,7 +383,8 @@ def test_fuzz_1000_malformed_payloads_each_raise_codec_error_within_the_memory_c
     assert out["limit_enforced"]
     assert out["nfail"] == 0, out["failures"]
     # The fuzz reaches the deep checks, not only the checksum.
-    for category in ("checksum", "truncated", "codec", "sections", "values", "too big", "topk", "shape", "dtype"):
+    for category in ("checksum", "truncated", "codec", "sections", "values", "too big", "topk", "shape", "dtype",
+                     "sparseloco"):
         assert out["outcomes"].get(category, 0) >= 5, out["outcomes"]
 
 

@@ -1,0 +1,134 @@
+"""`geofed bench wan` repetitions: the documented interleaved order, medians and spreads of
+per-repetition ratios, on synthetic ArmResult rows (no Ray, no run directories)."""
+
+from __future__ import annotations
+
+import pytest
+from geofed.orchestrator.bench import wan as bench_wan
+from geofed.orchestrator.bench.wan_reps import (
+    combine,
+    interleaved_schedule,
+    median_reached,
+    median_spread,
+    representative,
+)
+from geofed.orchestrator.bench.wan_results import ArmResult
+
+RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "time_vs_best_fixed", "time_vs_best_fixed_before_drop"}
+
+
+def test_the_order_is_round_robin_with_the_start_arm_rotated_per_repetition():
+    # as the module docstring and docs/bench-wan.md say: A B C, then B C A, then C A B
+    assert interleaved_schedule(["A", "B", "C"], 3) == [
+        (0, "A"), (0, "B"), (0, "C"), (1, "B"), (1, "C"), (1, "A"), (2, "C"), (2, "A"), (2, "B")]
+    assert interleaved_schedule(["A", "B", "C"], 1) == [(0, "A"), (0, "B"), (0, "C")]  # --quick: today's order
+    sched = interleaved_schedule(list("ABCDE"), 4)
+    for r in range(4):
+        assert sorted(a for rr, a in sched if rr == r) == list("ABCDE")  # every arm once per repetition
+    assert [a for _, a in sched[::5]] == list("ABCD")  # a different arm starts each repetition
+    assert [rr for rr, _ in sched] == sorted(rr for rr, _ in sched)  # repetitions never overlap
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="reps: must be an integer >= 1"):
+            interleaved_schedule(["A"], bad)
+
+
+def _arm(name, t, b=None, *, kind=None, H=None, loss=1.0, util=0.9):
+    kind = kind or ("allreduce" if name == "allreduce" else "fixed" if name.startswith("fixed") else "adaptive")
+    return ArmResult(name=name, kind=kind, H=H, H_rounds=[], time_to_target_s=t, bytes_to_target=b,
+                     final_loss=loss, eval=None, eval_metric=None, utilization=util, utilization_wall=None,
+                     utilization_training=None, steps=100, loss_at_baseline_steps=None, wall_s=None,
+                     bytes_sent=0.0, drop_at_s=None, run_dir=f"/nonexistent/{name}")
+
+
+def _reps():
+    # rep 2 had a load spike on the per-step arm only: its ratio is the outlier the median drops
+    return [
+        [_arm("allreduce", 10.0, 6e8), _arm("fixed-H100", 1.2, 2e6, H=100), _arm("adaptive", 1.0, 1e6, H=150)],
+        [_arm("fixed-H100", 2.0, 2e6, H=100), _arm("adaptive", 2.5, 1e6, H=170), _arm("allreduce", 40.0, 6e8)],
+        [_arm("adaptive", 1.5, 1.2e6, H=160, util=0.95), _arm("allreduce", 12.0, 6e8), _arm("fixed-H100", None, None, H=100)],
+    ]
+
+
+def test_ratios_are_medians_of_per_repetition_ratios_with_their_spread():
+    out = combine(_reps(), "steady")
+    # time_vs_allreduce per rep: 10/1 = 10, 40/2.5 = 16, 12/1.5 = 8 -> median 10 (not 62/5 = 12.4 of the medians)
+    assert out["ratios"]["time_vs_allreduce"] == 10.0
+    assert out["spread"]["time_vs_allreduce"] == {"min": 8.0, "max": 16.0, "n": 3}
+    # bytes: 600, 600, 500
+    assert out["ratios"]["bytes_vs_allreduce"] == 600.0
+    assert out["spread"]["bytes_vs_allreduce"] == {"min": 500.0, "max": 600.0, "n": 3}
+    # best fixed: 1.2/1.0 = 1.2, 2.0/2.5 = 0.8, and rep 3's fixed arm never reached the target: no ratio
+    assert out["ratios"]["time_vs_best_fixed"] == pytest.approx(1.0)
+    assert out["spread"]["time_vs_best_fixed"] == {"min": 0.8, "max": 1.2, "n": 2}
+    assert out["ratios"]["time_vs_best_fixed_before_drop"] is None
+    assert out["spread"]["time_vs_best_fixed_before_drop"] == {"min": None, "max": None, "n": 0}
+    assert set(out["ratios"]) == set(out["spread"]) == RATIO_KEYS
+    assert out["reps"] == 3 and [r["rep"] for r in out["per_rep"]] == [1, 2, 3]
+    assert out["per_rep"][1]["ratios"]["time_vs_allreduce"] == 16.0
+    assert [n.get("best_fixed") for n in out["notes"]] == ["fixed-H100", "fixed-H100", None]
+
+
+def test_arm_rows_keep_their_keys_and_are_medians_where_never_reached_ranks_last():
+    out = combine(_reps(), "steady")
+    arms = {a["name"]: a for a in out["arms"]}
+    assert [a["name"] for a in out["arms"]] == ["allreduce", "fixed-H100", "adaptive"]  # repetition 0's order
+    assert all(set(a) == {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization"}
+               for a in out["arms"])
+    assert arms["adaptive"]["time_to_target_s"] == 1.5 and arms["adaptive"]["H"] == 160
+    assert arms["adaptive"]["bytes_to_target"] == 1_000_000 and arms["adaptive"]["utilization"] == 0.9
+    assert arms["fixed-H100"]["time_to_target_s"] == 2.0  # 1.2, 2.0, never: the middle is 2.0
+    assert arms["fixed-H100"]["eval"] is None
+
+
+def test_median_helpers():
+    assert median_spread([3.0, None, 1.0, 2.0]) == (2.0, {"min": 1.0, "max": 3.0, "n": 3})
+    assert median_spread([6.0, 10.0]) == (8.0, {"min": 6.0, "max": 10.0, "n": 2})  # even: mean of the middle two
+    assert median_spread([None]) == (None, {"min": None, "max": None, "n": 0})
+    assert median_reached([1.0, None, 3.0]) == 3.0
+    assert median_reached([None, None, 1.0]) is None
+    assert median_reached([None, 2.0]) is None and median_reached([]) is None
+    runs = [_arm("adaptive", 3.0), _arm("adaptive", None), _arm("adaptive", 1.0)]
+    assert representative(runs) is runs[0]  # 1.0, 3.0, never: the middle run
+    assert representative(runs[:1]) is runs[0]
+
+
+def test_repetitions_must_hold_the_same_arms():
+    reps = _reps()
+    reps[2] = reps[2][:2]
+    with pytest.raises(ValueError, match=r"per_rep\[2\]: arms"):
+        combine(reps, "steady")
+    with pytest.raises(ValueError, match="per_rep: no repetitions"):
+        combine([], "steady")
+
+
+def test_reps_flag_is_checked_before_anything_runs(capsys):
+    assert bench_wan.main(["--reps", "0"]) == 2
+    assert "--reps: must be an integer >= 1, got '0'" in capsys.readouterr().err
+    assert bench_wan.main(["--reps", "x"]) == 2
+
+
+def test_target_lines_say_the_median_and_spread_or_that_quick_has_none():
+    from geofed.orchestrator.bench.wan_arms import SCENARIOS
+
+    out = combine(_reps(), "steady")
+    doc = {"scenario": "steady", "arms": out["arms"], "ratios": out["ratios"], "reps": 3, "spread": out["spread"]}
+    lines = bench_wan.check_targets(SCENARIOS["steady"], [], doc)
+    assert lines[0].startswith("time_vs_allreduce: 10 (median of 3/3 repetitions, min 8, max 16) (target >= 20) [red]NOT met")
+    doc1 = {**doc, "reps": 1}
+    assert "(1 repetition: no spread)" in bench_wan.check_targets(SCENARIOS["steady"], [], doc1)[0]
+
+
+def test_the_table_shows_medians_and_names_the_repetitions():
+    from geofed.orchestrator.bench.wan_arms import SCENARIOS
+    from rich.console import Console
+
+    reps = _reps()
+    out = combine(reps, "steady")
+    doc = {"scenario": "steady", "arms": out["arms"], "ratios": out["ratios"], "reps": 3, "spread": out["spread"]}
+    results = [representative([next(a for a in rep if a.name == n) for rep in reps])
+               for n in ("allreduce", "fixed-H100", "adaptive")]
+    console = Console(record=True, width=200)
+    bench_wan.print_results(console, SCENARIOS["steady"], results, doc)
+    text = console.export_text()
+    assert "medians of 3 repetitions" in text and "1.50 s" in text and "12.00 s" in text  # medians, not a rep's
+    assert "median of 3/3 repetitions, min 8, max 16" in text
