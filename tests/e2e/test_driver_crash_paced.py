@@ -1,0 +1,66 @@
+"""Issue 20: `geofed run` SIGKILLed mid-run under quorum and time-budget rounds (one region 4x
+slower), then `geofed run --resume RUN_DIR` finishes the run: every round once, the region that
+was behind (in flight, or without a checkpoint of the last round) caught up from a peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import yaml
+from e2e_harness import alive, descendants, kill_exactly, start_geofed, wait_gone, wait_rounds
+from geofed.orchestrator.driver.rundir import read_jsonl
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
+
+
+@pytest.mark.parametrize("mode", ["quorum", "time-budget"])
+def test_sigkilled_paced_run_resumes_and_finishes(tmp_path, mode):
+    rounds = 12
+    cfg = {
+        "run": {"name": "paced", "rounds": rounds, "report": False, "checkpoint_every": 1, "seed": 2, "eval_every": 2},
+        "task": {"kind": "mlp-digits", "hidden": 32},
+        "regions": {"names": REGIONS, "num_cpus": 0.5, "emulation": {"slowdown": {"eu-west-1": 4.0}}},
+        # 30 ms each way paces the rounds, so the kill lands mid-run.
+        "network": {"emulation": {"mode": "proxy", "preset": None,
+                                  "default": {"latency_ms": 30, "bandwidth_mbps": 200, "jitter_ms": 0, "loss": 0}}},
+        "sync": {"policy": {"kind": "fixed", "H": 40}, "inner": {"lr": 0.003}, "outer": {"momentum": 0.5},
+                 "pacing": {"mode": mode, "quorum": 2}, "deadline": {"initial_s": 20.0, "min_s": 10.0, "max_s": 30.0}},
+        "compression": {"codec": "int8"},
+        "ray": {"num_cpus": 4},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    proc = start_geofed(["run", str(path), "--out", str(run_dir), "--quiet", "--no-report"], cwd=tmp_path, log=log)
+    tree: dict = {}
+    try:
+        wait_rounds(proc, run_dir, 5, timeout_s=300, log=log)
+        tree = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        core = {i for i, cmd in tree.items() if "gcs_server" in cmd or "raylet" in cmd or "RegionActor" in cmd}
+        assert not wait_gone(core, timeout_s=30), f"outlived the killed driver: {alive(core)}"
+        log2 = tmp_path / "resume.log"
+        resumed = start_geofed(["run", "--resume", str(run_dir), "--quiet", "--no-report"], cwd=tmp_path, log=log2)
+        assert resumed.wait(400) == 0, log2.read_text()[-4000:]
+    finally:
+        proc.kill()
+        kill_exactly(set(tree))
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    (resumed_event,) = [e for e in events if e["event"] == "resumed"]
+    assert resumed_event["from_checkpoint"] >= 2
+    assert [r["round"] for r in read_jsonl(run_dir / "rounds.jsonl")] == list(range(rounds))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == rounds and summary["pacing"]["mode"] == mode
+    assert summary["eval"]["value"] > 0.85
+    assert summary["faults"]["region_failures"] == 0
+    if mode == "time-budget":
+        steps = {(m["round"], m["region"]): m["steps"] for m in read_jsonl(run_dir / "metrics.jsonl")}
+        last = rounds - 1
+        assert steps[(last, "us-east-1")] > steps[(last, "eu-west-1")]  # still budgeted after the resume
