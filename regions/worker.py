@@ -383,7 +383,8 @@ class RegionWorker:
                     "algorithm": self.algorithm.state_dict()}, buf)
         return buf.getvalue()
 
-    def catch_up(self, peers: list[str], *, timeout_s: float | None = None) -> tuple[str, int]:
+    def catch_up(self, peers: list[str], *, timeout_s: float | None = None,
+                 before_round: int | None = None) -> tuple[str, int]:
         """Pull current parameters from one of `peers` (FetchState; each joiner tries the donors in
         its own order, so rejoins spread across peers); returns (donor, round of its state).
 
@@ -401,7 +402,9 @@ class RegionWorker:
             self.algorithm.load_state_dict(state["algorithm"])
         except Exception as exc:  # noqa: BLE001 - a bad donor must not take the region down with it
             raise ValueError(f"state from {peer} is unusable: {exc}") from None
-        self._set_completed(round_)
+        # Queued ahead of round `before_round`, the donor may have finished that round meanwhile: the
+        # region still runs it (its mailbox stays open for it), from the newer model.
+        self._set_completed(round_ if before_round is None else min(round_, before_round - 1))
         return peer, self.completed_round
 
     def transport_stats(self) -> dict[str, Any]:

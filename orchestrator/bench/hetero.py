@@ -162,6 +162,8 @@ def run_bench(out: Path, *, reps: int, quick: bool, overrides: Sequence[str] = (
                    **measure(run_dir, target=TARGET_ACCURACY,
                              slow=[SLOW_REGION] if cell.scenario == "slow" else [])}
             rows.append(row)
+            with (out / "rows.jsonl").open("a") as f:  # a bench cut short keeps its runs
+                f.write(json.dumps(row) + "\n")
             tt = row["time_to_target_s"]
             console.print(f"[{k + 1}/{len(order)}] rep {rep} {cell.name}: "
                           f"{'not reached' if tt is None else f'{tt:.2f} s'} to {TARGET_ACCURACY}, "

@@ -68,7 +68,7 @@ class PacedRounds:
         for region, plan in plans.items():
             handle = self.actors.handles[region]
             if region in self._behind and donors:
-                ref = handle.catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s)
+                ref = handle.catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s, before_round=plan.round)
                 self._catch_ups[ref] = region
                 self.pacing_stats["catch_ups"] += 1
             self._behind.discard(region)
