@@ -312,7 +312,10 @@ class SyncSection:
     policy: Any = field(default_factory=FixedPolicyConfig, metadata=_doc("how H (and codecs) are chosen; kind: fixed, bandwidth, adacomm", choose=policy_config_class))
     inner: InnerOptimizer = field(default_factory=InnerOptimizer, metadata=_doc("local optimizer"))
     outer: OuterOptimizer = field(default_factory=OuterOptimizer, metadata=_doc("outer optimizer (diloco)"))
-    overlap: bool = field(default=False, metadata=_doc("exchange round r while round r+1 computes; outer update applied one round late"))
+    overlap: bool | Literal["eager"] = field(default=False, metadata=_doc(
+        "exchange round r while round r+1 computes. true (delayed): the outer update of round r is applied one round "
+        "late; eager: the region applies its own pseudo-gradient at once and corrects with the global mean when it "
+        "arrives (arXiv 2502.12996)"))
     deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
     resync_after_miss: bool = field(default=True, metadata=_doc(
         "diloco/allreduce over the full topology without overlap: a region that missed an in-neighbour's update "

@@ -14,6 +14,15 @@ progress converged (0.009; serial 0.0002). A one-round delay still shrinks what 
 take: with overlap an outer momentum of 0.5 was stable everywhere we tried (geofed bench wan).
 `finish()` applies the last exchange, so the final model includes every round.
 
+Eager overlap (``sync.overlap: eager``, arXiv 2502.12996) changes only where the next round
+starts: not from ``global - delta`` (the region's progress added raw) but from the global model
+stepped by the outer optimizer with the region's own pseudo-gradient standing in for the mean
+still in flight (a preview: global model and momentum stay untouched). When the mean arrives it
+is applied to the global model as in delayed overlap, which corrects the estimate. The global
+model and its momentum see only the means, in order, so every region still holds one model; when
+every region's pseudo-gradient equals the mean, the rounds start where DiLoCo without overlap
+starts them.
+
 Metrics: a round reports the exchange that *completed* in it (overlap: the previous round's,
 `exchange_round` says which; none in the first round), `overlap_wait_s` the time the region sat
 blocked on it, and `sync_s` everything between the end of its compute and the end of the round.
@@ -46,7 +55,10 @@ class DilocoSync:
             g.grad = torch.zeros_like(g)
         self.outer_opt = torch.optim.SGD(self.global_params, lr=outer.lr, momentum=outer.momentum,
                                          nesterov=outer.nesterov and outer.momentum > 0)
-        self.overlap = ctx.settings.overlap
+        self.overlap = bool(ctx.settings.overlap)
+        # Eager (arXiv 2502.12996): the next round starts from the global model stepped by the outer
+        # optimizer with this region's own pseudo-gradient standing in for the mean still in flight.
+        self.eager = ctx.settings.overlap == "eager"
         self._pending: Future | None = None
         self._pending_round: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap") if self.overlap else None
@@ -90,7 +102,10 @@ class DilocoSync:
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
             self._pending = self._pool.submit(self._exchange_and_mix, plan, sent)
             self._pending_round = plan.round
-            self._load_global(unsynced=delta)
+            if self.eager:
+                self._load_params(self._preview_outer_step(sent))
+            else:
+                self._load_global(unsynced=delta)
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
 
@@ -166,6 +181,13 @@ class DilocoSync:
                     torch.sub(g, unsynced[i], out=p)
         if self.overlap:
             self._start = [p.detach().clone() for p in self.ctx.params]
+
+    def _load_params(self, params: list[torch.Tensor]) -> None:
+        """Local model = `params` (eager overlap: the global model with the region's own outer step previewed)."""
+        with torch.no_grad():
+            for p, v in zip(self.ctx.params, params):
+                p.copy_(v)
+        self._start = [p.detach().clone() for p in self.ctx.params]
 
     def eval_params(self) -> list[torch.Tensor]:
         """The global model (after the last applied outer step): what every region of a full
