@@ -74,11 +74,13 @@ def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
     summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=6)
     steps = {(m["round"], m["region"]): m["steps"] for m in metrics}
     assert all(steps[(0, r)] == CALIBRATION_STEPS for r in REGIONS)  # no step time yet: a short round for everyone
-    for r in range(2, 6):
-        assert steps[(r, FAST)] >= 2 * steps[(r, SLOW)], steps
-        budgeted = [m for m in metrics if m["round"] == r]
-        assert all("fednova_scale" in m for m in budgeted)
-        # Everyone stops at the budget: the slowest region's compute is no longer 4x the others'.
-        times = [m["compute_s"] for m in budgeted]
-        assert max(times) < 2.5 * min(times), times
+    budgeted = [m for m in metrics if m["round"] >= 2]
+    assert all("fednova_scale" in m for m in budgeted)
+    # Summed over rounds (one round on a loaded host can starve a fast region of its cores).
+    fast = sum(m["steps"] for m in budgeted if m["region"] == FAST)
+    slow = sum(m["steps"] for m in budgeted if m["region"] == SLOW)
+    assert fast >= 2 * slow, steps
+    # Everyone stops at the budget: the slow region's compute is no longer 4x the fast one's.
+    compute = {reg: sum(m["compute_s"] for m in budgeted if m["region"] == reg) for reg in REGIONS}
+    assert max(compute.values()) < 2.0 * min(compute.values()), compute
     assert summary["eval"]["value"] > 0.85
