@@ -70,6 +70,7 @@ def test_quorum_rounds_close_without_the_slow_region_and_apply_its_late_update(t
     assert summary["eval"]["value"] > 0.85
 
 
+@pytest.mark.slow  # the default suite's 20 minutes; CI runs it in the slow pass
 def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
     summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=6)
     steps = {(m["round"], m["region"]): m["steps"] for m in metrics}

@@ -105,6 +105,7 @@ def _train(data, codec, ef, steps=1500, lr=2.0):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # 26 s of training: the slow pass (CI runs both)
 def test_error_feedback_makes_two_percent_sparseloco_train_like_uncompressed():
     data = _least_squares()
     codec = make_codec({"kind": "sparseloco", "fraction": 0.02, "chunk": 128})  # 3 of every 128 sent
