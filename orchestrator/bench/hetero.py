@@ -55,7 +55,7 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 TARGET_ACCURACY = 0.96
 TARGETS = {"slow_best_vs_equal": 1.3, "flaky_best_vs_equal": 1.3, "slow_best_metric_delta": -0.01,
-           "slow_fast_idle_fraction": 0.1}
+           "slow_fast_idle_fraction": 0.1, "slow_least_idle_fraction": 0.1}
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def test_ratios_are_per_repetition_medians_against_the_same_arm_in_equal():
                  _row(rep, "slow", "barrier", 8 * load), _row(rep, "slow", "quorum", 2.4 * load, metric=0.97),
                  _row(rep, "flaky", "barrier", 3 * load), _row(rep, "flaky", "quorum", 2.2 * load)]
     doc = document(rows, reps=3, quick=False, targets=TARGETS)
-    assert doc["best_arm"] == {"slow": "quorum", "flaky": "quorum"}
+    assert doc["best_arm"] == {"slow": "quorum", "flaky": "quorum", "slow_least_idle": "quorum"}
+    assert doc["ratios"]["slow_least_idle_fraction"] == pytest.approx(0.05)
     assert doc["ratios"]["slow_barrier_vs_equal"] == pytest.approx(4.0)  # exact per rep, whatever the load
     assert doc["ratios"]["slow_best_vs_equal"] == pytest.approx(1.2)
     assert doc["spread"]["slow_best_vs_equal"] == {"min": pytest.approx(1.2), "max": pytest.approx(1.2)}
