@@ -33,6 +33,7 @@ from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
 from .exchange import Exchanger
 from .limits import wire_limits
+from .privacy.dp import dp_step, noise_generator
 from .rollback import RoundGuard
 from .sketch import count_sketch
 from .tasks import make_task
@@ -63,6 +64,11 @@ class RoundPlan:
     norm_steps: float | None = None
     quorum: int | None = None
     grace_s: float = 0.0
+    # privacy.dp (regions/privacy/dp.py): the mechanism, its clip and the noise multiplier the driver's
+    # PrivacyBudget chose; record: DP-SGD inner steps, update: DiLoCo's sent pseudo-gradient noised.
+    dp_mode: str = "off"
+    dp_clip: float = 1.0
+    dp_noise: float | None = None
 
 
 class RegionWorker:
@@ -122,6 +128,8 @@ class RegionWorker:
         self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
         self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
         self.completed_round = -1
+        self.dp_plan: RoundPlan | None = None
+        self.dp_generator = noise_generator()
         self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
         self.model.train()
@@ -172,6 +180,7 @@ class RegionWorker:
         and return the region's metrics record for it (losses, exchange, links, codecs, refusals).
         """
         t_start = time.time()
+        self.dp_plan = plan if plan.dp_mode == "record" and plan.dp_noise is not None else None
         metrics = self._guarded_round(plan)
         self.completed_round = plan.round
         if plan.final:
@@ -257,6 +266,10 @@ class RegionWorker:
         self.inner.zero_grad(set_to_none=False)
         batch = to_device(next(self.batches), self.device)
         self.batches_drawn += 1
+        if self.dp_plan is not None:  # record-level DP: clipped per-example gradients plus noise
+            return dp_step(self.model, self.task.loss, batch, clip=self.dp_plan.dp_clip,
+                           noise_multiplier=self.dp_plan.dp_noise, expected_batch=self.cfg.sync.inner.batch_size,
+                           generator=self.dp_generator)
         with self.precision.autocast():
             loss = self.task.loss(self.model, batch)
         self.precision.backward(loss, self.inner)
