@@ -99,7 +99,7 @@ class RegionWorker:
         self.shard = self.task.shard(self.index, len(self.regions), seed)
         self.generator = torch.Generator().manual_seed(seed * 1000 + self.index)
         self._data_start = self.generator.get_state()
-        self.batches = self.shard.batches(self.generator)
+        self.batches = self._batch_stream()
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
@@ -436,10 +436,20 @@ class RegionWorker:
         ones the region would have drawn had it not stopped (a shard's iterator holds its epoch's
         permutation, which the generator state alone does not give back)."""
         self.generator.set_state(start)
-        self.batches = self.shard.batches(self.generator)
+        self.batches = self._batch_stream()
         for _ in range(drawn):
             next(self.batches)
         self.batches_drawn = drawn
+
+    def _batch_stream(self):
+        """The shard's batches; with record-level DP Poisson-sampled at batch_size / shard size
+        (expected batch_size) where the shard can, as the accountant assumes (docs/privacy.md)."""
+        if self.cfg.privacy.dp.mode == "record":
+            rate = min(1.0, self.cfg.sync.inner.batch_size / self.shard.num_examples)
+            stream = self.shard.poisson_batches(self.generator, rate)
+            if stream is not None:
+                return stream
+        return self.shard.batches(self.generator)
 
     def _set_completed(self, round_: int) -> None:
         """Take up the run at `round_`: the mailbox closes every round up to it, so peers pushing

@@ -132,8 +132,9 @@ def dp_step(model: nn.Module, loss: LossFn, batch: Any, *, clip: float, noise_mu
             expected_batch: float, generator: torch.Generator) -> float:
     """One record-level DP inner step's gradients (dp_gradients, into `.grad`) for a region's
     batch; returns the batch's loss (computed apart, without gradients, for the metrics)."""
-    with torch.no_grad():
-        value = float(loss(model, batch))
+    first = batch if isinstance(batch, torch.Tensor) else batch[0]
+    with torch.no_grad():  # a Poisson batch may be empty: its gradient is the noise alone, its loss 0
+        value = float(loss(model, batch)) if len(first) else 0.0
     dp_gradients(model, loss, batch, clip=clip, noise_multiplier=noise_multiplier, expected_batch=expected_batch,
                  generator=generator)
     return value

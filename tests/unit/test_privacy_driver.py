@@ -109,3 +109,21 @@ def test_dp_step_returns_the_loss_and_writes_clipped_noised_gradients():
     assert float(total.norm()) <= 0.1 + 1e-6  # the mean of 8 gradients each clipped to 0.1
     a, b = noise_generator(), noise_generator()
     assert not torch.equal(torch.randn(4, generator=a), torch.randn(4, generator=b))  # not the run seed
+
+
+def test_tensor_shards_poisson_sample_and_an_empty_batch_is_noise_alone():
+    from geofed.regions.tasks.sharding import TensorShard
+
+    shard = TensorShard(torch.randn(1000, 4), torch.randint(0, 3, (1000,)), batch_size=32)
+    sizes = [len(x) for x, _ in (next(s) for s in [shard.poisson_batches(torch.Generator().manual_seed(1), 0.032)]
+                                 for _ in range(200))]
+    assert len(set(sizes)) > 5 and 28 < sum(sizes) / len(sizes) < 36  # Poisson, not fixed: mean 32
+    model = nn.Linear(4, 3)
+
+    def loss(m, batch):
+        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    empty = (torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    assert dp_step(model, loss, empty, clip=1.0, noise_multiplier=1.0, expected_batch=32,
+                   generator=noise_generator()) == 0.0
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
