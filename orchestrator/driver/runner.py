@@ -180,7 +180,6 @@ class Runner(FaultHandling, PacedRounds, DpAccounting):
         mark("servers_connected")
         info = self.actors.info[self.regions[0]]
         self.coordinator = Coordinator(self.cfg, model_numel=info["params"], clock=self.clock)
-        self._plan_privacy()  # the noise for privacy.dp.target_epsilon (a resume then restores the accountant)
         self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
         self.rounds_log = JsonlLog(self.run_dir / "rounds.jsonl")
         self.events_log = JsonlLog(self.run_dir / "events.jsonl")
@@ -192,6 +191,7 @@ class Runner(FaultHandling, PacedRounds, DpAccounting):
             self._event("reaped_previous_driver", processes=reaped)
         if getattr(self, "_tls_renewed", None):
             self._event("tls_renewed", certificates=self._tls_renewed)
+        self._plan_privacy()  # the noise for privacy.dp.target_epsilon (a resume then restores the accountant)
         if restored is not None:
             self._restore(*restored)
         mark("logs_restore")
