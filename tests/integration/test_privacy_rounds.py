@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.resume import resume_config
+from geofed.orchestrator.driver.rundir import new_run_dir, read_jsonl
 from geofed.orchestrator.driver.runner import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(400)]
@@ -15,8 +16,8 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(400)]
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 
 
-def _run(tmp_path, dp: dict, *, rounds: int = 4, H: int = 10):
-    cfg = config_from_mapping({
+def _config(dp: dict, *, rounds: int = 4, H: int = 10):
+    return config_from_mapping({
         "run": {"name": "dp", "rounds": rounds, "report": False, "checkpoint_every": 1, "seed": 1, "eval_every": 0},
         "task": {"kind": "mlp-digits", "hidden": 32},
         "regions": {"names": REGIONS, "num_cpus": 0.5},
@@ -25,7 +26,11 @@ def _run(tmp_path, dp: dict, *, rounds: int = 4, H: int = 10):
                  "deadline": {"initial_s": 30.0, "min_s": 20.0, "max_s": 60.0}},
         "privacy": {"dp": dp},
     })
-    runner = Runner(cfg, tmp_path, show_progress=False)
+
+
+def _run(tmp_path, dp: dict, *, rounds: int = 4, H: int = 10, cfg=None, resume: bool = False):
+    cfg = cfg or _config(dp, rounds=rounds, H=H)
+    runner = Runner(cfg, tmp_path, show_progress=False, resume=resume)
     try:
         summary = runner.run()
     finally:
@@ -75,3 +80,16 @@ def test_target_epsilon_with_on_target_stop_ends_the_run_early(tmp_path):
     assert len(stop) == 1 and stop[0]["round"] == 2 and stop[0]["epsilon_next"] > 8.0
     assert summary["privacy"]["stopped_at_budget"]["round"] == 2
     assert summary["privacy"]["epsilon"] == pytest.approx(rounds[-1]["dp_epsilon"])
+
+
+def test_resume_keeps_the_accountant(tmp_path):
+    cfg = _config({"mode": "update", "clip": 0.5, "noise_multiplier": 2.0}, rounds=2, H=5)
+    new_run_dir(cfg, str(tmp_path))  # config.yaml, which --resume reads
+    first, *_ = _run(tmp_path, {}, cfg=cfg)
+    cfg2, _ = resume_config(tmp_path, ["run.rounds=4"], ["run.rounds"])
+    summary, rounds, _, events = _run(tmp_path, {}, cfg=cfg2, resume=True)
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert [r["dp_steps"] for r in rounds] == [1, 2, 3, 4]  # rounds 2-3 spent on top of the checkpoint's 2
+    _increasing(rounds)
+    assert summary["privacy"]["steps"] == 4 and summary["privacy"]["epsilon"] > first["privacy"]["epsilon"]
+    assert [e["event"] for e in events].count("resumed") == 1
