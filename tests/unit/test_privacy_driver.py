@@ -127,3 +127,13 @@ def test_tensor_shards_poisson_sample_and_an_empty_batch_is_noise_alone():
     assert dp_step(model, loss, empty, clip=1.0, noise_multiplier=1.0, expected_batch=32,
                    generator=noise_generator()) == 0.0
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
+
+
+def test_the_report_states_epsilon():
+    from geofed.orchestrator.report.facts import privacy_text
+
+    assert privacy_text(None) is None and privacy_text({"epsilon": None}) is None
+    text = privacy_text({"mode": "record", "epsilon": 7.974, "delta": 1e-5, "noise_multiplier": 2.492, "clip": 1.0,
+                         "target_epsilon": 8.0, "stopped_at_budget": {"round": 12}})
+    assert text == ("record level: epsilon 7.97 at delta 1e-05 (noise multiplier 2.49, clip 1), target 8; "
+                    "stopped before round 12 (the budget)")
