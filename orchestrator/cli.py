@@ -22,6 +22,7 @@ BENCHES = {
     "cluster": ("geofed.orchestrator.bench.cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),
     "hetero": ("geofed.orchestrator.bench.hetero", "barrier vs time-budget vs quorum rounds with a slow or flaky region"),
     "soak": ("geofed.orchestrator.bench.soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
+    "privacy": ("geofed.orchestrator.bench.privacy", "plain vs record-level DP at epsilon 1, 4, 8 on digits (accuracy, epsilon)"),
 }
 
 

@@ -33,6 +33,7 @@ from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
 from .exchange import Exchanger
 from .limits import wire_limits
+from .privacy.dp import dp_step, noise_generator
 from .rollback import RoundGuard
 from .sketch import count_sketch
 from .tasks import make_task
@@ -63,6 +64,11 @@ class RoundPlan:
     norm_steps: float | None = None
     quorum: int | None = None
     grace_s: float = 0.0
+    # privacy.dp (regions/privacy/dp.py): the mechanism, its clip and the noise multiplier the driver's
+    # PrivacyBudget chose; record: DP-SGD inner steps, update: DiLoCo's sent pseudo-gradient noised.
+    dp_mode: str = "off"
+    dp_clip: float = 1.0
+    dp_noise: float | None = None
 
 
 class RegionWorker:
@@ -93,7 +99,7 @@ class RegionWorker:
         self.shard = self.task.shard(self.index, len(self.regions), seed)
         self.generator = torch.Generator().manual_seed(seed * 1000 + self.index)
         self._data_start = self.generator.get_state()
-        self.batches = self.shard.batches(self.generator)
+        self.batches = self._batch_stream()
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
@@ -124,6 +130,8 @@ class RegionWorker:
         self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
         self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
         self.completed_round = -1
+        self.dp_plan: RoundPlan | None = None
+        self.dp_generator = noise_generator()
         self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
         self.model.train()
@@ -174,6 +182,7 @@ class RegionWorker:
         and return the region's metrics record for it (losses, exchange, links, codecs, refusals).
         """
         t_start = time.time()
+        self.dp_plan = plan if plan.dp_mode == "record" and plan.dp_noise is not None else None
         metrics = self._guarded_round(plan)
         self.completed_round = plan.round
         if plan.final:
@@ -259,6 +268,10 @@ class RegionWorker:
         self.inner.zero_grad(set_to_none=False)
         batch = to_device(next(self.batches), self.device)
         self.batches_drawn += 1
+        if self.dp_plan is not None:  # record-level DP: clipped per-example gradients plus noise
+            return dp_step(self.model, self.task.loss, batch, clip=self.dp_plan.dp_clip,
+                           noise_multiplier=self.dp_plan.dp_noise, expected_batch=self.cfg.sync.inner.batch_size,
+                           generator=self.dp_generator)
         with self.precision.autocast():
             loss = self.task.loss(self.model, batch)
         self.precision.backward(loss, self.inner)
@@ -428,10 +441,20 @@ class RegionWorker:
         ones the region would have drawn had it not stopped (a shard's iterator holds its epoch's
         permutation, which the generator state alone does not give back)."""
         self.generator.set_state(start)
-        self.batches = self.shard.batches(self.generator)
+        self.batches = self._batch_stream()
         for _ in range(drawn):
             next(self.batches)
         self.batches_drawn = drawn
+
+    def _batch_stream(self):
+        """The shard's batches; with record-level DP Poisson-sampled at batch_size / shard size
+        (expected batch_size) where the shard can, as the accountant assumes (docs/privacy.md)."""
+        if self.cfg.privacy.dp.mode == "record":
+            rate = min(1.0, self.cfg.sync.inner.batch_size / self.shard.num_examples)
+            stream = self.shard.poisson_batches(self.generator, rate)
+            if stream is not None:
+                return stream
+        return self.shard.batches(self.generator)
 
     def _set_completed(self, round_: int) -> None:
         """Take up the run at `round_`: the mailbox closes every round up to it, so peers pushing

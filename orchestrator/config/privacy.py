@@ -70,6 +70,9 @@ def check_privacy_rules(cfg: Any) -> None:
     if dp.mode == "record" and getattr(cfg.task, "kind", "") in _NOT_PER_EXAMPLE:
         raise ValueError(f"privacy.dp.mode: record-level DP clips per example, and {cfg.task.kind}'s examples share "
                          "a graph (one node's features reach its neighbours' gradients); use mode update")
+    if dp.mode == "record" and cfg.sync.inner.precision == "fp16":
+        raise ValueError("sync.inner.precision: fp16's loss scaling would scale privacy.dp.mode record's clipped, "
+                         "noised gradients; use fp32 or bf16")
     if dp.mode == "update" and cfg.sync.algorithm != "diloco":
         raise ValueError(f"privacy.dp.mode: update-level DP noises DiLoCo's pseudo-gradient; sync.algorithm is "
                          f"{cfg.sync.algorithm} (use mode record)")

@@ -25,6 +25,7 @@ from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .export import params_by_region, write_model
 from .faults import FaultHandling
 from .pacing import PacedRounds
+from .privacy import DpAccounting
 from .progress import RunProgress, print_summary
 from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
@@ -109,7 +110,7 @@ def _with_address(cfg: RunConfig, address: str | None) -> RunConfig:
     return dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=address))
 
 
-class Runner(FaultHandling, PacedRounds):
+class Runner(FaultHandling, PacedRounds, DpAccounting):
     """The driver of one run: sets up TLS, Ray, the region actors, the emulator and the links, then
     paces rounds (plan, run, log, evaluate, checkpoint) and survives region faults (FaultHandling).
     Call run(), then shutdown() whatever happened.
@@ -190,6 +191,7 @@ class Runner(FaultHandling, PacedRounds):
             self._event("reaped_previous_driver", processes=reaped)
         if getattr(self, "_tls_renewed", None):
             self._event("tls_renewed", certificates=self._tls_renewed)
+        self._plan_privacy()  # the noise for privacy.dp.target_epsilon (a resume then restores the accountant)
         if restored is not None:
             self._restore(*restored)
         mark("logs_restore")
@@ -268,8 +270,8 @@ class Runner(FaultHandling, PacedRounds):
                     if self.stop.requested:
                         self._stop_cleanly()
                     self._round(r)
-                    if self.coordinator.done or self.evaluation.hit is not None:  # run.max_steps spent, run.target reached
-                        break
+                    if self.coordinator.done or self.evaluation.hit is not None or self.dp_stopped:
+                        break  # run.max_steps spent, run.target reached, privacy.dp.target_epsilon reached
                 if self.stop.requested:
                     self._stop_cleanly()
                 return self._finish()
@@ -288,13 +290,16 @@ class Runner(FaultHandling, PacedRounds):
             self.emulator.set_round(r)
         t_start = self.clock.now()
         participants, absent = self._participants(r)
-        plans = self.coordinator.plan(r, alive=participants, evaluate=evaluate)
+        plans = self._dp_plans(r, self.coordinator.plan(r, alive=participants, evaluate=evaluate))
+        if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
+            return
         results = self._run_round(r, plans)
         t_end = self.clock.now()
         self.coordinator.observe(results)
         self._bytes_sent += sum(m["bytes_sent"] for m in results.values())
         self.evaluation.note_round(r, results, steps=self.coordinator.steps_done)
-        extra = self.evaluation.of_round(r, results, self.alive, self._fetch_params, t_end=t_end)
+        extra = {**self.evaluation.of_round(r, results, self.alive, self._fetch_params, t_end=t_end),
+                 **self._dp_spend(results)}
         self._log_round(r, results, t_start, t_end, extra={**extra, "participants": participants,
                                                            "absent": sorted(absent), "in_flight": sorted(self.busy)})
         if extra.get("eval_avg") and self.evaluation.check(extra):
@@ -363,7 +368,7 @@ class Runner(FaultHandling, PacedRounds):
         busy = self.busy
         self._call([reg for reg in self.alive if reg not in busy], "save_checkpoint", timeout=300)
         state = {"round": r, "clock": self.clock.now(), "coordinator": self.coordinator.state_dict(),
-                 "faults": dict(self.faults), "alive": list(self.alive)}
+                 "faults": dict(self.faults), "alive": list(self.alive), **self._dp_state()}
         d = self.run_dir / "checkpoints" / "driver"
         checkpoint.save_atomic(checkpoint.checkpoint_path(d, r), state)
         checkpoint.prune(d, self.cfg.run.keep_checkpoints)
@@ -387,6 +392,7 @@ class Runner(FaultHandling, PacedRounds):
             self._event("region_state_from_peer", region=reg, own_round=got[reg]["round"], donor=donor)
         self.coordinator.load_state_dict(state["coordinator"])
         self.faults.update(state["faults"])
+        self._dp_restore(state)
         self.clock = Clock(offset=state["clock"])
         self.coordinator.clock = self.clock
         self.next_round = r + 1
@@ -443,6 +449,7 @@ class Runner(FaultHandling, PacedRounds):
         summary["startup"] = {"process_to_round0_s": self.startup_s, "phases_s": self.setup_phases}
         summary["interrupted"] = interrupted
         summary["pacing"] = {"mode": self.pacing.mode, **self.pacing_stats}
+        summary["privacy"] = self._dp_summary()
         write_json(self.run_dir / "summary.json", summary)
         return summary
 

@@ -79,8 +79,23 @@ def config_highlights(run: Run) -> list[tuple[str, str]]:
         ("inner lr", _lr_text(dig("sync", "inner"))),
         ("outer lr / momentum", _outer_text(run, dig("sync", "outer"))),
         ("overlap", sc.get("overlap") if "overlap" in sc else dig("sync", "overlap")),
+        ("differential privacy", privacy_text(run.summary.get("privacy"))),
     ]
     return [(k, str(v)) for k, v in pairs if v not in (None, "")]
+
+
+def privacy_text(p: Any) -> str | None:
+    """summary.json's privacy entry in words (None with DP off)."""
+    if not isinstance(p, dict) or p.get("epsilon") is None:
+        return None
+    text = (f"{p.get('mode')} level: epsilon {p['epsilon']:.3g} at delta {p.get('delta'):g} "
+            f"(noise multiplier {p.get('noise_multiplier'):.3g}, clip {p.get('clip'):g})")
+    if p.get("target_epsilon") is not None:
+        text += f", target {p['target_epsilon']:g}"
+    stopped = p.get("stopped_at_budget")
+    if isinstance(stopped, dict):
+        text += f"; stopped before round {stopped.get('round')} (the budget)"
+    return text
 
 
 def _h_text(run: Run, policy: Any) -> str | None:

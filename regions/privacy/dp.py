@@ -13,6 +13,7 @@ whose `loss(model, batch)` takes a tensor or a tuple of tensors with the example
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,3 +119,22 @@ def clip_and_noise_update(tensors: Sequence[torch.Tensor], *, clip: float, noise
         if std > 0:
             t.add_(torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device), alpha=std)
     return {"update_norm": norm, "clip_scale": scale}
+
+
+def noise_generator() -> torch.Generator:
+    """A generator for DP noise seeded from the OS's randomness, not the run seed: whoever knows a
+    noise draw can subtract it. (Like Opacus without secure_mode, the Mersenne Twister itself is
+    not a cryptographic generator; a resumed run draws fresh noise, not the same.)"""
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
+def dp_step(model: nn.Module, loss: LossFn, batch: Any, *, clip: float, noise_multiplier: float,
+            expected_batch: float, generator: torch.Generator) -> float:
+    """One record-level DP inner step's gradients (dp_gradients, into `.grad`) for a region's
+    batch; returns the batch's loss (computed apart, without gradients, for the metrics)."""
+    first = batch if isinstance(batch, torch.Tensor) else batch[0]
+    with torch.no_grad():  # a Poisson batch may be empty: its gradient is the noise alone, its loss 0
+        value = float(loss(model, batch)) if len(first) else 0.0
+    dp_gradients(model, loss, batch, clip=clip, noise_multiplier=noise_multiplier, expected_batch=expected_batch,
+                 generator=generator)
+    return value

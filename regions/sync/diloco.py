@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..pacing import fednova_scale, mix_stale
+from ..privacy.dp import clip_and_noise_update, noise_generator
 from .common import exchange_metrics, no_exchange_metrics
 from .protocol import Shapes, SyncContext
 
@@ -63,6 +64,7 @@ class DilocoSync:
         self._pending_round: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap") if self.overlap else None
         self._start = [p.detach().clone() for p in ctx.params] if self.overlap else None  # where this round began
+        self._dp_generator: torch.Generator | None = None  # privacy.dp.mode update, made on first use
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
@@ -84,6 +86,8 @@ class DilocoSync:
         sent = delta if scale == 1.0 else [d * scale for d in delta]
         if scale != 1.0:
             metrics["fednova_scale"] = round(scale, 4)
+        if plan.dp_mode == "update" and plan.dp_noise is not None:
+            sent = self._dp_noised(plan, sent, metrics)
         t0 = time.monotonic()
         if not self.overlap:
             res = ctx.exchange(plan, sent)
@@ -108,6 +112,18 @@ class DilocoSync:
                 self._load_global(unsynced=delta)
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
+
+    def _dp_noised(self, plan: RoundPlan, sent: list[torch.Tensor], metrics: dict) -> list[torch.Tensor]:
+        """Update-level DP on what leaves the region: clipped to plan.dp_clip, Gaussian noise of
+        plan.dp_noise x clip (local DP: secure aggregation's 1/n noise share is not wired). A copy:
+        with overlap, `delta` stays the region's own unsynced progress."""
+        if self._dp_generator is None:
+            self._dp_generator = noise_generator()
+        noised = [t.clone() for t in sent]
+        out = clip_and_noise_update(noised, clip=plan.dp_clip, noise_multiplier=plan.dp_noise,
+                                    generator=self._dp_generator)
+        metrics["dp_update_norm"], metrics["dp_clip_scale"] = round(out["update_norm"], 6), round(out["clip_scale"], 6)
+        return noised
 
     def finish(self) -> dict[str, Any]:
         """Apply the last in-flight exchange (overlap), so the final model includes every round."""

@@ -50,6 +50,12 @@ class Shard(ABC):
     def batches(self, generator: torch.Generator) -> Iterator[Any]:
         """An endless stream of training batches drawn with `generator` (reproducible)."""
 
+    def poisson_batches(self, generator: torch.Generator, rate: float) -> Iterator[Any] | None:
+        """Batches of independently drawn examples (each with probability `rate`; a batch may be
+        empty), the sampling record-level DP's accountant assumes; None where the shard cannot
+        (the worker then uses `batches`: fixed-size batches, the usual approximation)."""
+        return None
+
 
 class Task(ABC):
     """Model + data + evaluation. Implementations must be deterministic given the seed."""

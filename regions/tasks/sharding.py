@@ -59,6 +59,15 @@ class TensorShard(Shard):
                 idx = perm[start:start + bs]
                 yield self.x[idx], self.y[idx]
 
+    def poisson_batches(self, generator: torch.Generator, rate: float) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Poisson-sampled batches (record-level DP): every example in with probability `rate`."""
+        if not 0 < rate <= 1:
+            raise ValueError(f"rate: must be in (0, 1], got {rate}")
+        n = len(self.x)
+        while True:
+            idx = torch.nonzero(torch.rand(n, generator=generator) < rate).flatten()
+            yield self.x[idx], self.y[idx]
+
 
 def label_histogram(labels: np.ndarray, parts: list[np.ndarray], n_classes: int) -> list[list[int]]:
     """Per part, how many examples of each label it holds: how skewed a partition is."""

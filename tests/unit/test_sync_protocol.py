@@ -14,7 +14,7 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.exchange import ExchangeResult
 from geofed.regions.sync import ALGORITHMS, DilocoSync, mix
 from geofed.regions.sync.protocol import SyncAlgorithm, SyncContext
-from geofed.regions.worker import RegionWorker
+from geofed.regions.worker import RegionWorker, RoundPlan
 
 
 class _Quadratic:
@@ -32,7 +32,7 @@ class _Quadratic:
         with torch.no_grad():
             self.params[0].sub_(self.lr * lr_scale * self.params[0].grad)
 
-    def inner_steps(self, H, lr_scale, *, before_step=None):
+    def inner_steps(self, H, lr_scale, *, before_step=None, budget_s=None, max_steps=None):
         losses = []
         for k in range(H):
             losses.append(self.forward_backward())
@@ -57,12 +57,32 @@ def test_diloco_runs_on_a_context_alone():
     cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"outer": {"lr": 1.0, "momentum": 0.0}}})
     x = torch.zeros(4, requires_grad=True)
     algo = DilocoSync(_context(cfg.sync, [x], _Quadratic([x], torch.ones(4), lr=0.5), [torch.full((4,), 0.25)]))
-    plan = type("Plan", (), {"round": 0, "H": 1, "lr_scale": 1.0, "evaluate": False, "codecs": {}, "alive": None})()
+    plan = RoundPlan(round=0, H=1)
     metrics = algo.run_round(plan)
     # One step of lr 0.5 moves x from 0 to 0.5: delta = -0.5; the peer's delta is 0.25; the mix
     # is -0.125, and the outer SGD step (lr 1) leaves x at 0.125 on every coordinate.
     assert torch.allclose(x.detach(), torch.full((4,), 0.125)) and metrics["steps"] == 1
     assert torch.allclose(algo.eval_params()[0], torch.full((4,), 0.125))
+
+
+def test_diloco_update_level_dp_clips_and_noises_what_is_sent():
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"outer": {"lr": 1.0, "momentum": 0.0}}})
+    x = torch.zeros(4, requires_grad=True)
+    sent = []
+    ctx = _context(cfg.sync, [x], _Quadratic([x], torch.ones(4), lr=0.5), [torch.zeros(4)])
+    inner_exchange = ctx.exchange
+
+    def exchange(plan, tensors, **kw):
+        sent.append([t.clone() for t in tensors])
+        return inner_exchange(plan, tensors, **kw)
+
+    algo = DilocoSync(SyncContext(**{**ctx.__dict__, "exchange": exchange}))
+    metrics = algo.run_round(RoundPlan(round=0, H=1, dp_mode="update", dp_clip=0.1, dp_noise=0.0))
+    # delta = -0.5 per coordinate (norm 1.0), clipped to norm 0.1; noise 0 leaves it exact.
+    assert torch.allclose(sent[0][0], torch.full((4,), -0.05)) and metrics["dp_update_norm"] == pytest.approx(1.0)
+    assert metrics["dp_clip_scale"] == pytest.approx(0.1)
+    algo.run_round(RoundPlan(round=1, H=1, dp_mode="update", dp_clip=0.1, dp_noise=10.0))
+    assert float(sent[1][0].norm()) > 0.1  # noise of std 1 per coordinate on top of an update clipped to 0.1
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
