@@ -58,6 +58,7 @@ def test_update_level_dp_noises_the_sent_update_and_reports_epsilon(tmp_path):
     assert summary["eval"]["value"] > 0.3
 
 
+@pytest.mark.slow  # the default suite's 20 minutes; CI runs it in the slow pass
 def test_record_level_dp_chooses_noise_for_the_target_and_stays_within_it(tmp_path):
     summary, rounds, metrics, events = _run(tmp_path, {"mode": "record", "clip": 1.0, "target_epsilon": 8.0})
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
@@ -82,6 +83,7 @@ def test_target_epsilon_with_on_target_stop_ends_the_run_early(tmp_path):
     assert summary["privacy"]["epsilon"] == pytest.approx(rounds[-1]["dp_epsilon"])
 
 
+@pytest.mark.slow  # the default suite's 20 minutes; CI runs it in the slow pass
 def test_resume_keeps_the_accountant(tmp_path):
     cfg = _config({"mode": "update", "clip": 0.5, "noise_multiplier": 2.0}, rounds=2, H=5)
     new_run_dir(cfg, str(tmp_path))  # config.yaml, which --resume reads

@@ -119,8 +119,9 @@ def test_a_run_survives_a_compromised_peer(tmp_path, undisturbed):
     assert told.get("outcomes"), "the attack did not run to its end"
     assert told["round_done"] < ROUNDS - 5, told  # ...while the run still had rounds to report it in
 
-    # Accuracy within 1 point of the undisturbed run of the same seed.
-    assert abs(summary["eval"]["value"] - base_summary["eval"]["value"]) <= 0.01, (summary["eval"], base_summary["eval"])
+    # Accuracy at most 1 point below the undisturbed run of the same seed (the attack must not hurt;
+    # a loaded CI host once had the attacked run 1.1 points *above* it: timing, not the attack).
+    assert summary["eval"]["value"] >= base_summary["eval"]["value"] - 0.01, (summary["eval"], base_summary["eval"])
 
     # Every attack refused, counted by reason by the target, in summary.json and events.jsonl.
     by_reason = summary["refusals"]["by_reason"]
