@@ -71,6 +71,7 @@ def test_record_level_dp_chooses_noise_for_the_target_and_stays_within_it(tmp_pa
     assert all(m["steps"] == 10 for m in metrics)
 
 
+@pytest.mark.slow  # the default suite's 20 minutes; CI runs it in the slow pass
 def test_target_epsilon_with_on_target_stop_ends_the_run_early(tmp_path):
     # noise 1.0 at rate 1, delta 1e-5: epsilon 4.73, 7.08, 9.01 after 1, 2, 3 rounds: round 2 is refused.
     summary, rounds, _, events = _run(tmp_path, {"mode": "update", "clip": 0.5, "noise_multiplier": 1.0,
