@@ -68,6 +68,7 @@ class Coordinator:
         self._rounds_seen = 0
         self.pacing = cfg.sync.pacing
         self._region_steps: dict[str, deque[float]] = {}  # region -> its recent step times (time-budget)
+        self._warm_steps: dict[str, float] = {}  # region -> its set-up warm-up pass time (time-budget)
 
     @property
     def done(self) -> bool:
@@ -143,7 +144,7 @@ class Coordinator:
     def region_step_time(self, region: str) -> float | None:
         """A region's step time (the median of its last few rounds), or None before it reported one."""
         steps = self._region_steps.get(region)
-        return statistics.median(steps) if steps else None
+        return statistics.median(steps) if steps else self._warm_steps.get(region)
 
     def _pacing_fields(self, H: int, alive: list[str]) -> dict[str, Any]:
         """The plan's sync.pacing fields (regions/pacing.py): time-budget: the budget (H steps of the
@@ -196,6 +197,9 @@ class Coordinator:
         steps on a scratch model read 0.66-2.8 ms where the rounds' steps took 2.3-4.9 ms on a
         loaded 4-node cluster (geofed bench cluster), and an H sized on it was 2-3x too large."""
         self.link_view.observe_round(results)
+        # time-budget: each region's warm-up pass time stands in for its step time until round 0
+        # measured one, so round 0 needs no calibration round (regions/worker.py _warm_compute).
+        self._warm_steps = {r: m["warm_step_s"] for r, m in results.items() if m.get("warm_step_s")}
 
     def observe(self, results: dict[str, dict[str, Any]]) -> None:
         """Fold one round of region metrics into the measurements the policy sees next."""

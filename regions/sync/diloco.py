@@ -82,7 +82,7 @@ class DilocoSync:
         delta = [s.detach() - p.detach() for s, p in zip(start, ctx.params)]
         # Time-budget rounds: FedNova's tau_eff / tau_i on what is sent (regions/pacing.py); the
         # region's own unsynced progress (overlap) stays what it trained.
-        scale = fednova_scale(metrics["steps"], plan.norm_steps, limit=ctx.settings.pacing.max_steps_factor)
+        scale = fednova_scale(metrics["steps"], plan.norm_steps, limit=ctx.settings.pacing.fednova_max_scale)
         sent = delta if scale == 1.0 else [d * scale for d in delta]
         if scale != 1.0:
             metrics["fednova_scale"] = round(scale, 4)

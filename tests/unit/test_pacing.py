@@ -13,7 +13,7 @@ from geofed.orchestrator.config.strict import ConfigError
 from geofed.p2p.mailbox import Mailbox, Refusal
 from geofed.regions.emulation import (AbsenceWindow, AvailabilityConfig, ComputeEmulation, Slowdown,
                                       absent_regions)
-from geofed.regions.pacing import PacingSection, fednova_scale, mix_stale, stale_weight
+from geofed.regions.pacing import PacingSection, budget_over, fednova_scale, mix_stale, stale_weight
 
 REGIONS = ["a", "b", "c", "d"]
 
@@ -173,3 +173,48 @@ def test_good_pacing_configs_load():
                   "regions.emulation.availability.schedule": [{"region": "c", "from_round": 1, "to_round": 2}]})
     assert cfg.sync.pacing.mode == "time-budget" and cfg.regions.emulation.slowdown == {"b": 4.0}
     assert cfg.regions.emulation.active
+
+
+def test_budget_over_stops_before_a_step_that_would_end_past_the_budget():
+    assert not budget_over(0.0, [], 1.0)  # nothing measured yet: take the first step
+    assert budget_over(1.0, [0.1], 1.0)  # at the budget
+    # 0.7 s in, steps of 0.4 s (median; one outlier): the next would end at 1.1 > 1.0.
+    assert budget_over(0.7, [0.4, 0.4, 2.0], 1.0)
+    assert not budget_over(0.55, [0.4, 0.4, 2.0], 1.0)  # ends at 0.95: take it
+    # A fast region with 10 ms steps runs to within a step of the budget.
+    assert not budget_over(0.985, [0.01] * 98, 1.0) and budget_over(0.995, [0.01] * 99, 1.0)
+
+
+def test_fednova_max_scale_is_checked():
+    assert PacingSection(mode="time-budget").fednova_max_scale == 1.0
+    with pytest.raises(ValueError, match="fednova_max_scale"):
+        PacingSection(fednova_max_scale=0.5)
+
+
+def test_the_set_up_warm_up_changes_nothing_the_run_sees(tmp_path):
+    """Time-budget regions time a few passes before round 0 (a step time without a calibration
+    round); the weights, the data stream and the random state after it are as without it."""
+    from geofed.orchestrator.config import config_from_mapping
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.worker import RegionWorker
+
+    cfg = config_from_mapping({
+        "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 16},
+        "regions": {"names": ["a"], "emulation": {"slowdown": {"a": 3.0}}},
+        "network": {"emulation": {"mode": "none"}}, "sync": {"pacing": {"mode": "time-budget"}},
+    })
+    trained = []
+    for warm in (False, True):
+        w = RegionWorker(cfg, "a", tmp_path / str(warm), transport=InMemoryTransport("a", InMemoryHub()))
+        try:
+            torch.manual_seed(7)
+            if warm:
+                step_s = w._warm_compute()
+                assert 0 < step_s < 5.0
+            w.inner_steps(5, 1.0)
+            trained.append(([p.detach().clone() for p in w.params], torch.rand(3), w.batches_drawn))
+        finally:
+            w.close()
+    (p0, r0, d0), (p1, r1, d1) = trained
+    assert d0 == d1 == 5 and torch.equal(r0, r1)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
