@@ -1,10 +1,11 @@
 """`geofed bench hetero`: regions of unequal speed and flaky participation (issue 20).
 
-    geofed bench hetero [--quick] [--reps N] [--json] [--out DIR] [--set KEY=VALUE]
+    geofed bench hetero [--task digits|char-lm] [--quick] [--reps N] [--json] [--out DIR] [--set KEY=VALUE]
 
 Every run is a real `geofed run` (Ray actors, mutual-TLS gRPC, the proxy WAN emulator with the
-AWS preset) of configs/bench-hetero.yaml with a scenario (regions.emulation) and an arm
-(sync.pacing) laid over it:
+AWS preset) of the task's base (configs/bench-hetero.yaml: the digits MLP, target accuracy 0.96;
+configs/bench-hetero-lm.yaml: the character GRU on tinyshakespeare, target held-out loss 2.05)
+with a scenario (regions.emulation) and an arm (sync.pacing) laid over it:
 
 * scenarios: ``equal`` (the reference, barrier rounds), ``slow`` (eu-west-1 4x slower),
   ``flaky`` (each region absent with probability 0.25 per round);
@@ -36,7 +37,6 @@ from rich.table import Table
 from ..config import config_from_mapping, default_config_path
 from ..config.strict import parse_yaml_file
 
-BASE_CONFIG = "bench-hetero.yaml"
 SLOW_REGION, SLOW_FACTOR, ABSENT_P = "eu-west-1", 4.0, 0.25
 # Every region is emulated 2x slower than its share of this machine, the slow one 4x that: a
 # region that sleeps leaves the cores to the others, and without the common factor the three fast
@@ -53,9 +53,32 @@ ARMS: dict[str, dict[str, Any]] = {
     "time-budget": {"overlap": True, "pacing": {"mode": "time-budget"}},
     "quorum": {"overlap": False, "pacing": {"mode": "quorum", "late_updates": "apply"}},
 }
-TARGET_ACCURACY = 0.96
-TARGETS = {"slow_best_vs_equal": 1.3, "flaky_best_vs_equal": 1.3, "slow_best_metric_delta": -0.01,
-           "slow_fast_idle_fraction": 0.1, "slow_least_idle_fraction": 0.1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Base:
+    """A task the bench runs on: its config file, the held-out metric's target and direction, and
+    how far the best arm's final metric may fall behind the same arm's in `equal` (accuracy:
+    points; loss: a fraction of it)."""
+
+    config: str
+    metric: str
+    target: float
+    higher_is_better: bool
+    metric_tolerance: float
+
+    def targets(self) -> dict[str, float]:
+        return {"slow_best_vs_equal": 1.3, "flaky_best_vs_equal": 1.3, "slow_best_metric_delta": -self.metric_tolerance,
+                "slow_fast_idle_fraction": 0.1, "slow_least_idle_fraction": 0.1}
+
+
+BASES = {
+    "digits": Base(config="bench-hetero.yaml", metric="accuracy", target=0.96, higher_is_better=True,
+                   metric_tolerance=0.01),
+    "char-lm": Base(config="bench-hetero-lm.yaml", metric="loss", target=2.05, higher_is_better=False,
+                    metric_tolerance=0.02),
+}
+TARGETS = BASES["digits"].targets()
 
 
 @dataclass(frozen=True)
@@ -84,6 +107,8 @@ def interleaved(items: Sequence[Cell], reps: int) -> list[tuple[int, Cell]]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="geofed bench hetero", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=sorted(BASES), default="digits",
+                   help="digits (the MLP, target accuracy 0.96) or char-lm (the GRU on tinyshakespeare, target loss 2.05)")
     p.add_argument("--quick", action="store_true", help="one repetition of shorter runs (10 rounds), said so in the output")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every run, interleaved (default 3)")
     p.add_argument("--json", action="store_true", help="print the JSON document on stdout")
@@ -93,9 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def arm_config(cell: Cell, *, quick: bool, overrides: Sequence[str] = (), base: dict | None = None):
+def arm_config(cell: Cell, *, quick: bool, overrides: Sequence[str] = (), base: dict | None = None,
+               task: str = "digits"):
     """The RunConfig of one cell: the base file, the scenario's emulation, the arm's pacing."""
-    m = copy.deepcopy(base if base is not None else parse_yaml_file(default_config_path().parent / BASE_CONFIG))
+    m = copy.deepcopy(base if base is not None else parse_yaml_file(default_config_path().parent / BASES[task].config))
     emulation = copy.deepcopy(SCENARIOS[cell.scenario])
     slowdown = {r: BASE_SLOWDOWN for r in m["regions"]["names"]}
     slowdown.update({r: f * BASE_SLOWDOWN for r, f in emulation.get("slowdown", {}).items()})
@@ -123,7 +149,7 @@ def main(argv: Sequence[str]) -> int:
     from ..driver.recovery import RunFailed
 
     try:
-        doc = run_bench(out, reps=reps, quick=args.quick, overrides=args.overrides, console=console)
+        doc = run_bench(out, reps=reps, quick=args.quick, overrides=args.overrides, console=console, task=args.task)
     except (PlacementError, RunFailed) as exc:
         print(f"geofed bench hetero: {exc} (run directories so far: {out})", file=sys.stderr)
         return 1
@@ -136,7 +162,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def run_bench(out: Path, *, reps: int, quick: bool, overrides: Sequence[str] = (),
-              console: Console | None = None) -> dict[str, Any]:
+              console: Console | None = None, task: str = "digits") -> dict[str, Any]:
     """Run every cell `reps` times, interleaved; returns the JSON document (also out/bench.json)."""
     import ray
 
@@ -145,7 +171,8 @@ def run_bench(out: Path, *, reps: int, quick: bool, overrides: Sequence[str] = (
     console = console or Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     order = interleaved(cells(), reps)
-    configs = {c: arm_config(c, quick=quick, overrides=overrides) for c in cells()}
+    base = BASES[task]
+    configs = {c: arm_config(c, quick=quick, overrides=overrides, task=task) for c in cells()}
     started = False
     if not ray.is_initialized():
         cfg = next(iter(configs.values()))
@@ -154,24 +181,25 @@ def run_bench(out: Path, *, reps: int, quick: bool, overrides: Sequence[str] = (
         started = True
     rows: list[dict[str, Any]] = []
     console.rule(f"geofed bench hetero: {len(order)} runs ({reps} interleaved repetition{'s' * (reps > 1)}"
-                 f"{', --quick' if quick else ''}), target accuracy {TARGET_ACCURACY}")
+                 f"{', --quick' if quick else ''}), {task}, target {base.metric} {base.target}")
     try:
         for k, (rep, cell) in enumerate(order):
             run_dir = _run(configs[cell], out / f"rep{rep}" / cell.scenario / cell.arm)
             row = {"rep": rep, "scenario": cell.scenario, "arm": cell.arm,
-                   **measure(run_dir, target=TARGET_ACCURACY,
+                   **measure(run_dir, target=base.target, higher_is_better=base.higher_is_better,
                              slow=[SLOW_REGION] if cell.scenario == "slow" else [])}
             rows.append(row)
             with (out / "rows.jsonl").open("a") as f:  # a bench cut short keeps its runs
                 f.write(json.dumps(row) + "\n")
             tt = row["time_to_target_s"]
             console.print(f"[{k + 1}/{len(order)}] rep {rep} {cell.name}: "
-                          f"{'not reached' if tt is None else f'{tt:.2f} s'} to {TARGET_ACCURACY}, "
+                          f"{'not reached' if tt is None else f'{tt:.2f} s'} to {base.metric} {base.target}, "
                           f"final {row['final_metric']}, idle {row['fast_idle_fraction']}")
     finally:
         if started:
             ray.shutdown()
-    doc = document(rows, reps=reps, quick=quick, targets=TARGETS)
+    doc = {"task": task, "metric": base.metric, "target": base.target,
+           **document(rows, reps=reps, quick=quick, targets=base.targets(), higher_is_better=base.higher_is_better)}
     (out / "bench.json").write_text(json.dumps({**doc, "rows": rows}, indent=2))
     return doc
 
@@ -194,7 +222,8 @@ def print_table(console: Console, doc: dict[str, Any]) -> None:
     """The per-arm medians and the ratios against their targets."""
     t = Table(title=f"geofed bench hetero ({doc['reps']} rep{'s' * (doc['reps'] > 1)}{', quick' if doc['quick'] else ''};"
                     " medians, [min-max])")
-    for col in ("scenario", "arm", "time to target s", "steps to target", "final accuracy", "MB sent", "fast idle"):
+    metric = doc.get("metric", "accuracy")
+    for col in ("scenario", "arm", "time to target s", "steps to target", f"final {metric}", "MB sent", "fast idle"):
         t.add_column(col)
     for a in doc["arms"]:
         t.add_row(a["scenario"], a["arm"], _spread(a, "time_to_target_s"), _fmt(a["steps_to_target"]),
@@ -203,7 +232,7 @@ def print_table(console: Console, doc: dict[str, Any]) -> None:
     console.print(t)
     for key, value in doc["ratios"].items():
         sp = doc["spread"].get(key) or {}
-        target = TARGETS.get(key)
+        target = doc.get("targets", TARGETS).get(key)
         console.print(f"{key}: {_fmt(value)} [{_fmt(sp.get('min'))}-{_fmt(sp.get('max'))}]"
                       + ("" if target is None else f" (target {'>=' if key.endswith('delta') else '<='} {target:g})"))
 

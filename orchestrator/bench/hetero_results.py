@@ -15,8 +15,9 @@ from ..driver.rundir import read_jsonl
 MEASURES = ("time_to_target_s", "steps_to_target", "final_metric", "bytes_sent", "fast_idle_fraction", "wall_s")
 
 
-def measure(run_dir: Path, *, target: float, slow: Sequence[str] = ()) -> dict[str, Any]:
-    """One run: time and steps (mean per region) to the first evaluation at or above `target`,
+def measure(run_dir: Path, *, target: float, slow: Sequence[str] = (), higher_is_better: bool = True) -> dict[str, Any]:
+    """One run: time and steps (mean per region) to the first evaluation that reaches `target`
+    (at or above it; at or below where lower is better: a loss),
     the final held-out metric, bytes sent, and the fast regions' idle fraction: 1 - their compute
     seconds / the training wall time (regions in `slow` are not fast)."""
     run_dir = Path(run_dir)
@@ -28,7 +29,11 @@ def measure(run_dir: Path, *, target: float, slow: Sequence[str] = ()) -> dict[s
     for m in metrics:
         per_round[int(m["round"])].append(int(m.get("steps") or 0))
         compute[m["region"]] += float(m.get("compute_s") or 0.0)
-    hit = next((r for r in rounds if (r.get("eval_avg") or {}).get("value", -1.0) >= target), None)
+    def reached(r: dict) -> bool:
+        value = (r.get("eval_avg") or {}).get("value")
+        return value is not None and (value >= target if higher_is_better else value <= target)
+
+    hit = next((r for r in rounds if reached(r)), None)
     time_to, steps_to = None, None
     if hit is not None:
         time_to = hit.get("eval_t", hit["t_end"])
@@ -43,11 +48,14 @@ def measure(run_dir: Path, *, target: float, slow: Sequence[str] = ()) -> dict[s
             "pacing": summary.get("pacing"), "run_dir": str(run_dir)}
 
 
-def document(rows: list[dict[str, Any]], *, reps: int, quick: bool, targets: dict[str, float]) -> dict[str, Any]:
+def document(rows: list[dict[str, Any]], *, reps: int, quick: bool, targets: dict[str, float],
+             higher_is_better: bool = True) -> dict[str, Any]:
     """Per-arm medians with their spread, and the ratios: each computed per repetition, then the
     median (spread: min and max over repetitions). An arm's time in slow or flaky is divided by
     the same arm's in equal. The best arm of a scenario is the non-barrier arm with the smallest
-    median time to target."""
+    median time to target. The metric delta is the best arm's final metric in slow less its
+    own in equal (accuracy points), or for a loss the fraction by which it is lower (negative:
+    worse), so that in both a negative delta means the slow region cost quality."""
     cellsets: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
         cellsets[(row["scenario"], row["arm"])].append(row)
@@ -56,7 +64,7 @@ def document(rows: list[dict[str, Any]], *, reps: int, quick: bool, targets: dic
     per_rep: dict[str, list[float]] = defaultdict(list)
     for rep in sorted({r["rep"] for r in rows}):
         got = {(r["scenario"], r["arm"]): r for r in rows if r["rep"] == rep}
-        for name, value in _ratios(got, best).items():
+        for name, value in _ratios(got, best, higher_is_better).items():
             if value is not None:
                 per_rep[name].append(value)
     names = ("slow_barrier_vs_equal", "slow_best_vs_equal", "flaky_best_vs_equal", "slow_best_metric_delta",
@@ -76,7 +84,7 @@ def document(rows: list[dict[str, Any]], *, reps: int, quick: bool, targets: dic
             "targets": targets, "targets_met": met}
 
 
-def _ratios(got: dict, best: dict[str, str | None]) -> dict[str, float | None]:
+def _ratios(got: dict, best: dict[str, str | None], higher_is_better: bool = True) -> dict[str, float | None]:
     """One repetition's ratios: an arm's time in slow/flaky over the same arm's in equal."""
     def ratio(scenario: str, arm: str | None) -> float | None:
         row, ref = got.get((scenario, arm)), got.get(("equal", arm))
@@ -91,7 +99,8 @@ def _ratios(got: dict, best: dict[str, str | None]) -> dict[str, float | None]:
     slow_best = got.get(("slow", best["slow"])) if best["slow"] else None
     ref = got.get(("equal", best["slow"])) if best["slow"] else None
     if slow_best is not None and ref is not None and None not in (slow_best["final_metric"], ref["final_metric"]):
-        out["slow_best_metric_delta"] = slow_best["final_metric"] - ref["final_metric"]
+        a, b = slow_best["final_metric"], ref["final_metric"]
+        out["slow_best_metric_delta"] = a - b if higher_is_better else (b - a) / b if b else None
     out["slow_fast_idle_fraction"] = None if slow_best is None else slow_best["fast_idle_fraction"]
     return out
 

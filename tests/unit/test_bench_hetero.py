@@ -60,3 +60,32 @@ def test_an_arm_that_never_reaches_the_target_is_not_the_best():
     doc = document(rows, reps=1, quick=True, targets=TARGETS)
     assert doc["best_arm"]["slow"] is None and doc["ratios"]["slow_best_vs_equal"] is None
     assert doc["ratios"]["slow_barrier_vs_equal"] == pytest.approx(4.0)
+
+
+def test_a_loss_base_reaches_its_target_from_above_and_its_delta_is_relative():
+    from geofed.orchestrator.bench.hetero import BASES
+
+    lm = BASES["char-lm"]
+    assert not lm.higher_is_better and lm.targets()["slow_best_metric_delta"] == -0.02
+    cfg = arm_config(next(c for c in cells() if c.scenario == "slow"), quick=True, task="char-lm")
+    assert cfg.task.kind == "char-lm"
+    rows = [_row(0, "equal", "quorum", 2.0, metric=2.0), _row(0, "slow", "quorum", 2.2, metric=2.03),
+            _row(0, "equal", "barrier", 2.0, metric=2.0), _row(0, "slow", "barrier", 8.0, metric=2.0)]
+    doc = document(rows, reps=1, quick=True, targets=lm.targets(), higher_is_better=False)
+    assert doc["ratios"]["slow_best_metric_delta"] == pytest.approx(-0.015)  # 1.5% higher loss: worse
+    assert doc["targets_met"]["slow_best_metric_delta"] is True
+
+
+def test_measure_reads_a_loss_target_from_above(tmp_path):
+    import json
+
+    from geofed.orchestrator.bench.hetero_results import measure
+
+    (tmp_path / "summary.json").write_text(json.dumps({"wall_s": 4.0, "eval": {"value": 1.9}, "bytes_sent": 10}))
+    rounds = [{"round": r, "t_end": 1.0 + r, "eval_avg": {"value": v}} for r, v in enumerate((3.0, 2.1, 2.0, 1.9))]
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"round": r, "region": "a", "steps": 10, "compute_s": 0.9}) + "\n" for r in range(4)))
+    m = measure(tmp_path, target=2.05, higher_is_better=False)
+    assert m["time_to_target_s"] == 3.0 and m["steps_to_target"] == 30
+    assert measure(tmp_path, target=2.05)["time_to_target_s"] == 1.0  # as accuracy: 3.0 >= 2.05 at round 0
