@@ -167,6 +167,14 @@ class Mailbox:
                 self.count_refusal(Refusal("not_neighbour", f"{sender} pushed round {round} early but is not an in-neighbour"), sender, round)
             self._cond.notify_all()
 
+    def look_ahead(self, round: int) -> None:
+        """Accept pushes for `round` (and the window past it) before expect(round). A region that
+        takes the model from a peer before it runs `round` (a late quorum region catching up) is
+        rounds behind: its peers push `round` while the fetch is still running, and without this
+        those pushes were refused as future rounds and the region waited out its deadline (30 s)."""
+        with self._cond:
+            self._newest = max(self._newest, round - 1)
+
     # -- incoming ------------------------------------------------------------------------
     def note_bytes(self, sender: str, n: int) -> None:
         with self._cond:

@@ -170,10 +170,10 @@ class RegionWorker:
         training clock, changing nothing the run sees (data stream, random state, weights and
         optimiser are as before); returns the median pass time after the first, stretched by the
         emulated slowdown. A region's first steps (allocation, lazy init) take several of its later
-        ones, and without an estimate time-budget rounds start with a calibration round that waits
-        for the slowest region while the fast ones sit idle (bench hetero: 0.4 s of a 7 s run).
-        No optimiser step is timed: it reads a little low, alike for every region, and the
-        coordinator uses it only until round 0 measured the real steps."""
+        ones, and time-budget rounds start with a calibration round that waits for the slowest
+        region. The pass time reads 5-20x below a real step (no data, no optimiser step, a hot
+        cache), alike for every region: the coordinator uses only the ratios between regions, to
+        give a slow region fewer calibration steps."""
         saved = self.generator.get_state()
         batch = to_device(next(self._batch_stream()), self.device)
         self.generator.set_state(saved)
@@ -285,8 +285,11 @@ class RegionWorker:
         compute_s = time.monotonic() - t0
         loss = sum(losses) / len(losses)
         steps = len(losses)
+        # A round's first step reads several of the rest (a new round's data, allocation); a time
+        # budget sized on a 10-step round's mean made the next rounds 2-3x too long.
+        steady = durations[1:] if len(durations) >= 3 else durations
         metrics = {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / steps, "steps": steps,
-                   "step_time_median_s": statistics.median(durations)}
+                   "step_time_steady_s": sum(steady) / len(steady)}
         if not math.isfinite(loss):
             exc = FloatingPointError(f"region {self.region}: train loss is {loss}")
             exc.metrics = metrics  # what the round's rollback reports (regions/rollback.py)
@@ -434,6 +437,9 @@ class RegionWorker:
         The region's own inner optimizer, codec states and data position stay (they are its own,
         not the model's); the state is checked whole before any of it is loaded."""
         timeout_s = self.cfg.sync.deadline.max_s if timeout_s is None else timeout_s
+        mailbox = getattr(self.transport, "mailbox", None)
+        if before_round is not None and mailbox is not None:
+            mailbox.look_ahead(before_round)  # its peers push that round while this fetch runs
         peer, data = fetch_state_from_any(self.transport, peers, timeout_s=timeout_s)
         # An overlapped exchange from before (the round before an absence) must not be applied on
         # top of the state taken now: finish it here; the donor's state then replaces its result.

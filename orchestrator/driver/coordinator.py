@@ -103,7 +103,8 @@ class Coordinator:
             H, reason = decision.H, decision.reason
             codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
             self.last_record = decision.to_record()
-        if self.pacing.mode == "time-budget" and any(self.region_step_time(r) is None for r in alive) and H > CALIBRATION_STEPS:
+        calibrating = self.pacing.mode == "time-budget" and any(self.region_step_time(r) is None for r in alive)
+        if calibrating and H > CALIBRATION_STEPS:
             # No step time of some region yet: a short round measures them all, instead of a
             # barrier round of H steps that waits for the slowest.
             reason, H = f"{reason} | H {H}->{CALIBRATION_STEPS}: time-budget calibration round", CALIBRATION_STEPS
@@ -122,9 +123,10 @@ class Coordinator:
         evaluators = self.evaluators(alive) if evaluate else ()
         sketch = evaluate and self.cfg.sync.algorithm != "gossip"  # gossip fetches the models themselves
         paced = self._pacing_fields(H, alive)
+        steps = self._calibration_steps(alive) if calibrating else {}
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
-            plans[region] = RoundPlan(round=round_, H=H, codecs=mine, lr_scale=scale, evaluate=region in evaluators,
+            plans[region] = RoundPlan(round=round_, H=steps.get(region, H), codecs=mine, lr_scale=scale, evaluate=region in evaluators,
                                       alive=tuple(alive), final=final, sketch=sketch, **paced)
         self._plan_t = self.clock.now()
         return plans
@@ -141,10 +143,21 @@ class Coordinator:
             return [min(alive, key=lambda r: (self.region_step_time(r) or unknown, alive.index(r)))]
         return list(alive[:1])
 
+    def _calibration_steps(self, alive: list[str]) -> dict[str, int]:
+        """A time-budget calibration round's steps per region: CALIBRATION_STEPS for a region of
+        the median warm-up pass time, fewer for a slower one, so that no region waits long for
+        the slowest (with 10 steps everywhere, the fast regions of bench hetero sat idle 0.4 s).
+        Empty (H for all) unless every region timed its warm-up."""
+        warm = {r: self._warm_steps.get(r) for r in alive}
+        if not warm or not all(warm.values()):
+            return {}
+        mid = statistics.median(warm.values())
+        return {r: max(1, min(CALIBRATION_STEPS, round(CALIBRATION_STEPS * mid / w))) for r, w in warm.items()}
+
     def region_step_time(self, region: str) -> float | None:
         """A region's step time (the median of its last few rounds), or None before it reported one."""
         steps = self._region_steps.get(region)
-        return statistics.median(steps) if steps else self._warm_steps.get(region)
+        return statistics.median(steps) if steps else None
 
     def _pacing_fields(self, H: int, alive: list[str]) -> dict[str, Any]:
         """The plan's sync.pacing fields (regions/pacing.py): time-budget: the budget (H steps of the
@@ -197,8 +210,7 @@ class Coordinator:
         steps on a scratch model read 0.66-2.8 ms where the rounds' steps took 2.3-4.9 ms on a
         loaded 4-node cluster (geofed bench cluster), and an H sized on it was 2-3x too large."""
         self.link_view.observe_round(results)
-        # time-budget: each region's warm-up pass time stands in for its step time until round 0
-        # measured one, so round 0 needs no calibration round (regions/worker.py _warm_compute).
+        # time-budget: each region's warm-up pass time; their ratios size the calibration round.
         self._warm_steps = {r: m["warm_step_s"] for r, m in results.items() if m.get("warm_step_s")}
 
     def observe(self, results: dict[str, dict[str, Any]]) -> None:
@@ -206,7 +218,8 @@ class Coordinator:
         if not results:
             return
         for region, m in results.items():
-            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(m["step_time_s"])
+            step = m.get("step_time_steady_s") or m["step_time_s"]  # without the round's first step
+            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(step)
         if self.pacing.mode == "time-budget":
             # The budget is H steps of the median region: the policy sizes H on its step time.
             self._steps.append(statistics.median(m["step_time_s"] for m in results.values()))
@@ -223,7 +236,8 @@ class Coordinator:
     def observe_late(self, region: str, m: dict[str, Any]) -> None:
         """A round that ended after its quorum round closed: its step time and links still count."""
         if m.get("step_time_s") is not None:
-            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(m["step_time_s"])
+            step = m.get("step_time_steady_s") or m["step_time_s"]  # without the round's first step
+            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(step)
         self.link_view.observe_round({region: m})
 
     @property

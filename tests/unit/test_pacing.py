@@ -218,3 +218,50 @@ def test_the_set_up_warm_up_changes_nothing_the_run_sees(tmp_path):
     (p0, r0, d0), (p1, r1, d1) = trained
     assert d0 == d1 == 5 and torch.equal(r0, r1)
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def test_a_time_budget_run_calibrates_with_fewer_steps_for_a_slower_region_then_budgets():
+    from geofed.orchestrator.config import config_from_mapping
+    from geofed.orchestrator.driver.coordinator import CALIBRATION_STEPS, Coordinator
+
+    class Clock:
+        def now(self) -> float:
+            return 0.0
+
+    cfg = config_from_mapping({
+        "run": {"rounds": 10}, "task": {"kind": "mlp-digits", "hidden": 8},
+        "regions": {"names": ["a", "b", "c", "d"]}, "network": {"emulation": {"mode": "none"}},
+        "sync": {"policy": {"kind": "fixed", "H": 100}, "pacing": {"mode": "time-budget"}},
+    })
+    c = Coordinator(cfg, model_numel=1000, clock=Clock())
+    alive = ["a", "b", "c", "d"]
+    c.observe_probe({r: {"links": {}, "warm_step_s": w} for r, w in zip(alive, (0.001, 0.001, 0.001, 0.004))})
+    plans = c.plan(0, alive=alive, evaluate=False)
+    assert {r: p.H for r, p in plans.items()} == {"a": CALIBRATION_STEPS, "b": CALIBRATION_STEPS,
+                                                  "c": CALIBRATION_STEPS, "d": round(CALIBRATION_STEPS / 4)}
+    assert all(p.budget_s is None for p in plans.values())
+    # Round 0 measured: the budget is H steps of the median region's steady step time.
+    c.observe({r: {"step_time_s": 0.05, "step_time_steady_s": s, "train_loss": 1.0, "wall_s": 0.1}
+               for r, s in zip(alive, (0.01, 0.01, 0.01, 0.04))})
+    plans = c.plan(1, alive=alive, evaluate=False)
+    assert {p.H for p in plans.values()} == {100}
+    assert plans["a"].budget_s == pytest.approx(100 * 0.01)
+
+
+def test_a_region_catching_up_accepts_the_round_it_is_about_to_run():
+    """A late quorum region is rounds behind when it takes the model from a peer: its peers push
+    the round it will run while the fetch is still going, past its window, unless it looks ahead."""
+    from geofed.p2p.mailbox import Refusal
+
+    box = _mailbox()
+    box.expect(0, ["b", "c", "d"])
+    box.receive(0, 0.0)
+    with pytest.raises(Refusal, match="future_round"):
+        _push(box, "b", 4)
+    box.look_ahead(4)  # catch_up(before_round=4) does this first
+    _push(box, "c", 4)
+    _push(box, "d", 4)
+    box.expect(4, ["b", "c", "d"])
+    t0 = time.monotonic()
+    inbox = box.receive(4, 10.0, quorum=2, grace_s=0.0)
+    assert sorted(inbox.received) == ["c", "d"] and time.monotonic() - t0 < 1.0
