@@ -6,12 +6,8 @@ runs one round at a time as the coordinator plans it (DESIGN.md, "One round").
 
 from __future__ import annotations
 
-import copy
-import io
 import logging
-import math
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,23 +17,20 @@ import torch
 
 from geofed.compression import CodecError, CodecSpec, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
-from geofed.p2p.rejoin import fetch_state_from_any
 from geofed.p2p.robust import UpdateAdmission, robust_mix
 from geofed.p2p.topology import make_topology
 
-from . import checkpoint
 from .emulation import Slowdown
-from .pacing import budget_over
-from .device import Precision, device_name, move_received, resolve_device, to_device
-from .export import result_state
+from .device import Precision, device_name, move_received, resolve_device
 from .sync import ALGORITHMS, mix
 from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
 from .exchange import Exchanger
 from .limits import wire_limits
-from .privacy.dp import dp_step, noise_generator
+from .privacy.dp import noise_generator
 from .rollback import RoundGuard
-from .sketch import count_sketch
+from .stepper import LocalSteps
+from .worker_state import RegionState
 from .tasks import make_task
 from .transport_factory import make_transport
 
@@ -73,7 +66,7 @@ class RoundPlan:
     dp_noise: float | None = None
 
 
-class RegionWorker:
+class RegionWorker(LocalSteps, RegionState):
     """`cfg` is the run config (geofed.orchestrator.config.RunConfig; duck-typed: regions must
     not import orchestrator)."""
 
@@ -165,29 +158,6 @@ class RegionWorker:
             out["warm_step_s"] = self._warm_compute()
         return out
 
-    def _warm_compute(self, passes: int = 3) -> float:
-        """Forward and backward passes on one batch of the shard, before round 0 and outside the
-        training clock, changing nothing the run sees (data stream, random state, weights and
-        optimiser are as before); returns the median pass time after the first, stretched by the
-        emulated slowdown. A region's first steps (allocation, lazy init) take several of its later
-        ones, and time-budget rounds start with a calibration round that waits for the slowest
-        region. The pass time reads 5-20x below a real step (no data, no optimiser step, a hot
-        cache), alike for every region: the coordinator uses only the ratios between regions, to
-        give a slow region fewer calibration steps."""
-        saved = self.generator.get_state()
-        batch = to_device(next(self._batch_stream()), self.device)
-        self.generator.set_state(saved)
-        times = []
-        with torch.random.fork_rng(devices=[]):
-            for _ in range(passes + 1):
-                t0 = time.monotonic()
-                with self.precision.autocast():
-                    loss = self.task.loss(self.model, batch)
-                loss.backward()
-                times.append(time.monotonic() - t0)
-        self.inner.zero_grad(set_to_none=False)
-        return statistics.median(times[1:]) * max(1.0, self.slowdown.factor)
-
     def close(self) -> None:
         """Stop the algorithm's background work, the send pool and the transport, in that order."""
         self.algorithm.close()
@@ -262,60 +232,6 @@ class RegionWorker:
         """Apply an exchange still in flight (overlap) so the model includes every round; its metrics."""
         return self.algorithm.finish()
 
-    def inner_steps(self, H: int, lr_scale: float, *, before_step=None, budget_s: float | None = None,
-                    max_steps: int | None = None) -> dict[str, Any]:
-        """H local optimizer steps, or with `budget_s` as many as fit in that many seconds (at least
-        one, at most `max_steps`); returns loss and timing (compute only, no network; an emulated
-        slowdown's sleep counts as compute: it stands for a slower device). `before_step(k)`, when
-        given, runs between the k-th backward and step (e.g. gradient tracking adds its drift
-        correction to the gradients there)."""
-        losses, durations = [], []
-        t0 = time.monotonic()
-        limit = H if budget_s is None else max(1, max_steps or H)
-        for k in range(limit):
-            t_step = time.monotonic()
-            losses.append(self.forward_backward())
-            if before_step is not None:
-                before_step(k)
-            self.optimizer_step(lr_scale)
-            self.slowdown.after_step(time.monotonic() - t_step)
-            durations.append(time.monotonic() - t_step)
-            if budget_s is not None and budget_over(time.monotonic() - t0, durations, budget_s):
-                break
-        compute_s = time.monotonic() - t0
-        loss = sum(losses) / len(losses)
-        steps = len(losses)
-        # A round's first step reads several of the rest (a new round's data, allocation); a time
-        # budget sized on a 10-step round's mean made the next rounds 2-3x too long.
-        steady = durations[1:] if len(durations) >= 3 else durations
-        metrics = {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / steps, "steps": steps,
-                   "step_time_steady_s": sum(steady) / len(steady)}
-        if not math.isfinite(loss):
-            exc = FloatingPointError(f"region {self.region}: train loss is {loss}")
-            exc.metrics = metrics  # what the round's rollback reports (regions/rollback.py)
-            raise exc
-        return metrics
-
-    def forward_backward(self) -> float:
-        """One batch of the shard: gradients zeroed, then forward and backward; returns the loss."""
-        self.inner.zero_grad(set_to_none=False)
-        batch = to_device(next(self.batches), self.device)
-        self.batches_drawn += 1
-        if self.dp_plan is not None:  # record-level DP: clipped per-example gradients plus noise
-            return dp_step(self.model, self.task.loss, batch, clip=self.dp_plan.dp_clip,
-                           noise_multiplier=self.dp_plan.dp_noise, expected_batch=self.cfg.sync.inner.batch_size,
-                           generator=self.dp_generator)
-        with self.precision.autocast():
-            loss = self.task.loss(self.model, batch)
-        self.precision.backward(loss, self.inner)
-        return float(loss.detach())
-
-    def optimizer_step(self, lr_scale: float) -> None:
-        """One inner optimizer step at sync.inner.lr x `lr_scale` (the plan's schedule)."""
-        for group in self.inner.param_groups:
-            group["lr"] = self.cfg.sync.inner.lr * lr_scale
-        self.precision.step(self.inner)
-
     # -- exchange helpers used by the algorithms ------------------------------------------
     def out_peers(self, plan: RoundPlan) -> list[str]:
         """This round's out-neighbours in the topology, less those the coordinator believes are down."""
@@ -369,170 +285,9 @@ class RegionWorker:
             raise ValueError(f"undecodable update from {sender}: {exc}") from None
         return self.admission.admit(sender, tensors)
 
-    # -- evaluation and state --------------------------------------------------------------
-    def evaluate(self) -> dict[str, Any]:
-        """The task's metric of the region's live model as it stands (evaluate_synced: the synchronised one)."""
-        r = self.task.evaluate(self.model)
-        return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
-
-    def evaluate_synced(self) -> dict[str, Any]:
-        """The metric of the algorithm's synchronised model (DiLoCo: the global model after the
-        last outer step) on a scratch copy: training state, RNG and an overlapped exchange in
-        flight are left untouched, so a run trains the same model with or without evaluation."""
-        return self.evaluate_params(self.algorithm.eval_params())
-
-    def evaluate_params(self, params, *, restore_rng: bool = True) -> dict[str, Any]:
-        """Evaluate `params` (in the model's parameter order) on a scratch copy of the model. Off
-        the training thread pass restore_rng=False: the generator is shared with training, so a
-        task's evaluate must draw nothing from it (the built-in tasks draw nothing)."""
-        if self._eval_model is None:
-            self._eval_model = copy.deepcopy(self.model)  # deepcopy draws no random numbers
-        with torch.no_grad():
-            for dst, src in zip([p for p in self._eval_model.parameters() if p.requires_grad], params):
-                dst.copy_(src)
-            for dst, src in zip(self._eval_model.buffers(), self.model.buffers()):
-                dst.copy_(src)  # running statistics are the region's own (they are not synced)
-        rng = torch.get_rng_state() if restore_rng else None
-        try:
-            r = self.task.evaluate(self._eval_model)
-        finally:
-            if rng is not None:
-                torch.set_rng_state(rng)  # a task may sample while evaluating: training must not see it
-        return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
-
-    def sketch(self) -> torch.Tensor:
-        """A count sketch of the synchronised model (regions/sketch.py): 32 KiB, whatever its size."""
-        return count_sketch(self.algorithm.eval_params(), seed=self.cfg.run.seed)
-
-    def result_state(self) -> dict[str, torch.Tensor]:
-        """The region's result as a state_dict: the algorithm's eval_params (DiLoCo: the global
-        model) over the model's buffers (regions/export.py)."""
-        return result_state(self.model, self.algorithm.eval_params())
-
-    def get_params(self) -> list[torch.Tensor]:
-        """Detached copies of the trainable parameters, in host memory (the driver may have no GPU)."""
-        return [p.detach().to("cpu", copy=True) for p in self.params]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a restore needs to go on exactly: model, inner optimizer, algorithm, exchanger (codec
-        and link state), the data stream's position and the global RNG.
-        """
-        return {"round": self.completed_round, "model": self.model.state_dict(), "inner": self.inner.state_dict(),
-                "algorithm": self.algorithm.state_dict(), "exchanger": self.exchanger.state_dict(),
-                "data": {"start": self._data_start, "drawn": self.batches_drawn},
-                "torch_rng": torch.get_rng_state(), "precision": self.precision.state_dict()}  # dropout and other draws from the global generator
-
-    def state_bytes(self) -> bytes:
-        """What FetchState serves to a rejoining peer: the model and the algorithm's shared state."""
-        buf = io.BytesIO()
-        torch.save({"round": self.completed_round, "model": self.model.state_dict(),
-                    "algorithm": self.algorithm.state_dict()}, buf)
-        return buf.getvalue()
-
-    def catch_up(self, peers: list[str], *, timeout_s: float | None = None,
-                 before_round: int | None = None) -> tuple[str, int]:
-        """Pull current parameters from one of `peers` (FetchState; each joiner tries the donors in
-        its own order, so rejoins spread across peers); returns (donor, round of its state).
-
-        The region's own inner optimizer, codec states and data position stay (they are its own,
-        not the model's); the state is checked whole before any of it is loaded."""
-        timeout_s = self.cfg.sync.deadline.max_s if timeout_s is None else timeout_s
-        mailbox = getattr(self.transport, "mailbox", None)
-        if before_round is not None and mailbox is not None:
-            mailbox.look_ahead(before_round)  # its peers push that round while this fetch runs
-        peer, data = fetch_state_from_any(self.transport, peers, timeout_s=timeout_s)
-        # An overlapped exchange from before (the round before an absence) must not be applied on
-        # top of the state taken now: finish it here; the donor's state then replaces its result.
-        self.finish_pending()
-        state = checkpoint.load_tensors(data, what=f"state from {peer}")  # refuses code, in our words
-        try:
-            round_ = int(state["round"])
-            self.model.load_state_dict(state["model"])
-            self.algorithm.load_state_dict(state["algorithm"])
-        except Exception as exc:  # noqa: BLE001 - a bad donor must not take the region down with it
-            raise ValueError(f"state from {peer} is unusable: {exc}") from None
-        # Queued ahead of round `before_round`, the donor may have finished that round meanwhile: the
-        # region still runs it (its mailbox stays open for it), from the newer model.
-        self._set_completed(round_ if before_round is None else min(round_, before_round - 1))
-        return peer, self.completed_round
-
     def transport_stats(self) -> dict[str, Any]:
         """The transport's counters (see Transport.stats)."""
         return self.transport.stats()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s state and take up the run after its round (the data stream replays to the
-        same batch)."""
-        self.model.load_state_dict(state["model"])
-        self.inner.load_state_dict(state["inner"])
-        self.algorithm.load_state_dict(state["algorithm"])
-        self.exchanger.load_state_dict(state.get("exchanger", {}))
-        self._seek_data(state["data"]["start"], int(state["data"]["drawn"]))
-        torch.set_rng_state(state["torch_rng"])
-        self.precision.load_state_dict(state.get("precision") or {})
-        self._set_completed(int(state["round"]))
-
-    def _seek_data(self, start: torch.Tensor, drawn: int) -> None:
-        """Replay the data stream to where the checkpoint was: the batches after a restore are the
-        ones the region would have drawn had it not stopped (a shard's iterator holds its epoch's
-        permutation, which the generator state alone does not give back)."""
-        self.generator.set_state(start)
-        self.batches = self._batch_stream()
-        for _ in range(drawn):
-            next(self.batches)
-        self.batches_drawn = drawn
-
-    def _batch_stream(self):
-        """The shard's batches; with record-level DP Poisson-sampled at batch_size / shard size
-        (expected batch_size) where the shard can, as the accountant assumes (docs/privacy.md)."""
-        if self.cfg.privacy.dp.mode == "record":
-            rate = min(1.0, self.cfg.sync.inner.batch_size / self.shard.num_examples)
-            stream = self.shard.poisson_batches(self.generator, rate)
-            if stream is not None:
-                return stream
-        return self.shard.batches(self.generator)
-
-    def _set_completed(self, round_: int) -> None:
-        """Take up the run at `round_`: the mailbox closes every round up to it, so peers pushing
-        round_ + 1 are inside its window at once (a fresh mailbox would call them future rounds)."""
-        self.completed_round = round_
-        # Peers still finishing (or re-sending) the rounds around this one are refused `late`, and a
-        # resumed run's first round runs cold: expected, so logged quietly on both sides.
-        self.exchanger.quiet_late_upto = round_ + 1
-        if getattr(self.transport, "mailbox", None) is not None:
-            self.transport.mailbox.quiet_late_upto = round_ + 1
-        closed = self.transport.stats().get("closed_upto", -1)
-        if round_ > closed:
-            self.transport.expect(round_, [])
-            self.transport.receive(round_, 0.0)
-
-    def save_checkpoint(self) -> str:
-        """Write the state of the completed round atomically under RUN_DIR/checkpoints/<region>/ and keep
-        the newest run.keep_checkpoints; returns the file's path.
-        """
-        d = self.run_dir / "checkpoints" / self.region
-        path = checkpoint.checkpoint_path(d, self.completed_round)
-        checkpoint.save_atomic(path, self.state_dict())
-        checkpoint.prune(d, self.cfg.run.keep_checkpoints)
-        return str(path)
-
-    def restore_checkpoint(self, at_most: int | None = None) -> dict[str, Any]:
-        """Load the newest verified checkpoint (<= at_most). Returns {"round": its round, or -1
-        when there is none, "skipped": [why, ...] for newer files that failed verification}."""
-        skipped: list[str] = []
-        found = checkpoint.load_latest(self.run_dir / "checkpoints" / self.region, at_most=at_most,
-                                       on_skip=lambda path, why: skipped.append(why))
-        if found is None:
-            return {"round": -1, "skipped": skipped}
-        self.load_state_dict(found[1])
-        return {"round": found[0], "skipped": skipped}
-
-    def _make_inner_optimizer(self) -> torch.optim.Optimizer:
-        inner = self.cfg.sync.inner
-        if inner.kind == "adamw":
-            return torch.optim.AdamW(self.params, lr=inner.lr, weight_decay=inner.weight_decay)
-        return torch.optim.SGD(self.params, lr=inner.lr, momentum=inner.momentum, weight_decay=inner.weight_decay)
-
 
 def rss_mb() -> float:
     """Resident memory of this process in MiB (Linux /proc; 0.0 where it is missing)."""
