@@ -167,7 +167,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         if args.allow_config_change and not args.resume:
             raise ConfigError("", "only with --resume RUN_DIR (a new run takes any config)", source="--allow-config-change")
-        from .driver.runner import run_from_args
+        from .driver.entry import run_from_args
 
         return run_from_args(args)
     if args.command == "report":

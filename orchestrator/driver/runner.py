@@ -5,83 +5,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import ray
-from geofed.p2p.tls import RENEW_WITHIN_DAYS, make_pki, renew_expiring
 from geofed.regions import checkpoint
 from geofed.regions.export import average_states
 from geofed.regions.worker import rss_mb
 
-from .cluster import PlacementError, RegionActors, create_region_actors, init_ray
-from ..config import RunConfig, load_config
-from ..config.devicecheck import local_device_problem
-from .coordinator import Coordinator
-from .emulation import configured_link, start_emulation
+from .cluster import RegionActors
+from ..config import RunConfig
+from .emulation import configured_link
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .export import params_by_region, write_model
 from .faults import FaultHandling
 from .pacing import PacedRounds
+from .setup import SetUp
 from .privacy import DpAccounting
-from .progress import RunProgress, print_summary
-from .recovery import Interrupted, RunFailed, StopSignals, first_line, marked_processes, record_processes, signal_name
-from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, resume_config
-from .rundir import Clock, JsonlLog, ensure_private_dir, read_jsonl, lock_run_dir, new_run_dir, process_age_s, release_run_dir, write_json
+from .progress import RunProgress
+from .recovery import Interrupted, RunFailed, StopSignals, first_line, signal_name
+from .rundir import Clock, read_jsonl, release_run_dir, write_json
 from ..config.strict import ConfigError
 from .summary import build_summary, evaluate_average
-from .trackers import Trackers, check_trackers
 
 
 log = logging.getLogger(__name__)
-
-
-def run_from_args(args) -> int:
-    """`geofed run`: load or resume the config, run it, print the summary and write the report; returns
-    the exit code (143/130 after a clean stop on SIGTERM/SIGINT, 130 after an immediate one, 1 on a failed run).
-    """
-    if args.resume:
-        cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or ())
-        lock_run_dir(run_dir, key="--resume")  # at once: a run still going there is named before any work
-    else:
-        cfg = load_config(args.config, args.overrides)
-        run_dir = None
-    cfg = _with_address(cfg, args.address)
-    if (problem := local_device_problem(cfg)) is not None:
-        raise ConfigError("", problem, source=args.resume or args.config or "default config")
-    if len(cfg.regions.names) == 1:
-        print(f"geofed: warning: one region ({cfg.regions.names[0]}): nothing is exchanged, no link is measured; "
-              "list two or more in regions.names to train across regions", file=sys.stderr)
-    cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
-    check_trackers(cfg, source=str(args.resume or args.config or "default config"))
-    if run_dir is None:  # only once the config and its data are known to be good
-        run_dir = new_run_dir(cfg, args.out)
-    runner = Runner(cfg, run_dir, show_progress=not args.quiet, resume=bool(args.resume),
-                    verbose=bool(getattr(args, "verbose", False)))
-    try:
-        summary = runner.run()
-    except Interrupted as stop:
-        print(f"geofed: {stop}; checkpoint of round {stop.round} in {run_dir}; "
-              f"continue with: geofed run --resume {run_dir}", file=sys.stderr)
-        return stop.exit_code
-    except KeyboardInterrupt:
-        print(f"geofed: stopped at once; the last checkpoint in {run_dir} stands; "
-              f"continue with: geofed run --resume {run_dir}", file=sys.stderr)
-        return 130
-    except (PlacementError, RunFailed) as exc:
-        print(f"geofed: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        runner.shutdown()
-    print_summary(summary, str(run_dir))
-    if cfg.run.report and not args.no_report:
-        from ..report import write_report
-
-        print(f"report: {write_report(run_dir)}")
-    print(f"run directory: {run_dir}")
-    return 0
 
 
 def prepare_task(cfg: RunConfig, *, source: str) -> RunConfig:
@@ -104,13 +53,7 @@ def prepare_task(cfg: RunConfig, *, source: str) -> RunConfig:
     return cfg
 
 
-def _with_address(cfg: RunConfig, address: str | None) -> RunConfig:
-    if not address:
-        return cfg
-    return dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=address))
-
-
-class Runner(FaultHandling, PacedRounds, DpAccounting):
+class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
     """The driver of one run: sets up TLS, Ray, the region actors, the emulator and the links, then
     paces rounds (plan, run, log, evaluate, checkpoint) and survives region faults (FaultHandling).
     Call run(), then shutdown() whatever happened.
@@ -147,108 +90,6 @@ class Runner(FaultHandling, PacedRounds, DpAccounting):
         self._resync_on = (s.resync_after_miss and s.algorithm in ("diloco", "allreduce") and s.topology == "full"
                            and not s.overlap and s.pacing.mode != "quorum")
         self._init_pacing()
-
-    # -- setup -------------------------------------------------------------------------------
-    def setup(self) -> None:
-        """Everything before round 0: TLS material, Ray, the region actors and their servers, the
-        emulator, the connections, the logs (a resume restores its checkpoint), the link probes.
-        """
-        ensure_private_dir(self.run_dir)  # 0700, also for a Runner started without new_run_dir
-        lock_run_dir(self.run_dir)  # held until shutdown(); new_run_dir or --resume may hold it already
-        mark = self._phase_marker()
-        self._make_tls()
-        mark("tls")
-        reaped = reap_previous_driver(self.run_dir) if self.resume else []
-        with marked_processes(self.run_dir) as token:  # what a later --resume may end proves it is ours
-            self.ray = init_ray(self.cfg, verbose=self.verbose)
-        mark("ray")
-        self.stop.reclaim()
-        pin = bool(self.cfg.ray.address)
-        self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
-        mark("actors")
-        if self.ray.started_here:
-            record_processes(self.run_dir, token)
-        self.alive = list(self.regions)
-        starts = [self.actors.handles[r].start.remote() for r in self.regions]
-        self.addresses = dict(zip(self.regions, ray.get(starts, timeout=120)))
-        for region, address in self.addresses.items():
-            self.actors.info[region]["grpc_address"] = address  # summary.json placement
-        # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
-        restored = load_driver_checkpoint(self.run_dir) if self.resume else None
-        self.emulator = start_emulation(emulation_for_resume(self.cfg, restored), self.regions)
-        self._connect_all()
-        mark("servers_connected")
-        info = self.actors.info[self.regions[0]]
-        self.coordinator = Coordinator(self.cfg, model_numel=info["params"], clock=self.clock)
-        self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
-        self.rounds_log = JsonlLog(self.run_dir / "rounds.jsonl")
-        self.events_log = JsonlLog(self.run_dir / "events.jsonl")
-        self.trackers = Trackers(self.cfg, self.run_dir)
-        self._event("started", driver_pid=os.getpid(), resume=self.resume,
-                    regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip")}
-                             for r, i in self.actors.info.items()})
-        if reaped:
-            self._event("reaped_previous_driver", processes=reaped)
-        if getattr(self, "_tls_renewed", None):
-            self._event("tls_renewed", certificates=self._tls_renewed)
-        self._plan_privacy()  # the noise for privacy.dp.target_epsilon (a resume then restores the accountant)
-        if restored is not None:
-            self._restore(*restored)
-        mark("logs_restore")
-        probes = self._probe()
-        self._event("links_probed", links=self.coordinator.links_record(),
-                    probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
-        mark("probes")
-        self.setup_s = self.clock.now() if restored is None else None
-        self.startup_s = process_age_s()  # from `geofed run` (this process) to round 0
-        self._event("setup_done", setup_s=self.setup_s, process_to_round0_s=self.startup_s, phases_s=self.setup_phases)
-        if restored is None:
-            # Wall time counts training; set-up (Ray, actors, TLS, warming the links) is setup_s.
-            self.clock = Clock()
-            self.coordinator.clock = self.clock
-
-    def _phase_marker(self):
-        """Seconds each set-up phase took, for the setup_done event (where start-up time goes)."""
-        self.setup_phases: dict[str, float] = {}
-        last = [self.clock.now()]
-
-        def mark(name: str) -> None:
-            now = self.clock.now()
-            self.setup_phases[name] = round(now - last[0], 3)
-            last[0] = now
-        return mark
-
-    def _make_tls(self) -> None:
-        tls = self.run_dir / "tls"
-        names = ["ca", *self.regions]
-        if self.resume and all((tls / f"{n}.pem").is_file() and (tls / f"{n}.key").is_file() for n in names):
-            # A resumed run keeps its CA and certificates, renewing those about to expire (30-day certificates).
-            self._tls_renewed = renew_expiring(tls, self.regions)
-            if self._tls_renewed:
-                print(f"geofed: renewed TLS certificates expiring within {RENEW_WITHIN_DAYS} days from the run's CA: "
-                      f"{', '.join(self._tls_renewed)}", file=sys.stderr)
-            return
-        make_pki(tls, self.regions)
-
-    def _connect_all(self) -> None:
-        refs = {}
-        for src in self.alive:
-            peers = {dst: self._route(src, dst) for dst in self.alive if dst != src}
-            refs[self.actors.handles[src].connect.remote(peers)] = src
-        self._gather(refs, "connect", timeout=60)
-
-    def _probe(self) -> dict[str, dict[str, Any]]:
-        """Every region warms and measures its connections, all at once (network.probe_s), so
-        round 0 is planned from measured links and pays no handshake."""
-        per_probe = self.cfg.network.probe_s + 30.0
-        results = self._call(self.alive, "probe", timeout=2 * per_probe + 60.0)
-        self.coordinator.observe_probe(results)
-        return results
-
-    def _route(self, src: str, dst: str) -> str:
-        if self.emulator is None:
-            return self.addresses[dst]
-        return self.emulator.route(src, dst, self.addresses[dst])
 
     def _event(self, event: str, **fields) -> None:
         self.events_log.write({"t": round(self.clock.now(), 4), "round": self.next_round, "event": event, **fields})
