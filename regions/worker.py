@@ -6,6 +6,7 @@ runs one round at a time as the coordinator plans it (DESIGN.md, "One round").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -55,6 +56,7 @@ class RoundPlan:
     # sync.pacing (regions/pacing.py): time-budget rounds step until budget_s (at most max_steps) and
     # scale their pseudo-gradient by norm_steps / steps; quorum rounds close a receive at `quorum`.
     budget_s: float | None = None
+    budget_until: float | None = None  # time.time() when the budget ends, whenever the round starts
     max_steps: int | None = None
     norm_steps: float | None = None
     quorum: int | None = None
@@ -181,7 +183,16 @@ class RegionWorker(LocalSteps, RegionState):
         """
         t_start = time.time()
         self.dp_plan = plan if plan.dp_mode == "record" and plan.dp_noise is not None else None
+        late_s = 0.0
+        if plan.budget_s is not None and plan.budget_until is not None:
+            # A region that starts late (a catch-up queued ahead of its round, a slow dispatch)
+            # ends with the others instead of stretching the round by its delay.
+            late_s = max(0.0, plan.budget_s - (plan.budget_until - t_start))
+            if late_s > 0:
+                plan = dataclasses.replace(plan, budget_s=max(0.0, plan.budget_s - late_s))
         metrics = self._guarded_round(plan)
+        if late_s > 0:
+            metrics["budget_late_s"] = round(late_s, 6)
         self.completed_round = plan.round
         if plan.final:
             # Overlap: the round's own exchange is still in flight; its bytes add to this round's.

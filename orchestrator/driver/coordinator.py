@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from typing import Any
 
@@ -175,7 +176,11 @@ class Coordinator:
         # is an outlier (a budget sized on it gave the fast regions 20 of H=50 steps).
         budget = H * statistics.median(times.values())
         expected = [min(cap, max(1.0, budget / t)) for t in times.values()]
-        return {"budget_s": budget, "max_steps": cap, "norm_steps": sum(expected) / len(expected)}
+        # The budget ends at the same moment for every region (time.time(): one clock per machine,
+        # NTP across nodes), not budget_s after each one's start: in bench hetero's flaky scenario a
+        # region back from an absence fetched the model first and stretched its round 2-4x.
+        return {"budget_s": budget, "budget_until": time.time() + budget, "max_steps": cap,
+                "norm_steps": sum(expected) / len(expected)}
 
     def _note_overhead(self) -> None:
         """The last round's driver cycle (plan to plan) minus its slowest region's own wall time."""

@@ -265,3 +265,26 @@ def test_a_region_catching_up_accepts_the_round_it_is_about_to_run():
     t0 = time.monotonic()
     inbox = box.receive(4, 10.0, quorum=2, grace_s=0.0)
     assert sorted(inbox.received) == ["c", "d"] and time.monotonic() - t0 < 1.0
+
+
+def test_a_region_that_starts_late_ends_its_budget_with_the_others(tmp_path):
+    """budget_until anchors a time-budget round's end: a region whose round starts late (a
+    catch-up queued ahead of it) computes for what is left, not for the whole budget."""
+    from geofed.orchestrator.config import config_from_mapping
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.worker import RegionWorker, RoundPlan
+
+    cfg = config_from_mapping({
+        "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 16},
+        "regions": {"names": ["a"]}, "network": {"emulation": {"mode": "none"}},
+        "sync": {"pacing": {"mode": "time-budget"}},
+    })
+    w = RegionWorker(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+    try:
+        t0 = time.time()
+        late = w.run_round(RoundPlan(round=0, H=100, budget_s=1.5, budget_until=t0 + 0.3, max_steps=100_000))
+        assert late["compute_s"] < 0.8 and late["budget_late_s"] >= 1.0
+        on_time = w.run_round(RoundPlan(round=1, H=100, budget_s=0.3, budget_until=time.time() + 0.3, max_steps=100_000))
+        assert 0.2 <= on_time["compute_s"] < 0.8 and on_time.get("budget_late_s", 0.0) < 0.05
+    finally:
+        w.close()
