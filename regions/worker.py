@@ -21,7 +21,7 @@ import torch
 from geofed.compression import CodecError, CodecSpec, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.rejoin import fetch_state_from_any
-from geofed.p2p.robust import UpdateAdmission, robust_mix
+from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, robust_mix
 from geofed.p2p.topology import make_topology
 
 from . import checkpoint
@@ -109,8 +109,9 @@ class RegionWorker:
         self.wire_shapes = algorithm_cls.wire_shapes(cfg.sync, self.shapes)
         self.limits = wire_limits(cfg, self.wire_shapes)
         sec = cfg.security
-        self.admission = UpdateAdmission(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
-                                         norm_multiple=sec.norm_multiple)
+        admission_cls = AdmissionPerLayout if cfg.sync.fragments > 1 else UpdateAdmission  # a norm per fragment
+        self.admission = admission_cls(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
+                                       norm_multiple=sec.norm_multiple)
         # An injected transport (the in-memory one) lets algorithm tests run without sockets.
         # `tls` (TlsMaterial) and `advertised_host` come from the actor on a multi-node cluster.
         self.transport = transport if transport is not None else make_transport(

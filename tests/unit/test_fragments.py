@@ -150,3 +150,38 @@ def test_config_refuses_what_fragments_do_not_support(extra, words):
 def test_config_refuses_secure_aggregation_with_fragments():
     with pytest.raises(Exception, match="sync.fragments.*secure aggregation"):
         _cfg(fragments=2, codec="int8", extra={"security.secure_aggregation": True})
+
+
+def test_peak_to_mean_of_a_link():
+    from geofed.orchestrator.driver.linkrate import busiest, link_peak_to_mean, peak_to_mean
+
+    # 1000 bytes every second, each push 0.1 s long: every 1 s window holds the same bytes
+    steady = [(k + 0.5, 0.1, 1000.0) for k in range(10)]
+    assert peak_to_mean(steady) == pytest.approx(1.0)
+    # the same 10 000 bytes as one push in the first of ten windows: 10x the mean
+    burst = [(0.5, 0.1, 10_000.0), (9.5, 0.0, 0.0)]
+    assert peak_to_mean(burst + [(9.9, 0.0, 1e-9)]) == pytest.approx(10.0, rel=1e-3)
+    # 4000 bytes every 2 s as one push, or as four fragments of 1000 spread over the period
+    whole = [(2 * k + 0.1, 0.1, 4000.0) for k in range(10)]
+    frags = [(0.5 * k + 0.1, 0.1, 1000.0) for k in range(40)]
+    assert peak_to_mean(whole) > 1.8 and peak_to_mean(frags) < 1.1
+    assert peak_to_mean([(0.1, 0.1, 5.0)]) is None  # under MIN_WINDOWS
+    metrics = [{"region": "a", "transfers": [{"peer": "b", "direction": "send", "bytes": b, "seconds": s, "t_end": t}
+                                             for t, s, b in whole]}]
+    ratios = link_peak_to_mean(metrics)
+    assert set(ratios) == {"a->b"} and ratios["a->b"] == peak_to_mean(whole)
+    assert busiest({"a->b": {"bytes": 5, "peak_to_mean": 2.0}, "b->a": {"bytes": 9, "peak_to_mean": 1.5}}) == ("b->a", 1.5)
+
+
+def test_admission_keeps_a_reference_norm_per_fragment():
+    from geofed.p2p.robust import AdmissionPerLayout
+
+    adm = AdmissionPerLayout(mode="clip", norm_multiple=10.0)
+    small, big = [torch.full((4,), 0.01)], [torch.full((2, 3), 5.0)]
+    for _ in range(4):
+        adm.observe_own(small)
+        adm.observe_own(big)
+    # a big fragment's normal update is not clipped against the small fragment's norms
+    assert torch.equal(adm.admit("b", [torch.full((2, 3), 5.0)])[0], big[0])
+    out = adm.admit("b", [torch.full((4,), 10.0)])  # 1000x the small fragment's norm
+    assert float(out[0].norm()) < 1.0 and adm.take_clipped() == {"b": 1}
