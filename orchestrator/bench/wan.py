@@ -1,6 +1,6 @@
 """`geofed bench wan`: per-step sync vs fixed H vs adaptive, 4 regions over the emulated WAN.
 
-    geofed bench wan [--scenario steady|drop] [--quick] [--reps N] [--json] [--out DIR]
+    geofed bench wan [--scenario steady|drop] [--quick] [--reps N] [--arms A,B] [--json] [--out DIR]
 
 Each arm is a real `geofed run` (Ray actors, mutual-TLS gRPC, the proxy WAN emulator) built
 by bench_wan_arms from configs/bench-wan.yaml; bench_wan_results reads each run directory back.
@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run every arm N times, interleaved, and report medians with their spread (default 3; --quick: 1)")
     p.add_argument("--json", action="store_true", help="print issue 6's JSON document on stdout")
     p.add_argument("--out", help="folder for the arms' run directories (default runs/bench-wan-<scenario>-<UTC time>)")
+    p.add_argument("--arms", help="only these arms, comma-separated (e.g. allreduce,adaptive,adaptive-frag-eager)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key in every arm (e.g. --set run.seed=1)")
     return p
@@ -90,7 +91,11 @@ def main(argv: Sequence[str]) -> int:
 
     reps = args.reps or (1 if args.quick else 3)
     try:
-        doc, results, report = run_bench(scenario, out, console=console, reps=reps)
+        only = [a.strip() for a in args.arms.split(",")] if args.arms else None
+        doc, results, report = run_bench(scenario, out, console=console, reps=reps, only=only)
+    except ValueError as exc:
+        print(f"geofed bench wan: {exc}", file=sys.stderr)
+        return 2
     except (PlacementError, RunFailed) as exc:
         print(f"geofed bench wan: {exc} (run directories so far: {out})", file=sys.stderr)
         return 1
@@ -107,7 +112,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
-              base: dict[str, Any] | None = None, reps: int = 1) -> tuple[dict[str, Any], list[ArmResult], Path]:
+              base: dict[str, Any] | None = None, reps: int = 1,
+              only: Sequence[str] | None = None) -> tuple[dict[str, Any], list[ArmResult], Path]:
     """Run every arm of ``scenario`` ``reps`` times in `interleaved_schedule` order (run directories
     under ``out``; ``out/rep<k>/<arm>`` when reps > 1); returns the --json document (medians over
     repetitions), each arm's median repetition (`representative`) and the comparison report's path."""
@@ -117,6 +123,11 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
 
     console = console or Console(stderr=True)
     arms = build_arms(scenario, base)
+    if only:
+        unknown = sorted(set(only) - {a.name for a in arms})
+        if unknown:
+            raise ValueError(f"--arms: no arm {', '.join(unknown)} (arms: {', '.join(a.name for a in arms)})")
+        arms = [a for a in arms if a.name in only]
     schedule = interleaved_schedule(arms, reps)
     out.mkdir(parents=True, exist_ok=True)
     started = False
