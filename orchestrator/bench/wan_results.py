@@ -147,18 +147,18 @@ def ratios(arms: list[ArmResult], scenario: str) -> dict[str, Any]:
     out: dict[str, Any] = {"time_vs_allreduce": None, "bytes_vs_allreduce": None, "time_vs_best_fixed": None,
                            "time_vs_best_fixed_before_drop": None}
     notes: dict[str, Any] = {}
+    ar = by.get("allreduce")
+    for a in arms if ar is not None else []:  # the frontier arms (issue 21), each against per-step sync
+        if a.kind == "adaptive" and a.name != "adaptive":
+            out[f"{a.name}:time_vs_allreduce"] = _ratio(ar.time_to_target_s, a.time_to_target_s)
+            out[f"{a.name}:bytes_vs_allreduce"] = _ratio(ar.bytes_to_target, a.bytes_to_target)
+            # final loss at equal examples over per-step sync's (<= 1.02: issue 21's quality target)
+            out[f"{a.name}:loss_vs_allreduce"] = _ratio(a.loss_at_baseline_steps, ar.final_loss)
     if ad is None:
         return {**out, "_notes": notes}
-    ar = by.get("allreduce")
     if ar is not None:
         out["time_vs_allreduce"] = _ratio(ar.time_to_target_s, ad.time_to_target_s)
         out["bytes_vs_allreduce"] = _ratio(ar.bytes_to_target, ad.bytes_to_target)
-        for a in arms:  # the frontier arms (issue 21), each against per-step sync
-            if a.kind == "adaptive" and a.name != "adaptive":
-                out[f"{a.name}:time_vs_allreduce"] = _ratio(ar.time_to_target_s, a.time_to_target_s)
-                out[f"{a.name}:bytes_vs_allreduce"] = _ratio(ar.bytes_to_target, a.bytes_to_target)
-                # final loss at equal examples over per-step sync's (<= 1.02: issue 21's quality target)
-                out[f"{a.name}:loss_vs_allreduce"] = _ratio(a.loss_at_baseline_steps, ar.final_loss)
     reached = [a for a in fixed if a.time_to_target_s is not None]
     if reached:
         best = min(reached, key=lambda a: a.time_to_target_s)

@@ -6,9 +6,10 @@ into windows of ``window_s`` seconds, from the link's first push to its last. Th
 busiest window's bytes over the mean window's (1.0: the link carries the same bytes in every
 window; N: all of it in 1/N of the windows). It depends on the window against the round: a
 window much longer than a round sees every round alike (near 1 for any schedule), one much
-shorter than a push sees only line rate and idle time. WINDOW_S (1 s) is about one round of
-`geofed bench wan`'s adaptive arm, so it shows whether a round's bytes go out in one burst or
-spread (fragments: N smaller pushes a period). Pushes without ``t_end`` (older runs) are skipped.
+shorter than a push sees only line rate and idle time. WINDOW_S (2 s) lies between a fragment
+round and a whole-model round of `geofed bench wan`'s adaptive arms (about 0.5-1.5 s and 1.5-4 s
+on the 2-core machine), so it shows whether a period's bytes go out in one burst or in N smaller
+pushes. Pushes without ``t_end`` (older runs) are skipped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-WINDOW_S = 1.0
+WINDOW_S = 2.0
 MIN_WINDOWS = 3  # fewer windows than this: no meaningful ratio (None)
 
 

@@ -42,29 +42,38 @@ if TYPE_CHECKING:
     from ..worker import RoundPlan
 
 
-def split_fragments(shapes: Shapes, n: int) -> list[list[int]]:
-    """Parameter indices of each of `n` fragments: contiguous in model order, every parameter in exactly
-    one, as even in element count as whole parameters allow (a cut goes where the running total is
-    nearest a multiple of total/n). Refuses more fragments than parameters."""
-    if not 1 <= n <= len(shapes):
-        raise ValueError(f"sync.fragments: {n} fragments of a model of {len(shapes)} parameter tensors "
-                         f"(at most one fragment per tensor)")
-    sizes = [max(1, _numel(s)) for s in shapes]
-    total = sum(sizes)
-    cuts, running, k = [], 0, 1
-    for i, size in enumerate(sizes[:-1]):
-        running += size
-        left_tensors, left_cuts = len(sizes) - 1 - i, n - k
-        # Cut after tensor i when the running total passed k*total/n (whichever side is nearer), or
-        # when every remaining tensor must start a fragment of its own.
-        goal = k * total / n
-        nearer = running >= goal or (running + sizes[i + 1] - goal > goal - running)
-        if left_cuts > 0 and (nearer or left_tensors == left_cuts):
-            cuts.append(i + 1)
-            k += 1
-    bounds = [0, *cuts, len(sizes)]
-    out = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
-    assert len(out) == n and sorted(i for f in out for i in f) == list(range(len(shapes))), out
+Piece = tuple[int, int, int]  # (parameter index, first row, end row) of a fragment's slice of a tensor
+
+
+def split_fragments(shapes: Shapes, n: int) -> list[list[Piece]]:
+    """The `n` fragments of a model of `shapes`, each a list of pieces (parameter index, rows [a, b)
+    along dim 0): contiguous in model order, every element in exactly one piece, and as even in element
+    count as whole rows allow. A fragment takes whole tensors while they fit its share (total/n) and cuts
+    the tensor that crosses the boundary between rows: a model whose size sits in one matrix (char-lm's
+    GRU: 59% in one weight) still splits evenly. Scalars are never cut. Refuses more fragments than rows."""
+    rows = [s[0] if len(s) else 1 for s in shapes]
+    if not 1 <= n <= sum(rows):
+        raise ValueError(f"sync.fragments: {n} fragments of a model of {sum(rows)} rows (at most one fragment per row)")
+    row_size = [max(1, _numel(s) // max(1, r)) for s, r in zip(shapes, rows)]
+    total = sum(r * w for r, w in zip(rows, row_size))
+    out: list[list[Piece]] = [[] for _ in range(n)]
+    f, filled = 0, 0.0
+    for i, (nrows, w) in enumerate(zip(rows, row_size)):
+        a = 0
+        while a < nrows:
+            goal = (f + 1) * total / n
+            take = nrows - a if f == n - 1 else max(0, min(nrows - a, round((goal - filled) / w)))
+            # at least one row a fragment, and leave at least one row for each fragment still to come
+            rows_left = sum(rows[i + 1:]) + nrows - a
+            take = min(take, rows_left - (n - 1 - f)) if f < n - 1 else take
+            if take == 0 and not out[f]:
+                take = 1
+            if take:
+                out[f].append((i, a, a + take))
+                a, filled = a + take, filled + take * w
+            if f < n - 1 and (take == 0 or filled >= goal - w / 2):
+                f += 1
+    assert all(out) and sum(b - a for frag in out for _, a, b in frag) == sum(rows), out
     return out
 
 
@@ -74,20 +83,33 @@ def _numel(shape: tuple[int, ...]) -> int:
         n *= d
     return n
 
-
 class FragmentedDilocoSync(DilocoSync):
-    """DiLoCo with one fragment of the model exchanged per round (module docstring)."""
+    """DiLoCo with one fragment of the model exchanged per round (module docstring). Works on pieces:
+    row slices of the parameters (views of the live model, own leaf copies for the global model)."""
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
         outer = ctx.settings.outer
         self.n = int(ctx.settings.fragments)
-        self.fragments = split_fragments(ctx.shapes, self.n)
+        layout = split_fragments(ctx.shapes, self.n)
+        self.pieces: list[Piece] = [p for frag in layout for p in frag]
+        ids = iter(range(len(self.pieces)))
+        self.fragments = [[next(ids) for _ in frag] for frag in layout]  # piece indices of each fragment
+        self.local = [self._view(k) for k in range(len(self.pieces))]   # live model, in place
+        self.gp = [v.clone() for v in self.local]                        # global model, per piece
+        for g in self.gp:
+            g.grad = torch.zeros_like(g)
+        self.sp = [v.clone() for v in self.local] if self.overlap else None  # where unsent progress starts
+        self.global_params, self._start, self.outer_opt = None, None, None  # DilocoSync's, per piece here
         nesterov = outer.nesterov and outer.momentum > 0
-        self.outer_opts = [torch.optim.SGD([self.global_params[i] for i in f], lr=outer.lr, momentum=outer.momentum,
+        self.outer_opts = [torch.optim.SGD([self.gp[k] for k in f], lr=outer.lr, momentum=outer.momentum,
                                            nesterov=nesterov) for f in self.fragments]
-        self.outer_opt = None  # per fragment: outer_opts
         self._pending_fragment: int | None = None
+
+    def _view(self, k: int) -> torch.Tensor:
+        i, a, b = self.pieces[k]
+        p = self.ctx.params[i].detach()
+        return p if p.dim() == 0 or (a == 0 and b == p.shape[0]) else p[a:b]
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
@@ -100,8 +122,8 @@ class FragmentedDilocoSync(DilocoSync):
         return round_ % self.n
 
     def round_wire_shapes(self, round_: int) -> Shapes:
-        """What one message of round `round_` holds: that round's fragment's shapes (the receiver's check)."""
-        return [self.ctx.shapes[i] for i in self.fragments[self.fragment_of(round_)]]
+        """What one message of round `round_` holds: its fragment's pieces' shapes (the receiver's check)."""
+        return [tuple(self.local[k].shape) for k in self.fragments[self.fragment_of(round_)]]
 
     def run_round(self, plan: RoundPlan) -> dict[str, Any]:
         """H inner steps, then fragment round % N's pseudo-gradient exchanged, mixed and stepped by its own
@@ -111,8 +133,8 @@ class FragmentedDilocoSync(DilocoSync):
         idx = self.fragments[f]
         metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
         metrics["fragment"] = f
-        start = self._start if self.overlap else self.global_params
-        delta = [start[i].detach() - ctx.params[i].detach() for i in idx]
+        start = self.sp if self.overlap else self.gp
+        delta = [start[k].detach() - self.local[k] for k in idx]
         scale = fednova_scale(metrics["steps"], plan.norm_steps, limit=ctx.settings.pacing.max_steps_factor)
         sent = delta if scale == 1.0 else [d * scale for d in delta]
         if scale != 1.0:
@@ -121,7 +143,7 @@ class FragmentedDilocoSync(DilocoSync):
         if not self.overlap:
             res = ctx.exchange(plan, sent, stream=f"frag{f}")
             self._outer_step(f, ctx.mix(plan, sent, res))
-            self._set_local(idx, [self.global_params[i] for i in idx])
+            self._set_local(idx, [self.gp[k] for k in idx])
             metrics.update(exchange_metrics(res))
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
@@ -131,7 +153,7 @@ class FragmentedDilocoSync(DilocoSync):
             if self.eager:
                 self._set_local(idx, self._preview(f, sent), start=True)
             else:
-                self._set_local(idx, [self.global_params[i] - d for i, d in zip(idx, delta)], start=True)
+                self._set_local(idx, [self.gp[k] - d for k, d in zip(idx, delta)], start=True)
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
 
@@ -141,10 +163,11 @@ class FragmentedDilocoSync(DilocoSync):
         mixed = self.ctx.mix(plan, delta, res)
         ev = None
         if plan.evaluate:  # the global model with this fragment's outer step previewed (DilocoSync's reason)
-            model = list(self.global_params)
-            for i, p in zip(self.fragments[f], self._preview(f, mixed)):
-                model[i] = p
-            ev = {**self.ctx.evaluate(model, restore_rng=False), "round": plan.round, "t_done": time.monotonic()}
+            pieces = list(self.gp)
+            for k, p in zip(self.fragments[f], self._preview(f, mixed)):
+                pieces[k] = p
+            ev = {**self.ctx.evaluate(self._assemble(pieces), restore_rng=False), "round": plan.round,
+                  "t_done": time.monotonic()}
         return res, mixed, ev
 
     def _finish_pending(self) -> dict[str, Any]:
@@ -159,10 +182,10 @@ class FragmentedDilocoSync(DilocoSync):
         waited = time.monotonic() - t0
         self._outer_step(f, mixed)
         idx = self.fragments[f]
-        unsent = [self._start[i] - self.ctx.params[i].detach() for i in idx]
-        self._set_local(idx, [self.global_params[i] - u for i, u in zip(idx, unsent)])
-        for i in idx:
-            self._start[i] = self.global_params[i].detach().clone()
+        unsent = [self.sp[k] - self.local[k] for k in idx]
+        self._set_local(idx, [self.gp[k] - u for k, u in zip(idx, unsent)])
+        for k in idx:
+            self.sp[k] = self.gp[k].detach().clone()
         out = {**exchange_metrics(res), "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6),
                "exchange_fragment": f}
         if ev is not None:
@@ -179,8 +202,8 @@ class FragmentedDilocoSync(DilocoSync):
         group = opt.param_groups[0]
         lr, mom, nesterov = group["lr"], group["momentum"], group["nesterov"]
         out = []
-        for i, d in zip(self.fragments[f], mixed):
-            g, step = self.global_params[i], d
+        for k, d in zip(self.fragments[f], mixed):
+            g, step = self.gp[k], d
             if mom:
                 buf = opt.state.get(g, {}).get("momentum_buffer")
                 buf = d.clone() if buf is None else buf * mom + d
@@ -189,42 +212,52 @@ class FragmentedDilocoSync(DilocoSync):
         return out
 
     def _outer_step(self, f: int, mixed: list[torch.Tensor]) -> None:  # type: ignore[override]
-        for i, m in zip(self.fragments[f], mixed):
-            self.global_params[i].grad.copy_(m)
+        for k, m in zip(self.fragments[f], mixed):
+            self.gp[k].grad.copy_(m)
         self.outer_opts[f].step()
 
     def _set_local(self, idx: list[int], values: list[torch.Tensor], *, start: bool = False) -> None:
-        """Live parameters `idx` = `values`; with start, also where their next pseudo-gradient starts."""
+        """Live pieces `idx` = `values`; with start, also where their next pseudo-gradient starts."""
         with torch.no_grad():
-            for i, v in zip(idx, values):
-                self.ctx.params[i].copy_(v)
+            for k, v in zip(idx, values):
+                self.local[k].copy_(v)
         if start:
-            for i in idx:
-                self._start[i] = self.ctx.params[i].detach().clone()
+            for k in idx:
+                self.sp[k] = self.local[k].clone()
+
+    def _assemble(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole parameters (model order) from per-piece tensors."""
+        by_param: dict[int, list[torch.Tensor]] = {}
+        for (i, _, _), t in zip(self.pieces, pieces):
+            by_param.setdefault(i, []).append(t.detach())
+        return [ts[0] if len(ts) == 1 else torch.cat(ts) for _, ts in sorted(by_param.items())]
+
+    def eval_params(self) -> list[torch.Tensor]:
+        """The global model: every fragment as of its last sync (whole parameters, assembled from the pieces)."""
+        return self._assemble(self.gp)
 
     def state_dict(self) -> dict:
-        """Every fragment's global copy and outer optimizer state, the fragment count, whose state it is,
-        and (overlap) where each fragment's unsent progress starts; the live model is the worker's."""
-        d = {"global": [g.detach().clone() for g in self.global_params], "fragments": self.n,
+        """Every piece's global copy and every fragment's outer optimizer state, the fragment count, whose state
+        it is, and (overlap) where each piece's unsent progress starts; the live model is the worker's."""
+        d = {"global": [g.detach().clone() for g in self.gp], "fragments": self.n,
              "outer": [opt.state_dict() for opt in self.outer_opts], "region": self.ctx.region}
         if self.overlap:
-            d["start"] = [s.detach().clone() for s in self._start]
+            d["start"] = [s.detach().clone() for s in self.sp]
         return d
 
     def load_state_dict(self, d: dict) -> None:
         """Own state (checkpoint, rollback): global copies, outer states and starts; the live model was
         restored by the worker, unsent progress and all. A donor's (rejoin): every fragment restarts from
         the donor's global model. Refuses a state of another fragment count."""
-        if int(d.get("fragments", 1)) != self.n:
+        if int(d.get("fragments", 1)) != self.n or len(d["global"]) != len(self.gp):
             raise ValueError(f"sync.fragments: the state has {d.get('fragments', 1)} fragments, this run {self.n}")
         with torch.no_grad():
-            for g, s in zip(self.global_params, d["global"]):
+            for g, s in zip(self.gp, d["global"]):
                 g.copy_(s)
         for opt, sd in zip(self.outer_opts, d["outer"]):
             opt.load_state_dict(sd)
         if d.get("region") == self.ctx.region and (not self.overlap or "start" in d):
             if self.overlap:
-                self._start = [s.detach().clone() for s in d["start"]]
+                self.sp = [s.detach().clone() for s in d["start"]]
             return
-        every = list(range(len(self.global_params)))
-        self._set_local(every, self.global_params, start=self.overlap)
+        self._set_local(list(range(len(self.gp))), self.gp, start=self.overlap)
