@@ -198,3 +198,18 @@ def test_admission_keeps_a_reference_norm_per_fragment():
     assert torch.equal(adm.admit("b", [torch.full((2, 3), 5.0)])[0], big[0])
     out = adm.admit("b", [torch.full((4,), 10.0)])  # 1000x the small fragment's norm
     assert float(out[0].norm()) < 1.0 and adm.take_clipped() == {"b": 1}
+
+
+def test_the_coordinator_plans_rounds_of_H_over_N_steps():
+    from geofed.orchestrator.driver.coordinator import Coordinator
+
+    class ManualClock:
+        def now(self) -> float:
+            return 0.0
+
+    cfg = _cfg(fragments=3, extra={"sync.policy": {"kind": "fixed", "H": 100}, "run.max_steps": 200})
+    c = Coordinator(cfg, model_numel=1000, clock=ManualClock())
+    plans = [c.plan(r, alive=REGIONS, evaluate=False)["a"] for r in range(6)]
+    # every parameter syncs every 100 steps: rounds of 34, the last one what is left of max_steps
+    assert [p.H for p in plans[:5]] == [34] * 5 and plans[5].H == 30 and plans[5].final
+    assert "H 100/3 fragments per round" in c.last_reason
