@@ -39,7 +39,7 @@ import torch
 
 from .mailbox import Refusal
 
-__all__ = ["MODES", "UpdateAdmission", "coordinate_median", "l2_norm", "max_abs", "robust_mix", "trim_count",
+__all__ = ["MODES", "AdmissionPerLayout", "UpdateAdmission", "coordinate_median", "l2_norm", "max_abs", "robust_mix", "trim_count",
            "trimmed_mean"]
 
 log = logging.getLogger("geofed.p2p")
@@ -174,3 +174,39 @@ class UpdateAdmission:
         with self._lock:
             out, self.clipped = dict(self.clipped), Counter()
         return out
+
+
+class AdmissionPerLayout:
+    """One UpdateAdmission per message layout (the tensors' shapes): sync.fragments sends one fragment
+    of the model per round, and a fragment's update norm says nothing about another's (an embedding's
+    against an output layer's), so each fragment keeps its own reference norm. Same interface."""
+
+    def __init__(self, **kwargs):
+        self._kwargs = kwargs
+        self._by_layout: dict[tuple, UpdateAdmission] = {}
+        self._lock = threading.Lock()
+        UpdateAdmission(**kwargs)  # its argument checks, now
+
+    def _of(self, tensors: Sequence[torch.Tensor]) -> UpdateAdmission:
+        key = tuple(tuple(t.shape) for t in tensors)
+        with self._lock:
+            if key not in self._by_layout:
+                self._by_layout[key] = UpdateAdmission(**self._kwargs)
+            return self._by_layout[key]
+
+    def observe_own(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The region's own update, filed with its layout's norms."""
+        self._of(tensors).observe_own(tensors)
+
+    def admit(self, sender: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """UpdateAdmission.admit against the norms of the same layout."""
+        return self._of(tensors).admit(sender, tensors)
+
+    def take_clipped(self) -> dict[str, int]:
+        """Clipped updates by sender since the last call, over every layout."""
+        with self._lock:
+            admissions = list(self._by_layout.values())
+        out: Counter[str] = Counter()
+        for a in admissions:
+            out.update(a.take_clipped())
+        return dict(out)

@@ -87,13 +87,15 @@ class Exchanger:
 
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
                  in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec,
-                 quorum: int | None = None, grace_s: float = 0.0) -> ExchangeResult:
+                 quorum: int | None = None, grace_s: float = 0.0, stream: str = "") -> ExchangeResult:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`
-        (all of them by the deadline, or with `quorum` that many and a grace for the rest)."""
+        (all of them by the deadline, or with `quorum` that many and a grace for the rest). `stream`
+        names a codec stream of its own (sync.fragments: one per fragment, each with its own layout
+        and error-feedback residual)."""
         self.transport.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
             self.observe_own(tensors)
-        payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec)
+        payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec, stream)
         skipped = self._still_stalled()
         futures = {p: self._pool.submit(self._send, p, round_, payloads[p]) for p in out_peers if p not in skipped}
         t0 = time.monotonic()
@@ -150,7 +152,7 @@ class Exchanger:
         with self._est_lock:
             self.estimator(peer).observe_rtt(rtt)
 
-    def _encode(self, tensors, out_peers, codecs, default_codec):
+    def _encode(self, tensors, out_peers, codecs, default_codec, stream=""):
         """One encode per distinct codec: peers on the same codec share its bytes and its EF state."""
         by_key: dict[str, tuple[bytes, list[torch.Tensor]]] = {}
         payloads, own = {}, {}
@@ -158,7 +160,8 @@ class Exchanger:
             spec = codecs.get(peer, default_codec)
             key = spec.key
             if key not in by_key:
-                state = self.states.setdefault(key, CodecState(error_feedback=self.error_feedback))
+                state_key = f"{key}@{stream}" if stream else key
+                state = self.states.setdefault(state_key, CodecState(error_feedback=self.error_feedback))
                 by_key[key] = encode_and_decode(spec.codec(), tensors, state)
             payloads[peer], own[peer] = by_key[key]
         return payloads, own
@@ -195,8 +198,10 @@ class Exchanger:
         self._observe(peer, stats, concurrent)
         if stats.cold:
             extra["cold"] = True
+        # t_end (wall clock, as the driver's round times): the link's rate over time (peak-to-mean, summary.json).
         result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
-                                 "seconds": round(stats.seconds, 6), "concurrent": concurrent, **extra})
+                                 "seconds": round(stats.seconds, 6), "concurrent": concurrent,
+                                 "t_end": round(time.time(), 4), **extra})
 
     def _observe(self, peer: str, stats, concurrent: int) -> None:
         with self._est_lock:
@@ -320,7 +325,8 @@ class Exchanger:
             self.deadline.load_state_dict(d["deadline"])
         for key, sd in d.get("codecs", {}).items():
             # By key; an older checkpoint's key (the spec as written) maps to today's.
-            self.states[spec_key(key)] = _codec_state_from_dict(sd, error_feedback=self.error_feedback)
+            spec, at, stream = key.partition("@")  # a stream of its own (a fragment's) keeps its name
+            self.states[spec_key(spec) + at + stream] = _codec_state_from_dict(sd, error_feedback=self.error_feedback)
         with self._est_lock:
             for peer, sd in d.get("links", {}).items():
                 self.estimator(peer).load_state_dict(sd)

@@ -18,12 +18,12 @@ import torch
 
 from geofed.compression import CodecError, CodecSpec, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
-from geofed.p2p.robust import UpdateAdmission, robust_mix
+from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, robust_mix
 from geofed.p2p.topology import make_topology
 
 from .emulation import Slowdown
 from .device import Precision, device_name, move_received, resolve_device
-from .sync import ALGORITHMS, mix
+from .sync import algorithm_class, mix
 from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
 from .exchange import Exchanger
@@ -100,14 +100,15 @@ class RegionWorker(LocalSteps, RegionState):
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
-        algorithm_cls = ALGORITHMS[cfg.sync.algorithm]
+        algorithm_cls = algorithm_class(cfg.sync)
         # What one message holds (gossip with tracking: params + tracker): the receiver's decode
         # check and the size limits both follow the algorithm's word on it.
         self.wire_shapes = algorithm_cls.wire_shapes(cfg.sync, self.shapes)
         self.limits = wire_limits(cfg, self.wire_shapes)
         sec = cfg.security
-        self.admission = UpdateAdmission(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
-                                         norm_multiple=sec.norm_multiple)
+        admission_cls = AdmissionPerLayout if cfg.sync.fragments > 1 else UpdateAdmission  # a norm per fragment
+        self.admission = admission_cls(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
+                                       norm_multiple=sec.norm_multiple)
         # An injected transport (the in-memory one) lets algorithm tests run without sockets.
         # `tls` (TlsMaterial) and `advertised_host` come from the actor on a multi-node cluster.
         self.transport = transport if transport is not None else make_transport(
@@ -256,7 +257,7 @@ class RegionWorker(LocalSteps, RegionState):
         """
         return {self.regions[j]: w for j, w in self.topology.in_weights(self.index, round_).items()}
 
-    def exchange(self, plan: RoundPlan, tensors, *, single_codec: bool = False, send: bool = True):
+    def exchange(self, plan: RoundPlan, tensors, *, single_codec: bool = False, send: bool = True, stream: str = ""):
         """Push `tensors` to this round's live out-neighbours (none with send=False: a rejoining
         gossip region only listens), collect from live in-neighbours (SyncContext.exchange)."""
         alive = set(plan.alive) if plan.alive is not None else None
@@ -266,7 +267,7 @@ class RegionWorker(LocalSteps, RegionState):
         quorum = None if plan.quorum is None else max(0, min(plan.quorum - 1, len(in_peers)))
         res = self.exchanger.exchange(plan.round, tensors, out_peers=out_peers, in_peers=in_peers,
                                       codecs=codecs, default_codec=self.cfg.compression.codec,
-                                      quorum=quorum, grace_s=plan.grace_s)
+                                      quorum=quorum, grace_s=plan.grace_s, stream=stream)
         res.received = move_received(res.received, self.device)
         if res.stale:
             moved = move_received({f"{s}@{r}": t for s, r, t in res.stale}, self.device)
@@ -291,7 +292,10 @@ class RegionWorker(LocalSteps, RegionState):
         """Called by the transport for every incoming update: refuse (ValueError, or a Refusal
         with its own reason from admission) what is not sane."""
         try:
-            tensors = decode_update(payload, max_bytes=self.limits.decode_bytes, expected_shapes=self.wire_shapes)
+            # sync.fragments: a round's message holds that round's fragment (regions/sync/fragments.py).
+            per_round = getattr(getattr(self, "algorithm", None), "round_wire_shapes", None)
+            shapes = self.wire_shapes if per_round is None else per_round(round_)
+            tensors = decode_update(payload, max_bytes=self.limits.decode_bytes, expected_shapes=shapes)
         except CodecError as exc:
             raise ValueError(f"undecodable update from {sender}: {exc}") from None
         return self.admission.admit(sender, tensors)

@@ -1,6 +1,6 @@
 """`geofed bench wan`: per-step sync vs fixed H vs adaptive, 4 regions over the emulated WAN.
 
-    geofed bench wan [--scenario steady|drop] [--quick] [--reps N] [--json] [--out DIR]
+    geofed bench wan [--scenario steady|drop] [--quick] [--reps N] [--arms A,B] [--json] [--out DIR]
 
 Each arm is a real `geofed run` (Ray actors, mutual-TLS gRPC, the proxy WAN emulator) built
 by bench_wan_arms from configs/bench-wan.yaml; bench_wan_results reads each run directory back.
@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run every arm N times, interleaved, and report medians with their spread (default 3; --quick: 1)")
     p.add_argument("--json", action="store_true", help="print issue 6's JSON document on stdout")
     p.add_argument("--out", help="folder for the arms' run directories (default runs/bench-wan-<scenario>-<UTC time>)")
+    p.add_argument("--arms", help="only these arms, comma-separated (e.g. allreduce,adaptive,adaptive-frag-eager)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config key in every arm (e.g. --set run.seed=1)")
     return p
@@ -90,7 +91,11 @@ def main(argv: Sequence[str]) -> int:
 
     reps = args.reps or (1 if args.quick else 3)
     try:
-        doc, results, report = run_bench(scenario, out, console=console, reps=reps)
+        only = [a.strip() for a in args.arms.split(",")] if args.arms else None
+        doc, results, report = run_bench(scenario, out, console=console, reps=reps, only=only)
+    except ValueError as exc:
+        print(f"geofed bench wan: {exc}", file=sys.stderr)
+        return 2
     except (PlacementError, RunFailed) as exc:
         print(f"geofed bench wan: {exc} (run directories so far: {out})", file=sys.stderr)
         return 1
@@ -107,7 +112,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
-              base: dict[str, Any] | None = None, reps: int = 1) -> tuple[dict[str, Any], list[ArmResult], Path]:
+              base: dict[str, Any] | None = None, reps: int = 1,
+              only: Sequence[str] | None = None) -> tuple[dict[str, Any], list[ArmResult], Path]:
     """Run every arm of ``scenario`` ``reps`` times in `interleaved_schedule` order (run directories
     under ``out``; ``out/rep<k>/<arm>`` when reps > 1); returns the --json document (medians over
     repetitions), each arm's median repetition (`representative`) and the comparison report's path."""
@@ -117,6 +123,11 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
 
     console = console or Console(stderr=True)
     arms = build_arms(scenario, base)
+    if only:
+        unknown = sorted(set(only) - {a.name for a in arms})
+        if unknown:
+            raise ValueError(f"--arms: no arm {', '.join(unknown)} (arms: {', '.join(a.name for a in arms)})")
+        arms = [a for a in arms if a.name in only]
     schedule = interleaved_schedule(arms, reps)
     out.mkdir(parents=True, exist_ok=True)
     started = False
@@ -141,7 +152,7 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
             ray.shutdown()
     combined = combine(per_rep, scenario.name)
     doc = {"scenario": scenario.name, "arms": combined["arms"], "ratios": combined["ratios"], "reps": reps,
-           "spread": combined["spread"]}
+           "spread": combined["spread"], "peak_to_mean": best_arm_peak(combined["arms"])}
     results = [representative([next(a for a in rep if a.name == arm.name) for rep in per_rep]) for arm in arms]
     title = f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g})"
     report = write_comparison([Path(r.run_dir) for r in results], [r.name for r in results], out / "report",
@@ -152,6 +163,16 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
         "per_rep": combined["per_rep"], "scenario_config": _scenario_dict(scenario),
         "details": [{"rep": r + 1, **_detail(a)} for r, rep in enumerate(per_rep) for a in rep]}, indent=2))
     return doc, results, report
+
+
+def best_arm_peak(arms: list[dict[str, Any]]) -> dict[str, Any]:
+    """The busiest link's peak-to-mean rate (median over repetitions) of the best arm: the synchronising arm
+    (not per-step allreduce) with the shortest median time to target, else the first with a ratio."""
+    rated = [a for a in arms if a.get("peak_to_mean") is not None and a["name"] != "allreduce"]
+    if not rated:
+        return {"arm": None, "ratio": None}
+    best = min(rated, key=lambda a: (a["time_to_target_s"] is None, a["time_to_target_s"] or 0.0))
+    return {"arm": best["name"], "ratio": best["peak_to_mean"]}
 
 
 def _reps_text(reps: int) -> str:
@@ -235,7 +256,8 @@ def print_results(console: Console, scenario: Scenario, results: list[ArmResult]
     t = Table(title=f"geofed bench wan: {scenario.name} (target loss {scenario.target_loss:g}, "
                     f"{scenario.max_steps} steps per region, {'medians of ' + str(reps) if reps > 1 else '1'} "
                     f"repetition{'s' if reps > 1 else ''})")
-    for col in ("arm", "H", "to target", "bytes to target", "final loss", "eval", "util", "wall util", "wall"):
+    for col in ("arm", "H", "to target", "bytes to target", "final loss", "eval", "util", "peak/mean", "wall util",
+                "wall"):
         t.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     med = {a["name"]: a for a in doc["arms"]}
     for r in results:
@@ -243,7 +265,8 @@ def print_results(console: Console, scenario: Scenario, results: list[ArmResult]
         H = str(r.H) if r.kind != "adaptive" else _H_range(r)
         t.add_row(r.name, H, "-" if m["time_to_target_s"] is None else f"{m['time_to_target_s']:.2f} s",
                   "-" if m["bytes_to_target"] is None else _bytes(m["bytes_to_target"]), _f(m["final_loss"]),
-                  _f(m["eval"]), _f(m["utilization"]), _f(r.utilization_wall), f"{r.wall_s or 0:.1f} s")
+                  _f(m["eval"]), _f(m["utilization"]), _f(m.get("peak_to_mean")), _f(r.utilization_wall),
+                  f"{r.wall_s or 0:.1f} s")
     console.print(t)
     for line in check_targets(scenario, results, doc):
         console.print(line)
@@ -284,11 +307,35 @@ def check_targets(scenario: Scenario, results: list[ArmResult], doc: dict[str, A
             lines.append(f"utilisation adaptive {util:.3f} (target >= {STEADY_UTILIZATION}) "
                          f"{_mark(util >= STEADY_UTILIZATION)}; without the final flush "
                          f"{_f(ad.utilization_training)}; wall {_f(ad.utilization_wall)}{rounds}")
+    lines.extend(_frontier_lines(results, doc))
     if scenario.name == "drop" and ad is not None and ad.drop_at_s is not None:
         before = [h for _, e, h in ad.H_rounds if e <= ad.drop_at_s]
         after = [h for s, _, h in ad.H_rounds if s >= ad.drop_at_s]
         lines.append(f"adaptive H before the drop {_H_span(before)}, after {_H_span(after)} "
                      f"(drop at {ad.drop_at_s:.2f} s of training)")
+    return lines
+
+
+FRONTIER = {"bytes_vs_allreduce": 1000.0, "loss_vs_allreduce": 1 + STEADY_FINAL_LOSS_TOLERANCE}
+PEAK_TO_MEAN = 1.25  # issue 21: the busiest link's peak-to-mean with fragments
+
+
+def _frontier_lines(results: list[ArmResult], doc: dict[str, Any]) -> list[str]:
+    """Issue 21's targets for each frontier arm (bytes to target and loss at equal examples against
+    per-step sync; peak-to-mean with fragments), medians over repetitions with their spread."""
+    lines = []
+    for r in results:
+        if r.kind != "adaptive" or r.name == "adaptive":
+            continue
+        for key, want in FRONTIER.items():
+            got = doc["ratios"].get(f"{r.name}:{key}")
+            ok = got is not None and (got >= want if key.startswith("bytes") else got <= want)
+            lines.append(f"{r.name} {key}: {_f(got)}{_spread_text(doc, f'{r.name}:{key}')} "
+                         f"(target {'>=' if key.startswith('bytes') else '<='} {want:.4g}) {_mark(ok)}")
+        ptm = next((a.get("peak_to_mean") for a in doc["arms"] if a["name"] == r.name), None)
+        if "frag" in r.name:
+            lines.append(f"{r.name} peak-to-mean on the busiest link: {_f(ptm)} (target <= {PEAK_TO_MEAN}) "
+                         f"{_mark(ptm is not None and ptm <= PEAK_TO_MEAN)}")
     return lines
 
 

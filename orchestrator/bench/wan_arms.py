@@ -7,7 +7,11 @@ few keys changed, so arms differ only in how they synchronise:
   identity), the data-parallel baseline;
 * ``fixed-H<h>``: DiLoCo with overlap, ``sync.policy: {kind: fixed, H: h}`` and the base's
   ``compression.codec`` on every link (a ladder is ignored by the fixed policy);
-* ``adaptive``: the base as written (bandwidth policy, overlap, the codec ladder).
+* ``adaptive``: the base as written (bandwidth policy, delayed overlap, the codec ladder);
+* the communication frontier (issue 21; scenarios with ``frontier``): ``adaptive-eager``
+  (``sync.overlap: eager``), ``adaptive-frag-eager`` (and ``sync.fragments``: one fragment of the
+  model a round, Streaming DiLoCo) and ``adaptive-frag-eager-sparseloco`` (and the sparseloco
+  codec: a ladder of sparseloco fractions in place of int4 and top-k).
 
 Every arm runs the same number of inner steps (``run.max_steps``) on the same data and seed.
 """
@@ -43,6 +47,10 @@ class Scenario:
     allreduce_steps: int | None = None   # None: max_steps
     regions: tuple[str, ...] | None = None  # None: the base config's
     overrides: tuple[str, ...] = ()  # --set style KEY=VALUE applied to every arm
+    frontier: bool = False           # also the eager, fragments and sparseloco arms (issue 21)
+    fragments: int = 3               # sync.fragments of the fragment arms (char-lm's GRU: 3 is the most that helps)
+    sparse_ladder: tuple[str, ...] = ("sparseloco(fraction=0.05)", "sparseloco(fraction=0.02)",
+                                      "sparseloco(fraction=0.01)")
 
     def __post_init__(self):
         if self.name not in ("steady", "drop"):
@@ -83,14 +91,14 @@ class Arm:
 # small model; from 5 Mbit/s it would fall to 0.5 and still hide.
 SCENARIOS = {
     "steady": Scenario(name="steady", bandwidth_scale=0.025, target_loss=1.8, max_steps=3000, allreduce_steps=800,
-                       fixed_H=(50, 100, 200, 400)),
+                       fixed_H=(50, 100, 200, 400), frontier=True),
     "drop": Scenario(name="drop", bandwidth_scale=0.01, drop_at_s=5.0, target_loss=1.75, max_steps=3000,
                      fixed_H=(50, 100, 200, 400), allreduce=False),
 }
 # --quick: the same shape, smaller (a few minutes).
 QUICK = {
     "steady": Scenario(name="steady", bandwidth_scale=0.1, target_loss=2.2, max_steps=1000, allreduce_steps=300,
-                       fixed_H=(100,)),
+                       fixed_H=(100,), frontier=True),
     "drop": Scenario(name="drop", bandwidth_scale=0.01, drop_at_s=3.0, target_loss=2.0, max_steps=1500,
                      fixed_H=(50, 200), allreduce=False),
 }
@@ -116,7 +124,19 @@ def build_arms(scenario: Scenario, base: dict[str, Any] | None = None) -> list[A
         arms.append(Arm(name=f"fixed-H{h}", kind="fixed", H=h, cfg=_config(base, scenario, [
             f"sync.policy={{kind: fixed, H: {h}}}", f"run.rounds={math.ceil(scenario.max_steps / h) + 1}"])))
     arms.append(Arm(name="adaptive", kind="adaptive", H=None, cfg=_config(base, scenario, [])))
+    if scenario.frontier:
+        arms.extend(frontier_arms(base, scenario))
     return arms
+
+
+def frontier_arms(base: dict[str, Any], sc: Scenario) -> list[Arm]:
+    """Issue 21's arms: adaptive with eager overlap, then fragments, then the sparseloco codec."""
+    eager = ["sync.overlap=eager"]
+    frag = [*eager, f"sync.fragments={sc.fragments}"]
+    ladder = ", ".join(sc.sparse_ladder)
+    sparse = [*frag, f"compression.codec={sc.sparse_ladder[0]}", f"compression.ladder=[{ladder}]"]
+    return [Arm(name=name, kind="adaptive", H=None, cfg=_config(base, sc, keys)) for name, keys in
+            (("adaptive-eager", eager), ("adaptive-frag-eager", frag), ("adaptive-frag-eager-sparseloco", sparse))]
 
 
 def _apply_scenario(base: dict[str, Any], sc: Scenario) -> None:

@@ -42,12 +42,14 @@ class ArmResult:
     bytes_sent: float
     drop_at_s: float | None       # the drop on this run's clock (drop scenario)
     run_dir: str
+    peak_to_mean: float | None = None  # summary.json's busiest link: bytes per 1 s window, peak over mean
 
     def doc(self) -> dict[str, Any]:
         """The arm's entry of the issue's --json document."""
         return {"name": self.name, "H": self.H, "time_to_target_s": _r(self.time_to_target_s),
                 "bytes_to_target": None if self.bytes_to_target is None else int(self.bytes_to_target),
-                "final_loss": _r(self.final_loss, 6), "eval": _r(self.eval, 4), "utilization": _r(self.utilization, 4)}
+                "final_loss": _r(self.final_loss, 6), "eval": _r(self.eval, 4), "utilization": _r(self.utilization, 4),
+                "peak_to_mean": _r(self.peak_to_mean, 3)}
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -76,7 +78,7 @@ def measure(run_dir: Path, *, name: str, kind: str, H: int | None, target_loss: 
         utilization_training=training_utilization(run.metrics),
         steps=sum(h for _, _, h in H_rounds), wall_s=wall,
         loss_at_baseline_steps=None if baseline_steps is None else final_loss(run, baseline_steps), bytes_sent=float(s.get("bytes_sent", 0.0)),
-        drop_at_s=drop_at_s, run_dir=str(run_dir))
+        drop_at_s=drop_at_s, run_dir=str(run_dir), peak_to_mean=(s.get("peak_to_mean") or {}).get("ratio"))
 
 
 def final_loss(run, at_steps: int | None = None) -> float | None:
@@ -145,9 +147,15 @@ def ratios(arms: list[ArmResult], scenario: str) -> dict[str, Any]:
     out: dict[str, Any] = {"time_vs_allreduce": None, "bytes_vs_allreduce": None, "time_vs_best_fixed": None,
                            "time_vs_best_fixed_before_drop": None}
     notes: dict[str, Any] = {}
+    ar = by.get("allreduce")
+    for a in arms if ar is not None else []:  # the frontier arms (issue 21), each against per-step sync
+        if a.kind == "adaptive" and a.name != "adaptive":
+            out[f"{a.name}:time_vs_allreduce"] = _ratio(ar.time_to_target_s, a.time_to_target_s)
+            out[f"{a.name}:bytes_vs_allreduce"] = _ratio(ar.bytes_to_target, a.bytes_to_target)
+            # final loss at equal examples over per-step sync's (<= 1.02: issue 21's quality target)
+            out[f"{a.name}:loss_vs_allreduce"] = _ratio(a.loss_at_baseline_steps, ar.final_loss)
     if ad is None:
         return {**out, "_notes": notes}
-    ar = by.get("allreduce")
     if ar is not None:
         out["time_vs_allreduce"] = _ratio(ar.time_to_target_s, ad.time_to_target_s)
         out["bytes_vs_allreduce"] = _ratio(ar.bytes_to_target, ad.bytes_to_target)

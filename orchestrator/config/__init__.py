@@ -158,6 +158,11 @@ class SyncSection:
         "exchange round r while round r+1 computes. true (delayed): the outer update of round r is applied one round "
         "late; eager: the region applies its own pseudo-gradient at once and corrects with the global mean when it "
         "arrives (arXiv 2502.12996)"))
+    fragments: int = field(default=1, metadata=_doc(
+        "streaming DiLoCo (arXiv 2501.18512): split the model into this many fragments (contiguous layers, even "
+        "in size) and exchange one per round, fragment round % N; the policy's H stays each parameter's sync "
+        "period, so a round runs H/N steps and sends 1/N of the model (diloco over a static topology; "
+        "docs/bench-wan.md)"))
     deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
     resync_after_miss: bool = field(default=True, metadata=_doc(
         "diloco/allreduce over the full topology without overlap: a region that missed an in-neighbour's update "
@@ -179,10 +184,28 @@ class SyncSection:
 
         if self.topology not in topology_names():
             raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
+        self._check_fragments()
         if self.algorithm == "gossip" and self.gossip.choco and not _static_topology(self.topology):
             # One public copy per region is consistent only if every neighbour gets every message.
             raise ValueError(f"topology: CHOCO gossip (sync.gossip.choco) needs a static topology "
                              f"(full, ring, exponential), got {self.topology!r}")
+
+    def _check_fragments(self) -> None:
+        """sync.fragments > 1: what streaming fragments do not combine with, said here, not mid-run."""
+        if not 1 <= self.fragments <= 1024:
+            raise ValueError(f"fragments: must be in [1, 1024], got {self.fragments}")
+        if self.fragments == 1:
+            return
+        if self.algorithm != "diloco":
+            raise ValueError(f"fragments: {self.fragments} fragments need sync.algorithm diloco, not {self.algorithm}")
+        if self.pacing.mode == "quorum":
+            raise ValueError("fragments: quorum rounds (sync.pacing.mode) and sync.fragments do not combine "
+                             "(a late region's update would belong to another fragment's round)")
+        if not _static_topology(self.topology):
+            # Fragment f meets the topology of rounds f, f+N, ... only: a time-varying one (one peer per
+            # round) could pair a fragment with the same peer for ever.
+            raise ValueError(f"fragments: sync.fragments needs a static topology (full, ring, exponential), "
+                             f"got {self.topology!r}")
 
 
 def _static_topology(name: str) -> bool:
@@ -303,6 +326,12 @@ class RunConfig:
             raise ValueError(f"security.robust_aggregation: {robust} replaces the mix of full-topology diloco or "
                              f"allreduce, not {self.sync.algorithm} over {self.sync.topology} (use clip)")
         check_privacy_rules(self)
+        if self.sync.fragments > 1 and self.security.secure_aggregation:
+            raise ValueError("sync.fragments: secure aggregation (security.secure_aggregation) masks whole-model "
+                             "updates; it does not combine with fragments")
+        if self.sync.fragments > 1 and self.privacy.dp.mode == "update":
+            raise ValueError("sync.fragments: update-level DP (privacy.dp.mode: update) clips whole-model "
+                             "pseudo-gradients; it does not combine with fragments (record-level DP does)")
 
 
 def _check_choco_compression(c: CompressionSection) -> None:

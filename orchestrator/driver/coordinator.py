@@ -13,6 +13,9 @@ the policy:
   overlap it is the part of a round that cannot be hidden;
 * loss, learning rate, model size, whether the exchange overlaps compute.
 
+With ``sync.fragments: N`` the policy's H is each fragment's sync period and a round runs
+``ceil(H/N)`` steps (regions/sync/fragments.py); the per-round record says so.
+
 ``run.max_steps`` (when set) ends the run once every region has run that many inner steps:
 the last round's H is cut to fit and that round is marked final (the worker applies an
 overlapped exchange still in flight before it returns).
@@ -102,6 +105,12 @@ class Coordinator:
         else:
             decision = self.policy.decide(self._measurements(round_, links))
             H, reason = decision.H, decision.reason
+            n = self.cfg.sync.fragments
+            if n > 1:
+                # Streaming fragments: the policy's H is each parameter's sync period (a fragment's
+                # bytes are 1/N of the model, its round H/N steps: the same bytes per step and the
+                # same hiding condition), so a round runs H/N steps and syncs one fragment.
+                H, reason = max(1, math.ceil(H / n)), f"{reason} | H {H}/{n} fragments per round"
             codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
             self.last_record = decision.to_record()
         calibrating = self.pacing.mode == "time-budget" and any(self.region_step_time(r) is None for r in alive)

@@ -11,6 +11,7 @@ from geofed.regions.tasks import make_task
 
 from ..config import RunConfig
 from .emulation import configured_link
+from .linkrate import WINDOW_S, busiest, link_peak_to_mean
 from .rundir import read_jsonl
 
 
@@ -46,6 +47,8 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
     final_losses = [m["train_loss"] for m in metrics if m["round"] == last_round and m.get("train_loss") is not None]
     util = _utilization(metrics)
     refusals = _refusals(metrics, refusals_since_last_round or {})
+    links = _links(metrics, rounds, emulator)
+    busiest_link, busiest_ratio = busiest(links)
     return {
         "run": run_dir.name, "rounds": last_round + 1, "wall_s": round(wall_s, 3),
         "final_train_loss": sum(final_losses) / len(final_losses) if final_losses else None,
@@ -56,7 +59,8 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "probe_bytes_sent": sum(sum((s.get("probe_bytes_sent") or {}).values()) for s in transport_stats.values()),
         "compute_utilization": sum(util.values()) / len(util) if util else None,
         "utilization_per_region": util,
-        "links": _links(metrics, rounds, emulator),
+        "links": links,
+        "peak_to_mean": {"link": busiest_link, "ratio": busiest_ratio, "window_s": WINDOW_S},
         "H_history": [{"round": r["round"], "H": r["H"], "t": r["t_start"], "codecs": r.get("codecs", {})} for r in rounds],
         "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host", "grpc_address",
                                                   "device", "device_name", "precision")}
@@ -67,7 +71,7 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "config": {"task": cfg.task.kind, "algorithm": cfg.sync.algorithm, "policy": cfg.sync.policy.kind,
                    "codec": cfg.compression.codec.key, "topology": cfg.sync.topology,
                    "regions": len(cfg.regions.names), "emulation": cfg.network.emulation.mode,
-                   "overlap": cfg.sync.overlap, "tls": cfg.security.tls},
+                   "overlap": cfg.sync.overlap, "fragments": cfg.sync.fragments, "tls": cfg.security.tls},
     }
 
 
@@ -89,6 +93,9 @@ def _links(metrics: list[dict], rounds: list[dict], emulator) -> dict[str, dict]
             entry = links.setdefault(f"{m['region']}->{t['peer']}", {"bytes": 0, "transfers": 0})
             entry["bytes"] += t["bytes"]
             entry["transfers"] += 1
+    for link, ratio in link_peak_to_mean(metrics).items():
+        # bytes per window of WINDOW_S: the busiest over the mean (orchestrator/driver/linkrate.py)
+        links.setdefault(link, {"bytes": 0, "transfers": 0}).update(peak_to_mean=ratio, peak_window_s=WINDOW_S)
     last_est: dict[str, dict] = {}
     for r in rounds:
         last_est.update(r.get("links", {}))

@@ -19,7 +19,7 @@ from geofed.orchestrator.driver.runner import prepare_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-DOC_ARM_KEYS = {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization"}
+DOC_ARM_KEYS = {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization", "peak_to_mean"}
 DIGITS = "bench-wan-digits.yaml"
 RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "time_vs_best_fixed", "time_vs_best_fixed_before_drop"}
 
@@ -57,7 +57,7 @@ def test_steady_small_adaptive_beats_per_step_sync(tmp_path):
                   fixed_H=())
     # two interleaved repetitions: allreduce, adaptive, then adaptive, allreduce
     doc, results, report = bench_wan.run_bench(sc, tmp_path / "bench", base=base, reps=2)
-    assert set(doc) == {"scenario", "arms", "ratios", "reps", "spread"} and doc["scenario"] == "steady"
+    assert set(doc) == {"scenario", "arms", "ratios", "reps", "spread", "peak_to_mean"} and doc["scenario"] == "steady"
     assert [a["name"] for a in doc["arms"]] == ["allreduce", "adaptive"] and doc["reps"] == 2
     assert all(set(a) == DOC_ARM_KEYS for a in doc["arms"]) and set(doc["ratios"]) == set(doc["spread"]) == RATIO_KEYS
     sp = doc["spread"]["time_vs_allreduce"]

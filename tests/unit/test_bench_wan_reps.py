@@ -72,7 +72,8 @@ def test_arm_rows_keep_their_keys_and_are_medians_where_never_reached_ranks_last
     out = combine(_reps(), "steady")
     arms = {a["name"]: a for a in out["arms"]}
     assert [a["name"] for a in out["arms"]] == ["allreduce", "fixed-H100", "adaptive"]  # repetition 0's order
-    assert all(set(a) == {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization"}
+    assert all(set(a) == {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization",
+                           "peak_to_mean"}
                for a in out["arms"])
     assert arms["adaptive"]["time_to_target_s"] == 1.5 and arms["adaptive"]["H"] == 160
     assert arms["adaptive"]["bytes_to_target"] == 1_000_000 and arms["adaptive"]["utilization"] == 0.9
@@ -132,3 +133,21 @@ def test_the_table_shows_medians_and_names_the_repetitions():
     text = console.export_text()
     assert "medians of 3 repetitions" in text and "1.50 s" in text and "12.00 s" in text  # medians, not a rep's
     assert "median of 3/3 repetitions, min 8, max 16" in text
+
+
+def test_frontier_arms_get_their_own_ratios_and_the_best_arm_its_peak_to_mean():
+    from geofed.orchestrator.bench.wan import best_arm_peak
+    from geofed.orchestrator.bench.wan_arms import SCENARIOS, build_arms
+
+    names = [a.name for a in build_arms(SCENARIOS["steady"])]
+    assert names[-4:] == ["adaptive", "adaptive-eager", "adaptive-frag-eager", "adaptive-frag-eager-sparseloco"]
+    frag = build_arms(SCENARIOS["steady"])[-1].cfg
+    assert frag.sync.fragments == 3 and frag.sync.overlap == "eager" and frag.compression.codec.kind == "sparseloco"
+    reps = [[_arm("allreduce", 10.0, 6e8), _arm("adaptive", 1.0, 1e6), _arm("adaptive-frag-eager", 0.5, 3e5)]]
+    out = combine(reps, "steady")
+    assert out["ratios"]["adaptive-frag-eager:time_vs_allreduce"] == 20.0
+    assert out["ratios"]["adaptive-frag-eager:bytes_vs_allreduce"] == 2000.0
+    arms = [{"name": "allreduce", "time_to_target_s": 9.0, "peak_to_mean": 1.0},
+            {"name": "adaptive", "time_to_target_s": 2.0, "peak_to_mean": 3.0},
+            {"name": "adaptive-frag-eager", "time_to_target_s": 1.0, "peak_to_mean": 1.2}]
+    assert best_arm_peak(arms) == {"arm": "adaptive-frag-eager", "ratio": 1.2}
