@@ -27,7 +27,7 @@ def _table(rows) -> str:
 
 
 def _clean_type(tp: str) -> str:
-    for prefix in ("geofed.orchestrator.config.privacy.", "geofed.orchestrator.config.", "geofed.orchestrator.launch.config.", "geofed.p2p.wan.config.",
+    for prefix in ("geofed.orchestrator.config.privacy.", "geofed.orchestrator.config.", "geofed.orchestrator.launch.config.", "geofed.p2p.wan.config.", "geofed.p2p.wan.prices.",
                    "geofed.compression.spec.", "<class '", "'>"):
         tp = tp.replace(prefix, "")
     return tp.replace("|", "\\|")

@@ -10,6 +10,7 @@ import torch
 from geofed.regions.tasks import make_task
 
 from ..config import RunConfig
+from .egress import add_egress
 from .emulation import configured_link
 from .rundir import read_jsonl
 
@@ -46,6 +47,8 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
     final_losses = [m["train_loss"] for m in metrics if m["round"] == last_round and m.get("train_loss") is not None]
     util = _utilization(metrics)
     refusals = _refusals(metrics, refusals_since_last_round or {})
+    links = _links(metrics, rounds, emulator)
+    egress = add_egress(cfg, links, transport_stats)
     return {
         "run": run_dir.name, "rounds": last_round + 1, "wall_s": round(wall_s, 3),
         "final_train_loss": sum(final_losses) / len(final_losses) if final_losses else None,
@@ -56,7 +59,7 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "probe_bytes_sent": sum(sum((s.get("probe_bytes_sent") or {}).values()) for s in transport_stats.values()),
         "compute_utilization": sum(util.values()) / len(util) if util else None,
         "utilization_per_region": util,
-        "links": _links(metrics, rounds, emulator),
+        "links": links, **egress,
         "H_history": [{"round": r["round"], "H": r["H"], "t": r["t_start"], "codecs": r.get("codecs", {})} for r in rounds],
         "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host", "grpc_address",
                                                   "device", "device_name", "precision")}
