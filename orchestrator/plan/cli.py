@@ -107,7 +107,7 @@ def _money(x: float | None) -> str:
 def print_plan(console: Console, doc: dict) -> None:
     """The candidates as a table, the recommendations under it."""
     rec = doc["recommended"]
-    picks = {(r["H"], r["codec"]): k for k, r in rec.items() if r is not None}
+    picks = [((r["H"], r["codec"]), k) for k, r in rec.items() if r is not None]
     t = Table(title=f"geofed plan {doc.get('config', '')}: {len(doc['regions'])} regions, step "
                     f"{doc['step_time_s'] * 1e3:.3g} ms ({doc['step_time_source']}), "
                     f"{'overlap' if doc['overlap'] else 'serial'}, {doc['egress_provider']} list prices")
@@ -115,7 +115,7 @@ def print_plan(console: Console, doc: dict) -> None:
         t.add_column(col, justify="right" if col not in ("codec", "bottleneck", "") else "left")
     for c in doc["candidates"]:
         mark = {"cheapest_meeting_floor": "<- cheapest", "fastest_under_budget": "<- fastest"}
-        note = ", ".join(mark[k] for (h, cd), k in picks.items() if (h, cd) == (c["H"], c["codec"]))
+        note = ", ".join(mark[k] for hc, k in picks if hc == (c["H"], c["codec"]))
         t.add_row(str(c["H"]), c["codec"], f"{c['round_s']:.3g}", f"{c['utilization']:.0%}",
                   f"{c['bytes_per_round'] / 1e6:.3g}", f"{c['bytes_to_end'] / 2**30:.3g}",
                   _money(c["egress_usd_per_hour"]), _money(c["egress_usd_per_run"]), c["bottleneck"] or "-", note)

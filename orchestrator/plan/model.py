@@ -146,6 +146,18 @@ def predict(setup: Setup, c: Candidate) -> Prediction:
         bottleneck=worst[1], sync_s=worst[2], unpriced_links=tuple(sorted(unpriced)))
 
 
+def round_times(setup: Setup, c: Candidate) -> list[float]:
+    """Predicted seconds of every round of the run, in order (a segment's outage in its first round)."""
+    n_rounds, _ = rounds_of(setup, c.H)
+    bounds = [s.start for s in setup.segments[1:]] + [n_rounds]
+    out: list[float] = []
+    for seg, end in zip(setup.segments, bounds):
+        k = max(0, min(end, n_rounds) - seg.start)
+        r = _round_of(setup, seg, c)[0]
+        out += [r + (seg.stall_s if i == 0 else 0.0) for i in range(k)]
+    return out
+
+
 def recommend(preds: Sequence[Prediction], *, utilization_floor: float,
               budget_usd_per_hour: float | None = None) -> dict[str, Prediction | None]:
     """The cheapest candidate (egress $ per step) whose utilisation meets the floor, ties to the
