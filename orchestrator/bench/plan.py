@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON document on stdout")
     p.add_argument("--out", help="folder for the run directories (default runs/bench-plan-<UTC time>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    p.add_argument("--rescore", metavar="DIR", help="no runs: measure DIR's finished runs (DIR/rows.jsonl) again and "
+                   "predict them with the current model (after a change to the model)")
     return p
 
 
@@ -90,7 +92,10 @@ def main(argv: Sequence[str]) -> int:
     from ..driver.recovery import RunFailed
 
     try:
-        doc = run_bench(out, rounds=5 if args.quick else 8, overrides=args.overrides, console=Console(stderr=True))
+        if args.rescore:
+            doc = rescore(Path(args.rescore), overrides=args.overrides)
+        else:
+            doc = run_bench(out, rounds=5 if args.quick else 8, overrides=args.overrides, console=Console(stderr=True))
     except (PlacementError, RunFailed) as exc:
         print(f"geofed bench plan: {exc} (run directories so far: {out})", file=sys.stderr)
         return 1
@@ -99,7 +104,7 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print_table(Console(width=None if sys.stdout.isatty() else 160), doc)
-        print(f"run directories: {out}")
+        print(f"run directories: {args.rescore or out}")
     return 0
 
 
@@ -142,6 +147,25 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
             ray.shutdown()
     doc = document(rows, probe_step_s=probe_step, floor=FLOOR, targets=TARGETS, rounds=rounds)
     (out / "bench.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The document of an earlier bench's runs, measured again and predicted by the current model."""
+    from ..plan.inputs import probe_task
+    from .plan_results import document, measure, predict_cell
+
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
+    rounds = len(rows[0]["round_s_per_round"]) + 1
+    new = []
+    for r in rows:
+        cfg = cell_config(r["matrix"], r["H"], r["codec"], rounds=rounds, overrides=overrides)
+        measured = measure(Path(r["run_dir"]))
+        new.append({"matrix": r["matrix"], "H": r["H"], "codec": r["codec"], "overlap": r["overlap"], **measured,
+                    **predict_cell(cfg, measured["step_s"])})
+    probe = probe_task(cell_config(*cells(rounds)[0], rounds=rounds, overrides=overrides)).step_s
+    doc = document(new, probe_step_s=probe, floor=FLOOR, targets=TARGETS, rounds=rounds)
+    (out / "bench-rescored.json").write_text(json.dumps(doc, indent=2))
     return doc
 
 

@@ -121,7 +121,7 @@ def predict(setup: Setup, c: Candidate) -> Prediction:
     """Round time, utilisation, bytes and dollars of candidate `c` over the whole run.
 
     The run is cut into segments where the link matrix changes; a segment's rounds all take its
-    round time, an outage adds its stall once. Round time, utilisation and the bottleneck are the
+    round time, an outage adds its stall once, and with overlap the last round drains its exchange. Round time, utilisation and the bottleneck are the
     run's averages (the bottleneck: the one of the segment that costs the most time).
     """
     n_rounds, steps = rounds_of(setup, c.H)
@@ -137,6 +137,7 @@ def predict(setup: Setup, c: Candidate) -> Prediction:
         usd = None if usd is None or seg_usd is None else usd + k * seg_usd
         if k * r > worst[0]:
             worst = (k * r, bottleneck, sync)
+    total_s += drain_s(setup, c)
     round_s = total_s / n_rounds
     per_round = c.wire_bytes * len(setup.out_links)
     return Prediction(
@@ -155,7 +156,19 @@ def round_times(setup: Setup, c: Candidate) -> list[float]:
         k = max(0, min(end, n_rounds) - seg.start)
         r = _round_of(setup, seg, c)[0]
         out += [r + (seg.stall_s if i == 0 else 0.0) for i in range(k)]
+    if setup.overlap and out:
+        out[-1] += drain_s(setup, c)
     return out
+
+
+def drain_s(setup: Setup, c: Candidate) -> float:
+    """With overlap the last round also waits for its own exchange (nothing left to hide it behind)."""
+    if not setup.overlap:
+        return 0.0
+    n_rounds, _ = rounds_of(setup, c.H)
+    last = [s for s in setup.segments if s.start < n_rounds][-1]
+    _, sync, _, _, _ = _round_of(setup, last, c)
+    return c.codec_s + sync
 
 
 def recommend(preds: Sequence[Prediction], *, utilization_floor: float,
