@@ -63,7 +63,10 @@ def cell_config(matrix: str, H: int, codec: str, *, rounds: int, overrides: Sequ
         "network": {"emulation": json.loads(json.dumps(emulation))},
         "sync": {"algorithm": "diloco", "topology": "full", "overlap": overlap, "policy": {"kind": "fixed", "H": H},
                  "inner": {"kind": "adamw", "lr": 0.001, "batch_size": 32},
-                 "outer": {"lr": 0.7, "momentum": 0.5, "nesterov": True}},
+                 "outer": {"lr": 0.7, "momentum": 0.5, "nesterov": True},
+                 # Every update must arrive, as the planner assumes: an adaptive deadline fit to the rounds
+                 # before a drop would cut the slow link's updates after it (shorter rounds, lost updates).
+                 "deadline": {"initial_s": 30.0, "min_s": 10.0, "max_s": 60.0}},
         "compression": {"codec": codec, "error_feedback": True},
         "ray": {"num_cpus": 4},
     }

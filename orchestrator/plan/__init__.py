@@ -69,6 +69,11 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
                                     sender=regions[0], in_peers=in_peers)
         preds += [predict(setup, Candidate(H=H, codec=spec.key, wire_bytes=wire, codec_s=codec_s)) for H in Hs]
     rec = recommend(preds, utilization_floor=utilization_floor, budget_usd_per_hour=budget_usd_per_hour)
+    late = [p for p in preds if p.sync_s > cfg.sync.deadline.min_s]
+    if late:
+        notes.append(f"{len(late)} candidate(s) need a sync longer than sync.deadline.min_s={cfg.sync.deadline.min_s:g} s "
+                     "(up to {:.3g} s): an adaptive deadline fit to faster rounds may drop those updates (shorter "
+                     "rounds, lost updates); raise min_s".format(max(p.sync_s for p in late)))
     return {
         "regions": regions, "step_time_s": step, "step_time_source": "given" if step_s is not None else "probe",
         "model_numel": facts.numel, "overlap": setup.overlap, "rounds": cfg.run.rounds, "max_steps": cfg.run.max_steps,

@@ -140,10 +140,11 @@ def least_fitting(costs: Sequence[float], budget: float) -> int:
 
 
 # Per-round time that neither compute nor the exchange explains and overlap cannot hide: the
-# driver's Ray calls (dispatch, collect), logging and the round's checkpoint. Measured on the
-# 2-core machine with `geofed bench plan` (docs/plan.md); a policy gets the measured value
+# driver's Ray calls (dispatch, collect), logging and the round's checkpoint. The median residual
+# of the 12 runs of a first `geofed bench plan` on the 2-core machine (0.01-0.04 s; docs/plan.md),
+# then checked on a second, fresh bench; a policy gets the measured value
 # (Measurements.round_overhead_s) once the run has one.
-DEFAULT_ROUND_OVERHEAD_S = 0.05
+DEFAULT_ROUND_OVERHEAD_S = 0.025
 
 
 def round_time(compute_s: float, sync_s: float, *, overlap: bool, codec_s: float = 0.0, overhead_s: float = 0.0) -> float:
