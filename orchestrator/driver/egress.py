@@ -25,14 +25,14 @@ def link_bytes_at_transport(transport_stats: dict[str, dict]) -> dict[str, int]:
 
 
 def add_egress(cfg: RunConfig, links: dict[str, dict], transport_stats: dict[str, dict]) -> dict[str, Any]:
-    """Put egress_bytes, usd_per_gb and egress_usd in every entry of summary.json's `links` (adding
-    links that carried only probes) and return the run's totals."""
+    """Put egress_bytes, usd_per_gb and egress_usd in every entry of summary.json's `links` and
+    return the run's totals; links that carried no update (only probes, say) go to
+    `egress.other_links`, so that `links` stays the links of the topology."""
     pricer = EgressPricer(cfg.network.egress)
     counted = link_bytes_at_transport(transport_stats)
-    for link in counted:
-        links.setdefault(link, {"bytes": 0, "transfers": 0})
+    other = {link: {"bytes": 0} for link in counted if link not in links}
     total, unpriced, sources = 0.0, [], {}
-    for link, entry in links.items():
+    for link, entry in [*links.items(), *other.items()]:
         src, dst = link.split("->", 1)
         nbytes = counted.get(link, entry.get("bytes", 0))  # no transport stats (a crash): the rounds' count
         price = pricer.price(src, dst)
@@ -47,4 +47,6 @@ def add_egress(cfg: RunConfig, links: dict[str, dict], transport_stats: dict[str
             sources[price.source] = {"url": price.url, "as_of": price.as_of}
     return {"egress_usd": round(total, 9),
             "egress": {"provider": cfg.network.egress.provider, "gb_bytes": GB, "unpriced_links": sorted(unpriced),
+                       "other_links": {k: {f: v[f] for f in ("egress_bytes", "usd_per_gb", "egress_usd")}
+                                       for k, v in other.items()},
                        "sources": sources, "counted": "bytes sent over geofed's gRPC links (updates, fetches, probes)"}}

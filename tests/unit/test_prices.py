@@ -82,5 +82,6 @@ def test_summary_egress_prices_the_transport_counts_per_directed_link():
              "ap-southeast-2": {"bytes_sent": {"us-east-1": GB}, "probe_bytes_sent": {}}}
     out = add_egress(cfg, links, stats)
     assert links["us-east-1->ap-southeast-2"]["egress_usd"] == pytest.approx(1.0)
-    assert links["ap-southeast-2->us-east-1"]["egress_usd"] == pytest.approx(0.098)  # a probe-only link is added
+    assert "ap-southeast-2->us-east-1" not in links                      # carried no update: priced apart
+    assert out["egress"]["other_links"]["ap-southeast-2->us-east-1"]["egress_usd"] == pytest.approx(0.098)
     assert out["egress_usd"] == pytest.approx(1.098) and out["egress"]["unpriced_links"] == []
