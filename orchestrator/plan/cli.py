@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
     p.add_argument("--regions", type=_csv, help="comma-separated regions (default: regions.names)")
     p.add_argument("--H", dest="Hs", type=lambda s: [int(x) for x in _csv(s)], metavar="H,H,...",
-                   help="candidate H values (default: 20,50,100,200,400,1000 and the config's)")
+                   help="candidate H values (default: 20,50,100,200,400,1000, the config's H and the policy's H_max)")
     p.add_argument("--codecs", type=lambda s: s.split(";") if ";" in s else _csv(s), metavar="C,C,...",
                    help="candidate codecs (default: the config's codec and ladder, fp16, int8, topk 1%%); "
                         "separate with ';' when a codec key holds commas")
