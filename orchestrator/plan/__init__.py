@@ -63,7 +63,8 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
                                overhead_s=overhead_s)
     in_peers = max(1, round(len(setup.out_links) / len(regions)))
     H_max = getattr(cfg.sync.policy, "H_max", None)  # an adaptive policy's ceiling is a candidate too
-    Hs = sorted(set(Hs or (*DEFAULT_H, config_H(cfg), *([H_max] if H_max and H_max <= 100_000 else [])))
+    extra = [H_max] if H_max and H_max <= 100_000 else []
+    Hs = sorted(set(Hs or (*DEFAULT_H, config_H(cfg), *extra)))
     preds = []
     for spec in candidate_codecs(cfg, codecs):
         wire, codec_s = codec_facts(spec, facts.shapes, chunk_bytes=cfg.network.chunk_kb * 1024,
