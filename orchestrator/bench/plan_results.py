@@ -73,7 +73,8 @@ def document(rows: list[dict[str, Any]], *, probe_step_s: float, floor: float, t
         "round_time_median_abs_err": statistics.median(rt), "round_time_worst_abs_err": max(rt),
         "utilization_worst_abs_err": max(abs(r["utilization_err"]) for r in rows),
         "bytes_worst_abs_err": max(abs(r["bytes_err"]) for r in rows),
-        "recommended_vs_best": max(v["ratio"] for v in rec.values()) if rec else None,
+        # Over the matrices where some run met the floor (the others have no best to compare with).
+        "recommended_vs_best": max((v["ratio"] for v in rec.values() if v["ratio"] is not None), default=None),
         "recommendation": rec, "utilization_floor": floor,
         "probe_step_s": probe_step_s, "probe_step_ratio": probe_step_s / statistics.median(r["step_s"] for r in rows),
         "targets": targets, "rows": rows,
@@ -83,14 +84,16 @@ def document(rows: list[dict[str, Any]], *, probe_step_s: float, floor: float, t
 def recommendation_check(rows: list[dict[str, Any]], floor: float) -> dict[str, dict[str, Any]]:
     """Per matrix: the configuration the planner's predictions pick (fastest predicted time per step
     among those predicted to meet the floor) against the best measured time per step among those
-    measured to meet it; ratio = recommended's measured s/step / best's."""
+    measured to meet it; ratio = recommended's measured s/step / best's. A matrix where no run met
+    the floor has no best (ratio None); a pick that did not meet it when run is said so."""
     out = {}
     for m in dict.fromkeys(r["matrix"] for r in rows):
         rs = [r for r in rows if r["matrix"] == m]
         ok_pred = [r for r in rs if r["pred_utilization"] >= floor] or rs
         pick = min(ok_pred, key=lambda r: r["pred_round_s"] / r["H"])
-        ok_meas = [r for r in rs if r["utilization"] >= floor] or rs
-        best = min(ok_meas, key=lambda r: r["round_s"] / r["H"])
-        out[m] = {"recommended": f"H={pick['H']} {pick['codec']}", "best": f"H={best['H']} {best['codec']}",
-                  "ratio": (pick["round_s"] / pick["H"]) / (best["round_s"] / best["H"])}
+        ok_meas = [r for r in rs if r["utilization"] >= floor]
+        best = min(ok_meas, key=lambda r: r["round_s"] / r["H"]) if ok_meas else None
+        out[m] = {"recommended": f"H={pick['H']} {pick['codec']}", "recommended_met_floor": pick["utilization"] >= floor,
+                  "best": None if best is None else f"H={best['H']} {best['codec']}",
+                  "ratio": None if best is None else (pick["round_s"] / pick["H"]) / (best["round_s"] / best["H"])}
     return out

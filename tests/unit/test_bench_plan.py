@@ -43,3 +43,13 @@ def test_document_errors_and_the_recommendation_ratio():
     assert doc["recommendation"]["m"]["recommended"] == "H=400 int8"
     assert doc["recommended_vs_best"] == pytest.approx(1.25)
     assert doc["probe_step_ratio"] == pytest.approx(0.5)
+    assert doc["recommendation"]["m"]["recommended_met_floor"]
+
+
+def test_a_matrix_where_no_run_met_the_floor_has_no_best():
+    rows = [_row("m", 20, 1.0, 1.0, 0.3, 0.6), _row("m", 400, 4.0, 4.0, 0.4, 0.4),
+            _row("n", 100, 1.0, 1.0, 0.9, 0.9)]
+    doc = document(rows, probe_step_s=0.01, floor=0.5, targets={}, rounds=8)
+    assert doc["recommendation"]["m"] == {"recommended": "H=20 int8", "recommended_met_floor": False, "best": None,
+                                          "ratio": None}
+    assert doc["recommended_vs_best"] == pytest.approx(1.0)   # from matrix n only
