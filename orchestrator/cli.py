@@ -23,6 +23,7 @@ BENCHES = {
     "hetero": ("geofed.orchestrator.bench.hetero", "barrier vs time-budget vs quorum rounds with a slow or flaky region"),
     "soak": ("geofed.orchestrator.bench.soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
     "privacy": ("geofed.orchestrator.bench.privacy", "plain vs record-level DP at epsilon 1, 4, 8 on digits (accuracy, epsilon)"),
+    "plan": ("geofed.orchestrator.bench.plan", "geofed plan's predicted vs measured round time, utilisation and bytes"),
 }
 
 
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a config without running it")
     val.add_argument("config", help="YAML run config")
     val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+
+    sub.add_parser("plan", help="predict round time, utilisation, bytes and egress $ per (H, codec) before a run",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
 
     sub.add_parser("config-docs", help="print the table of every config key (docs/CONFIG.md)")
 
@@ -114,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return data_main(argv[1:])
     try:
+        if argv[:1] == ["plan"]:  # its own parser too
+            from .plan.cli import main as plan_main
+
+            return plan_main(argv[1:])
         if len(argv) >= 2 and (argv[0], argv[1]) in _FORWARDED:
             # `geofed bench NAME ...` and `geofed net cleanup ...` parse their own options, -h included.
             return _forward(argv[0], argv[1], argv[2:])

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from geofed.compression import CodecSpec
 from geofed.p2p.wan.config import EmulationConfig
+from geofed.p2p.wan.prices import EgressConfig
 from geofed.regions.emulation import ComputeEmulation
 from geofed.regions.pacing import PacingSection
 from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_config_class
@@ -124,6 +125,8 @@ class NetworkSection:
         "and are not bandwidth samples)"))
     probe_max_mb: int = field(default=8, metadata=_doc("most a probe sends to one peer, MiB (at most 16; a warm-up and a measuring probe per peer)"))
     emulation: EmulationConfig = field(default_factory=EmulationConfig, metadata=_doc("WAN emulation of every link"))
+    egress: EgressConfig = field(default_factory=EgressConfig, metadata=_doc(
+        "egress prices of the links: summary.json's egress_usd, the report's cost, `geofed plan` (docs/plan.md)"))
 
     def __post_init__(self):
         if self.port_range is not None:

@@ -10,6 +10,7 @@ import torch
 from geofed.regions.tasks import make_task
 
 from ..config import RunConfig
+from .egress import add_egress
 from .emulation import configured_link
 from .linkrate import WINDOW_S, busiest, link_peak_to_mean
 from .rundir import read_jsonl
@@ -49,6 +50,7 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
     refusals = _refusals(metrics, refusals_since_last_round or {})
     links = _links(metrics, rounds, emulator)
     busiest_link, busiest_ratio = busiest(links)
+    egress = add_egress(cfg, links, transport_stats)
     return {
         "run": run_dir.name, "rounds": last_round + 1, "wall_s": round(wall_s, 3),
         "final_train_loss": sum(final_losses) / len(final_losses) if final_losses else None,
@@ -59,7 +61,7 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
         "probe_bytes_sent": sum(sum((s.get("probe_bytes_sent") or {}).values()) for s in transport_stats.values()),
         "compute_utilization": sum(util.values()) / len(util) if util else None,
         "utilization_per_region": util,
-        "links": links,
+        "links": links, **egress,
         "peak_to_mean": {"link": busiest_link, "ratio": busiest_ratio, "window_s": WINDOW_S},
         "H_history": [{"round": r["round"], "H": r["H"], "t": r["t_start"], "codecs": r.get("codecs", {})} for r in rounds],
         "placement": {reg: {k: info.get(k) for k in ("node_ip", "node_id", "labels", "pid", "host", "grpc_address",

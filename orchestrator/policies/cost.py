@@ -137,3 +137,24 @@ def least_fitting(costs: Sequence[float], budget: float) -> int:
         if c <= budget:
             return i
     return len(costs) - 1
+
+
+# Per-round time that neither compute nor the exchange explains and overlap cannot hide: the
+# driver's Ray calls (dispatch, collect), logging and the round's checkpoint. The median residual
+# of the 12 runs of a first `geofed bench plan` on the 2-core machine (0.01-0.04 s; docs/plan.md),
+# then checked on a second, fresh bench; a policy gets the measured value
+# (Measurements.round_overhead_s) once the run has one.
+DEFAULT_ROUND_OVERHEAD_S = 0.025
+
+
+def round_time(compute_s: float, sync_s: float, *, overlap: bool, codec_s: float = 0.0, overhead_s: float = 0.0) -> float:
+    """Predicted wall seconds of one round: ``H*step`` of compute, the exchange (encoding and decoding
+    ``codec_s`` plus the bottleneck link's ``sync_s``) and the control plane's ``overhead_s``.
+
+    Serial rounds pay all three; with overlap the exchange of round r runs during round r+1's
+    compute, so a round lasts the longer of the two, plus the overhead.
+    """
+    exchange = codec_s + sync_s
+    if overlap:
+        return max(compute_s, exchange) + overhead_s
+    return compute_s + exchange + overhead_s

@@ -82,6 +82,8 @@ def _tiles(run: Run) -> str:
         reached = target.get("reached") and num(target.get("time_to_target_s")) is not None
         tiles.append((f"time to {target.get('metric')} {target.get('value')}",
                       human_seconds(target["time_to_target_s"]) if reached else "not reached", not reached))
+    if num(run.summary.get("egress_usd")) is not None:
+        tiles.append(("egress cost", f"${num(run.summary.get('egress_usd')):.3g}", False))
     tiles.append(("compute utilisation", _num_cell(h.utilization, lambda v: f"{v:.0%}"), False))
     if failed:
         tiles.append(("region failures", str(failed), True))
@@ -138,9 +140,14 @@ def _links_table(run: Run) -> str:
                      _num_cell(num(v.get("bandwidth_mbps")), lambda x: f"{x:.3g}"),
                      _num_cell(num(v.get("configured_bandwidth_mbps")), lambda x: f"{x:.3g}"),
                      _num_cell(num(v.get("rtt_ms")), lambda x: f"{x:.3g}"),
-                     _num_cell(num(v.get("configured_rtt_ms")), lambda x: f"{x:.3g}")))
-    return table(["link", "bytes sent", "measured Mbit/s", "configured Mbit/s", "measured RTT ms", "configured RTT ms"],
-                 rows, numeric=[1, 2, 3, 4, 5])
+                     _num_cell(num(v.get("configured_rtt_ms")), lambda x: f"{x:.3g}"),
+                     _num_cell(num(v.get("usd_per_gb")), lambda x: f"{x:.3g}"),
+                     _num_cell(num(v.get("egress_usd")), lambda x: f"${x:.4g}")))
+    total = num(run.summary.get("egress_usd"))
+    if total is not None:
+        rows.append(("all links (egress, probes included)", "", "", "", "", "", "", f"${total:.4g}"))
+    return table(["link", "bytes sent", "measured Mbit/s", "configured Mbit/s", "measured RTT ms", "configured RTT ms",
+                  "$/GB", "egress $"], rows, numeric=[1, 2, 3, 4, 5, 6, 7])
 
 
 def _decisions_table(run: Run) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib
 
 from . import compare as cmp
-from . import plots, plots_links
+from . import plots, plots_cost, plots_links
 from .facts import default_target
 from .html import comparison_section, page, render_run
 from .load import Run, load_run
@@ -45,6 +45,7 @@ def compare_dir(run_dir: Path, others: Sequence[Path]) -> Path:
 def run_plots(run: Run, out_dir: Path) -> list[Plot]:
     """Draw every plot the run's data supports into `out_dir`; returns those drawn, in report order."""
     makers = [plots.plot_loss, plots.plot_eval, plots.plot_sync, plots.plot_bytes_matrix, plots.plot_bytes_cumulative,
+              plots_cost.plot_egress_cumulative,
               lambda r, o: plots_links.plot_link(r, o, "bandwidth"), lambda r, o: plots_links.plot_link(r, o, "rtt"),
               plots_links.plot_utilization, plots_links.plot_consensus]
     return [p for p in (make(run, out_dir) for make in makers) if p is not None]

@@ -1,0 +1,191 @@
+"""`geofed bench plan`: `geofed plan`'s predictions against measured emulated runs (issue 23).
+
+    geofed bench plan [--quick] [--json] [--out DIR] [--set KEY=VALUE]
+
+Twelve real `geofed run`s (Ray actors, mutual-TLS gRPC, the proxy WAN emulator) of the digits MLP
+over three regions: four link matrices (the AWS preset as measured, the preset scaled to 0.5%
+of its bandwidth, that with one pair 10x slower, that with a bandwidth drop halfway through the
+run), each with H in {20, 100, 400}, the codec rotating over fp16, int8 and top-k 1% so that every
+H meets every codec. Each run's predicted round time, utilisation and bytes per round come from
+the planner (orchestrator/plan) given the run's own measured step time, so the comparison tests
+the round and link model, not the step-time probe (whose error is reported on its own).
+docs/plan.md has the measured table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..config import config_from_mapping
+
+REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
+SCALE = 0.005   # 1 Gbit/s preset links run at 5 Mbit/s: bytes matter for a 38k-parameter model
+HS = (20, 100, 400)
+CODECS = ("fp16", "int8", "topk(fraction=0.01)")
+FLOOR = 0.5     # the utilisation floor of the recommendation check
+TARGETS = {"round_time_median_abs_err": 0.10, "round_time_worst_abs_err": 0.25, "bytes_worst_abs_err": 0.01,
+           "recommended_vs_best": 1.1}
+
+
+def matrices(rounds: int) -> dict[str, dict[str, Any]]:
+    """The four link matrices: network.emulation and sync.overlap of each."""
+    scaled = {"mode": "proxy", "preset": "aws", "bandwidth_scale": SCALE}
+    return {
+        "aws": ({"mode": "proxy", "preset": "aws"}, True),
+        "aws-scaled": (scaled, False),
+        "slow-link": ({**scaled, "links": {"us-east-1<->ap-northeast-1": {"bandwidth_mbps": 52.0}}}, True),
+        "drop": ({**scaled, "schedule": [{"link": "eu-west-1<->ap-northeast-1", "at_round": rounds // 2,
+                                          "set": {"bandwidth_mbps": 36.0}}]}, False),
+    }
+
+
+def cells(rounds: int) -> list[tuple[str, int, str]]:
+    """(matrix, H, codec) of every run: the codec of H index j in matrix i is CODECS[(i + j) % 3]."""
+    return [(m, H, CODECS[(i + j) % len(CODECS)]) for i, m in enumerate(matrices(rounds)) for j, H in enumerate(HS)]
+
+
+def cell_config(matrix: str, H: int, codec: str, *, rounds: int, overrides: Sequence[str] = ()):
+    """The RunConfig of one run."""
+    emulation, overlap = matrices(rounds)[matrix]
+    m = {
+        "run": {"name": "bench-plan", "rounds": rounds, "seed": 0, "checkpoint_every": 0, "report": False},
+        "task": {"kind": "mlp-digits", "hidden": 512, "partition": "iid"},
+        "regions": {"names": list(REGIONS), "num_cpus": 0.5},
+        "network": {"emulation": json.loads(json.dumps(emulation))},
+        "sync": {"algorithm": "diloco", "topology": "full", "overlap": overlap, "policy": {"kind": "fixed", "H": H},
+                 "inner": {"kind": "adamw", "lr": 0.001, "batch_size": 32},
+                 "outer": {"lr": 0.7, "momentum": 0.5, "nesterov": True},
+                 # Every update must arrive, as the planner assumes: an adaptive deadline fit to the rounds
+                 # before a drop would cut the slow link's updates after it (shorter rounds, lost updates).
+                 "deadline": {"initial_s": 30.0, "min_s": 10.0, "max_s": 60.0}},
+        "compression": {"codec": codec, "error_feedback": True},
+        "ray": {"num_cpus": 4},
+    }
+    return config_from_mapping(m, list(overrides), source=f"bench plan {matrix}/H{H}/{codec}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geofed bench plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="5 rounds per run instead of 8, said so in the output")
+    p.add_argument("--json", action="store_true", help="print the JSON document on stdout")
+    p.add_argument("--out", help="folder for the run directories (default runs/bench-plan-<UTC time>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    p.add_argument("--rescore", metavar="DIR", help="no runs: measure DIR's finished runs (DIR/rows.jsonl) again and "
+                   "predict them with the current model (after a change to the model)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """`geofed bench plan ARGS`; returns the exit code (1: a run failed)."""
+    try:
+        args = _parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    out = Path(args.out or f"runs/bench-plan-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
+    from ..driver.cluster import PlacementError
+    from ..driver.recovery import RunFailed
+
+    try:
+        if args.rescore:
+            doc = rescore(Path(args.rescore), overrides=args.overrides)
+        else:
+            doc = run_bench(out, rounds=5 if args.quick else 8, overrides=args.overrides, console=Console(stderr=True))
+    except (PlacementError, RunFailed) as exc:
+        print(f"geofed bench plan: {exc} (run directories so far: {out})", file=sys.stderr)
+        return 1
+    doc["quick"] = args.quick
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_table(Console(width=None if sys.stdout.isatty() else 160), doc)
+        print(f"run directories: {args.rescore or out}")
+    return 0
+
+
+def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console: Console | None = None) -> dict[str, Any]:
+    """Run every cell once on one shared Ray; returns the JSON document (also out/bench.json)."""
+    import ray
+
+    from ..plan.inputs import probe_task
+    from .hetero import _run
+    from .plan_results import document, measure, predict_cell
+
+    console = console or Console(stderr=True)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = cells(rounds)
+    configs = {c: cell_config(*c, rounds=rounds, overrides=overrides) for c in todo}
+    probe_step = probe_task(next(iter(configs.values()))).step_s
+    started = False
+    if not ray.is_initialized():
+        cfg = next(iter(configs.values()))
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
+        started = True
+    rows: list[dict[str, Any]] = []
+    console.rule(f"geofed bench plan: {len(todo)} runs of {rounds} rounds, 3 regions, digits MLP")
+    try:
+        for k, (matrix, H, codec) in enumerate(todo):
+            cfg = configs[(matrix, H, codec)]
+            run_dir = _run(cfg, out / matrix / f"H{H}-{codec.split('(')[0]}")
+            measured = measure(run_dir)
+            row = {"matrix": matrix, "H": H, "codec": cfg.compression.codec.key, "overlap": bool(cfg.sync.overlap),
+                   **measured, **predict_cell(cfg, measured["step_s"])}
+            rows.append(row)
+            with (out / "rows.jsonl").open("a") as f:  # a bench cut short keeps its rows
+                f.write(json.dumps(row) + "\n")
+            console.print(f"[{k + 1}/{len(todo)}] {matrix} H={H} {row['codec']}: round {row['round_s']:.3f} s "
+                          f"(predicted {row['pred_round_s']:.3f}), bytes/round {row['bytes_per_round']} "
+                          f"(predicted {row['pred_bytes_per_round']})")
+    finally:
+        if started:
+            ray.shutdown()
+    doc = document(rows, probe_step_s=probe_step, floor=FLOOR, targets=TARGETS, rounds=rounds)
+    (out / "bench.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The document of an earlier bench's runs, measured again and predicted by the current model."""
+    from ..plan.inputs import probe_task
+    from .plan_results import document, measure, predict_cell
+
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
+    rounds = len(rows[0]["round_s_per_round"]) + 1
+    new = []
+    for r in rows:
+        cfg = cell_config(r["matrix"], r["H"], r["codec"], rounds=rounds, overrides=overrides)
+        measured = measure(Path(r["run_dir"]))
+        new.append({"matrix": r["matrix"], "H": r["H"], "codec": r["codec"], "overlap": r["overlap"], **measured,
+                    **predict_cell(cfg, measured["step_s"])})
+    probe = probe_task(cell_config(*cells(rounds)[0], rounds=rounds, overrides=overrides)).step_s
+    doc = document(new, probe_step_s=probe, floor=FLOOR, targets=TARGETS, rounds=rounds)
+    (out / "bench-rescored.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def print_table(console: Console, doc: dict[str, Any]) -> None:
+    """Predicted against measured, per run, and the summary errors against their targets."""
+    t = Table(title=f"geofed bench plan ({doc['rounds']} rounds per run{', quick' if doc.get('quick') else ''})")
+    for col in ("matrix", "H", "codec", "round s", "predicted", "err", "util", "predicted", "bytes/round", "predicted"):
+        t.add_column(col, justify="left" if col in ("matrix", "codec") else "right")
+    for r in doc["rows"]:
+        t.add_row(r["matrix"], str(r["H"]), r["codec"], f"{r['round_s']:.3f}", f"{r['pred_round_s']:.3f}",
+                  f"{r['round_time_err']:+.0%}", f"{r['utilization']:.0%}", f"{r['pred_utilization']:.0%}",
+                  str(r["bytes_per_round"]), str(r["pred_bytes_per_round"]))
+    console.print(t)
+    for key, target in doc["targets"].items():
+        console.print(f"{key}: {'-' if doc[key] is None else f'{doc[key]:.3f}'} (target <= {target:g})")
+    for m, v in doc["recommendation"].items():
+        console.print(f"{m}: recommended {v['recommended']}{'' if v['recommended_met_floor'] else ' (missed the floor)'}, "
+                      f"best {v['best'] or 'none met the floor'}"
+                      + ("" if v["ratio"] is None else f", {v['ratio']:.2f}x"))
+    console.print(f"step-time probe vs the runs' median step: {doc['probe_step_ratio']:.2f}x")

@@ -1,0 +1,99 @@
+"""`geofed bench plan`'s measurements of one run, the planner's prediction of it, and the document."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..driver.rundir import read_jsonl
+
+
+def measure(run_dir: Path) -> dict[str, Any]:
+    """Round time, step time, utilisation and bytes per round of a finished run (round 0 left out:
+    with overlap it sends nothing yet, and it pays the first pushes' connection warm-up)."""
+    rounds = {r["round"]: r for r in read_jsonl(run_dir / "rounds.jsonl")}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    per: dict[int, list[dict]] = {}
+    for m in metrics:
+        per.setdefault(m["round"], []).append(m)
+    later = [r for r in sorted(rounds) if r >= 1 and r in per]
+    wall = [rounds[r]["t_end"] - rounds[r]["t_start"] for r in later]
+    # The policy's step time: the slowest region's, per round (the round waits for it).
+    step = [max(m["compute_s"] / max(1, m["steps"]) for m in per[r]) for r in later]
+    compute = [max(m["compute_s"] for m in per[r]) for r in later]
+    sent = [sum(m.get("bytes_sent", 0) for m in per[r]) for r in sorted(per)]
+    sent = [b for b in sent if b > 0]
+    return {"round_s": statistics.mean(wall), "round_s_per_round": [round(w, 4) for w in wall],
+            "step_s": statistics.median(step), "utilization": sum(compute) / sum(wall),
+            "bytes_per_round": int(statistics.median(sent)) if sent else 0,
+            "bytes_per_round_min": min(sent, default=0), "bytes_per_round_max": max(sent, default=0),
+            "run_dir": str(run_dir)}
+
+
+def predict_cell(cfg, step_s: float) -> dict[str, Any]:
+    """The planner's prediction of the rounds `measure` averages (1..end), given the measured step time."""
+    from geofed.p2p.wan.prices import EgressPricer
+
+    from ..plan import build_setup
+    from ..plan.inputs import codec_facts, probe_task
+    from ..plan.model import Candidate, predict, round_times
+
+    regions = list(cfg.regions.names)
+    pricer = EgressPricer(cfg.network.egress)
+    setup, _ = build_setup(cfg, regions=regions, step_s=step_s, links_path=None, pricer=pricer)
+    facts = probe_task(cfg, probe=False)
+    spec = cfg.compression.codec
+    wire, codec_s = codec_facts(spec, facts.shapes, chunk_bytes=cfg.network.chunk_kb * 1024, sender=regions[0],
+                                in_peers=len(regions) - 1)
+    c = Candidate(H=cfg.sync.policy.H, codec=spec.key, wire_bytes=wire, codec_s=codec_s)
+    p = predict(setup, c)
+    times = round_times(setup, c)[1:]
+    pred_round = statistics.mean(times)
+    return {"pred_round_s": pred_round, "pred_utilization": min(1.0, c.H * step_s / pred_round),
+            "pred_bytes_per_round": p.bytes_per_round, "pred_bottleneck": p.bottleneck, "pred_sync_s": p.sync_s,
+            "pred_codec_s": codec_s, "pred_egress_usd_per_hour": p.egress_usd_per_hour}
+
+
+def _err(measured: float, predicted: float) -> float:
+    return (predicted - measured) / measured if measured else 0.0
+
+
+def document(rows: list[dict[str, Any]], *, probe_step_s: float, floor: float, targets: dict[str, float],
+             rounds: int) -> dict[str, Any]:
+    """Errors per row and overall, and the recommendation check per matrix."""
+    for r in rows:
+        r["round_time_err"] = _err(r["round_s"], r["pred_round_s"])
+        r["utilization_err"] = r["pred_utilization"] - r["utilization"]
+        r["bytes_err"] = _err(r["bytes_per_round"], r["pred_bytes_per_round"])
+    rt = [abs(r["round_time_err"]) for r in rows]
+    rec = recommendation_check(rows, floor)
+    return {
+        "rounds": rounds, "configurations": len(rows),
+        "round_time_median_abs_err": statistics.median(rt), "round_time_worst_abs_err": max(rt),
+        "utilization_worst_abs_err": max(abs(r["utilization_err"]) for r in rows),
+        "bytes_worst_abs_err": max(abs(r["bytes_err"]) for r in rows),
+        # Over the matrices where some run met the floor (the others have no best to compare with).
+        "recommended_vs_best": max((v["ratio"] for v in rec.values() if v["ratio"] is not None), default=None),
+        "recommendation": rec, "utilization_floor": floor,
+        "probe_step_s": probe_step_s, "probe_step_ratio": probe_step_s / statistics.median(r["step_s"] for r in rows),
+        "targets": targets, "rows": rows,
+    }
+
+
+def recommendation_check(rows: list[dict[str, Any]], floor: float) -> dict[str, dict[str, Any]]:
+    """Per matrix: the configuration the planner's predictions pick (fastest predicted time per step
+    among those predicted to meet the floor) against the best measured time per step among those
+    measured to meet it; ratio = recommended's measured s/step / best's. A matrix where no run met
+    the floor has no best (ratio None); a pick that did not meet it when run is said so."""
+    out = {}
+    for m in dict.fromkeys(r["matrix"] for r in rows):
+        rs = [r for r in rows if r["matrix"] == m]
+        ok_pred = [r for r in rs if r["pred_utilization"] >= floor] or rs
+        pick = min(ok_pred, key=lambda r: r["pred_round_s"] / r["H"])
+        ok_meas = [r for r in rs if r["utilization"] >= floor]
+        best = min(ok_meas, key=lambda r: r["round_s"] / r["H"]) if ok_meas else None
+        out[m] = {"recommended": f"H={pick['H']} {pick['codec']}", "recommended_met_floor": pick["utilization"] >= floor,
+                  "best": None if best is None else f"H={best['H']} {best['codec']}",
+                  "ratio": None if best is None else (pick["round_s"] / pick["H"]) / (best["round_s"] / best["H"])}
+    return out

@@ -1,0 +1,41 @@
+"""Issue 23 on the real stack: the planner's prediction of a 2-region emulated run (Ray actors,
+mutual-TLS gRPC through the proxy WAN emulator) against the run, and the run's egress dollars."""
+
+from __future__ import annotations
+
+import pytest
+
+from geofed.orchestrator.bench.plan_results import measure, predict_cell
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.runner import Runner
+from geofed.p2p.wan.prices import GB
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(400), pytest.mark.slow]
+
+
+def test_plan_predicts_a_two_region_emulated_run_and_summary_prices_its_bytes(tmp_path):
+    # 20 Mbit/s, 100 ms RTT; fp16 of a 38k-parameter MLP is 77 KB: ~0.13 s of sync a round, serial.
+    cfg = config_from_mapping({
+        "run": {"name": "plan", "rounds": 6, "report": False, "checkpoint_every": 0},
+        "task": {"kind": "mlp-digits", "hidden": 512},
+        "regions": {"names": ["us-east-1", "ap-southeast-2"], "num_cpus": 0.5},
+        "network": {"emulation": {"mode": "proxy", "preset": None,
+                                  "default": {"latency_ms": 50, "bandwidth_mbps": 20, "jitter_ms": 0, "loss": 0}},
+                    "egress": {"usd_per_gb": {"us-east-1->ap-southeast-2": 0.5}}},
+        "sync": {"overlap": False, "policy": {"kind": "fixed", "H": 40}},
+        "compression": {"codec": "fp16"},
+    })
+    runner = Runner(cfg, tmp_path, show_progress=False)
+    try:
+        summary = runner.run()
+    finally:
+        runner.shutdown()
+    m = measure(tmp_path)
+    p = predict_cell(cfg, m["step_s"])
+    assert abs(p["pred_round_s"] - m["round_s"]) / m["round_s"] <= 0.25, (p, m)
+    assert abs(p["pred_bytes_per_round"] - m["bytes_per_round"]) / m["bytes_per_round"] <= 0.01, (p, m)
+    out, back = summary["links"]["us-east-1->ap-southeast-2"], summary["links"]["ap-southeast-2->us-east-1"]
+    assert out["usd_per_gb"] == 0.5 and back["usd_per_gb"] == 0.098          # override; AWS list price from Sydney
+    assert out["egress_usd"] == pytest.approx(out["egress_bytes"] / GB * 0.5)
+    assert out["egress_bytes"] >= out["bytes"] > 0                             # probes counted too
+    assert summary["egress_usd"] == pytest.approx(out["egress_usd"] + back["egress_usd"])

@@ -1,0 +1,55 @@
+"""`geofed bench plan`'s design (no runs): its cells, their configs, and the document's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from geofed.orchestrator.bench.plan import CODECS, HS, cell_config, cells, matrices
+from geofed.orchestrator.bench.plan_results import document, predict_cell
+
+
+def test_twelve_cells_every_H_meets_every_codec_and_every_config_loads():
+    cs = cells(8)
+    assert len(cs) == len(set(cs)) == 12 and len(matrices(8)) == 4
+    assert {(H, c) for _, H, c in cs} == {(H, c) for H in HS for c in CODECS}
+    for c in cs:
+        cfg = cell_config(*c, rounds=8)
+        assert cfg.sync.policy.H == c[1] and cfg.network.emulation.mode == "proxy"
+
+
+def test_the_slow_link_is_predicted_the_bottleneck_and_the_drop_slows_the_later_rounds():
+    slow = predict_cell(cell_config("slow-link", 100, "fp16", rounds=8), 0.003)
+    assert slow["pred_bottleneck"] in ("us-east-1->ap-northeast-1", "ap-northeast-1->us-east-1")
+    base = predict_cell(cell_config("aws-scaled", 100, "fp16", rounds=8), 0.003)
+    drop = predict_cell(cell_config("drop", 100, "fp16", rounds=8), 0.003)
+    assert drop["pred_round_s"] > base["pred_round_s"] * 1.5
+    assert drop["pred_bytes_per_round"] == base["pred_bytes_per_round"]
+
+
+def _row(matrix, H, round_s, pred_round_s, util, pred_util, b=1000, pb=1000):
+    return {"matrix": matrix, "H": H, "codec": "int8", "round_s": round_s, "pred_round_s": pred_round_s,
+            "utilization": util, "pred_utilization": pred_util, "bytes_per_round": b, "pred_bytes_per_round": pb,
+            "step_s": 0.01}
+
+
+def test_document_errors_and_the_recommendation_ratio():
+    rows = [_row("m", 20, 1.0, 1.1, 0.2, 0.2), _row("m", 100, 2.0, 1.8, 0.6, 0.7, 1000, 1005),
+            _row("m", 400, 10.0, 6.0, 0.55, 0.9)]
+    doc = document(rows, probe_step_s=0.005, floor=0.5, targets={}, rounds=8)
+    assert doc["round_time_median_abs_err"] == pytest.approx(0.1)
+    assert doc["round_time_worst_abs_err"] == pytest.approx(0.4)
+    assert doc["bytes_worst_abs_err"] == pytest.approx(0.005)
+    # predicted: H=400 fastest per step (15 ms); measured best above the floor: H=100 (20 ms) -> 25/20
+    assert doc["recommendation"]["m"]["recommended"] == "H=400 int8"
+    assert doc["recommended_vs_best"] == pytest.approx(1.25)
+    assert doc["probe_step_ratio"] == pytest.approx(0.5)
+    assert doc["recommendation"]["m"]["recommended_met_floor"]
+
+
+def test_a_matrix_where_no_run_met_the_floor_has_no_best():
+    rows = [_row("m", 20, 1.0, 1.0, 0.3, 0.6), _row("m", 400, 4.0, 4.0, 0.4, 0.4),
+            _row("n", 100, 1.0, 1.0, 0.9, 0.9)]
+    doc = document(rows, probe_step_s=0.01, floor=0.5, targets={}, rounds=8)
+    assert doc["recommendation"]["m"] == {"recommended": "H=20 int8", "recommended_met_floor": False, "best": None,
+                                          "ratio": None}
+    assert doc["recommended_vs_best"] == pytest.approx(1.0)   # from matrix n only

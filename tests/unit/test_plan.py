@@ -1,0 +1,129 @@
+"""The planner's arithmetic (pure) and `geofed plan` on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from geofed.orchestrator.cli import main
+from geofed.orchestrator.plan.model import Candidate, Link, Prediction, Segment, Setup, predict, recommend, round_times
+from geofed.orchestrator.policies import cost
+from geofed.orchestrator.policies.types import LinkEstimate
+from geofed.p2p.wan.prices import GB
+
+MBIT = 1e6
+
+
+def _links(bw_mbps: float, rtt_s: float, usd: float | None = 0.02) -> dict[str, Link]:
+    est = LinkEstimate(bandwidth_bps=bw_mbps * MBIT, rtt_s=rtt_s)
+    return {"a->b": Link(estimate=est, usd_per_gb=usd), "b->a": Link(estimate=est, usd_per_gb=usd)}
+
+
+def _setup(**kw) -> Setup:
+    base = dict(step_s=0.01, rounds=10, max_steps=0, overlap=False, out_links=["a->b", "b->a"],
+                segments=[Segment(start=0, links=_links(8.0, 0.1))], overhead_s=0.0)
+    return Setup(**{**base, **kw})
+
+
+def test_serial_round_is_compute_plus_rtt_plus_bytes_over_bandwidth():
+    # 1 MB at 8 Mbit/s = 1 s; RTT 0.1 s; H=100 x 10 ms = 1 s of compute.
+    p = predict(_setup(), Candidate(H=100, codec="x", wire_bytes=1_000_000, codec_s=0.05))
+    assert p.round_s == pytest.approx(1.0 + 0.1 + 1.0 + 0.05)
+    assert p.utilization == pytest.approx(1.0 / 2.15)
+    assert p.bytes_per_round == 2_000_000 and p.bytes_to_end == 20_000_000 and p.steps == 1000
+    assert p.egress_usd_per_run == pytest.approx(20_000_000 / GB * 0.02)
+    assert p.egress_usd_per_hour == pytest.approx(p.egress_usd_per_run / p.run_s * 3600)
+
+
+def test_overlap_hides_the_exchange_behind_compute_until_it_is_longer():
+    s = _setup(overlap=True, overhead_s=0.02)
+    hidden = predict(s, Candidate(H=200, codec="x", wire_bytes=1_000_000))   # 2 s compute > 1.1 s sync
+    exposed = predict(s, Candidate(H=50, codec="x", wire_bytes=1_000_000))   # 0.5 s compute < 1.1 s sync
+    # ... and the last of the 10 rounds drains its own exchange (1.1 s) with nothing to hide it.
+    assert hidden.round_s == pytest.approx(2.0 + 0.02 + 1.1 / 10) and exposed.round_s == pytest.approx(1.1 + 0.02 + 1.1 / 10)
+    assert round_times(s, Candidate(H=200, codec="x", wire_bytes=1_000_000))[-2:] == pytest.approx([2.02, 3.12])
+    assert hidden.bottleneck in ("a->b", "b->a")
+
+
+def test_the_slowest_link_is_the_bottleneck_and_an_unpriced_link_makes_dollars_unknown():
+    links = _links(8.0, 0.1)
+    links["b->a"] = Link(estimate=LinkEstimate(bandwidth_bps=0.8 * MBIT, rtt_s=0.1), usd_per_gb=None)
+    p = predict(_setup(segments=[Segment(start=0, links=links)]), Candidate(H=10, codec="x", wire_bytes=100_000))
+    assert p.bottleneck == "b->a" and p.sync_s == pytest.approx(0.1 + 1.0)
+    assert p.egress_usd_per_hour is None and p.unpriced_links == ("b->a",)
+
+
+def test_a_schedule_segment_and_max_steps_change_the_average_round():
+    s = _setup(rounds=10, max_steps=450, segments=[Segment(start=0, links=_links(8.0, 0.0)),
+                                                   Segment(start=3, links=_links(0.8, 0.0), stall_s=2.0)])
+    c = Candidate(H=100, codec="x", wire_bytes=1_000_000)
+    times = round_times(s, c)
+    assert len(times) == 5                             # 450 steps at H=100: 5 rounds, the last cut
+    assert times[:3] == pytest.approx([2.0] * 3) and times[3] == pytest.approx(1.0 + 10.0 + 2.0)
+    assert predict(s, c).round_s == pytest.approx(sum(times) / 5)
+
+
+def test_round_time_reuses_the_policies_cost_model():
+    assert cost.round_time(1.0, 0.5, overlap=True, codec_s=0.1, overhead_s=0.05) == pytest.approx(1.05)
+    assert cost.round_time(1.0, 0.5, overlap=False, codec_s=0.1, overhead_s=0.05) == pytest.approx(1.65)
+
+
+def _pred(H, codec, round_s, usd_run, util):
+    return Prediction(H=H, codec=codec, round_s=round_s, utilization=util, bytes_per_round=1, rounds=10, steps=10 * H,
+                      bytes_to_end=10, run_s=10 * round_s, egress_usd_per_hour=usd_run / (10 * round_s) * 3600,
+                      egress_usd_per_run=usd_run, bottleneck="a->b", sync_s=0.1)
+
+
+def test_recommend_cheapest_per_step_above_the_floor_and_fastest_under_the_budget():
+    preds = [_pred(20, "fp16", 1.0, 1.0, 0.5), _pred(100, "int8", 1.2, 0.5, 0.95), _pred(100, "topk", 1.1, 0.05, 0.96),
+             _pred(400, "fp16", 4.1, 1.0, 0.99)]
+    rec = recommend(preds, utilization_floor=0.9)
+    assert (rec["cheapest_meeting_floor"].H, rec["cheapest_meeting_floor"].codec) == (100, "topk")  # $0.05/1000 steps
+    high = recommend(preds, utilization_floor=0.97)["cheapest_meeting_floor"]
+    assert (high.H, high.codec) == (400, "fp16")
+    assert recommend(preds, utilization_floor=0.999)["cheapest_meeting_floor"] is None
+    fast = recommend(preds, utilization_floor=0.0, budget_usd_per_hour=100)["fastest_under_budget"]
+    assert (fast.H, fast.codec) == (400, "fp16")   # 10.25 ms/step at $87.8/hour
+    fast = recommend(preds, utilization_floor=0.0, budget_usd_per_hour=20)["fastest_under_budget"]
+    assert (fast.H, fast.codec) == (100, "topk")   # 11 ms/step at $16.4/hour
+
+
+def test_plan_cli_json_lists_candidates_with_the_issue_keys(capsys):
+    assert main(["plan", "configs/multi-region.yaml", "--H", "50,2000", "--codecs", "int8,fp16",
+                 "--step-time", "0.01", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["candidates"]) == 4 and doc["step_time_source"] == "given"
+    for c in doc["candidates"]:
+        assert {"round_s", "utilization", "bytes_per_round", "egress_usd_per_hour"} <= set(c)
+        assert c["egress_usd_per_hour"] > 0 and 0 < c["utilization"] <= 1
+    assert doc["recommended"]["cheapest_meeting_floor"] == {"H": 2000, "codec": "int8"}
+
+
+def test_plan_writes_a_config_that_loads(tmp_path, capsys):
+    out = tmp_path / "chosen.yaml"
+    assert main(["plan", "configs/multi-region.yaml", "--H", "2000", "--codecs", "int8", "--step-time", "0.01",
+                 "--write-config", str(out)]) == 0
+    assert main(["validate", str(out)]) == 0
+    assert "H=2000 codec int8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, key", [
+    ({"links": {"us-east-1->eu-west-1": {"bandwidth_mbps": "fast", "rtt_ms": 60}}}, "links.us-east-1->eu-west-1.bandwidth_mbps"),
+    ({"us-east-1->eu-west-1": {"bandwidth_mbps": 100}}, "us-east-1->eu-west-1.rtt_ms"),
+    ({"us-east-1->eu-west-1": {"bandwidth_mbps": 100, "rtt_ms": 60}}, "eu-west-1->us-east-1: missing"),
+])
+def test_a_malformed_links_file_is_exit_2_naming_the_key(tmp_path, capsys, content, key):
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps(content))
+    rc = main(["plan", "configs/multi-region.yaml", "--regions", "us-east-1,eu-west-1", "--step-time", "0.01",
+               "--links", str(path)])
+    assert rc == 2 and f"{path}: {key}" in capsys.readouterr().err
+
+
+def test_a_malformed_price_file_is_exit_2_naming_the_key(tmp_path, capsys):
+    path = tmp_path / "prices.yaml"
+    path.write_text("sources: {s: {url: 'https://x', as_of: '2024-01-01'}}\n"
+                    "aws: {regions: {us-east-1: na}, rules: [{from: na, to: any, usd_per_gb: -1, source: s}]}\n")
+    rc = main(["plan", "configs/multi-region.yaml", "--step-time", "0.01", "--prices", str(path)])
+    assert rc == 2 and f"{path}: aws.rules.0.usd_per_gb" in capsys.readouterr().err
