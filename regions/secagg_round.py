@@ -141,7 +141,7 @@ class SecAggRound:
             return self._alone(tensors, m, peers, why=f"cannot unmask: {exc}")
         mean = [d / len(survivors) for d in self._dequantize(total, scales, spans, own)]
         m.update(wait_s=round(time.monotonic() - t0, 6), secagg_survivors=len(survivors), secagg_dropped=dropped,
-                 secagg_levels=levels, secagg_refused=dict(self.refused))
+                 secagg_levels=levels, secagg_refused=dict(self.refused), secagg_signed=bool(self.pems))
         # Every survivor holds this same mean: the dropped are not "missing" for the resync.
         return [x.to(device=ref.device, dtype=ref.dtype) for x, ref in zip(mean, tensors)], m
 
