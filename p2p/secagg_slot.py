@@ -1,7 +1,8 @@
 """Secure aggregation's own message slots next to the update's (docs/privacy.md, "In the round").
 
 The mailbox keeps one message per (sender, round): the update. A secure-aggregation round needs
-three messages per link (the keys and shares, the masked update, the reveals), so they travel
+up to four per link (scales and keys, the masked update, the reveal, a recovery answer after a
+drop: regions/secagg_round.py), so they travel
 in a side mailbox: a push whose header round has the SIDE bit set is filed there, under the
 "side round" ``round * PHASES + phase`` (monotonic, so the side mailbox closes its rounds the way
 the main one does). The wire format is unchanged (the round is a uint64 in the push header), and
@@ -21,9 +22,8 @@ from .mailbox import Mailbox, Refusal, Ticket
 from .transport import Inbox, TransferStats, Transport
 
 SIDE = 1 << 62          # the header round's tag bit of a side message
-PHASES = 3              # side messages per round: keys+shares, masked update, reveal
-SETUP, MASKED, REVEAL = range(PHASES)
-SIDE_MAX_BYTES = 1 << 20  # a side message other than MASKED: adverts, shares, reveals (KBs)
+PHASES = 4              # side messages per round: scales (+ keys), masked update, reveal, recovery
+SETUP, MASKED, REVEAL, RECOVER = range(PHASES)
 
 
 def side_round(round: int, phase: int) -> int:

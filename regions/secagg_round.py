@@ -1,20 +1,27 @@
 """Secure aggregation in DiLoCo's round (``security.secure_aggregation``; docs/privacy.md).
 
-One round of region i, after its inner steps (every message goes over the run's transport, in
-secure aggregation's own side slots, p2p/secagg_slot.py; every wait has the round's deadline):
+Keys cross each link once per run (p2p/secagg_run.py). One round of region i, after its inner
+steps; every message goes over the run's transport in secure aggregation's own side slots
+(p2p/secagg_slot.py), and every wait has the round's deadline:
 
-1. SETUP to every peer: its signed key advert, the peer's Shamir shares, and the per-chunk
-   absmax of its update (4096-value chunks per tensor, int8's; public, as int8 sends its scales).
+1. SETUP to every peer: the per-chunk absmax of its update (4096-value chunks per tensor, as
+   int8 sends its scales in the clear), its signed key advert until that peer has filed it, and
+   the peers whose keys it lacks (a restarted region: they send theirs again next round).
 2. Every region quantises with the same scales (the largest absmax over the round's regions,
    over the levels that keep a sum of n from wrapping the ring), masks, and sends MASKED.
-3. The survivors are the regions whose masked update arrived by the deadline; REVEAL (shares of
-   the survivors' self seeds and of the dropped regions' keys) goes to every survivor.
-4. The sum of the survivors' updates is unmasked, dequantised and divided by their number: the
-   full topology's uniform mean, the same at every region whose survivors agree.
+3. The survivors are the regions whose masked update arrived by the deadline. REVEAL to every
+   survivor: the round's self key (only to a peer that acknowledged i's masked update), the
+   survivors i saw and the digest of its grid. A region whose survivors or grid differ from a
+   peer's does not unmask (its sum would not be theirs).
+4. A region that lost masked updates asks, by its survivor list, for the pair seeds of the lost
+   regions: RECOVER answers carry a survivor's own round seeds, and only for regions whose masked
+   update it lost too (whoever holds a masked update never gets the seeds that unmask it).
+5. The sum of the survivors' updates is unmasked, dequantised and divided by their number: the
+   full topology's uniform mean, the same at every survivor.
 
-A region that cannot unmask (too few keys or reveals, survivors that disagree) applies its own
-update alone and reports the peers it missed: the driver's resync makes one model again.
-Refused side messages are counted by SecAggError.reason under `secagg_refused`.
+A region that cannot unmask (no keys, a missing reveal or answer, survivors that disagree)
+applies its own update alone and reports every peer as missed: the driver's resync makes one
+model again. Refused side messages are counted by SecAggError.reason under `secagg_refused`.
 """
 
 from __future__ import annotations
@@ -29,13 +36,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from geofed.p2p import secagg_run as run
 from geofed.p2p import secmask
-from geofed.p2p.secagg import KeyBook, RoundContext, SecAggError, default_threshold
-from geofed.p2p.secagg_session import SecAggSession
-from geofed.p2p.secagg_slot import MASKED, REVEAL, SETUP, SideChannel
+from geofed.p2p.secagg import KeyBook, SecAggError
+from geofed.p2p.secagg_slot import MASKED, RECOVER, REVEAL, SETUP, SideChannel
+from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
 from geofed.p2p.transport import Transport, TransportError
 
 CHUNK = 4096  # values per shared scale (int8's chunk)
+
+
+class Fallback(Exception):
+    """This region cannot unmask the round (why): it applies its own update alone."""
 
 
 def _pack(*parts: bytes) -> bytes:
@@ -58,21 +70,24 @@ def _unpack(payload: bytes, count: int) -> list[bytes]:
 
 
 class SecAggRound:
-    """A region's secure-aggregation exchange, one `exchange` per DiLoCo round. `drop_mid_round`
-    (round -> bool) emulates a region that leaves after setting up the round's keys."""
+    """A region's secure-aggregation exchange, one `exchange` per DiLoCo round. `deadline` is the
+    region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after SETUP."""
 
-    def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str,
-                 threshold: int | None, bits: int, deadline_s, send_timeout_s: float, error_feedback: bool,
-                 max_message_bytes: int, drop_mid_round=lambda r: False):
-        self.region, self.regions = region, sorted(regions)
-        self.run_id, self.threshold, self.bits = run_id, threshold, bits
-        self.deadline_s, self.send_timeout_s = deadline_s, send_timeout_s
+    def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
+                 deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
+                 drop_mid_round=lambda r: False):
+        self.region, self.regions, self.run_id, self.bits = region, sorted(regions), run_id, bits
+        self.deadline, self.send_timeout_s = deadline, send_timeout_s
         self.error_feedback, self.drop_mid_round = error_feedback, drop_mid_round
         tls = getattr(transport, "tls", None)
-        self.pems = {} if tls is None else {"tls_key_pem": tls.key_pem, "cert_pem": tls.cert_pem, "ca_pem": tls.ca_pem}
+        self.tls_key = None if tls is None else tls.key_pem
+        self.cert, self.ca = (b"", None) if tls is None else (tls.cert_pem, tls.ca_pem)
         self.side = SideChannel(transport, max_message_bytes=max_message_bytes)
-        self.side.set_validator(self._admit)
+        self.side.set_validator(lambda sender, r, phase, payload: bytes(payload))  # checked in the round's thread
         self.book = KeyBook()
+        self.keys: run.RunKeys | None = None
+        self.publics: dict[str, bytes] = {}
+        self.advert_delivered: set[str] = set()  # peers that filed this region's advert
         self.residual: list[torch.Tensor] | None = None
         self.refused: Counter[str] = Counter()
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(regions)), thread_name_prefix="geofed-secagg")
@@ -80,109 +95,159 @@ class SecAggRound:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    @staticmethod
-    def _admit(sender: str, round_: int, phase: int, payload: memoryview) -> bytes:
-        """The side mailbox's validator: a copy of the bytes; the session checks them in the
-        round's thread (a peer may push round r's setup before this region has begun round r)."""
-        return bytes(payload)
-
     # ---- the round ---------------------------------------------------------------------
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], alive: Sequence[str] | None) -> tuple[list[torch.Tensor], dict]:
         """(the round's mean update, metrics with the exchange keys of regions/sync/common.py)."""
         members = sorted(alive) if alive is not None else list(self.regions)
         peers = [p for p in members if p != self.region]
         m: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "transfers": [], "peers_missing": [],
-                             "wait_s": 0.0, "send_failures": {}}
-        own = [t.detach().float().cpu() for t in tensors]
-        if self.residual is not None:
-            own = [o + r for o, r in zip(own, self.residual)]
-        if len(members) < 3 or self.region not in members:
-            # Nothing can be hidden with two regions: this round, the region keeps its own update.
-            return self._alone(tensors, m, peers, why=f"{len(members)} regions in the round (secure aggregation needs 3)")
-        n = len(members)
-        t = self.threshold or default_threshold(n)
-        ctx = RoundContext(run_id=self.run_id, round=round_, regions=tuple(members), threshold=max(2, min(t, n - 1)),
-                           bits=self.bits)
-        numel = sum(o.numel() for o in own)
-        session = SecAggSession(ctx, self.region, book=self.book, numel=numel, **self.pems)
-        for phase in (SETUP, MASKED, REVEAL):
-            self.side.expect(round_, phase, peers)
+                             "wait_s": 0.0, "send_failures": {}, "secagg_signed": self.ca is not None}
         t0 = time.monotonic()
-        absmax = np.concatenate([secmask.chunk_absmax(o.numpy(), CHUNK) for o in own])
-        setups = {p: _pack(session.advert_bytes(), session.bundle_bytes(p), absmax.astype("<f4").tobytes())
-                  for p in peers}
-        inbox = self._round_trip(round_, SETUP, setups, m)
-        peer_absmax = self._take_setups(session, inbox, absmax.size)
-        if set(peer_absmax) != set(peers):
-            return self._alone(tensors, m, peers, why="key setup incomplete", session_missing=sorted(set(peers) - set(peer_absmax)))
-        if self.drop_mid_round(round_):
-            m["secagg_dropped_self"] = True  # emulated: the region leaves with its keys dealt
-            return self._alone(tensors, m, peers, why="dropped mid-round (emulated)")
-        levels = secmask.levels_for(n, self.bits)
-        scales = secmask.shared_scales([absmax, *peer_absmax.values()], levels)
-        q, spans = self._quantize(own, scales, levels)
-        if self.error_feedback:
-            self.residual = [o - d for o, d in zip(own, self._dequantize(q, scales, spans, own))]
-        masked = session.masked_bytes(q)
-        inbox = self._round_trip(round_, MASKED, {p: masked for p in peers}, m)
-        survivors = {self.region}
-        for sender, payload in inbox.received.items():
-            if self._checked(session.on_masked, sender, payload):
-                survivors.add(sender)
-        dropped = sorted(set(members) - survivors)
-        reveal = session.reveal_bytes(survivors)
-        inbox = self._round_trip(round_, REVEAL, {p: reveal for p in sorted(survivors - {self.region})}, m)
-        for sender, payload in inbox.received.items():
-            self._checked(session.on_reveal, sender, payload)
         try:
-            total = session.total()
-        except SecAggError as exc:
-            self.refused[exc.reason] += 1
-            return self._alone(tensors, m, peers, why=f"cannot unmask: {exc}")
-        mean = [d / len(survivors) for d in self._dequantize(total, scales, spans, own)]
-        m.update(wait_s=round(time.monotonic() - t0, 6), secagg_survivors=len(survivors), secagg_dropped=dropped,
-                 secagg_levels=levels, secagg_refused=dict(self.refused), secagg_signed=bool(self.pems))
+            if len(members) < 3 or self.region not in members:
+                # Nothing can be hidden with two regions: this round, the region keeps its own update.
+                raise Fallback(f"{len(members)} regions in the round (secure aggregation needs 3)")
+            mean, survivors = self._round(round_, tensors, members, peers, m)
+        except Fallback as why:
+            m.update(peers_missing=peers, secagg_failed=str(why), secagg_refused=dict(self.refused))
+            return [t.detach().clone() for t in tensors], m
+        m.update(wait_s=round(time.monotonic() - t0, 6), secagg_survivors=len(survivors),
+                 secagg_dropped=sorted(set(members) - survivors), secagg_refused=dict(self.refused))
         # Every survivor holds this same mean: the dropped are not "missing" for the resync.
         return [x.to(device=ref.device, dtype=ref.dtype) for x, ref in zip(mean, tensors)], m
 
-    def _alone(self, tensors, m: dict, peers: list[str], *, why: str, **extra) -> tuple[list[torch.Tensor], dict]:
-        m.update(peers_missing=peers, secagg_failed=why, secagg_refused=dict(self.refused), **extra)
-        return [t.detach().clone() for t in tensors], m
+    def _round(self, round_: int, tensors, members: list[str], peers: list[str], m: dict):
+        if self.keys is None:
+            self.keys = run.RunKeys.generate(run_id=self.run_id, region=self.region, round=round_,
+                                             tls_key_pem=self.tls_key)
+        own = [t.detach().float().cpu() for t in tensors]
+        if self.residual is not None:
+            own = [o + r for o, r in zip(own, self.residual)]
+        for phase in (SETUP, MASKED):
+            self.side.expect(round_, phase, peers)
+        absmax = np.concatenate([secmask.chunk_absmax(o.numpy(), CHUNK) for o in own])
+        advert = encode_advert(self.keys.advert, self.cert)
+        need = ",".join(sorted(p for p in peers if p not in self.publics)).encode()  # keys this region lacks
+        setups = {p: _pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
+                  for p in peers}
+        with_advert = {p for p in peers if p not in self.advert_delivered}
+        inbox, acked = self._round_trip(round_, SETUP, setups, m)
+        self.advert_delivered |= acked
+        peer_absmax = self._take_setups(inbox, members, absmax.size, with_advert)
+        if set(peer_absmax) != set(peers) or not set(peers) <= set(self.publics):
+            raise Fallback(f"no scales or key from {sorted(set(peers) - (set(peer_absmax) & set(self.publics)))}")
+        if self.drop_mid_round(round_):
+            m["secagg_dropped_self"] = True  # emulated: the region leaves with its scales and keys sent
+            raise Fallback("dropped mid-round (emulated)")
+        n = len(members)
+        levels = secmask.levels_for(n, self.bits)
+        scales = secmask.shared_scales([absmax, *(peer_absmax[p] for p in peers)], levels)
+        q, spans = self._quantize(own, scales, levels)
+        if self.error_feedback:
+            self.residual = [o - d for o, d in zip(own, self._dequantize(q, scales, spans, own))]
+        mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
+        payload = encode_masked(mine)
+        inbox, ackers = self._round_trip(round_, MASKED, {p: payload for p in peers}, m)
+        if inbox.missing:  # as the Exchanger does: a miss widens the deadline, a complete round teaches it
+            self.deadline.observe_miss()
+        else:
+            self.deadline.observe(inbox.waited_s)
+        masked = {self.region: mine}
+        for sender, raw in inbox.received.items():
+            try:
+                masked[sender] = decode_masked(raw, numel=mine.size, bits=self.bits)
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+        m["secagg_levels"] = levels
+        survivors = frozenset(masked)
+        total = self._unmask(round_, members, survivors, masked, ackers, run.digest(scales), m)
+        mean = [d / len(survivors) for d in self._dequantize(total, scales, spans, own)]
+        return mean, survivors
 
-    def _checked(self, fn, sender: str, payload: bytes) -> bool:
-        try:
-            fn(sender, payload)
-            return True
-        except SecAggError as exc:
-            self.refused[exc.reason] += 1
-            return False
+    def _unmask(self, round_: int, members, survivors: frozenset[str], masked, ackers: set[str], grid: bytes, m):
+        """Steps 3-5 of the module docstring: the exact integer sum of the survivors' updates."""
+        others = sorted(survivors - {self.region})
+        dropped = sorted(set(members) - survivors)
+        self.side.expect(round_, REVEAL, others)
+        if dropped:
+            self.side.expect(round_, RECOVER, others)
+        reveals = {p: run.encode_reveal(self.run_id, round_, self.region, survivors=survivors, grid=grid,
+                                        self_key=self.keys.self_key(round_) if p in ackers else b"")
+                   for p in others}
+        inbox, _ = self._round_trip(round_, REVEAL, reveals, m)
+        self_keys = {self.region: self.keys.self_key(round_)}
+        answers = {}
+        for sender, raw in sorted(inbox.received.items()):
+            try:
+                run_id, r, region, key, theirs, their_grid = run.decode_reveal(raw)
+                if (run_id, r, region) != (self.run_id, round_, sender):
+                    raise SecAggError("wrong_round", f"a reveal of {region!r} for round {r} pushed by {sender!r}")
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+                continue
+            if theirs != survivors or their_grid != grid:
+                raise Fallback(f"{sender} saw survivors {sorted(theirs)} (or another grid); this region saw {sorted(survivors)}")
+            if key:
+                self_keys[sender] = key
+            lost = set(members) - theirs
+            if lost:  # it asks for the pair seeds of the regions it lost; answer for those this region lost too
+                answers[sender] = run.encode_recover(self.run_id, round_, self.region, {
+                    d: self.keys.pair_seed(d, self.publics[d], round_) for d in lost if d not in survivors})
+        if set(self_keys) != survivors:
+            raise Fallback(f"no self key from {sorted(survivors - set(self_keys))}")
+        seeds = {(self.region, d): self.keys.pair_seed(d, self.publics[d], round_) for d in dropped}
+        if answers or dropped:
+            inbox, _ = self._round_trip(round_, RECOVER, answers, m, receive=bool(dropped))
+            for sender, raw in sorted((inbox.received if inbox is not None else {}).items()):
+                try:
+                    run_id, r, region, theirs = run.decode_recover(raw)
+                    if (run_id, r, region) != (self.run_id, round_, sender):
+                        raise SecAggError("wrong_round", f"a recovery answer of {region!r} pushed by {sender!r}")
+                except SecAggError as exc:
+                    self.refused[exc.reason] += 1
+                    continue
+                seeds.update({(sender, d): seed for d, seed in theirs.items() if d in dropped})
+        missing = [(s, d) for s in survivors for d in dropped if (s, d) not in seeds]
+        if missing:
+            raise Fallback(f"no pair seeds for {sorted(missing)}")
+        return run.unmask_total(masked, self_keys=self_keys, dropped_seeds=seeds, bits=self.bits)
 
-    def _take_setups(self, session: SecAggSession, inbox, nchunks: int) -> dict[str, np.ndarray]:
-        """Adverts and bundles into the session; each peer's absmax (refused setups left out)."""
+    def _take_setups(self, inbox, members: list[str], nchunks: int, with_advert: set[str]) -> dict[str, np.ndarray]:
+        """Each peer's absmax, and its advert when it sent one (refused setups left out). A peer
+        that lacks this region's key and was not sent it this round gets it next round."""
         out = {}
         for sender, payload in sorted(inbox.received.items()):
             try:
-                advert, bundle, raw = _unpack(payload, 3)
+                raw, advert, need = _unpack(payload, 3)
+                if self.region in need.decode("ascii", "replace").split(",") and sender not in with_advert:
+                    self.advert_delivered.discard(sender)  # it lost our key (a restart): send it again
                 if len(raw) != 4 * nchunks:
                     raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
                 am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
                 if not np.all(np.isfinite(am)) or np.any(am < 0):
                     raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
-                session.on_advert(sender, advert)
-                session.on_bundle(sender, bundle)
+                if advert:
+                    adv, cert = decode_advert(advert)
+                    run.verify_run_advert(adv, sender=sender, run_id=self.run_id, regions=members, book=self.book,
+                                          cert_pem=cert, ca_pem=self.ca)
+                    if self.publics.get(sender) not in (None, adv.public_key):
+                        self.advert_delivered.discard(sender)  # it has new keys (a restart): it needs ours again
+                    self.publics[sender] = adv.public_key
             except SecAggError as exc:
                 self.refused[exc.reason] += 1
                 continue
             out[sender] = am
         return out
 
-    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict):
-        """Push each peer its payload, wait for the peers' (the deadline), count the traffic."""
+    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True):
+        """Push each peer its payload, wait for the peers' (the deadline), count the traffic; returns
+        (the inbox, the peers that acknowledged)."""
         futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
                    for p, b in payloads.items()}
-        deadline = self.deadline_s()
-        inbox = self.side.receive(round_, phase, deadline)
+        deadline = self.deadline.current()
+        inbox = self.side.receive(round_, phase, deadline) if receive else None
         wait(list(futures.values()), timeout=max(1.0, deadline))
+        acked = set()
         for peer, fut in futures.items():
             if not fut.done():
                 m["send_failures"][peer] = f"secagg phase {phase} still in flight after the deadline"
@@ -192,15 +257,16 @@ class SecAggRound:
             except TransportError as exc:
                 m["send_failures"][peer] = str(exc)
                 continue
+            acked.add(peer)
             m["bytes_sent"] += stats.bytes
             if phase == MASKED:
                 m["transfers"].append({"peer": peer, "direction": "send", "bytes": stats.bytes,
                                        "seconds": round(stats.seconds, 6), "concurrent": len(futures)})
-        for sender, (nbytes, seconds) in inbox.timings.items():
+        for sender, (nbytes, seconds) in (inbox.timings if inbox is not None else {}).items():
             m["bytes_received"] += nbytes
             if phase == MASKED:
                 m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
-        return inbox
+        return inbox, acked
 
     # ---- the shared-scale quantiser over a list of tensors -------------------------------
     @staticmethod
@@ -237,7 +303,7 @@ def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadlin
     emulation, names = cfg.regions.emulation, list(cfg.regions.names)
     mid_round = emulation.active and emulation.availability.mid_round
     return SecAggRound(region=region, regions=names, transport=transport, run_id=f"{cfg.run.name}/{run_dir.name}",
-                       threshold=sec.secagg_threshold, bits=sec.secagg_bits, deadline_s=deadline.current,
+                       bits=sec.secagg_bits, deadline=deadline,
                        send_timeout_s=cfg.sync.deadline.max_s, error_feedback=cfg.compression.error_feedback,
                        max_message_bytes=max_message_bytes,
                        drop_mid_round=lambda r: mid_round and region in absent_regions(emulation, r, names))

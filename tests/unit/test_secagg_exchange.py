@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p.secagg_slot import MASKED, SETUP, SIDE, side_round
 from geofed.regions.secagg_round import CHUNK, SecAggRound
@@ -25,8 +26,9 @@ def _cluster(regions=REGIONS, *, bits=32, drop=frozenset(), deadline=2.0, error_
         t.start()
     for t in ts.values():
         t.connect({p: f"inmem:{p}" for p in regions})
-    rounds = {r: SecAggRound(region=r, regions=regions, transport=ts[r], run_id="test", threshold=None, bits=bits,
-                             deadline_s=lambda: deadline, send_timeout_s=5.0, error_feedback=error_feedback,
+    rounds = {r: SecAggRound(region=r, regions=regions, transport=ts[r], run_id="test", bits=bits,
+                             deadline=AdaptiveDeadline(deadline, 0.5, deadline, 3.0), send_timeout_s=5.0,
+                             error_feedback=error_feedback,
                              max_message_bytes=1 << 24, drop_mid_round=lambda rnd, r=r: r in drop)
               for r in regions}
     return ts, rounds
@@ -159,18 +161,25 @@ def test_side_pushes_are_refused_by_a_region_without_secure_aggregation():
     assert b.stats()["refused"]["bad_header"] == 1
 
 
-def test_a_replayed_setup_is_refused_and_counted():
+def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted():
     ts, rounds = _cluster(deadline=1.0)
     captured = {}
     side = ts["b"].mailbox.side
-    inner = side._validator
-    side.set_validator(lambda s, r, p: captured.setdefault((s, r), bytes(p)) and inner(s, r, p))
+    side.set_validator(lambda s, r, p: captured.setdefault((s, r), bytes(p)))
     _run(rounds, _updates(REGIONS), round_=0)
-    # a (compromised) replays its round-0 setup to b as its round-1 setup and sits the round out
-    old = captured[("a", side_round(0, SETUP))]
-    ts["a"].send("b", SIDE | side_round(1, SETUP), old, timeout_s=1.0)
-    rest = {r: rounds[r] for r in ("b", "c", "d")}
-    out = _run(rest, _updates(REGIONS, seed=1), round_=1, alive=REGIONS)
+    # a restarts: new keys, no peer keys; it falls back once and the others drop it from round 1
+    rounds["a"] = SecAggRound(region="a", regions=REGIONS, transport=ts["a"], run_id="test", bits=32,
+                              deadline=AdaptiveDeadline(1.0, 0.5, 1.0, 3.0), send_timeout_s=5.0,
+                              error_feedback=False, max_message_bytes=1 << 24)
+    out = _run(rounds, _updates(REGIONS, seed=1), round_=1)
+    assert out["a"][1].get("secagg_failed", "").startswith("no scales or key"), out["a"][1]
+    assert out["b"][1]["secagg_dropped"] == ["a"] and out["b"][1]["secagg_survivors"] == 3
+    # round 2: the others send a their keys again (it said it lacks them); all four sum
+    out = _run(rounds, _updates(REGIONS, seed=2), round_=2)
+    assert all(o[1].get("secagg_survivors") == 4 for o in out.values()), {r: o[1] for r, o in out.items()}
+    # round 3: a's round-0 setup (its old key) replayed to b in a's slot, a sitting the round out
+    ts["a"].send("b", SIDE | side_round(3, SETUP), captured[("a", side_round(0, SETUP))], timeout_s=1.0)
+    out = _run({r: rounds[r] for r in ("b", "c", "d")}, _updates(REGIONS, seed=3), round_=3, alive=REGIONS)
     m = out["b"][1]
     assert m["secagg_refused"].get("replayed_key", 0) == 1, m
     assert "secagg_failed" in m and m["peers_missing"] == ["a", "c", "d"]
