@@ -13,7 +13,8 @@ import torch
 
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.p2p.secagg_slot import MASKED, SETUP, SIDE, side_round
+from geofed.p2p.secagg_slot import MASKED, RECOVER, SETUP, SIDE, side_round
+from geofed.p2p.transport import TransportError
 from geofed.regions.secagg_round import CHUNK, SecAggRound
 
 REGIONS = ["a", "b", "c", "d"]
@@ -183,5 +184,31 @@ def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted
     m = out["b"][1]
     assert m["secagg_refused"].get("replayed_key", 0) == 1, m
     assert "secagg_failed" in m and m["peers_missing"] == ["a", "c", "d"]
+    for t in ts.values():
+        t.close()
+
+
+def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
+    """d's masked update reaches a and c but not b: the survivor lists differ, so no region
+    applies a sum and no pair seed of d is revealed (a and c hold d's update and its self key;
+    they never answer b's request for d's seeds)."""
+    ts, rounds = _cluster(deadline=1.0)
+    send = rounds["d"].side.send
+
+    def lossy(peer, round_, phase, payload, **kw):
+        if peer == "b" and phase == MASKED:
+            raise TransportError("emulated loss of d's masked update to b", peer=peer, reason="unavailable")
+        return send(peer, round_, phase, payload, **kw)
+
+    rounds["d"].side.send = lossy
+    seen = []
+    for r in REGIONS:
+        side = ts[r].mailbox.side
+        side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % 4)) or bytes(p))
+    out = _run(rounds, _updates(REGIONS))
+    for r in REGIONS:
+        # b never saw d survive; a, c and d wait for b's reveal past their deadline or see its list
+        assert "secagg_failed" in out[r][1] and out[r][1]["peers_missing"], (r, out[r][1])
+    assert not [x for x in seen if x[2] == RECOVER]  # nobody answered with pair seeds
     for t in ts.values():
         t.close()
