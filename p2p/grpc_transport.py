@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from .mailbox import Mailbox
 from .proto import gossip_pb2, gossip_pb2_grpc
 from .service import CALLER_LIMITS, MAX_CHUNK_BYTES, MAX_PROBE_BYTES, PROBE_METHOD, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
 from .tls import TlsMaterial
+from .secagg_slot import SlotMailbox
 from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
 
 __all__ = ["GrpcTransport"]
@@ -90,7 +90,7 @@ class GrpcTransport(Transport):
         self.chunk_bytes = chunk_bytes
         self.max_workers = max_workers
         self.max_state_bytes = max_state_bytes or max_message_bytes
-        self.mailbox = Mailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
+        self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
                                max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
         self._servicer = GossipServicer(region, self.mailbox, tls=tls is not None, max_rpc_s=max_rpc_s,
                                         state_provider=lambda: self._state_provider)

@@ -14,7 +14,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 
-from .mailbox import Mailbox, Refusal
+from .mailbox import Refusal
+from .secagg_slot import SlotMailbox
 from .transport import Inbox, TransferStats, Transport, TransportError, Validator
 
 __all__ = ["InMemoryHub", "InMemoryTransport"]
@@ -72,7 +73,7 @@ class InMemoryTransport(Transport):
         self.region = region
         self.hub = hub
         self.chunk_bytes = chunk_bytes
-        self.mailbox = Mailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
+        self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
                                max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
         self._peers: dict[str, str] = {}
         self._state_provider: Callable[[], bytes] | None = None

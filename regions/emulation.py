@@ -50,6 +50,9 @@ class AvailabilityConfig:
     seed: int = field(default=0, metadata=_doc("seed of the absence draws (the same seed gives the same absences)"))
     keep_one: bool = field(default=True, metadata=_doc(
         "never make every region absent in one round: the region first in regions.names stays"))
+    mid_round: bool = field(default=False, metadata=_doc(
+        "absent regions leave mid-round instead of sitting the round out: they train and deal the round's "
+        "secure-aggregation keys, then send nothing more (needs security.secure_aggregation; docs/privacy.md)"))
 
     def __post_init__(self):
         if not 0.0 <= self.absent_p < 1.0:

@@ -30,6 +30,7 @@ from .exchange import Exchanger
 from .limits import wire_limits
 from .privacy.dp import noise_generator
 from .rollback import RoundGuard
+from .secagg_round import make_secagg
 from .stepper import LocalSteps
 from .worker_state import RegionState
 from .tasks import make_task
@@ -125,6 +126,8 @@ class RegionWorker(LocalSteps, RegionState):
                                    deadline=AdaptiveDeadline(d.initial_s, d.min_s, d.max_s, d.k),
                                    send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
         self.exchanger.observe_own = self.admission.observe_own
+        self.secagg = make_secagg(cfg, region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
+                                  max_message_bytes=self.limits.max_message_bytes)
         self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
         self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
         self.completed_round = -1
@@ -139,7 +142,7 @@ class RegionWorker(LocalSteps, RegionState):
         return SyncContext(region=self.region, index=self.index, params=self.params, shapes=self.shapes,
                            settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
-                           evaluate=self.evaluate_params)
+                           evaluate=self.evaluate_params, secagg=self.secagg)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
@@ -164,6 +167,8 @@ class RegionWorker(LocalSteps, RegionState):
     def close(self) -> None:
         """Stop the algorithm's background work, the send pool and the transport, in that order."""
         self.algorithm.close()
+        if self.secagg is not None:
+            self.secagg.close()
         self.exchanger.close()
         self.transport.close()
 

@@ -67,6 +67,9 @@ def check_privacy_rules(cfg: Any) -> None:
         _check_secure_aggregation(cfg)
     elif sec.secagg_threshold is not None:
         raise ValueError("security.secagg_threshold: only means something with security.secure_aggregation: true")
+    elif cfg.regions.emulation.availability.mid_round:
+        raise ValueError("regions.emulation.availability.mid_round: a mid-round drop is emulated by secure "
+                         "aggregation's exchange only; set security.secure_aggregation: true or drop the key")
     if dp.mode == "record" and getattr(cfg.task, "kind", "") in _NOT_PER_EXAMPLE:
         raise ValueError(f"privacy.dp.mode: record-level DP clips per example, and {cfg.task.kind}'s examples share "
                          "a graph (one node's features reach its neighbours' gradients); use mode update")
@@ -101,6 +104,12 @@ def _check_secure_aggregation(cfg: Any) -> None:
     if not cfg.security.tls:
         raise ValueError("security.secure_aggregation: needs security.tls: the round keys are signed by the regions' "
                          "TLS identities; without them anyone on the path can swap a key")
+    if cfg.sync.overlap:
+        raise ValueError(f"sync.overlap: {cfg.sync.overlap} is not supported with security.secure_aggregation (its "
+                         "three-message exchange runs in the round; use overlap: false)")
+    if cfg.sync.pacing.mode == "quorum":
+        raise ValueError("sync.pacing.mode: quorum closes a round without the slowest region, whose masked update "
+                         "then never cancels; security.secure_aggregation needs barrier or time-budget")
     if cfg.security.robust_aggregation in ("trimmed-mean", "median"):
         raise ValueError(f"security.robust_aggregation: {cfg.security.robust_aggregation} needs each peer's update, "
                          "which security.secure_aggregation hides; use clip (it acts on the unmasked sum) or none")

@@ -49,6 +49,10 @@ class PacedRounds:
         """This round's regions (alive, not absent, not busy), and the absent ones."""
         emulation = self.cfg.regions.emulation
         absent = absent_regions(emulation, r, self.regions) & set(self.alive) if emulation.active else set()
+        if absent and emulation.availability.mid_round:
+            # They take part and leave mid-round by themselves (regions/secagg_round.py).
+            self._event("drop_mid_round", regions=sorted(absent))
+            absent = set()
         if absent:
             self.pacing_stats["absent_region_rounds"] += len(absent)
             self._behind |= absent

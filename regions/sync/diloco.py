@@ -89,7 +89,12 @@ class DilocoSync:
         if plan.dp_mode == "update" and plan.dp_noise is not None:
             sent = self._dp_noised(plan, sent, metrics)
         t0 = time.monotonic()
-        if not self.overlap:
+        if ctx.secagg is not None:  # the config refuses overlap with it
+            mixed, secagg_metrics = ctx.secagg.exchange(plan.round, sent, plan.alive)
+            self._outer_step(mixed)
+            self._load_global()
+            metrics.update(secagg_metrics)
+        elif not self.overlap:
             res = ctx.exchange(plan, sent)
             mixed = ctx.mix(plan, sent, res)
             if res.stale:

@@ -58,6 +58,9 @@ class SyncContext:
     fetch_state: Callable[..., bytes]               # (peer, *, timeout_s) -> that peer's state bytes
     # evaluate(params, *, restore_rng) -> metric dict, on a scratch copy of the model.
     evaluate: Callable[..., dict[str, Any]]
+    # security.secure_aggregation: the region's regions/secagg_round.py SecAggRound (None: off);
+    # DiLoCo then exchanges through it instead of `exchange` and `mix`.
+    secagg: Any = None
 
 
 class SyncAlgorithm(Protocol):

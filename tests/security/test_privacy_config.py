@@ -66,6 +66,22 @@ def test_secure_aggregation_needs_tls_and_refuses_per_peer_robust_mixes():
     assert _load(SECAGG, "security.secagg_threshold=3", "security.secagg_bits=8").security.secagg_threshold == 3
 
 
+@pytest.mark.parametrize("override, key", [
+    ("sync.overlap=true", "sync.overlap"),
+    ("sync.overlap=eager", "sync.overlap"),
+    ("sync.pacing.mode=quorum", "sync.pacing.mode"),
+])
+def test_secure_aggregation_refuses_overlap_and_quorum_rounds(override, key):
+    err = _refused(SECAGG, override)
+    assert err.key == key and "security.secure_aggregation" in err.message
+
+
+def test_a_mid_round_drop_needs_secure_aggregation():
+    drop = "regions: {emulation: {availability: {mid_round: true, absent_p: 0.1}}}\n"
+    assert _refused(BASE + drop).key == "regions.emulation.availability.mid_round"
+    assert _load(SECAGG + drop).regions.emulation.availability.mid_round
+
+
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_topk_with_secure_aggregation_exits_2_naming_both_keys(tmp_path, monkeypatch, capsys, command):
     path = tmp_path / "bad.yaml"

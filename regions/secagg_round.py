@@ -1,0 +1,309 @@
+"""Secure aggregation in DiLoCo's round (``security.secure_aggregation``; docs/privacy.md).
+
+Keys cross each link once per run (p2p/secagg_run.py). One round of region i, after its inner
+steps; every message goes over the run's transport in secure aggregation's own side slots
+(p2p/secagg_slot.py), and every wait has the round's deadline:
+
+1. SETUP to every peer: the per-chunk absmax of its update (4096-value chunks per tensor, as
+   int8 sends its scales in the clear), its signed key advert until that peer has filed it, and
+   the peers whose keys it lacks (a restarted region: they send theirs again next round).
+2. Every region quantises with the same scales (the largest absmax over the round's regions,
+   over the levels that keep a sum of n from wrapping the ring), masks, and sends MASKED.
+3. The survivors are the regions whose masked update arrived by the deadline. REVEAL to every
+   survivor: the round's self key (only to a peer that acknowledged i's masked update), the
+   survivors i saw and the digest of its grid. A region whose survivors or grid differ from a
+   peer's does not unmask (its sum would not be theirs).
+4. A region that lost masked updates asks, by its survivor list, for the pair seeds of the lost
+   regions: RECOVER answers carry a survivor's own round seeds, and only for regions whose masked
+   update it lost too (whoever holds a masked update never gets the seeds that unmask it).
+5. The sum of the survivors' updates is unmasked, dequantised and divided by their number: the
+   full topology's uniform mean, the same at every survivor.
+
+A region that cannot unmask (no keys, a missing reveal or answer, survivors that disagree)
+applies its own update alone and reports every peer as missed: the driver's resync makes one
+model again. Refused side messages are counted by SecAggError.reason under `secagg_refused`.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+import torch
+
+from geofed.p2p import secagg_run as run
+from geofed.p2p import secmask
+from geofed.p2p.secagg import KeyBook, SecAggError
+from geofed.p2p.secagg_slot import MASKED, RECOVER, REVEAL, SETUP, SideChannel
+from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
+from geofed.p2p.transport import Transport, TransportError
+
+CHUNK = 4096  # values per shared scale (int8's chunk)
+
+
+class Fallback(Exception):
+    """This region cannot unmask the round (why): it applies its own update alone."""
+
+
+def _pack(*parts: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def _unpack(payload: bytes, count: int) -> list[bytes]:
+    out, pos = [], 0
+    for _ in range(count):
+        if pos + 4 > len(payload):
+            raise SecAggError("malformed", "a setup message ends inside a length")
+        (n,) = struct.unpack_from("<I", payload, pos)
+        if pos + 4 + n > len(payload):
+            raise SecAggError("malformed", "a setup message ends inside a part")
+        out.append(payload[pos + 4:pos + 4 + n])
+        pos += 4 + n
+    if pos != len(payload):
+        raise SecAggError("malformed", f"{len(payload) - pos} bytes after a setup message")
+    return out
+
+
+class SecAggRound:
+    """A region's secure-aggregation exchange, one `exchange` per DiLoCo round. `deadline` is the
+    region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after SETUP."""
+
+    def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
+                 deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
+                 drop_mid_round=lambda r: False):
+        self.region, self.regions, self.run_id, self.bits = region, sorted(regions), run_id, bits
+        self.deadline, self.send_timeout_s = deadline, send_timeout_s
+        self.error_feedback, self.drop_mid_round = error_feedback, drop_mid_round
+        tls = getattr(transport, "tls", None)
+        self.tls_key = None if tls is None else tls.key_pem
+        self.cert, self.ca = (b"", None) if tls is None else (tls.cert_pem, tls.ca_pem)
+        self.side = SideChannel(transport, max_message_bytes=max_message_bytes)
+        self.side.set_validator(lambda sender, r, phase, payload: bytes(payload))  # checked in the round's thread
+        self.book = KeyBook()
+        self.keys: run.RunKeys | None = None
+        self.publics: dict[str, bytes] = {}
+        self.advert_delivered: set[str] = set()  # peers that filed this region's advert
+        self.residual: list[torch.Tensor] | None = None
+        self.refused: Counter[str] = Counter()
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(regions)), thread_name_prefix="geofed-secagg")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the round ---------------------------------------------------------------------
+    def exchange(self, round_: int, tensors: Sequence[torch.Tensor], alive: Sequence[str] | None) -> tuple[list[torch.Tensor], dict]:
+        """(the round's mean update, metrics with the exchange keys of regions/sync/common.py)."""
+        members = sorted(alive) if alive is not None else list(self.regions)
+        peers = [p for p in members if p != self.region]
+        m: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "transfers": [], "peers_missing": [],
+                             "wait_s": 0.0, "send_failures": {}, "secagg_signed": self.ca is not None}
+        t0 = time.monotonic()
+        try:
+            if len(members) < 3 or self.region not in members:
+                # Nothing can be hidden with two regions: this round, the region keeps its own update.
+                raise Fallback(f"{len(members)} regions in the round (secure aggregation needs 3)")
+            mean, survivors = self._round(round_, tensors, members, peers, m)
+        except Fallback as why:
+            m.update(peers_missing=peers, secagg_failed=str(why), secagg_refused=dict(self.refused))
+            return [t.detach().clone() for t in tensors], m
+        m.update(wait_s=round(time.monotonic() - t0, 6), secagg_survivors=len(survivors),
+                 secagg_dropped=sorted(set(members) - survivors), secagg_refused=dict(self.refused))
+        # Every survivor holds this same mean: the dropped are not "missing" for the resync.
+        return [x.to(device=ref.device, dtype=ref.dtype) for x, ref in zip(mean, tensors)], m
+
+    def _round(self, round_: int, tensors, members: list[str], peers: list[str], m: dict):
+        if self.keys is None:
+            self.keys = run.RunKeys.generate(run_id=self.run_id, region=self.region, round=round_,
+                                             tls_key_pem=self.tls_key)
+        own = [t.detach().float().cpu() for t in tensors]
+        if self.residual is not None:
+            own = [o + r for o, r in zip(own, self.residual)]
+        for phase in (SETUP, MASKED):
+            self.side.expect(round_, phase, peers)
+        absmax = np.concatenate([secmask.chunk_absmax(o.numpy(), CHUNK) for o in own])
+        advert = encode_advert(self.keys.advert, self.cert)
+        need = ",".join(sorted(p for p in peers if p not in self.publics)).encode()  # keys this region lacks
+        setups = {p: _pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
+                  for p in peers}
+        with_advert = {p for p in peers if p not in self.advert_delivered}
+        inbox, acked = self._round_trip(round_, SETUP, setups, m)
+        self.advert_delivered |= acked
+        peer_absmax = self._take_setups(inbox, members, absmax.size, with_advert)
+        if set(peer_absmax) != set(peers) or not set(peers) <= set(self.publics):
+            raise Fallback(f"no scales or key from {sorted(set(peers) - (set(peer_absmax) & set(self.publics)))}")
+        if self.drop_mid_round(round_):
+            m["secagg_dropped_self"] = True  # emulated: the region leaves with its scales and keys sent
+            raise Fallback("dropped mid-round (emulated)")
+        n = len(members)
+        levels = secmask.levels_for(n, self.bits)
+        scales = secmask.shared_scales([absmax, *(peer_absmax[p] for p in peers)], levels)
+        q, spans = self._quantize(own, scales, levels)
+        if self.error_feedback:
+            self.residual = [o - d for o, d in zip(own, self._dequantize(q, scales, spans, own))]
+        mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
+        payload = encode_masked(mine)
+        inbox, ackers = self._round_trip(round_, MASKED, {p: payload for p in peers}, m)
+        if inbox.missing:  # as the Exchanger does: a miss widens the deadline, a complete round teaches it
+            self.deadline.observe_miss()
+        else:
+            self.deadline.observe(inbox.waited_s)
+        masked = {self.region: mine}
+        for sender, raw in inbox.received.items():
+            try:
+                masked[sender] = decode_masked(raw, numel=mine.size, bits=self.bits)
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+        m["secagg_levels"] = levels
+        survivors = frozenset(masked)
+        total = self._unmask(round_, members, survivors, masked, ackers, run.digest(scales), m)
+        mean = [d / len(survivors) for d in self._dequantize(total, scales, spans, own)]
+        return mean, survivors
+
+    def _unmask(self, round_: int, members, survivors: frozenset[str], masked, ackers: set[str], grid: bytes, m):
+        """Steps 3-5 of the module docstring: the exact integer sum of the survivors' updates."""
+        others = sorted(survivors - {self.region})
+        dropped = sorted(set(members) - survivors)
+        self.side.expect(round_, REVEAL, others)
+        if dropped:
+            self.side.expect(round_, RECOVER, others)
+        reveals = {p: run.encode_reveal(self.run_id, round_, self.region, survivors=survivors, grid=grid,
+                                        self_key=self.keys.self_key(round_) if p in ackers else b"")
+                   for p in others}
+        inbox, _ = self._round_trip(round_, REVEAL, reveals, m)
+        self_keys = {self.region: self.keys.self_key(round_)}
+        answers = {}
+        for sender, raw in sorted(inbox.received.items()):
+            try:
+                run_id, r, region, key, theirs, their_grid = run.decode_reveal(raw)
+                if (run_id, r, region) != (self.run_id, round_, sender):
+                    raise SecAggError("wrong_round", f"a reveal of {region!r} for round {r} pushed by {sender!r}")
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+                continue
+            if theirs != survivors or their_grid != grid:
+                raise Fallback(f"{sender} saw survivors {sorted(theirs)} (or another grid); this region saw {sorted(survivors)}")
+            if key:
+                self_keys[sender] = key
+            lost = set(members) - theirs
+            if lost:  # it asks for the pair seeds of the regions it lost; answer for those this region lost too
+                answers[sender] = run.encode_recover(self.run_id, round_, self.region, {
+                    d: self.keys.pair_seed(d, self.publics[d], round_) for d in lost if d not in survivors})
+        if set(self_keys) != survivors:
+            raise Fallback(f"no self key from {sorted(survivors - set(self_keys))}")
+        seeds = {(self.region, d): self.keys.pair_seed(d, self.publics[d], round_) for d in dropped}
+        if answers or dropped:
+            inbox, _ = self._round_trip(round_, RECOVER, answers, m, receive=bool(dropped))
+            for sender, raw in sorted((inbox.received if inbox is not None else {}).items()):
+                try:
+                    run_id, r, region, theirs = run.decode_recover(raw)
+                    if (run_id, r, region) != (self.run_id, round_, sender):
+                        raise SecAggError("wrong_round", f"a recovery answer of {region!r} pushed by {sender!r}")
+                except SecAggError as exc:
+                    self.refused[exc.reason] += 1
+                    continue
+                seeds.update({(sender, d): seed for d, seed in theirs.items() if d in dropped})
+        missing = [(s, d) for s in survivors for d in dropped if (s, d) not in seeds]
+        if missing:
+            raise Fallback(f"no pair seeds for {sorted(missing)}")
+        return run.unmask_total(masked, self_keys=self_keys, dropped_seeds=seeds, bits=self.bits)
+
+    def _take_setups(self, inbox, members: list[str], nchunks: int, with_advert: set[str]) -> dict[str, np.ndarray]:
+        """Each peer's absmax, and its advert when it sent one (refused setups left out). A peer
+        that lacks this region's key and was not sent it this round gets it next round."""
+        out = {}
+        for sender, payload in sorted(inbox.received.items()):
+            try:
+                raw, advert, need = _unpack(payload, 3)
+                if self.region in need.decode("ascii", "replace").split(",") and sender not in with_advert:
+                    self.advert_delivered.discard(sender)  # it lost our key (a restart): send it again
+                if len(raw) != 4 * nchunks:
+                    raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
+                am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+                if not np.all(np.isfinite(am)) or np.any(am < 0):
+                    raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
+                if advert:
+                    adv, cert = decode_advert(advert)
+                    run.verify_run_advert(adv, sender=sender, run_id=self.run_id, regions=members, book=self.book,
+                                          cert_pem=cert, ca_pem=self.ca)
+                    if self.publics.get(sender) not in (None, adv.public_key):
+                        self.advert_delivered.discard(sender)  # it has new keys (a restart): it needs ours again
+                    self.publics[sender] = adv.public_key
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+                continue
+            out[sender] = am
+        return out
+
+    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True):
+        """Push each peer its payload, wait for the peers' (the deadline), count the traffic; returns
+        (the inbox, the peers that acknowledged)."""
+        futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
+                   for p, b in payloads.items()}
+        deadline = self.deadline.current()
+        inbox = self.side.receive(round_, phase, deadline) if receive else None
+        wait(list(futures.values()), timeout=max(1.0, deadline))
+        acked = set()
+        for peer, fut in futures.items():
+            if not fut.done():
+                m["send_failures"][peer] = f"secagg phase {phase} still in flight after the deadline"
+                continue
+            try:
+                stats = fut.result()
+            except TransportError as exc:
+                m["send_failures"][peer] = str(exc)
+                continue
+            acked.add(peer)
+            m["bytes_sent"] += stats.bytes
+            if phase == MASKED:
+                m["transfers"].append({"peer": peer, "direction": "send", "bytes": stats.bytes,
+                                       "seconds": round(stats.seconds, 6), "concurrent": len(futures)})
+        for sender, (nbytes, seconds) in (inbox.timings if inbox is not None else {}).items():
+            m["bytes_received"] += nbytes
+            if phase == MASKED:
+                m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
+        return inbox, acked
+
+    # ---- the shared-scale quantiser over a list of tensors -------------------------------
+    @staticmethod
+    def _quantize(own: list[torch.Tensor], scales: np.ndarray, levels: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """One int64 vector of every tensor's values (each tensor chunked on its own) and, per
+        tensor, its slice of `scales`."""
+        parts, spans, c0 = [], [], 0
+        for o in own:
+            nch = -(-o.numel() // CHUNK)
+            spans.append((c0, c0 + nch))
+            parts.append(secmask.quantize(o.numpy(), scales[c0:c0 + nch], chunk=CHUNK, levels=levels))
+            c0 += nch
+        return np.concatenate(parts), spans
+
+    @staticmethod
+    def _dequantize(q: np.ndarray, scales: np.ndarray, spans, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, pos = [], 0
+        for (c0, c1), ref in zip(spans, like):
+            vals = secmask.dequantize(q[pos:pos + ref.numel()], scales[c0:c1], chunk=CHUNK)
+            out.append(torch.from_numpy(vals).reshape(ref.shape))
+            pos += ref.numel()
+        return out
+
+
+def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadline,
+                max_message_bytes: int) -> SecAggRound | None:
+    """The region's SecAggRound when security.secure_aggregation is on (None otherwise). Absent
+    regions of regions.emulation.availability with `mid_round` leave mid-round instead."""
+    sec = cfg.security
+    if not sec.secure_aggregation:
+        return None
+    from .emulation import absent_regions
+
+    emulation, names = cfg.regions.emulation, list(cfg.regions.names)
+    mid_round = emulation.active and emulation.availability.mid_round
+    return SecAggRound(region=region, regions=names, transport=transport, run_id=f"{cfg.run.name}/{run_dir.name}",
+                       bits=sec.secagg_bits, deadline=deadline,
+                       send_timeout_s=cfg.sync.deadline.max_s, error_feedback=cfg.compression.error_feedback,
+                       max_message_bytes=max_message_bytes,
+                       drop_mid_round=lambda r: mid_round and region in absent_regions(emulation, r, names))

@@ -1,0 +1,214 @@
+"""Secure aggregation in the round (regions/secagg_round.py) over the in-memory transport: the
+mean is the plain int8-grid mean up to quantisation, a region never holds a peer's unmasked
+update, a region that leaves mid-round does not stall or corrupt the others' round, and
+secure aggregation's side slots are separate from the update's."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from geofed.p2p.deadline import AdaptiveDeadline
+from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+from geofed.p2p.secagg_slot import MASKED, RECOVER, SETUP, SIDE, side_round
+from geofed.p2p.transport import TransportError
+from geofed.regions.secagg_round import CHUNK, SecAggRound
+
+REGIONS = ["a", "b", "c", "d"]
+
+
+def _cluster(regions=REGIONS, *, bits=32, drop=frozenset(), deadline=2.0, error_feedback=False):
+    hub = InMemoryHub()
+    ts = {r: InMemoryTransport(r, hub) for r in regions}
+    for t in ts.values():
+        t.start()
+    for t in ts.values():
+        t.connect({p: f"inmem:{p}" for p in regions})
+    rounds = {r: SecAggRound(region=r, regions=regions, transport=ts[r], run_id="test", bits=bits,
+                             deadline=AdaptiveDeadline(deadline, 0.5, deadline, 3.0), send_timeout_s=5.0,
+                             error_feedback=error_feedback,
+                             max_message_bytes=1 << 24, drop_mid_round=lambda rnd, r=r: r in drop)
+              for r in regions}
+    return ts, rounds
+
+
+def _updates(regions, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {r: [torch.randn(50, 100, generator=g) * (i + 1), torch.randn(7, generator=g)]
+            for i, r in enumerate(regions)}
+
+
+def _run(rounds, updates, round_=0, alive=None):
+    out, errors = {}, []
+
+    def one(r):
+        try:
+            out[r] = rounds[r].exchange(round_, updates[r], alive)
+        except Exception as exc:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in rounds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
+def _grid_mean(updates, members, levels, scaled_by=None):
+    """The plain mean of `members` on the shared int8-style grid (scales from `scaled_by`, default
+    the members): what the secure sum is exact to."""
+    out = []
+    for k in range(len(next(iter(updates.values())))):
+        xs = [updates[r][k].flatten().numpy() for r in members]
+        pad = (-xs[0].size) % CHUNK
+        amax = np.max([np.pad(np.abs(updates[r][k].flatten().numpy()), (0, pad)).reshape(-1, CHUNK).max(axis=1)
+                       for r in (scaled_by or members)], axis=0)
+        scale = np.repeat(amax / levels, CHUNK)[: xs[0].size]
+        q = sum(np.clip(np.rint(x / scale), -levels, levels) for x in xs)
+        out.append(torch.from_numpy((q * scale / len(members)).astype(np.float32)).reshape(updates[members[0]][k].shape))
+    return out
+
+
+def test_the_round_mean_is_the_plain_grid_mean_and_close_to_the_float_mean():
+    ts, rounds = _cluster()
+    updates = _updates(REGIONS)
+    out = _run(rounds, updates)
+    want = _grid_mean(updates, REGIONS, levels=127)
+    for r in REGIONS:
+        mean, m = out[r]
+        assert m["secagg_survivors"] == 4 and m["secagg_dropped"] == [] and "secagg_failed" not in m
+        for got, exp in zip(mean, want):
+            torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
+        # ... and within half a quantisation step of the float mean
+        step = float(max(updates[x][0].abs().max() for x in REGIONS)) / 127
+        assert float((mean[0] - sum(updates[x][0] for x in REGIONS) / 4).abs().max()) <= step / 2 + 1e-6
+    for r in REGIONS:
+        assert out[r][1]["bytes_sent"] > 0
+    for t in ts.values():
+        t.close()
+
+
+def test_a_region_never_holds_a_peers_unmasked_update():
+    """What arrives at a region in the MASKED slot is uniform-looking ring data, not the peer's
+    quantised values (checked by capturing the side mailbox's filed payloads)."""
+    ts, rounds = _cluster()
+    captured: dict[tuple[str, int], bytes] = {}
+    side = ts["a"].mailbox.side
+    inner = side._validator
+
+    def capture(sender, r, payload):
+        captured[(sender, r)] = bytes(payload)
+        return inner(sender, r, payload)
+
+    side.set_validator(capture)
+    updates = _updates(REGIONS)
+    _run(rounds, updates)
+    for peer in ("b", "c", "d"):
+        raw = np.frombuffer(captured[(peer, side_round(0, MASKED))][-4 * 5007:], dtype="<u4").astype(np.int64)
+        raw[raw >= 1 << 31] -= 1 << 32
+        # quantised values lie in [-127, 127]; masked ones are spread over the whole ring
+        assert np.mean(np.abs(raw) <= 127) < 0.01
+        assert np.abs(raw).mean() > 1e8
+    for t in ts.values():
+        t.close()
+
+
+def test_a_region_leaving_mid_round_leaves_the_others_the_exact_sum_of_the_survivors():
+    ts, rounds = _cluster(drop={"c"}, deadline=1.0)
+    updates = _updates(REGIONS)
+    out = _run(rounds, updates)
+    survivors = ["a", "b", "d"]
+    # the scales were agreed over all four (c dealt its keys and absmax before leaving)
+    want = _grid_mean(updates, survivors, levels=127, scaled_by=REGIONS)
+    for r in survivors:
+        mean, m = out[r]
+        assert m["secagg_survivors"] == 3 and m["secagg_dropped"] == ["c"], m
+        assert m["peers_missing"] == []
+        for got, exp in zip(mean, want):
+            torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
+    assert out["c"][1]["peers_missing"] == ["a", "b", "d"] and out["c"][1]["secagg_dropped_self"]
+    torch.testing.assert_close(out["c"][0][0], updates["c"][0])
+    for t in ts.values():
+        t.close()
+
+
+def test_two_rounds_in_a_row_and_8_bit_rings_keep_the_sum():
+    ts, rounds = _cluster(bits=8)
+    for rnd in range(2):
+        updates = _updates(REGIONS, seed=rnd)
+        out = _run(rounds, updates, round_=rnd)
+        want = _grid_mean(updates, REGIONS, levels=31)  # 127 // 4: four sums cannot wrap 8 bits
+        for r in REGIONS:
+            assert out[r][1]["secagg_levels"] == 31
+            torch.testing.assert_close(out[r][0][0], want[0], rtol=0, atol=1e-5)
+    for t in ts.values():
+        t.close()
+
+
+def test_side_pushes_are_refused_by_a_region_without_secure_aggregation():
+    hub = InMemoryHub()
+    a, b = InMemoryTransport("a", hub), InMemoryTransport("b", hub)
+    for t in (a, b):
+        t.start()
+    a.connect({"b": "inmem:b"})
+    b.connect({"a": "inmem:a"})
+    with pytest.raises(Exception, match="bad_header"):
+        a.send("b", SIDE | side_round(0, SETUP), b"x", timeout_s=1.0)
+    assert b.stats()["refused"]["bad_header"] == 1
+
+
+def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted():
+    ts, rounds = _cluster(deadline=1.0)
+    captured = {}
+    side = ts["b"].mailbox.side
+    side.set_validator(lambda s, r, p: captured.setdefault((s, r), bytes(p)))
+    _run(rounds, _updates(REGIONS), round_=0)
+    # a restarts: new keys, no peer keys; it falls back once and the others drop it from round 1
+    rounds["a"] = SecAggRound(region="a", regions=REGIONS, transport=ts["a"], run_id="test", bits=32,
+                              deadline=AdaptiveDeadline(1.0, 0.5, 1.0, 3.0), send_timeout_s=5.0,
+                              error_feedback=False, max_message_bytes=1 << 24)
+    out = _run(rounds, _updates(REGIONS, seed=1), round_=1)
+    assert out["a"][1].get("secagg_failed", "").startswith("no scales or key"), out["a"][1]
+    assert out["b"][1]["secagg_dropped"] == ["a"] and out["b"][1]["secagg_survivors"] == 3
+    # round 2: the others send a their keys again (it said it lacks them); all four sum
+    out = _run(rounds, _updates(REGIONS, seed=2), round_=2)
+    assert all(o[1].get("secagg_survivors") == 4 for o in out.values()), {r: o[1] for r, o in out.items()}
+    # round 3: a's round-0 setup (its old key) replayed to b in a's slot, a sitting the round out
+    ts["a"].send("b", SIDE | side_round(3, SETUP), captured[("a", side_round(0, SETUP))], timeout_s=1.0)
+    out = _run({r: rounds[r] for r in ("b", "c", "d")}, _updates(REGIONS, seed=3), round_=3, alive=REGIONS)
+    m = out["b"][1]
+    assert m["secagg_refused"].get("replayed_key", 0) == 1, m
+    assert "secagg_failed" in m and m["peers_missing"] == ["a", "c", "d"]
+    for t in ts.values():
+        t.close()
+
+
+def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
+    """d's masked update reaches a and c but not b: the survivor lists differ, so no region
+    applies a sum and no pair seed of d is revealed (a and c hold d's update and its self key;
+    they never answer b's request for d's seeds)."""
+    ts, rounds = _cluster(deadline=1.0)
+    send = rounds["d"].side.send
+
+    def lossy(peer, round_, phase, payload, **kw):
+        if peer == "b" and phase == MASKED:
+            raise TransportError("emulated loss of d's masked update to b", peer=peer, reason="unavailable")
+        return send(peer, round_, phase, payload, **kw)
+
+    rounds["d"].side.send = lossy
+    seen = []
+    for r in REGIONS:
+        side = ts[r].mailbox.side
+        side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % 4)) or bytes(p))
+    out = _run(rounds, _updates(REGIONS))
+    for r in REGIONS:
+        # b never saw d survive; a, c and d wait for b's reveal past their deadline or see its list
+        assert "secagg_failed" in out[r][1] and out[r][1]["peers_missing"], (r, out[r][1])
+    assert not [x for x in seen if x[2] == RECOVER]  # nobody answered with pair seeds
+    for t in ts.values():
+        t.close()
