@@ -85,9 +85,13 @@ def _attack(run: BackgroundRun, done: threading.Event, told: dict) -> None:
         # A plausible update for the insider's next round, before the insider's own: on main it was
         # used and the insider's real one refused as a replay.
         plausible = encode_update("fp16", [torch.zeros(s) for s in SHAPES])
-        for _ in range(10):  # rounds are short: until it lands in an open round
+        # Rounds are short: until it lands in an open round. On a loaded CI host ten pushes in a row
+        # were all refused `busy` (the insider's own pushes in flight) or out of the window: keep
+        # trying for a few seconds, a little apart.
+        for _ in range(100):
             if atk.push(ahead(), plausible) in ("accepted", "equivocation"):
                 break
+            time.sleep(0.05)
         atk.push_garbage(ahead() + 1000)  # far in the future
         told["flood"] = atk.fetch_flood(70, hold_s=2.0)
         stalled = [threading.Thread(target=atk.push_stalled, args=(ahead(), size),
