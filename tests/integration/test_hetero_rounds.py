@@ -1,4 +1,4 @@
-"""Issue 20 on the real stack (Ray actors, mutual-TLS gRPC on 127.0.0.1): one region 4x slower
+"""Issue 20 on the real stack (Ray actors, mutual-TLS gRPC on 127.0.0.1): one region 6x slower
 (regions.emulation.slowdown), one absent for two rounds (availability), under quorum and
 time-budget rounds (sync.pacing)."""
 
@@ -24,7 +24,9 @@ def _run(tmp_path, pacing: dict, *, rounds: int = 9, absent: bool = False):
                 "eval_every": 1},
         "task": {"kind": "mlp-digits", "hidden": 32},
         "regions": {"names": REGIONS, "num_cpus": 0.5,
-                    "emulation": {"slowdown": {SLOW: 4.0}, "availability": availability}},
+                    # 6x: at 4x a quiet CI host ran the slow region's 20 small steps within the
+                    # quorum's 50 ms grace, and no round closed without it.
+                    "emulation": {"slowdown": {SLOW: 6.0}, "availability": availability}},
         "network": {"emulation": {"mode": "none"}},
         "sync": {"policy": {"kind": "fixed", "H": 20}, "inner": {"lr": 0.003}, "outer": {"momentum": 0.5},
                  "pacing": pacing, "deadline": {"initial_s": 30.0, "min_s": 20.0, "max_s": 60.0}},
@@ -84,7 +86,7 @@ def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
     fast = sum(m["steps"] for m in budgeted if m["region"] == FAST)
     slow = sum(m["steps"] for m in budgeted if m["region"] == SLOW)
     assert fast >= 2 * slow, steps
-    # Everyone stops at the budget: the slow region's compute is no longer 4x the fast one's.
+    # Everyone stops at the budget: the slow region's compute is no longer 6x the fast one's.
     compute = {reg: sum(m["compute_s"] for m in budgeted if m["region"] == reg) for reg in REGIONS}
     assert max(compute.values()) < 2.0 * min(compute.values()), compute
     assert summary["eval"]["value"] > 0.85
