@@ -130,7 +130,10 @@ def test_a_run_survives_a_compromised_peer(tmp_path, undisturbed):
     # Every attack refused, counted by reason by the target, in summary.json and events.jsonl.
     by_reason = summary["refusals"]["by_reason"]
     assert by_reason.get("out_of_bounds", 0) >= 1, by_reason   # 3e38
-    assert by_reason.get("equivocation", 0) >= 1, by_reason    # the insider's slot, taken first
+    # The insider's slot, taken first: the insider's own update is refused as an equivocation, or
+    # as late when the forged one completed the target's round before it arrived (a fresh-clone CI
+    # run: accepted forgery, then `late`); either way never as a replay, and the run survives.
+    assert by_reason.get("equivocation", 0) + by_reason.get("late", 0) >= 1, by_reason
     assert by_reason.get("replayed", 0) == 0, by_reason        # main: the real insider was refused so
     assert by_reason.get("future_round", 0) >= 1, by_reason
     assert by_reason.get("busy", 0) >= 69, by_reason           # 70 unread FetchState streams: one held
