@@ -135,7 +135,7 @@ class FragmentedDilocoSync(DilocoSync):
         metrics["fragment"] = f
         start = self.sp if self.overlap else self.gp
         delta = [start[k].detach() - self.local[k] for k in idx]
-        scale = fednova_scale(metrics["steps"], plan.norm_steps, limit=ctx.settings.pacing.max_steps_factor)
+        scale = fednova_scale(metrics["steps"], plan.norm_steps, limit=ctx.settings.pacing.fednova_max_scale)
         sent = delta if scale == 1.0 else [d * scale for d in delta]
         if scale != 1.0:
             metrics["fednova_scale"] = round(scale, 4)

@@ -75,13 +75,15 @@ def test_quorum_rounds_close_without_the_slow_region_and_apply_its_late_update(t
 
 @pytest.mark.slow  # the default suite's 20 minutes; CI runs it in the slow pass
 def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
-    summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget", "fednova_max_scale": 4.0}, rounds=6)
+    # FedNova scaling stays at its default (off): with 4x scaling one fresh-clone CI run ended at
+    # 0.83 accuracy; docs/heterogeneity.md has the A/B runs behind that default.
+    summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=6)
     steps = {(m["round"], m["region"]): m["steps"] for m in metrics}
     # Round 0 calibrates: the set-up warm-up's pass times give the slow region fewer steps than the fast.
     assert steps[(0, FAST)] > steps[(0, SLOW)], steps
     assert all(m["step_time_steady_s"] > 0 for m in metrics)
     budgeted = [m for m in metrics if m["round"] >= 1]
-    assert all("fednova_scale" in m for m in budgeted)
+    assert not any("fednova_scale" in m for m in budgeted)
     # Summed over rounds (one round on a loaded host can starve a fast region of its cores).
     fast = sum(m["steps"] for m in budgeted if m["region"] == FAST)
     slow = sum(m["steps"] for m in budgeted if m["region"] == SLOW)
