@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from geofed.orchestrator.bench.plan import CODECS, HS, cell_config, cells, matrices
+from geofed.orchestrator.bench.plan import CODECS, EXTRA, HS, cell_config, cells, matrices
 from geofed.orchestrator.bench.plan_results import document, predict_cell
 
 
-def test_twelve_cells_every_H_meets_every_codec_and_every_config_loads():
+def test_sixteen_cells_every_H_meets_every_codec_and_every_config_loads():
     cs = cells(8)
-    assert len(cs) == len(set(cs)) == 12 and len(matrices(8)) == 4
-    assert {(H, c) for _, H, c in cs} == {(H, c) for H in HS for c in CODECS}
+    assert len(cs) == len(set(cs)) == 12 + len(EXTRA) == 16 and len(matrices(8)) == 4
+    assert {(H, c) for _, H, c in cs[:12]} == {(H, c) for H in HS for c in CODECS}
+    assert {m for m, _, _ in cs} == set(matrices(8))
     for c in cs:
         cfg = cell_config(*c, rounds=8)
         assert cfg.sync.policy.H == c[1] and cfg.network.emulation.mode == "proxy"
