@@ -195,6 +195,6 @@ def print_table(console: Console, doc: dict[str, Any]) -> None:
         console.print(f"{key}: {'-' if doc[key] is None else f'{doc[key]:.3f}'} (target <= {target:g})")
     for m, v in doc["recommendation"].items():
         console.print(f"{m}: recommended {v['recommended']}{'' if v['recommended_met_floor'] else ' (missed the floor)'}, "
-                      f"best {v['best'] or 'none met the floor'}"
-                      + ("" if v["ratio"] is None else f", {v['ratio']:.2f}x"))
+                      f"best {v['best']}{'' if v['best_met_floor'] else ' (none met the floor: the fastest)'}, "
+                      f"{v['ratio']:.2f}x")
     console.print(f"step-time probe vs the runs' median step: {doc['probe_step_ratio']:.2f}x")

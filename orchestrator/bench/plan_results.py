@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ def predict_cell(cfg, step_s: float) -> dict[str, Any]:
     pred_round = statistics.mean(times)
     return {"pred_round_s": pred_round, "pred_utilization": min(1.0, c.H * step_s / pred_round),
             "pred_bytes_per_round": p.bytes_per_round, "pred_bottleneck": p.bottleneck, "pred_sync_s": p.sync_s,
-            "pred_codec_s": codec_s, "pred_egress_usd_per_hour": p.egress_usd_per_hour}
+            "pred_codec_s": codec_s, "pred_egress_usd_per_hour": p.egress_usd_per_hour,
+            "pred_egress_usd_per_step": None if p.egress_usd_per_run is None else p.egress_usd_per_run / p.steps}
 
 
 def _err(measured: float, predicted: float) -> float:
@@ -73,8 +75,10 @@ def document(rows: list[dict[str, Any]], *, probe_step_s: float, floor: float, t
         "round_time_median_abs_err": statistics.median(rt), "round_time_worst_abs_err": max(rt),
         "utilization_worst_abs_err": max(abs(r["utilization_err"]) for r in rows),
         "bytes_worst_abs_err": max(abs(r["bytes_err"]) for r in rows),
-        # Over the matrices where some run met the floor (the others have no best to compare with).
-        "recommended_vs_best": max((v["ratio"] for v in rec.values() if v["ratio"] is not None), default=None),
+        # The worst matrix; every matrix has a best (the rule's second branch where no run met the floor).
+        "recommended_vs_best": max(v["ratio"] for v in rec.values()),
+        "recommended_vs_best_where_a_run_met_floor": max((v["ratio"] for v in rec.values() if v["best_met_floor"]),
+                                                         default=None),
         "recommendation": rec, "utilization_floor": floor,
         "probe_step_s": probe_step_s, "probe_step_ratio": probe_step_s / statistics.median(r["step_s"] for r in rows),
         "targets": targets, "rows": rows,
@@ -82,18 +86,33 @@ def document(rows: list[dict[str, Any]], *, probe_step_s: float, floor: float, t
 
 
 def recommendation_check(rows: list[dict[str, Any]], floor: float) -> dict[str, dict[str, Any]]:
-    """Per matrix: the configuration the planner's predictions pick (fastest predicted time per step
-    among those predicted to meet the floor) against the best measured time per step among those
-    measured to meet it; ratio = recommended's measured s/step / best's. A matrix where no run met
-    the floor has no best (ratio None); a pick that did not meet it when run is said so."""
+    """Per matrix: the pick of `geofed plan`'s rule (plan.model.choose) over the runs tried, applied
+    to their predictions, against the best: the fastest measured s/step among the runs measured to
+    meet the floor, or of all runs where none did (so every matrix has a ratio). ratio = the pick's
+    measured s/step / the best's. `rule_on_measured` is the rule applied to the measurements (what a
+    perfect model would pick; dollars per step are the predicted ones, the bytes being exact)."""
+    from ..plan.model import choose
+
+    def usd(r: dict[str, Any]) -> float:
+        return r.get("pred_egress_usd_per_step") or math.inf
+
+    def s_step(r: dict[str, Any]) -> float:
+        return r["round_s"] / r["H"]
+
     out = {}
     for m in dict.fromkeys(r["matrix"] for r in rows):
         rs = [r for r in rows if r["matrix"] == m]
-        ok_pred = [r for r in rs if r["pred_utilization"] >= floor] or rs
-        pick = min(ok_pred, key=lambda r: r["pred_round_s"] / r["H"])
-        ok_meas = [r for r in rs if r["utilization"] >= floor]
-        best = min(ok_meas, key=lambda r: r["round_s"] / r["H"]) if ok_meas else None
-        out[m] = {"recommended": f"H={pick['H']} {pick['codec']}", "recommended_met_floor": pick["utilization"] >= floor,
-                  "best": None if best is None else f"H={best['H']} {best['codec']}",
-                  "ratio": None if best is None else (pick["round_s"] / pick["H"]) / (best["round_s"] / best["H"])}
+        pick, pred_met = choose(rs, floor=floor, utilization=lambda r: r["pred_utilization"],
+                                s_per_step=lambda r: r["pred_round_s"] / r["H"], usd_per_step=usd)
+        ideal, _ = choose(rs, floor=floor, utilization=lambda r: r["utilization"], s_per_step=s_step, usd_per_step=usd)
+        meeting = [r for r in rs if r["utilization"] >= floor]
+        best = min(meeting or rs, key=s_step)
+        out[m] = {"recommended": _name(pick), "recommended_predicted_to_meet_floor": pred_met,
+                  "recommended_met_floor": pick["utilization"] >= floor, "best": _name(best),
+                  "best_met_floor": bool(meeting), "rule_on_measured": _name(ideal),
+                  "ratio": s_step(pick) / s_step(best)}
     return out
+
+
+def _name(r: dict[str, Any]) -> str:
+    return f"H={r['H']} {r['codec']}"

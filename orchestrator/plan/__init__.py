@@ -83,5 +83,18 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
         "egress_provider": cfg.network.egress.provider, "utilization_floor": utilization_floor,
         "budget_usd_per_hour": budget_usd_per_hour, "notes": notes,
         "candidates": [p.to_json() for p in preds],
-        "recommended": {k: None if p is None else {"H": p.H, "codec": p.codec} for k, p in rec.items()},
+        "recommended": {k: None if rec[k] is None else {"H": rec[k].H, "codec": rec[k].codec}
+                        for k in ("cheapest_meeting_floor", "fastest_under_budget")},
+        "recommendation": recommendation_json(rec["recommended"], rec["met_floor"], utilization_floor),
     }
+
+
+def recommendation_json(p, met_floor: bool, floor: float) -> dict[str, Any] | None:
+    """The pick of the rule (model.choose) with the branch that chose it, as --json prints it."""
+    if p is None:
+        return None
+    return {"H": p.H, "codec": p.codec, "met_floor": met_floor,
+            "rule": "cheapest_meeting_floor" if met_floor else "fastest_none_meets_floor",
+            "utilization": p.utilization, "s_per_step": p.round_s / p.H,
+            "why": (f"the cheapest egress $ per step of the candidates with utilisation >= {floor:g}" if met_floor else
+                    f"no candidate reaches utilisation {floor:g}: the fastest per step (the closest to the floor)")}

@@ -37,11 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prices", metavar="FILE", help="egress price file (default: the packaged p2p/wan/prices.yaml)")
     p.add_argument("--overhead", type=float, metavar="S", help="control-plane seconds per round (default: measured here)")
     p.add_argument("--utilization-floor", dest="floor", type=float, default=0.9, metavar="X",
-                   help="recommend the cheapest candidate with at least this compute utilisation (default 0.9)")
+                   help="recommend the cheapest candidate with at least this compute utilisation (default 0.9); "
+                        "when none has it, the fastest per step (docs/plan.md)")
     p.add_argument("--budget-usd-per-hour", dest="budget", type=float, metavar="Y",
                    help="and the fastest candidate whose egress costs at most this per hour")
     p.add_argument("--write-config", dest="write_config", metavar="OUT",
-                   help="write CONFIG with the cheapest recommendation applied (fixed H, its codec)")
+                   help="write CONFIG with the recommendation applied (fixed H, its codec)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 
@@ -80,13 +81,13 @@ def main(argv: Sequence[str]) -> int:
 
 
 def write_config(path: str, overrides: Sequence[str], doc: dict, out: str) -> str | None:
-    """CONFIG with the cheapest recommendation applied (sync.policy fixed H, compression.codec); None when none."""
+    """CONFIG with the recommendation (docs/plan.md's rule) applied (sync.policy fixed H, compression.codec); None when none."""
     import yaml
 
     from ..config import config_from_mapping
     from ..config.strict import apply_override, parse_yaml_file
 
-    rec = doc["recommended"]["cheapest_meeting_floor"] or doc["recommended"]["fastest_under_budget"]
+    rec = doc["recommendation"]
     if rec is None:
         return None
     data = parse_yaml_file(Path(path), source=path)
@@ -108,13 +109,16 @@ def print_plan(console: Console, doc: dict) -> None:
     """The candidates as a table, the recommendations under it."""
     rec = doc["recommended"]
     picks = [((r["H"], r["codec"]), k) for k, r in rec.items() if r is not None]
+    if doc["recommendation"] is not None and not doc["recommendation"]["met_floor"]:
+        picks.append(((doc["recommendation"]["H"], doc["recommendation"]["codec"]), "recommendation"))
     t = Table(title=f"geofed plan {doc.get('config', '')}: {len(doc['regions'])} regions, step "
                     f"{doc['step_time_s'] * 1e3:.3g} ms ({doc['step_time_source']}), "
                     f"{'overlap' if doc['overlap'] else 'serial'}, {doc['egress_provider']} list prices")
     for col in ("H", "codec", "round s", "util", "MB/round", "GB to end", "$/hour", "$/run", "bottleneck", ""):
         t.add_column(col, justify="right" if col not in ("codec", "bottleneck", "") else "left")
     for c in doc["candidates"]:
-        mark = {"cheapest_meeting_floor": "<- cheapest", "fastest_under_budget": "<- fastest"}
+        mark = {"cheapest_meeting_floor": "<- cheapest", "fastest_under_budget": "<- fastest",
+                "recommendation": "<- recommended (below the floor)"}
         note = ", ".join(mark[k] for hc, k in picks if hc == (c["H"], c["codec"]))
         t.add_row(str(c["H"]), c["codec"], f"{c['round_s']:.3g}", f"{c['utilization']:.0%}",
                   f"{c['bytes_per_round'] / 1e6:.3g}", f"{c['bytes_to_end'] / 2**30:.3g}",
@@ -126,6 +130,10 @@ def print_plan(console: Console, doc: dict) -> None:
                                                             else f" under ${doc['budget_usd_per_hour']:g}/hour"))):
         r = rec[key]
         console.print(f"{text}: " + ("none qualifies" if r is None else f"H={r['H']} codec {r['codec']}"))
+    r = doc["recommendation"]
+    if r is not None:
+        console.print(f"recommended: H={r['H']} codec {r['codec']}: {r['why']}"
+                      + ("" if r["met_floor"] else f" (predicted utilisation {r['utilization']:.0%})"))
     for n in doc["notes"]:
         console.print(f"note: {n}")
     if doc.get("written_config"):

@@ -8,13 +8,16 @@ out-neighbours, the dollars from the links' $/GB. docs/plan.md states the assump
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from geofed.p2p.wan.prices import GB
 
 from ..policies import cost
 from ..policies.types import LinkEstimate
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,23 +174,49 @@ def drain_s(setup: Setup, c: Candidate) -> float:
     return c.codec_s + sync
 
 
+def choose(items: Sequence[T], *, floor: float, utilization: Callable[[T], float],
+           s_per_step: Callable[[T], float], usd_per_step: Callable[[T], float]) -> tuple[T | None, bool]:
+    """The recommendation rule, shared by `geofed plan` and `geofed bench plan`: (pick, met_floor).
+
+    * Some item's utilisation meets the floor: the cheapest of those in egress $ per training step,
+      ties to the faster (seconds per step), then to the higher utilisation.
+    * None does: the fastest per step of all, ties to the cheaper. For one task the step time is
+      the same for every candidate and s/step = step / utilisation, so this is also the one that
+      comes closest to the floor; a cheaper one would only lose more of the compute.
+
+    An unpriced item costs +inf (never the cheapest while a priced one qualifies).
+    """
+    if not items:
+        return None, False
+    meeting = [x for x in items if utilization(x) >= floor - 1e-12]
+    if meeting:
+        return min(meeting, key=lambda x: (usd_per_step(x), s_per_step(x), -utilization(x))), True
+    return min(items, key=lambda x: (s_per_step(x), usd_per_step(x))), False
+
+
+def pred_usd_per_step(p: Prediction) -> float:
+    """Egress dollars per training step (+inf when a link is unpriced)."""
+    return math.inf if p.egress_usd_per_run is None else p.egress_usd_per_run / p.steps
+
+
+def pred_s_per_step(p: Prediction) -> float:
+    """Wall seconds per training step."""
+    return p.round_s / p.H
+
+
 def recommend(preds: Sequence[Prediction], *, utilization_floor: float,
-              budget_usd_per_hour: float | None = None) -> dict[str, Prediction | None]:
-    """The cheapest candidate (egress $ per step) whose utilisation meets the floor, ties to the
-    faster; and the fastest (seconds per step) under the hourly budget. None when none qualifies.
+              budget_usd_per_hour: float | None = None) -> dict[str, Any]:
+    """`choose`'s pick (`recommended`; `met_floor` says which branch of the rule chose it), the
+    cheapest meeting the floor (None when none does), and the fastest (seconds per step) whose
+    dollars per hour are within the budget (None when none is).
 
     Per step, not per run or per hour: a larger H runs the same steps in fewer rounds, so dollars
     per step is what one pays for the same training.
     """
-    def usd_per_step(p: Prediction) -> float:
-        return math.inf if p.egress_usd_per_run is None else p.egress_usd_per_run / p.steps
-
-    def s_per_step(p: Prediction) -> float:
-        return p.round_s / p.H
-
-    meeting = [p for p in preds if p.utilization >= utilization_floor - 1e-12]
-    cheapest = min(meeting, key=lambda p: (usd_per_step(p), s_per_step(p)), default=None)
+    pick, met = choose(preds, floor=utilization_floor, utilization=lambda p: p.utilization,
+                       s_per_step=pred_s_per_step, usd_per_step=pred_usd_per_step)
     within = [p for p in preds if budget_usd_per_hour is None
               or (p.egress_usd_per_hour is not None and p.egress_usd_per_hour <= budget_usd_per_hour)]
-    fastest = min(within, key=lambda p: (s_per_step(p), usd_per_step(p)), default=None)
-    return {"cheapest_meeting_floor": cheapest, "fastest_under_budget": fastest}
+    fastest = min(within, key=lambda p: (pred_s_per_step(p), pred_usd_per_step(p)), default=None)
+    return {"recommended": pick, "met_floor": met, "cheapest_meeting_floor": pick if met else None,
+            "fastest_under_budget": fastest}

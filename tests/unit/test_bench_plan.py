@@ -47,10 +47,23 @@ def test_document_errors_and_the_recommendation_ratio():
     assert doc["recommendation"]["m"]["recommended_met_floor"]
 
 
-def test_a_matrix_where_no_run_met_the_floor_has_no_best():
+def test_a_matrix_where_no_run_met_the_floor_is_compared_with_its_fastest_run():
     rows = [_row("m", 20, 1.0, 1.0, 0.3, 0.6), _row("m", 400, 4.0, 4.0, 0.4, 0.4),
             _row("n", 100, 1.0, 1.0, 0.9, 0.9)]
     doc = document(rows, probe_step_s=0.01, floor=0.5, targets={}, rounds=8)
-    assert doc["recommendation"]["m"] == {"recommended": "H=20 int8", "recommended_met_floor": False, "best": None,
-                                          "ratio": None}
-    assert doc["recommended_vs_best"] == pytest.approx(1.0)   # from matrix n only
+    m = doc["recommendation"]["m"]
+    # The pick was predicted above the floor (0.6) and missed it; the best is the fastest per step (10 ms).
+    assert (m["recommended"], m["recommended_predicted_to_meet_floor"], m["recommended_met_floor"]) == ("H=20 int8", True, False)
+    assert (m["best"], m["best_met_floor"], m["ratio"]) == ("H=400 int8", False, pytest.approx(5.0))
+    assert doc["recommended_vs_best"] == pytest.approx(5.0)
+    assert doc["recommended_vs_best_where_a_run_met_floor"] == pytest.approx(1.0)   # matrix n only
+
+
+def test_the_bench_picks_by_the_plans_rule_cheapest_per_step_above_the_floor():
+    # Both predicted above the floor: the rule takes the cheaper per step (H=400), not the faster.
+    rows = [{**_row("m", 100, 1.0, 1.0, 0.9, 0.9), "pred_egress_usd_per_step": 2e-6},
+            {**_row("m", 400, 4.4, 4.4, 0.85, 0.85), "pred_egress_usd_per_step": 1e-6}]
+    doc = document(rows, probe_step_s=0.01, floor=0.5, targets={}, rounds=8)
+    m = doc["recommendation"]["m"]
+    assert (m["recommended"], m["best"], m["rule_on_measured"]) == ("H=400 int8", "H=100 int8", "H=400 int8")
+    assert m["ratio"] == pytest.approx(1.1)

@@ -82,7 +82,10 @@ def test_recommend_cheapest_per_step_above_the_floor_and_fastest_under_the_budge
     assert (rec["cheapest_meeting_floor"].H, rec["cheapest_meeting_floor"].codec) == (100, "topk")  # $0.05/1000 steps
     high = recommend(preds, utilization_floor=0.97)["cheapest_meeting_floor"]
     assert (high.H, high.codec) == (400, "fp16")
-    assert recommend(preds, utilization_floor=0.999)["cheapest_meeting_floor"] is None
+    none = recommend(preds, utilization_floor=0.999)
+    assert none["cheapest_meeting_floor"] is None and not none["met_floor"]
+    assert (none["recommended"].H, none["recommended"].codec) == (400, "fp16")   # the fastest per step instead
+    assert rec["met_floor"] and rec["recommended"] is rec["cheapest_meeting_floor"]
     fast = recommend(preds, utilization_floor=0.0, budget_usd_per_hour=100)["fastest_under_budget"]
     assert (fast.H, fast.codec) == (400, "fp16")   # 10.25 ms/step at $87.8/hour
     fast = recommend(preds, utilization_floor=0.0, budget_usd_per_hour=20)["fastest_under_budget"]
@@ -98,6 +101,20 @@ def test_plan_cli_json_lists_candidates_with_the_issue_keys(capsys):
         assert {"round_s", "utilization", "bytes_per_round", "egress_usd_per_hour"} <= set(c)
         assert c["egress_usd_per_hour"] > 0 and 0 < c["utilization"] <= 1
     assert doc["recommended"]["cheapest_meeting_floor"] == {"H": 2000, "codec": "int8"}
+    assert doc["recommendation"]["rule"] == "cheapest_meeting_floor" and doc["recommendation"]["H"] == 2000
+
+
+def test_plan_without_a_candidate_at_the_floor_recommends_the_fastest_and_says_so(capsys):
+    assert main(["plan", "configs/multi-region.yaml", "--H", "5,50", "--codecs", "fp16,int8", "--step-time", "0.001",
+                 "--utilization-floor", "0.99", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["recommended"]["cheapest_meeting_floor"] is None
+    rec, best = doc["recommendation"], max(doc["candidates"], key=lambda c: c["utilization"])
+    assert (rec["H"], rec["codec"], rec["met_floor"], rec["rule"]) == (best["H"], best["codec"], False,
+                                                                       "fastest_none_meets_floor")
+    assert main(["plan", "configs/multi-region.yaml", "--H", "5,50", "--codecs", "fp16,int8", "--step-time", "0.001",
+                 "--utilization-floor", "0.99"]) == 0
+    assert "no candidate reaches utilisation 0.99" in capsys.readouterr().out
 
 
 def test_plan_writes_a_config_that_loads(tmp_path, capsys):
