@@ -147,7 +147,7 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
             run_dir = _run(cfg, out / matrix / f"H{H}-{codec.split('(')[0]}")
             measured = measure(run_dir)
             row = {"matrix": matrix, "H": H, "codec": cfg.compression.codec.key, "overlap": bool(cfg.sync.overlap),
-                   **measured, **predict_cell(cfg, measured["step_s"])}
+                   **measured, **predict_cell(cfg, measured["step_s"], measured["compute_spread"])}
             rows.append(row)
             with (out / "rows.jsonl").open("a") as f:  # a bench cut short keeps its rows
                 f.write(json.dumps(row) + "\n")
@@ -174,7 +174,7 @@ def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
         cfg = cell_config(r["matrix"], r["H"], r["codec"], rounds=rounds, overrides=overrides)
         measured = measure(Path(r["run_dir"]))
         new.append({"matrix": r["matrix"], "H": r["H"], "codec": r["codec"], "overlap": r["overlap"], **measured,
-                    **predict_cell(cfg, measured["step_s"])})
+                    **predict_cell(cfg, measured["step_s"], measured["compute_spread"])})
     probe = probe_task(cell_config(*cells(rounds)[0], rounds=rounds, overrides=overrides)).step_s
     doc = document(new, probe_step_s=probe, floor=FLOOR, targets=TARGETS, rounds=rounds)
     (out / "bench-rescored.json").write_text(json.dumps(doc, indent=2))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +27,29 @@ def measure(run_dir: Path) -> dict[str, Any]:
     compute = [max(m["compute_s"] for m in per[r]) for r in later]
     sent = [sum(m.get("bytes_sent", 0) for m in per[r]) for r in sorted(per)]
     sent = [b for b in sent if b > 0]
-    return {"round_s": statistics.mean(wall), "round_s_per_round": [round(w, 4) for w in wall],
+    median_compute = statistics.median(compute)
+    return {"compute_spread": [round(c / median_compute, 4) for c in compute] if median_compute > 0 else [1.0],
+            "round_s": statistics.mean(wall), "round_s_per_round": [round(w, 4) for w in wall],
             "step_s": statistics.median(step), "utilization": sum(compute) / sum(wall),
             "bytes_per_round": int(statistics.median(sent)) if sent else 0,
             "bytes_per_round_min": min(sent, default=0), "bytes_per_round_max": max(sent, default=0),
             "run_dir": str(run_dir)}
 
 
-def predict_cell(cfg, step_s: float) -> dict[str, Any]:
-    """The planner's prediction of the rounds `measure` averages (1..end), given the measured step time."""
+def predict_cell(cfg, step_s: float, compute_spread: Sequence[float] = (1.0,)) -> dict[str, Any]:
+    """The planner's prediction of the rounds `measure` averages (1..end), given the measured step time
+    and the spread of the rounds' compute (measure's compute_spread: the machine's load, an input as
+    the step time is; the model turns it into round time)."""
     from geofed.p2p.wan.prices import EgressPricer
 
     from ..plan import build_setup
     from ..plan.inputs import codec_facts, probe_task
-    from ..plan.model import Candidate, predict, round_times
+    from ..plan.model import Candidate, mean_spread, predict, round_times
 
     regions = list(cfg.regions.names)
     pricer = EgressPricer(cfg.network.egress)
     setup, _ = build_setup(cfg, regions=regions, step_s=step_s, links_path=None, pricer=pricer)
+    setup = dataclasses.replace(setup, compute_spread=tuple(compute_spread))
     facts = probe_task(cfg, probe=False)
     spec = cfg.compression.codec
     wire, codec_s = codec_facts(spec, facts.shapes, chunk_bytes=cfg.network.chunk_kb * 1024, sender=regions[0],
@@ -51,7 +58,7 @@ def predict_cell(cfg, step_s: float) -> dict[str, Any]:
     p = predict(setup, c)
     times = round_times(setup, c)[1:]
     pred_round = statistics.mean(times)
-    return {"pred_round_s": pred_round, "pred_utilization": min(1.0, c.H * step_s / pred_round),
+    return {"pred_round_s": pred_round, "pred_utilization": min(1.0, c.H * step_s * mean_spread(setup) / pred_round),
             "pred_bytes_per_round": p.bytes_per_round, "pred_bottleneck": p.bottleneck, "pred_sync_s": p.sync_s,
             "pred_codec_s": codec_s, "pred_egress_usd_per_hour": p.egress_usd_per_hour,
             "pred_egress_usd_per_step": None if p.egress_usd_per_run is None else p.egress_usd_per_run / p.steps}

@@ -8,6 +8,7 @@ out-neighbours, the dollars from the links' $/GB. docs/plan.md states the assump
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -49,10 +50,17 @@ class Setup:
     segments: Sequence[Segment]      # at least one, the first from round 0
     rtt_factor: float = 1.0
     overhead_s: float = cost.DEFAULT_ROUND_OVERHEAD_S
+    # Each round's compute as a multiple of H*step_s, equally likely: on a shared or loaded machine
+    # rounds vary (a run's per-round compute over its median). A round lasts cost.round_time of its
+    # own compute, so the mean round is the mean over these, not the round of the mean: with overlap
+    # max(compute, sync) gains from every round whose compute outlasts the sync (E max >= max E).
+    compute_spread: tuple[float, ...] = (1.0,)
 
     def __post_init__(self):
         if not (self.step_s > 0 and math.isfinite(self.step_s)):
             raise ValueError(f"step_s: must be a positive number of seconds, got {self.step_s}")
+        if not self.compute_spread or not all(f > 0 and math.isfinite(f) for f in self.compute_spread):
+            raise ValueError(f"compute_spread: must be positive multiples of H*step_s, got {self.compute_spread}")
         assert self.segments and self.segments[0].start == 0, self.segments
 
 
@@ -108,8 +116,14 @@ def _round_of(setup: Setup, seg: Segment, c: Candidate) -> tuple[float, float, s
             unpriced.append(name)
         else:
             usd += c.wire_bytes / GB * link.usd_per_gb
-    r = cost.round_time(c.H * setup.step_s, sync, overlap=setup.overlap, codec_s=c.codec_s, overhead_s=setup.overhead_s)
+    r = statistics.fmean(cost.round_time(c.H * setup.step_s * f, sync, overlap=setup.overlap, codec_s=c.codec_s,
+                                         overhead_s=setup.overhead_s) for f in setup.compute_spread)
     return r, sync, bottleneck, (None if unpriced else usd), unpriced
+
+
+def mean_spread(setup: Setup) -> float:
+    """The mean round's compute over H*step_s (1 without a spread)."""
+    return statistics.fmean(setup.compute_spread)
 
 
 def rounds_of(setup: Setup, H: int) -> tuple[int, int]:
@@ -144,7 +158,7 @@ def predict(setup: Setup, c: Candidate) -> Prediction:
     round_s = total_s / n_rounds
     per_round = c.wire_bytes * len(setup.out_links)
     return Prediction(
-        H=c.H, codec=c.codec, round_s=round_s, utilization=min(1.0, c.H * setup.step_s / round_s),
+        H=c.H, codec=c.codec, round_s=round_s, utilization=min(1.0, c.H * setup.step_s * mean_spread(setup) / round_s),
         bytes_per_round=per_round, rounds=n_rounds, steps=steps, bytes_to_end=per_round * n_rounds, run_s=total_s,
         egress_usd_per_hour=None if usd is None else usd / total_s * 3600, egress_usd_per_run=usd,
         bottleneck=worst[1], sync_s=worst[2], unpriced_links=tuple(sorted(unpriced)))

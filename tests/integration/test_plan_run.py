@@ -31,7 +31,7 @@ def test_plan_predicts_a_two_region_emulated_run_and_summary_prices_its_bytes(tm
     finally:
         runner.shutdown()
     m = measure(tmp_path)
-    p = predict_cell(cfg, m["step_s"])
+    p = predict_cell(cfg, m["step_s"], m["compute_spread"])
     assert abs(p["pred_round_s"] - m["round_s"]) / m["round_s"] <= 0.25, (p, m)
     assert abs(p["pred_bytes_per_round"] - m["bytes_per_round"]) / m["bytes_per_round"] <= 0.01, (p, m)
     out, back = summary["links"]["us-east-1->ap-southeast-2"], summary["links"]["ap-southeast-2->us-east-1"]

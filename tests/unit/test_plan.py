@@ -46,6 +46,21 @@ def test_overlap_hides_the_exchange_behind_compute_until_it_is_longer():
     assert hidden.bottleneck in ("a->b", "b->a")
 
 
+def test_a_spread_of_round_compute_lengthens_overlapped_rounds_where_compute_and_sync_are_close():
+    # 1 MB at 8 Mbit/s + 0.1 s RTT = 1.1 s of sync; H=110 x 10 ms = 1.1 s of compute on the median round.
+    c = Candidate(H=110, codec="x", wire_bytes=1_000_000)
+    flat = predict(_setup(overlap=True, rounds=1000), c)
+    loaded = predict(_setup(overlap=True, rounds=1000, compute_spread=(0.5, 1.5)), c)
+    # max(0.55, 1.1) and max(1.65, 1.1): the mean round is 1.375 s, not max(1.1, 1.1); the drain adds 1.1/1000.
+    assert flat.round_s == pytest.approx(1.1 + 0.0011) and loaded.round_s == pytest.approx(1.375 + 0.0011)
+    assert loaded.utilization == pytest.approx(1.1 / loaded.round_s)   # the mean compute is the median's here
+    # Serial rounds pay the mean compute: the spread moves them by its mean only.
+    serial = predict(_setup(compute_spread=(0.5, 2.5)), c)
+    assert serial.round_s == pytest.approx(1.1 * 1.5 + 1.1)
+    with pytest.raises(ValueError, match="compute_spread"):
+        _setup(compute_spread=())
+
+
 def test_the_slowest_link_is_the_bottleneck_and_an_unpriced_link_makes_dollars_unknown():
     links = _links(8.0, 0.1)
     links["b->a"] = Link(estimate=LinkEstimate(bandwidth_bps=0.8 * MBIT, rtt_s=0.1), usd_per_gb=None)
