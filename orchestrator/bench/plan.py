@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -88,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON document on stdout")
     p.add_argument("--out", help="folder for the run directories (default runs/bench-plan-<UTC time>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    p.add_argument("--matrix", dest="matrices", action="append", choices=list(matrices(8)), metavar="NAME",
+                   help="run only this link matrix's cells (repeatable; default all four)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="N processes spinning on a core during the runs: a loaded machine, to check the "
+                        "planner's contention model on rounds whose step time it did not see (docs/plan.md)")
     p.add_argument("--rescore", metavar="DIR", help="no runs: measure DIR's finished runs (DIR/rows.jsonl) again and "
                    "predict them with the current model (after a change to the model)")
     return p
@@ -107,7 +113,8 @@ def main(argv: Sequence[str]) -> int:
         if args.rescore:
             doc = rescore(Path(args.rescore), overrides=args.overrides)
         else:
-            doc = run_bench(out, rounds=5 if args.quick else 8, overrides=args.overrides, console=Console(stderr=True))
+            doc = run_bench(out, rounds=5 if args.quick else 8, overrides=args.overrides, console=Console(stderr=True),
+                            only=args.matrices, busy=args.busy)
     except (PlacementError, RunFailed) as exc:
         print(f"geofed bench plan: {exc} (run directories so far: {out})", file=sys.stderr)
         return 1
@@ -120,8 +127,10 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console: Console | None = None) -> dict[str, Any]:
-    """Run every cell once on one shared Ray; returns the JSON document (also out/bench.json)."""
+def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console: Console | None = None,
+              only: Sequence[str] | None = None, busy: int = 0) -> dict[str, Any]:
+    """Run every cell (of the `only` matrices) once on one shared Ray, with `busy` spinning processes
+    started after the step-time probe; returns the JSON document (also out/bench.json)."""
     import ray
 
     from ..plan.inputs import probe_task
@@ -130,7 +139,7 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
 
     console = console or Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
-    todo = cells(rounds)
+    todo = [c for c in cells(rounds) if not only or c[0] in only]
     configs = {c: cell_config(*c, rounds=rounds, overrides=overrides) for c in todo}
     probe_step = probe_task(next(iter(configs.values()))).step_s
     started = False
@@ -140,14 +149,17 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
         started = True
     rows: list[dict[str, Any]] = []
-    console.rule(f"geofed bench plan: {len(todo)} runs of {rounds} rounds, 3 regions, digits MLP")
+    console.rule(f"geofed bench plan: {len(todo)} runs of {rounds} rounds, 3 regions, digits MLP"
+                 + (f", {busy} busy process(es)" if busy else ""))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
         for k, (matrix, H, codec) in enumerate(todo):
             cfg = configs[(matrix, H, codec)]
             run_dir = _run(cfg, out / matrix / f"H{H}-{codec.split('(')[0]}")
             measured = measure(run_dir)
             row = {"matrix": matrix, "H": H, "codec": cfg.compression.codec.key, "overlap": bool(cfg.sync.overlap),
-                   **measured, **predict_cell(cfg, measured["step_s"], measured["compute_spread"])}
+                   **measured,
+                   **predict_cell(cfg, measured["step_s"], measured["compute_spread"], alone_step_s=probe_step)}
             rows.append(row)
             with (out / "rows.jsonl").open("a") as f:  # a bench cut short keeps its rows
                 f.write(json.dumps(row) + "\n")
@@ -155,9 +167,13 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
                           f"(predicted {row['pred_round_s']:.3f}), bytes/round {row['bytes_per_round']} "
                           f"(predicted {row['pred_bytes_per_round']})")
     finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
         if started:
             ray.shutdown()
     doc = document(rows, probe_step_s=probe_step, floor=FLOOR, targets=TARGETS, rounds=rounds)
+    doc["busy"] = busy
     (out / "bench.json").write_text(json.dumps(doc, indent=2))
     return doc
 
@@ -169,13 +185,16 @@ def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
 
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
     rounds = len(rows[0]["round_s_per_round"]) + 1
+    # The probe taken when the runs ran (their contention is over it); a bench from before it was kept: probe now.
+    first = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else {}
+    probe = first.get("probe_step_s") or probe_task(cell_config(*cells(rounds)[0], rounds=rounds,
+                                                                  overrides=overrides)).step_s
     new = []
     for r in rows:
         cfg = cell_config(r["matrix"], r["H"], r["codec"], rounds=rounds, overrides=overrides)
         measured = measure(Path(r["run_dir"]))
         new.append({"matrix": r["matrix"], "H": r["H"], "codec": r["codec"], "overlap": r["overlap"], **measured,
-                    **predict_cell(cfg, measured["step_s"], measured["compute_spread"])})
-    probe = probe_task(cell_config(*cells(rounds)[0], rounds=rounds, overrides=overrides)).step_s
+                    **predict_cell(cfg, measured["step_s"], measured["compute_spread"], alone_step_s=probe)})
     doc = document(new, probe_step_s=probe, floor=FLOOR, targets=TARGETS, rounds=rounds)
     (out / "bench-rescored.json").write_text(json.dumps(doc, indent=2))
     return doc

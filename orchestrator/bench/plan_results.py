@@ -36,10 +36,12 @@ def measure(run_dir: Path) -> dict[str, Any]:
             "run_dir": str(run_dir)}
 
 
-def predict_cell(cfg, step_s: float, compute_spread: Sequence[float] = (1.0,)) -> dict[str, Any]:
+def predict_cell(cfg, step_s: float, compute_spread: Sequence[float] = (1.0,), *,
+                 alone_step_s: float | None = None) -> dict[str, Any]:
     """The planner's prediction of the rounds `measure` averages (1..end), given the measured step time
     and the spread of the rounds' compute (measure's compute_spread: the machine's load, an input as
-    the step time is; the model turns it into round time)."""
+    the step time is; the model turns it into round time). With `alone_step_s` (the probe's step time
+    on this machine alone), contention = step_s / it (at least 1) stretches the codec and control plane."""
     from geofed.p2p.wan.prices import EgressPricer
 
     from ..plan import build_setup
@@ -49,7 +51,8 @@ def predict_cell(cfg, step_s: float, compute_spread: Sequence[float] = (1.0,)) -
     regions = list(cfg.regions.names)
     pricer = EgressPricer(cfg.network.egress)
     setup, _ = build_setup(cfg, regions=regions, step_s=step_s, links_path=None, pricer=pricer)
-    setup = dataclasses.replace(setup, compute_spread=tuple(compute_spread))
+    contention = 1.0 if alone_step_s is None else max(1.0, step_s / alone_step_s)
+    setup = dataclasses.replace(setup, compute_spread=tuple(compute_spread), contention=contention)
     facts = probe_task(cfg, probe=False)
     spec = cfg.compression.codec
     wire, codec_s = codec_facts(spec, facts.shapes, chunk_bytes=cfg.network.chunk_kb * 1024, sender=regions[0],
@@ -60,7 +63,7 @@ def predict_cell(cfg, step_s: float, compute_spread: Sequence[float] = (1.0,)) -
     pred_round = statistics.mean(times)
     return {"pred_round_s": pred_round, "pred_utilization": min(1.0, c.H * step_s * mean_spread(setup) / pred_round),
             "pred_bytes_per_round": p.bytes_per_round, "pred_bottleneck": p.bottleneck, "pred_sync_s": p.sync_s,
-            "pred_codec_s": codec_s, "pred_egress_usd_per_hour": p.egress_usd_per_hour,
+            "pred_codec_s": codec_s, "contention": contention, "pred_egress_usd_per_hour": p.egress_usd_per_hour,
             "pred_egress_usd_per_step": None if p.egress_usd_per_run is None else p.egress_usd_per_run / p.steps}
 
 

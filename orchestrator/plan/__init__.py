@@ -9,9 +9,8 @@ from geofed.compression import CodecSpec
 from geofed.p2p.wan.prices import EgressPricer, load_prices
 
 from ..config import RunConfig
-from ..policies import cost
 from .inputs import codec_facts, config_segments, file_segments, out_links, probe_task
-from .model import Candidate, Setup, predict, recommend
+from .model import ROUND_OVERHEAD_ALONE_S, Candidate, Setup, predict, recommend
 
 DEFAULT_H = (20, 50, 100, 200, 400, 1000)
 DEFAULT_CODECS = ("fp16", "int8", "topk(fraction=0.01)")
@@ -32,7 +31,8 @@ def candidate_codecs(cfg: RunConfig, codecs: Sequence[str] | None) -> list[Codec
 
 
 def build_setup(cfg: RunConfig, *, regions: Sequence[str], step_s: float, links_path: str | None,
-                pricer: EgressPricer, overhead_s: float | None = None) -> tuple[Setup, list[str]]:
+                pricer: EgressPricer, overhead_s: float | None = None,
+                contention: float = 1.0) -> tuple[Setup, list[str]]:
     """The candidates' shared Setup: the link matrix from `links_path` or the config's emulation."""
     if links_path:
         segments, notes = file_segments(links_path, regions, pricer), [f"links from {links_path}"]
@@ -41,15 +41,19 @@ def build_setup(cfg: RunConfig, *, regions: Sequence[str], step_s: float, links_
     rtt_factor = float(getattr(cfg.sync.policy, "rtt_factor", 1.0))
     setup = Setup(step_s=step_s, rounds=cfg.run.rounds, max_steps=cfg.run.max_steps, overlap=bool(cfg.sync.overlap),
                   out_links=out_links(cfg, regions), segments=segments, rtt_factor=rtt_factor,
-                  overhead_s=cost.DEFAULT_ROUND_OVERHEAD_S if overhead_s is None else overhead_s)
+                  overhead_s=ROUND_OVERHEAD_ALONE_S if overhead_s is None else overhead_s, contention=contention)
     return setup, notes
 
 
 def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[int] | None = None,
          codecs: Sequence[str] | None = None, step_s: float | None = None, links_path: str | None = None,
          prices_path: str | None = None, utilization_floor: float = 0.9, budget_usd_per_hour: float | None = None,
-         overhead_s: float | None = None) -> dict[str, Any]:
-    """Every candidate's prediction and the recommendations, as `geofed plan --json` prints them."""
+         overhead_s: float | None = None, contention: float = 1.0) -> dict[str, Any]:
+    """Every candidate's prediction and the recommendations, as `geofed plan --json` prints them.
+
+    `contention`: the regions' step time over this machine's alone (>= 1; docs/plan.md); a probed
+    step time is multiplied by it, a given one (`step_s`) is taken as the regions will see it.
+    """
     regions = list(regions or cfg.regions.names)
     if len(regions) < 2:
         raise ValueError("regions: the plan needs at least 2 regions (one region sends nothing)")
@@ -58,9 +62,9 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
         table = load_prices(prices_path).get(cfg.network.egress.provider)
     pricer = EgressPricer(cfg.network.egress, table) if prices_path else EgressPricer(cfg.network.egress)
     facts = probe_task(cfg, probe=step_s is None)
-    step = step_s if step_s is not None else facts.step_s
+    step = step_s if step_s is not None else facts.step_s * contention
     setup, notes = build_setup(cfg, regions=regions, step_s=step, links_path=links_path, pricer=pricer,
-                               overhead_s=overhead_s)
+                               overhead_s=overhead_s, contention=contention)
     in_peers = max(1, round(len(setup.out_links) / len(regions)))
     H_max = getattr(cfg.sync.policy, "H_max", None)  # an adaptive policy's ceiling is a candidate too
     extra = [H_max] if H_max and H_max <= 100_000 else []
@@ -79,7 +83,7 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
     return {
         "regions": regions, "step_time_s": step, "step_time_source": "given" if step_s is not None else "probe",
         "model_numel": facts.numel, "overlap": setup.overlap, "rounds": cfg.run.rounds, "max_steps": cfg.run.max_steps,
-        "round_overhead_s": setup.overhead_s, "rtt_factor": setup.rtt_factor,
+        "round_overhead_s": setup.overhead_s * contention, "contention": contention, "rtt_factor": setup.rtt_factor,
         "egress_provider": cfg.network.egress.provider, "utilization_floor": utilization_floor,
         "budget_usd_per_hour": budget_usd_per_hour, "notes": notes,
         "candidates": [p.to_json() for p in preds],

@@ -35,7 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--links", metavar="FILE", help="link matrix: an earlier run's summary.json (its measured links) "
                    "or a YAML/JSON mapping 'a->b': {bandwidth_mbps, rtt_ms}; default: the config's emulation/preset")
     p.add_argument("--prices", metavar="FILE", help="egress price file (default: the packaged p2p/wan/prices.yaml)")
-    p.add_argument("--overhead", type=float, metavar="S", help="control-plane seconds per round (default: measured here)")
+    p.add_argument("--overhead", type=float, metavar="S",
+                   help="control-plane CPU seconds per round on an uncontended core (default: the bench's calibration)")
+    p.add_argument("--contention", type=float, default=1.0, metavar="K",
+                   help="regions' step time over the step time alone here (>= 1; default 1: a machine per region). "
+                        "Regions sharing cores step K times slower and their codec and control-plane work "
+                        "stretch with them (docs/plan.md)")
     p.add_argument("--utilization-floor", dest="floor", type=float, default=0.9, metavar="X",
                    help="recommend the cheapest candidate with at least this compute utilisation (default 0.9); "
                         "when none has it, the fastest per step (docs/plan.md)")
@@ -66,7 +71,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         doc = plan(cfg, regions=args.regions, Hs=args.Hs, codecs=args.codecs, step_s=args.step_time,
                    links_path=args.links, prices_path=args.prices, utilization_floor=args.floor,
-                   budget_usd_per_hour=args.budget, overhead_s=args.overhead)
+                   budget_usd_per_hour=args.budget, overhead_s=args.overhead, contention=args.contention)
     except (PlanInputError, PriceError, ValueError) as exc:
         print(f"geofed plan: {exc}", file=sys.stderr)
         return 2

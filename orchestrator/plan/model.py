@@ -20,6 +20,13 @@ from ..policies.types import LinkEstimate
 
 T = TypeVar("T")
 
+# Control-plane CPU seconds per round with a core to itself: what neither compute nor the exchange
+# explains (Ray dispatch and collect, mixing, the outer step, gRPC handling), scaled by the
+# contention. Calibrated once: the median over the 16 runs of a `geofed bench plan` (2026-12-02,
+# docs/plan.md; 4.4-11 ms each) of (measured round - the model's round without it) / the run's
+# contention (2.7-4.9 there); before, an unscaled 0.025 s, the median residual at a contention of ~3.
+ROUND_OVERHEAD_ALONE_S = 0.006
+
 
 @dataclass(frozen=True, kw_only=True)
 class Link:
@@ -49,7 +56,11 @@ class Setup:
     out_links: Sequence[str]         # directed links that carry an update every round (the topology's)
     segments: Sequence[Segment]      # at least one, the first from round 0
     rtt_factor: float = 1.0
-    overhead_s: float = cost.DEFAULT_ROUND_OVERHEAD_S
+    overhead_s: float = ROUND_OVERHEAD_ALONE_S  # control-plane CPU seconds per round on an uncontended core
+    # Regions' step time over the step time alone on the same machine (>= 1): the share of a core each
+    # region gets. The codec and the control plane (Ray dispatch and collect, mixing, the outer step,
+    # gRPC handling) are CPU work in the same processes, so they stretch by it as the steps do.
+    contention: float = 1.0
     # Each round's compute as a multiple of H*step_s, equally likely: on a shared or loaded machine
     # rounds vary (a run's per-round compute over its median). A round lasts cost.round_time of its
     # own compute, so the mean round is the mean over these, not the round of the mean: with overlap
@@ -59,6 +70,8 @@ class Setup:
     def __post_init__(self):
         if not (self.step_s > 0 and math.isfinite(self.step_s)):
             raise ValueError(f"step_s: must be a positive number of seconds, got {self.step_s}")
+        if not (self.contention >= 1.0 and math.isfinite(self.contention)):
+            raise ValueError(f"contention: must be a number >= 1 (step time shared / alone), got {self.contention}")
         if not self.compute_spread or not all(f > 0 and math.isfinite(f) for f in self.compute_spread):
             raise ValueError(f"compute_spread: must be positive multiples of H*step_s, got {self.compute_spread}")
         assert self.segments and self.segments[0].start == 0, self.segments
@@ -116,8 +129,9 @@ def _round_of(setup: Setup, seg: Segment, c: Candidate) -> tuple[float, float, s
             unpriced.append(name)
         else:
             usd += c.wire_bytes / GB * link.usd_per_gb
-    r = statistics.fmean(cost.round_time(c.H * setup.step_s * f, sync, overlap=setup.overlap, codec_s=c.codec_s,
-                                         overhead_s=setup.overhead_s) for f in setup.compute_spread)
+    r = statistics.fmean(cost.round_time(c.H * setup.step_s * f, sync, overlap=setup.overlap,
+                                         codec_s=c.codec_s * setup.contention,
+                                         overhead_s=setup.overhead_s * setup.contention) for f in setup.compute_spread)
     return r, sync, bottleneck, (None if unpriced else usd), unpriced
 
 
@@ -185,7 +199,7 @@ def drain_s(setup: Setup, c: Candidate) -> float:
     n_rounds, _ = rounds_of(setup, c.H)
     last = [s for s in setup.segments if s.start < n_rounds][-1]
     _, sync, _, _, _ = _round_of(setup, last, c)
-    return c.codec_s + sync
+    return c.codec_s * setup.contention + sync
 
 
 def choose(items: Sequence[T], *, floor: float, utilization: Callable[[T], float],

@@ -61,6 +61,16 @@ def test_a_spread_of_round_compute_lengthens_overlapped_rounds_where_compute_and
         _setup(compute_spread=())
 
 
+def test_contention_stretches_the_codec_and_the_control_plane_not_the_link():
+    c = Candidate(H=100, codec="x", wire_bytes=1_000_000, codec_s=0.01)
+    alone = predict(_setup(overhead_s=0.006), c)
+    shared = predict(_setup(overhead_s=0.006, contention=3.0), c)
+    assert alone.round_s == pytest.approx(1.0 + 1.1 + 0.01 + 0.006)
+    assert shared.round_s == pytest.approx(1.0 + 1.1 + 3 * (0.01 + 0.006))   # the step time is given as shared
+    with pytest.raises(ValueError, match="contention"):
+        _setup(contention=0.5)
+
+
 def test_the_slowest_link_is_the_bottleneck_and_an_unpriced_link_makes_dollars_unknown():
     links = _links(8.0, 0.1)
     links["b->a"] = Link(estimate=LinkEstimate(bandwidth_bps=0.8 * MBIT, rtt_s=0.1), usd_per_gb=None)
@@ -130,6 +140,16 @@ def test_plan_without_a_candidate_at_the_floor_recommends_the_fastest_and_says_s
     assert main(["plan", "configs/multi-region.yaml", "--H", "5,50", "--codecs", "fp16,int8", "--step-time", "0.001",
                  "--utilization-floor", "0.99"]) == 0
     assert "no candidate reaches utilisation 0.99" in capsys.readouterr().out
+
+
+def test_plan_contention_scales_the_round_overhead_and_slows_rounds(capsys):
+    args = ["plan", "configs/multi-region.yaml", "--H", "50", "--codecs", "int8", "--step-time", "0.01", "--json"]
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*args, "--contention", "4"]) == 0
+    four = json.loads(capsys.readouterr().out)
+    assert four["round_overhead_s"] == pytest.approx(4 * one["round_overhead_s"]) and four["contention"] == 4
+    assert four["candidates"][0]["round_s"] > one["candidates"][0]["round_s"]
 
 
 def test_plan_writes_a_config_that_loads(tmp_path, capsys):
