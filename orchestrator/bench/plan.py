@@ -1,14 +1,16 @@
 """`geofed bench plan`: `geofed plan`'s predictions against measured emulated runs (issue 23).
 
-    geofed bench plan [--quick] [--json] [--out DIR] [--set KEY=VALUE]
+    geofed bench plan [--quick] [--json] [--out DIR] [--set KEY=VALUE] [--matrix NAME] [--busy N] [--rescore DIR]
 
-Twelve real `geofed run`s (Ray actors, mutual-TLS gRPC, the proxy WAN emulator) of the digits MLP
+Sixteen real `geofed run`s (Ray actors, mutual-TLS gRPC, the proxy WAN emulator) of the digits MLP
 over three regions: four link matrices (the AWS preset as measured, the preset scaled to 0.5%
 of its bandwidth, that with one pair 10x slower, that with a bandwidth drop halfway through the
 run), each with H in {20, 100, 400}, the codec rotating over fp16, int8 and top-k 1% so that every
-H meets every codec. Each run's predicted round time, utilisation and bytes per round come from
-the planner (orchestrator/plan) given the run's own measured step time, so the comparison tests
-the round and link model, not the step-time probe (whose error is reported on its own).
+H meets every codec, and four extra top-k cells (EXTRA). Each run's predicted round time,
+utilisation and bytes per round come from the planner (orchestrator/plan) given the run's own
+measured step time, the spread of its rounds' compute and its contention (step time over the
+probe's alone), so the comparison tests the round and link model, not the step-time probe (whose
+error is reported on its own). The recommendation is checked with the planner's own rule.
 docs/plan.md has the measured table.
 """
 
