@@ -80,6 +80,32 @@ class RegionWorker(LocalSteps, RegionState):
         self.index = self.regions.index(region)
         torch.set_num_threads(cfg.regions.torch_threads)
         seed = cfg.run.seed
+        self._build_model_and_data(task, seed)
+        self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
+        algorithm_cls = algorithm_class(cfg.sync)
+        # What one message holds (gossip with tracking: params + tracker): the receiver's decode
+        # check and the size limits both follow the algorithm's word on it.
+        self.wire_shapes = algorithm_cls.wire_shapes(cfg.sync, self.shapes)
+        self.limits = wire_limits(cfg, self.wire_shapes)
+        sec = cfg.security
+        admission_cls = AdmissionPerLayout if cfg.sync.fragments > 1 else UpdateAdmission  # a norm per fragment
+        self.admission = admission_cls(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
+                                       norm_multiple=sec.norm_multiple)
+        self._open_transport(transport, tls=tls, advertised_host=advertised_host)
+        self._make_exchanger()
+        self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
+        self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
+        self.completed_round = -1
+        self.dp_plan: RoundPlan | None = None
+        self.dp_generator = noise_generator()
+        self._eval_model: torch.nn.Module | None = None
+        self._refusals_reported: dict[str, int] = {}
+        self.model.train()
+
+    def _build_model_and_data(self, task, seed: int) -> None:
+        """The device, the task, the model (one init everywhere), this region's shard and data
+        stream, and the inner optimizer: __init__'s first part, in this order (it draws seeds)."""
+        cfg, region = self.cfg, self.region
         # Workers of one process (regions/inprocess.py) may share one task built from cfg.task:
         # the data is loaded and partitioned once instead of once per region.
         # Gossip keeps its public copies in host memory: auto trains it on the CPU (the config
@@ -100,20 +126,14 @@ class RegionWorker(LocalSteps, RegionState):
         self.batches = self._batch_stream()
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
-        self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
-        algorithm_cls = algorithm_class(cfg.sync)
-        # What one message holds (gossip with tracking: params + tracker): the receiver's decode
-        # check and the size limits both follow the algorithm's word on it.
-        self.wire_shapes = algorithm_cls.wire_shapes(cfg.sync, self.shapes)
-        self.limits = wire_limits(cfg, self.wire_shapes)
-        sec = cfg.security
-        admission_cls = AdmissionPerLayout if cfg.sync.fragments > 1 else UpdateAdmission  # a norm per fragment
-        self.admission = admission_cls(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
-                                       norm_multiple=sec.norm_multiple)
+
+    def _open_transport(self, transport, *, tls, advertised_host: str | None) -> None:
+        """The transport (built here unless injected), wired to this worker's validator, pacing and state."""
+        cfg = self.cfg
         # An injected transport (the in-memory one) lets algorithm tests run without sockets.
         # `tls` (TlsMaterial) and `advertised_host` come from the actor on a multi-node cluster.
         self.transport = transport if transport is not None else make_transport(
-            cfg, region, self.run_dir, limits=self.limits, tls=tls, advertised_host=advertised_host)
+            cfg, self.region, self.run_dir, limits=self.limits, tls=tls, advertised_host=advertised_host)
         self.transport.set_validator(self._validate)
         pacing = cfg.sync.pacing
         if pacing.mode == "quorum" and pacing.late_updates == "apply":
@@ -121,21 +141,17 @@ class RegionWorker(LocalSteps, RegionState):
         if pacing.mode == "quorum" and getattr(self.transport, "mailbox", None) is not None:
             self.transport.mailbox.expect_late = True
         self.transport.set_state_provider(self.state_bytes)
+
+    def _make_exchanger(self) -> None:
+        """The Exchanger over the transport (adaptive deadline, error feedback) and secure aggregation's state."""
+        cfg = self.cfg
         d = cfg.sync.deadline
         self.exchanger = Exchanger(self.transport, error_feedback=cfg.compression.error_feedback,
                                    deadline=AdaptiveDeadline(d.initial_s, d.min_s, d.max_s, d.k),
                                    send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
         self.exchanger.observe_own = self.admission.observe_own
-        self.secagg = make_secagg(cfg, region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
+        self.secagg = make_secagg(cfg, self.region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
                                   max_message_bytes=self.limits.max_message_bytes)
-        self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
-        self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
-        self.completed_round = -1
-        self.dp_plan: RoundPlan | None = None
-        self.dp_generator = noise_generator()
-        self._eval_model: torch.nn.Module | None = None
-        self._refusals_reported: dict[str, int] = {}
-        self.model.train()
 
     def _sync_context(self) -> SyncContext:
         """The algorithm's view of this region (bound methods: a subclass's overrides apply)."""

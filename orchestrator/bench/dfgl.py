@@ -193,16 +193,11 @@ def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: 
 
 def _init_ray(cfg: RunConfig) -> bool:
     """A local Ray for every run of the bench (started once: 6-10 s here); False if one was up."""
-    import ray
+    from .runs import start_local_ray
 
-    if ray.is_initialized():
-        return False
     # Logical CPUs: enough for every region actor even on a small machine.
     need = math.ceil(len(cfg.regions.names) * (cfg.regions.num_cpus or 0.5))
-    threads = str(cfg.regions.torch_threads)
-    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})
-    return True
+    return start_local_ray(cfg, num_cpus=max(os.cpu_count() or 1, need))
 
 
 def halo_bytes_per_region(task, n_regions: int) -> float:
@@ -255,15 +250,10 @@ def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
 
 def run_once(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """One `geofed run` (no report, no progress bar); the record the bench keeps of it."""
-    from ..driver.rundir import new_run_dir, read_jsonl
-    from ..driver.runner import Runner
+    from ..driver.rundir import read_jsonl
+    from .runs import run_to_end
 
-    run_dir = new_run_dir(cfg, str(run_dir))
-    runner = Runner(cfg, run_dir, show_progress=False)
-    try:
-        summary = runner.run()
-    finally:
-        runner.shutdown()
+    run_dir, summary = run_to_end(cfg, run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     n = len(cfg.regions.names)
     resync = sum(m.get("resync_bytes", 0) for m in metrics)

@@ -164,27 +164,21 @@ def main(argv: Sequence[str]) -> int:
 def run_bench(out: Path, *, reps: int, quick: bool, overrides: Sequence[str] = (),
               console: Console | None = None, task: str = "digits") -> dict[str, Any]:
     """Run every cell `reps` times, interleaved; returns the JSON document (also out/bench.json)."""
-    import ray
-
     from .hetero_results import document, measure
+    from .runs import bench_ray, run_to_end
 
     console = console or Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     order = interleaved(cells(), reps)
     base = BASES[task]
     configs = {c: arm_config(c, quick=quick, overrides=overrides, task=task) for c in cells()}
-    started = False
-    if not ray.is_initialized():
-        cfg = next(iter(configs.values()))
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
-        started = True
     rows: list[dict[str, Any]] = []
     console.rule(f"geofed bench hetero: {len(order)} runs ({reps} interleaved repetition{'s' * (reps > 1)}"
                  f"{', --quick' if quick else ''}), {task}, target {base.metric} {base.target}")
-    try:
+    with bench_ray(next(iter(configs.values()))):
         for k, (rep, cell) in enumerate(order):
-            run_dir = _run(configs[cell], out / f"rep{rep}" / cell.scenario / cell.arm)
+            where = out / f"rep{rep}" / cell.scenario / cell.arm
+            run_dir, _ = run_to_end(configs[cell], where, source="bench hetero")
             row = {"rep": rep, "scenario": cell.scenario, "arm": cell.arm,
                    **measure(run_dir, target=base.target, higher_is_better=base.higher_is_better,
                              slow=[SLOW_REGION] if cell.scenario == "slow" else [])}
@@ -195,27 +189,10 @@ def run_bench(out: Path, *, reps: int, quick: bool, overrides: Sequence[str] = (
             console.print(f"[{k + 1}/{len(order)}] rep {rep} {cell.name}: "
                           f"{'not reached' if tt is None else f'{tt:.2f} s'} to {base.metric} {base.target}, "
                           f"final {row['final_metric']}, idle {row['fast_idle_fraction']}")
-    finally:
-        if started:
-            ray.shutdown()
     doc = {"task": task, "metric": base.metric, "target": base.target,
            **document(rows, reps=reps, quick=quick, targets=base.targets(), higher_is_better=base.higher_is_better)}
     (out / "bench.json").write_text(json.dumps({**doc, "rows": rows}, indent=2))
     return doc
-
-
-def _run(cfg, out: Path) -> Path:
-    from ..driver.rundir import new_run_dir
-    from ..driver.runner import Runner, prepare_task
-
-    cfg = prepare_task(cfg, source="bench hetero")
-    run_dir = new_run_dir(cfg, str(out))
-    runner = Runner(cfg, run_dir, show_progress=False)
-    try:
-        runner.run()
-    finally:
-        runner.shutdown()
-    return run_dir
 
 
 def print_table(console: Console, doc: dict[str, Any]) -> None:

@@ -20,7 +20,8 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -129,35 +130,38 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+@contextmanager
+def _killing(procs: list[subprocess.Popen]) -> Iterator[None]:
+    """Kill and reap the busy processes (`--busy`) however the block ends."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console: Console | None = None,
               only: Sequence[str] | None = None, busy: int = 0) -> dict[str, Any]:
     """Run every cell (of the `only` matrices) once on one shared Ray, with `busy` spinning processes
     started after the step-time probe; returns the JSON document (also out/bench.json)."""
-    import ray
-
     from ..plan.inputs import probe_task
-    from .hetero import _run
     from .plan_results import document, measure, predict_cell
+    from .runs import bench_ray, run_to_end
 
     console = console or Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells(rounds) if not only or c[0] in only]
     configs = {c: cell_config(*c, rounds=rounds, overrides=overrides) for c in todo}
     probe_step = probe_task(next(iter(configs.values()))).step_s
-    started = False
-    if not ray.is_initialized():
-        cfg = next(iter(configs.values()))
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
-        started = True
     rows: list[dict[str, Any]] = []
     console.rule(f"geofed bench plan: {len(todo)} runs of {rounds} rounds, 3 regions, digits MLP"
                  + (f", {busy} busy process(es)" if busy else ""))
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    try:
+    with _killing(spinners), bench_ray(next(iter(configs.values()))):
         for k, (matrix, H, codec) in enumerate(todo):
             cfg = configs[(matrix, H, codec)]
-            run_dir = _run(cfg, out / matrix / f"H{H}-{codec.split('(')[0]}")
+            run_dir, _ = run_to_end(cfg, out / matrix / f"H{H}-{codec.split('(')[0]}", source="bench plan")
             measured = measure(run_dir)
             row = {"matrix": matrix, "H": H, "codec": cfg.compression.codec.key, "overlap": bool(cfg.sync.overlap),
                    **measured,
@@ -168,12 +172,6 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
             console.print(f"[{k + 1}/{len(todo)}] {matrix} H={H} {row['codec']}: round {row['round_s']:.3f} s "
                           f"(predicted {row['pred_round_s']:.3f}), bytes/round {row['bytes_per_round']} "
                           f"(predicted {row['pred_bytes_per_round']})")
-    finally:
-        for p in spinners:
-            p.kill()
-            p.wait()
-        if started:
-            ray.shutdown()
     doc = document(rows, probe_step_s=probe_step, floor=FLOOR, targets=TARGETS, rounds=rounds)
     doc["busy"] = busy
     (out / "bench.json").write_text(json.dumps(doc, indent=2))

@@ -118,20 +118,14 @@ def run_bench(out: Path, *, rounds: int, H: int, emulation: str, arms: Sequence[
               reps: int = 1) -> dict[str, Any]:
     """Every arm `reps` times (repetition by repetition, so a loaded moment hits every arm alike);
     returns the JSON document (also out/bench.json)."""
-    from ..driver.rundir import new_run_dir
-    from ..driver.runner import Runner, prepare_task
+    from .runs import run_to_end
 
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     for rep in range(reps):
         for name in arms:
-            cfg = prepare_task(arm_config(name, rounds=rounds, H=H, emulation=emulation), source="bench privacy")
-            runner = Runner(cfg, new_run_dir(cfg, str(out / (name if reps == 1 else f"{name}-rep{rep}"))),
-                            show_progress=False)
-            try:
-                summary = runner.run()
-            finally:
-                runner.shutdown()
+            cfg = arm_config(name, rounds=rounds, H=H, emulation=emulation)
+            _, summary = run_to_end(cfg, out / (name if reps == 1 else f"{name}-rep{rep}"), source="bench privacy")
             runs[name].append(row(summary))
             print(f"geofed bench privacy: {name} (rep {rep}): {runs[name][-1]}", file=sys.stderr, flush=True)
     rows = {name: median_row(r) for name, r in runs.items()}

@@ -117,9 +117,8 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
     """Run every arm of ``scenario`` ``reps`` times in `interleaved_schedule` order (run directories
     under ``out``; ``out/rep<k>/<arm>`` when reps > 1); returns the --json document (medians over
     repetitions), each arm's median repetition (`representative`) and the comparison report's path."""
-    import ray
-
     from ..report import write_comparison
+    from .runs import bench_ray
 
     console = console or Console(stderr=True)
     arms = build_arms(scenario, base)
@@ -130,14 +129,8 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
         arms = [a for a in arms if a.name in only]
     schedule = interleaved_schedule(arms, reps)
     out.mkdir(parents=True, exist_ok=True)
-    started = False
-    if not ray.is_initialized():
-        cfg = arms[0].cfg
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.regions.torch_threads)}})
-        started = True
     per_rep: list[list[ArmResult]] = [[] for _ in range(reps)]
-    try:
+    with bench_ray(arms[0].cfg):
         em = arms[0].cfg.network.emulation  # after --set: what the links really are
         mbps = em.default.bandwidth_mbps * em.bandwidth_scale
         console.rule(f"geofed bench wan: {scenario.name}, {len(arms)} arms x {_reps_text(reps)}, links {mbps:g} Mbit/s "
@@ -147,9 +140,6 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
             where = out if reps == 1 else out / f"rep{r + 1}"
             label = arm.name if reps == 1 else f"rep {r + 1} {arm.name}"
             per_rep[r].append(run_arm(arm, scenario, where, console=console, index=i, total=len(schedule), label=label))
-    finally:
-        if started:
-            ray.shutdown()
     combined = combine(per_rep, scenario.name)
     doc = {"scenario": scenario.name, "arms": combined["arms"], "ratios": combined["ratios"], "reps": reps,
            "spread": combined["spread"], "peak_to_mean": best_arm_peak(combined["arms"])}

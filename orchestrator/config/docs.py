@@ -28,7 +28,8 @@ def _table(rows) -> str:
 
 def _clean_type(tp: str) -> str:
     for prefix in ("geofed.orchestrator.config.privacy.", "geofed.orchestrator.config.run.",
-                   "geofed.orchestrator.config.sync_parts.", "geofed.orchestrator.config.",
+                   "geofed.orchestrator.config.sync_parts.", "geofed.orchestrator.config.cluster.",
+                   "geofed.orchestrator.config.updates.", "geofed.orchestrator.config.",
                    "geofed.orchestrator.launch.config.", "geofed.p2p.wan.config.", "geofed.p2p.wan.prices.",
                    "geofed.compression.spec.", "<class '", "'>"):
         tp = tp.replace(prefix, "")

@@ -1,11 +1,14 @@
-"""The parts of ``sync`` with no rules across sections: the inner and outer optimizers, the
-receive deadline and gossip's settings (SyncSection itself is in __init__.py)."""
+"""``sync``: SyncSection and its parts (the inner and outer optimizers, the receive deadline and
+gossip's settings). Rules across sections (CHOCO's codecs, robust aggregation) are RunConfig's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from geofed.regions.pacing import PacingSection
+
+from ..policies import FixedPolicyConfig, policy_config_class
 from .common import _doc
 
 
@@ -76,3 +79,75 @@ class GossipSection:
     def __post_init__(self):
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma: must be in (0, 1], got {self.gamma}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSection:
+    """``sync``: the algorithm, topology, H/codec policy, the optimizers, overlap, deadlines and
+    resyncs. Refuses CHOCO gossip over a time-varying topology.
+    """
+
+    algorithm: Literal["diloco", "allreduce", "gossip"] = field(
+        default="diloco", metadata=_doc("diloco: H local steps then outer step on mixed pseudo-gradients; allreduce: per-step gradient averaging (baseline); gossip: decentralized model mixing"))
+    topology: str = field(default="full", metadata=_doc("full, ring, exponential, one-peer-exponential, random-matching"))
+    policy: Any = field(default_factory=FixedPolicyConfig, metadata=_doc("how H (and codecs) are chosen; kind: fixed, bandwidth, adacomm", choose=policy_config_class))
+    inner: InnerOptimizer = field(default_factory=InnerOptimizer, metadata=_doc("local optimizer"))
+    outer: OuterOptimizer = field(default_factory=OuterOptimizer, metadata=_doc("outer optimizer (diloco)"))
+    overlap: bool | Literal["eager"] = field(default=False, metadata=_doc(
+        "exchange round r while round r+1 computes. true (delayed): the outer update of round r is applied one round "
+        "late; eager: the region applies its own pseudo-gradient at once and corrects with the global mean when it "
+        "arrives (arXiv 2502.12996)"))
+    fragments: int = field(default=1, metadata=_doc(
+        "streaming DiLoCo (arXiv 2501.18512): split the model into this many fragments (contiguous layers, even "
+        "in size) and exchange one per round, fragment round % N; the policy's H stays each parameter's sync "
+        "period, so a round runs H/N steps and sends 1/N of the model (diloco over a static topology; "
+        "docs/bench-wan.md)"))
+    deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
+    resync_after_miss: bool = field(default=True, metadata=_doc(
+        "diloco/allreduce over the full topology without overlap: a region that missed an in-neighbour's update "
+        "(deadline, outage, a crashed peer) pulls the model from one that missed none (FetchState) after the round, "
+        "so every region trains one model; false: it keeps its own drifted copy"))
+    gossip: GossipSection = field(default_factory=GossipSection, metadata=_doc("gossip algorithm settings"))
+    pacing: PacingSection = field(default_factory=PacingSection, metadata=_doc(
+        "whether a round waits for its slowest region: barrier, time-budget or quorum (docs/heterogeneity.md)"))
+
+    def __post_init__(self):
+        from geofed.p2p.topology import topology_names  # p2p owns the names
+
+        if self.pacing.mode != "barrier" and (self.algorithm != "diloco" or self.topology != "full"):
+            raise ValueError(f"pacing.mode: {self.pacing.mode} paces full-topology diloco, not {self.algorithm} "
+                             f"over {self.topology}")
+        if self.pacing.mode == "quorum" and self.overlap:
+            raise ValueError("pacing.mode: quorum rounds and sync.overlap do not combine (a late region's update "
+                             "would be two rounds old before it is applied); use time-budget with overlap")
+
+        if self.topology not in topology_names():
+            raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
+        self._check_fragments()
+        if self.algorithm == "gossip" and self.gossip.choco and not _static_topology(self.topology):
+            # One public copy per region is consistent only if every neighbour gets every message.
+            raise ValueError(f"topology: CHOCO gossip (sync.gossip.choco) needs a static topology "
+                             f"(full, ring, exponential), got {self.topology!r}")
+
+    def _check_fragments(self) -> None:
+        """sync.fragments > 1: what streaming fragments do not combine with, said here, not mid-run."""
+        if not 1 <= self.fragments <= 1024:
+            raise ValueError(f"fragments: must be in [1, 1024], got {self.fragments}")
+        if self.fragments == 1:
+            return
+        if self.algorithm != "diloco":
+            raise ValueError(f"fragments: {self.fragments} fragments need sync.algorithm diloco, not {self.algorithm}")
+        if self.pacing.mode == "quorum":
+            raise ValueError("fragments: quorum rounds (sync.pacing.mode) and sync.fragments do not combine "
+                             "(a late region's update would belong to another fragment's round)")
+        if not _static_topology(self.topology):
+            # Fragment f meets the topology of rounds f, f+N, ... only: a time-varying one (one peer per
+            # round) could pair a fragment with the same peer for ever.
+            raise ValueError(f"fragments: sync.fragments needs a static topology (full, ring, exponential), "
+                             f"got {self.topology!r}")
+
+
+def _static_topology(name: str) -> bool:
+    from geofed.p2p.topology import StaticTopology, make_topology
+
+    return isinstance(make_topology(name, 4), StaticTopology)

@@ -26,6 +26,31 @@ def _link(a: str, b: str) -> tuple[float, float]:
     return _LINK.get((a, b)) or _LINK.get((b, a)) or (30.0, 100.0)
 
 
+def _round_links(regions, rng: random.Random, *, degraded: bool, emulated: bool,
+                 update_bytes: float) -> tuple[dict[str, dict], list[float]]:
+    """One round's measured links (the first one cut to 1/5 once degraded) and each link's transfer time."""
+    links, t_round = {}, []
+    for a in regions:
+        for b in regions:
+            if a == b:
+                continue
+            bw, rtt = _link(a, b)
+            if degraded and {a, b} == set(regions[:2]):
+                bw = bw / 5
+            links[f"{a}->{b}"] = {"bandwidth_mbps": round(bw * rng.uniform(0.85, 1.0), 2),
+                                  "rtt_ms": round(rtt * rng.uniform(1.0, 1.15), 1)}
+            if emulated:
+                links[f"{a}->{b}"].update(configured_bandwidth_mbps=bw, configured_rtt_ms=rtt)
+            t_round.append(rtt / 1000 + update_bytes * 8 / (bw * 1e6))
+    return links, t_round
+
+
+def _write_events(root: Path, regions) -> None:
+    _write_jsonl(root / "events.jsonl", [
+        {"t": 1.5, "round": 1, "kind": "peer_left_out", "region": regions[0], "detail": "deadline passed"},
+        {"t": 2.0, "round": 2, "kind": "refusal", "reason": "round_window"}])
+
+
 def fake_run_dir(root: Path, *, regions=REGIONS, rounds: int = 12, eval_every: int | None = 4,
                  emulated: bool = True, algorithm: str = "diloco", policy: str = "bandwidth",
                  summary: bool = True, events: bool = True, seed: int = 0, name: str = "fake",
@@ -44,19 +69,8 @@ def fake_run_dir(root: Path, *, regions=REGIONS, rounds: int = 12, eval_every: i
             H, codec = 60, "int8"
         h_hist.append({"round": rnd, "H": H, "t": round(t, 3)})
         compute = H * 0.011
-        links, t_round = {}, []
-        for a in regions:
-            for b in regions:
-                if a == b:
-                    continue
-                bw, rtt = _link(a, b)
-                if degraded and {a, b} == set(regions[:2]):
-                    bw = bw / 5
-                links[f"{a}->{b}"] = {"bandwidth_mbps": round(bw * rng.uniform(0.85, 1.0), 2),
-                                      "rtt_ms": round(rtt * rng.uniform(1.0, 1.15), 1)}
-                if emulated:
-                    links[f"{a}->{b}"].update(configured_bandwidth_mbps=bw, configured_rtt_ms=rtt)
-                t_round.append(rtt / 1000 + bytes_per_update * (0.5 if codec == "int8" else 1) * 8 / (bw * 1e6))
+        links, t_round = _round_links(regions, rng, degraded=degraded, emulated=emulated,
+                                      update_bytes=bytes_per_update * (0.5 if codec == "int8" else 1))
         sync = max(t_round) if t_round else 0.0
         t0, t1 = t, t + compute + sync
         loss_mean = loss0 * math.exp(-loss_rate * (rnd + 1) * H / 20) + 0.05
@@ -95,9 +109,7 @@ def fake_run_dir(root: Path, *, regions=REGIONS, rounds: int = 12, eval_every: i
            "network": {"emulation": {"mode": "proxy" if emulated else "none"}}}
     (root / "config.yaml").write_text(yaml.safe_dump(cfg))
     if events:
-        _write_jsonl(root / "events.jsonl", [
-            {"t": 1.5, "round": 1, "kind": "peer_left_out", "region": regions[0], "detail": "deadline passed"},
-            {"t": 2.0, "round": 2, "kind": "refusal", "reason": "round_window"}])
+        _write_events(root, regions)
     if summary:
         _write_summary(root, name, regions, rounds, t, metrics, round_recs, sent_per_link, h_hist, algorithm, policy, emulated)
     return root

@@ -1,0 +1,75 @@
+"""``compression`` and ``security``: how an update is encoded, and what a region admits of its peers'."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from geofed.compression import CodecSpec
+
+from .common import _doc
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionSection:
+    """``compression``: the default codec, error feedback, and the ladder of codecs a policy may
+    choose per link (all CodecSpecs: the loader parses every spelling).
+    """
+
+    codec: CodecSpec = field(default=CodecSpec(kind="fp16"), metadata=_doc(
+        "a codec name (int8), a mapping ({kind: topk, fraction: 0.01, inner: int8}) or its key "
+        "(topk(fraction=0.01,inner=int8)); see docs/compression.md"))
+    error_feedback: bool = field(default=True, metadata=_doc("keep what a lossy codec dropped and send it later"))
+    ladder: tuple[CodecSpec, ...] = field(default=(), metadata=_doc("codecs the policy may choose per link, least compression first"))
+
+    def __post_init__(self):
+        # The loader parses every spelling into a CodecSpec; code that builds a section must too.
+        for key, spec in [("codec", self.codec)] + [(f"ladder.{i}", s) for i, s in enumerate(self.ladder)]:
+            if not isinstance(spec, CodecSpec):
+                raise TypeError(f"{key}: expected a CodecSpec (CodecSpec.parse(...)), got {type(spec).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecuritySection:
+    """``security``: mutual TLS, how far ahead updates may come, what admission does with outsized
+    updates, and the rollback of rounds that turn a model non-finite.
+    """
+
+    tls: bool = field(default=True, metadata=_doc("mutual TLS on every channel (false: plaintext, warns)"))
+    round_window: int = field(default=2, metadata=_doc("accept updates at most this many rounds ahead"))
+    robust_aggregation: Literal["none", "clip", "trimmed-mean", "median"] = field(default="clip", metadata=_doc(
+        "what an outsized peer update meets: clip: scaled down to norm_multiple x the recent median norm; "
+        "trimmed-mean / median: refused (outlier) and the mix is coordinate-wise robust (full-topology diloco "
+        "or allreduce); none: only the value bound (docs/p2p.md)"))
+    max_update_value: float = field(default=1e6, metadata=_doc(
+        "an update holding a value of larger magnitude is refused (out_of_bounds), in every mode"))
+    norm_multiple: float = field(default=10.0, metadata=_doc(
+        "an update whose L2 norm exceeds this multiple of the median of recent update norms (all senders and "
+        "the region's own) is clipped or refused"))
+    trim_fraction: float = field(default=0.25, metadata=_doc(
+        "trimmed-mean: values dropped at each end of every coordinate, as a fraction of the regions present "
+        "(at least 1 when 3 or more)"))
+    rollback_on_nonfinite: bool = field(default=True, metadata=_doc(
+        "a region whose loss or model turns non-finite goes back to its state at the start of the round and "
+        "drops the round's inputs (an event), instead of failing the run; 3 in a row still fail it"))
+    secure_aggregation: bool = field(default=False, metadata=_doc(
+        "mask every region's update with pairwise X25519/ChaCha20 masks that cancel in the sum, so a region learns "
+        "only the sum of the others' updates; full-topology diloco, >= 3 regions, TLS, and a codec that sums as "
+        "integers (int8, int4, randomk; topk, sign and powersgd are refused). docs/privacy.md"))
+    secagg_threshold: int | None = field(default=None, metadata=_doc(
+        "Shamir threshold t of the per-round protocol's recovery (p2p/secagg.py; null: a majority, max(2, n // 2 + "
+        "1), at most n - 1); the round loop's per-run-key protocol recovers from the survivors' own seeds and does "
+        "not use it (docs/privacy.md)"))
+    secagg_bits: Literal[8, 16, 32] = field(default=32, metadata=_doc(
+        "the mask ring Z_2^bits: a masked value costs bits on the wire (32: 4x an int8 update); 8 keeps int8's "
+        "bytes but leaves each region 127 // n levels so that the sum cannot wrap"))
+
+    def __post_init__(self):
+        if not 0 <= self.round_window <= 1000:
+            raise ValueError(f"round_window: must be in [0, 1000], got {self.round_window}")
+        if not 0 < self.max_update_value <= 3.4e38:
+            raise ValueError(f"max_update_value: must be in (0, 3.4e38], got {self.max_update_value}")
+        if not 1 < self.norm_multiple <= 1e6:
+            raise ValueError(f"norm_multiple: must be in (1, 1e6], got {self.norm_multiple}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction: must be in [0, 0.5), got {self.trim_fraction}")
