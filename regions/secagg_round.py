@@ -118,7 +118,7 @@ class SecAggRound:
         m: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "transfers": [], "peers_missing": [],
                              "wait_s": 0.0, "send_failures": {}, "secagg_signed": self.ca is not None,
                              "secagg_phase_s": {}}
-        self._harvest(m, block_s=0.0)  # the last round's self-key pushes (acknowledged during the inner steps)
+        self._harvest(m)  # the last round's self-key pushes (acknowledged during the inner steps)
         t0 = time.monotonic()
         try:
             if len(members) < 3 or self.region not in members:
@@ -163,14 +163,17 @@ class SecAggRound:
         masked, absmaxes, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m)
         survivors = frozenset(masked)
         self.advert_delivered -= set(members) - survivors  # a region that missed the round may have restarted
+        if len(survivors) < 3:  # the sum of two is the other's update: no self key, no seed, no sum
+            raise Fallback(f"{len(survivors)} masked updates arrived (secure aggregation needs 3)")
         self_keys = self._key_exchange(round_, survivors, sends, grid, m)
         if survivors == set(members) and set(self_keys) == survivors:
-            self._harvest(m, block_s=0.0)  # the common round ends here: no ack is waited for
+            self._harvest(m)  # the common round ends here: no ack is waited for
             total = run.unmask_total(masked, self_keys=self_keys, dropped_seeds={}, bits=self.bits)
             self.ahead = (round_, tuple(members), np.max(np.stack([absmaxes[r] for r in members]), axis=0))
         else:
-            self._harvest(m, block_s=max(1.0, self.deadline.current()))  # who acknowledged decides the reveal
+            wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))  # acks decide the reveal
             ackers = {p for p, f in sends.items() if f.done() and f.exception() is None}
+            self._harvest(m)
             total = self._unmask(round_, members, survivors, masked, ackers, grid, self_keys, m)
         mean = [d / len(survivors) for d in self._dequantize(total, scales, spans, own)]
         return mean, survivors
@@ -184,8 +187,9 @@ class SecAggRound:
         setups = {p: _pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
                   for p in peers}
         with_advert = {p for p in peers if p not in self.advert_delivered}
-        inbox, acked = self._round_trip(round_, SETUP, setups, m)
-        self.advert_delivered |= acked
+        inbox, futures = self._round_trip(round_, SETUP, setups, m)
+        for p in with_advert:  # filed once its push is acknowledged (the next SETUP then sends none)
+            futures[p].add_done_callback(lambda f, p=p: f.exception() is None and self.advert_delivered.add(p))
         peer_absmax = self._take_setups(inbox, members, absmax.size, with_advert)
         m["secagg_phase_s"]["setup"] = round(time.monotonic() - t, 6)
         if set(peer_absmax) != set(peers) or not set(peers) <= set(self.publics):
@@ -340,12 +344,10 @@ class SecAggRound:
             raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
         return am
 
-    def _harvest(self, m: dict, *, block_s: float) -> None:
-        """Count the pushes of `pending` that ended (waiting up to `block_s` for them); the others stay
-        pending, counted by a later round. The common round waits for no ack (int8's waits for its
-        update's): its self-key pushes end while the next round's inner steps run."""
-        if block_s > 0:
-            wait([f for *_, f in self.pending], timeout=block_s)
+    def _harvest(self, m: dict) -> None:
+        """Count the pushes of `pending` that ended; the others stay pending, counted by a later
+        round. The common round waits for no ack (int8's waits for its update's): its self-key
+        pushes end while the next round's inner steps run."""
         still = []
         for round_, peer, phase, fut in self.pending:
             if not fut.done():
@@ -372,28 +374,16 @@ class SecAggRound:
                 m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
 
     def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True):
-        """Push each peer its payload, wait for the peers' (the deadline), count the traffic; returns
-        (the inbox, the peers that acknowledged)."""
+        """Push each peer its payload and wait (the deadline) for the peers' of this phase; returns
+        (the inbox, {peer: its push's future}). No ack is waited for: the pushes are counted when
+        they end (`_harvest`), and only the masked update's acks decide anything."""
         futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
                    for p, b in payloads.items()}
-        deadline = self.deadline.current()
-        inbox = self.side.receive(round_, phase, deadline) if receive else None
-        wait(list(futures.values()), timeout=max(1.0, deadline))
-        acked = set()
-        for peer, fut in futures.items():
-            if not fut.done():
-                m["send_failures"][peer] = f"secagg phase {phase} still in flight after the deadline"
-                continue
-            try:
-                stats = fut.result()
-            except TransportError as exc:
-                m["send_failures"][peer] = str(exc)
-                continue
-            acked.add(peer)
-            m["bytes_sent"] += stats.bytes
+        self.pending += [(round_, p, phase, f) for p, f in futures.items()]
+        inbox = self.side.receive(round_, phase, self.deadline.current()) if receive else None
         if inbox is not None:
             self._count_received(inbox, phase, m)
-        return inbox, acked
+        return inbox, futures
 
     # ---- the shared-scale quantiser over a list of tensors -------------------------------
     @staticmethod

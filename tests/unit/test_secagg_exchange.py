@@ -236,3 +236,43 @@ def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
     assert ("b", "d", KEY) not in seen and ("d", "b", KEY) not in seen  # keys only where the masked went
     for t in ts.values():
         t.close()
+
+
+def test_a_masked_update_on_another_grid_is_refused_counted_and_the_others_still_sum_exactly():
+    """Round 1 quantises with scales agreed in round 0; d's are forged (its ahead absmax doubled).
+    Its masked update carries its grid's digest: a, b and c refuse it (counted as wrong_grid) and
+    treat d as dropped, recover d's masks among themselves and hold the exact sum of the three."""
+    ts, rounds = _cluster(deadline=1.0)
+    first = _updates(REGIONS, seed=0)
+    _run(rounds, first, round_=0)
+    r0, members, amax = rounds["d"].ahead
+    rounds["d"].ahead = (r0, members, amax * 2)
+    updates = _updates(REGIONS, seed=1)
+    out = _run(rounds, updates, round_=1)
+    want = _grid_mean(updates, ["a", "b", "c"], levels=127, scaled_by=REGIONS, scales_from=first)
+    for r in ("a", "b", "c"):
+        m = out[r][1]
+        assert m["secagg_refused"].get("wrong_grid") == 1 and m["secagg_dropped"] == ["d"], m
+        assert m["secagg_scales_ahead"] and "reveal" in m["secagg_phase_s"], m
+        for got, exp in zip(out[r][0], want):
+            torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
+    assert out["d"][1]["secagg_refused"].get("wrong_grid") == 3 and "secagg_failed" in out["d"][1]
+    for t in ts.values():
+        t.close()
+
+
+def test_two_survivors_never_unmask_their_sum():
+    """c and d leave mid-round: the sum of a and b minus a's own update would be b's, so neither
+    sends a self key or a pair seed, and both apply their own update alone."""
+    ts, rounds = _cluster(drop={"c", "d"}, deadline=1.0)
+    seen = []
+    for r in REGIONS:
+        ts[r].mailbox.side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
+    updates = _updates(REGIONS)
+    out = _run(rounds, updates)
+    for r in ("a", "b"):
+        assert out[r][1]["secagg_failed"].startswith("2 masked updates arrived"), out[r][1]
+        torch.testing.assert_close(out[r][0][0], updates[r][0])
+    assert not [x for x in seen if x[2] not in (SETUP, MASKED)], seen
+    for t in ts.values():
+        t.close()
