@@ -36,7 +36,6 @@ model again. Refused side messages are counted by SecAggError.reason under `seca
 
 from __future__ import annotations
 
-import struct
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -53,30 +52,10 @@ from geofed.p2p.secagg_slot import KEY, MASKED, RECOVER, REVEAL, SETUP, SideChan
 from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
 from geofed.p2p.transport import TransferStats, Transport, TransportError
 
-CHUNK = 4096  # values per shared scale (int8's chunk)
-
+from .secagg_grid import CHUNK, dequantize_all, pack, quantize_all, unpack
 
 class Fallback(Exception):
     """This region cannot unmask the round (why): it applies its own update alone."""
-
-
-def _pack(*parts: bytes) -> bytes:
-    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
-
-
-def _unpack(payload: bytes, count: int) -> list[bytes]:
-    out, pos = [], 0
-    for _ in range(count):
-        if pos + 4 > len(payload):
-            raise SecAggError("malformed", "a setup message ends inside a length")
-        (n,) = struct.unpack_from("<I", payload, pos)
-        if pos + 4 + n > len(payload):
-            raise SecAggError("malformed", "a setup message ends inside a part")
-        out.append(payload[pos + 4:pos + 4 + n])
-        pos += 4 + n
-    if pos != len(payload):
-        raise SecAggError("malformed", f"{len(payload) - pos} bytes after a setup message")
-    return out
 
 
 class SecAggRound:
@@ -155,9 +134,9 @@ class SecAggRound:
         if self.drop_mid_round(round_):
             m["secagg_dropped_self"] = True  # emulated: the region leaves before its masked update
             raise Fallback("dropped mid-round (emulated)")
-        q, spans = self._quantize(own, scales, levels)
+        q, spans = quantize_all(own, scales, levels)
         if self.error_feedback:  # what the grid clipped or rounded away goes out next round
-            self.residual = [o - d for o, d in zip(own, self._dequantize(q, scales, spans, own))]
+            self.residual = [o - d for o, d in zip(own, dequantize_all(q, scales, spans, own))]
         mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
         grid = run.digest(scales)
         masked, absmaxes, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m)
@@ -175,7 +154,7 @@ class SecAggRound:
             ackers = {p for p, f in sends.items() if f.done() and f.exception() is None}
             self._harvest(m)
             total = self._unmask(round_, members, survivors, masked, ackers, grid, self_keys, m)
-        mean = [d / len(survivors) for d in self._dequantize(total, scales, spans, own)]
+        mean = [d / len(survivors) for d in dequantize_all(total, scales, spans, own)]
         return mean, survivors
 
     def _setup(self, round_: int, members: list[str], peers: list[str], absmax: np.ndarray, m: dict) -> dict[str, np.ndarray]:
@@ -184,7 +163,7 @@ class SecAggRound:
         self.side.expect(round_, SETUP, peers)
         advert = encode_advert(self.keys.advert, self.cert)
         need = ",".join(sorted(p for p in peers if p not in self.publics)).encode()  # keys this region lacks
-        setups = {p: _pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
+        setups = {p: pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
                   for p in peers}
         with_advert = {p for p in peers if p not in self.advert_delivered}
         inbox, futures = self._round_trip(round_, SETUP, setups, m)
@@ -200,7 +179,7 @@ class SecAggRound:
         """Step 2: push the masked update (its grid, the next round's absmax) and take the peers'.
         Returns ({survivor: masked}, {survivor: absmax}, {peer: the push's future})."""
         t = time.monotonic()
-        payload = _pack(encode_masked(mine), grid, absmax.astype("<f4").tobytes())
+        payload = pack(encode_masked(mine), grid, absmax.astype("<f4").tobytes())
         sends = {p: self._pool.submit(self.side.send, p, round_, MASKED, payload, timeout_s=self.send_timeout_s)
                  for p in peers}
         self.pending += [(round_, p, MASKED, f) for p, f in sends.items()]
@@ -213,7 +192,7 @@ class SecAggRound:
         masked, absmaxes = {self.region: mine}, {self.region: absmax}
         for sender, raw in sorted(inbox.received.items()):
             try:
-                body, their_grid, their_absmax = _unpack(raw, 3)
+                body, their_grid, their_absmax = unpack(raw, 3)
                 if their_grid != grid:
                     raise SecAggError("wrong_grid", f"{sender} quantised on another grid (its scales differ)")
                 their = self._absmax(their_absmax, absmax.size, sender)
@@ -318,7 +297,7 @@ class SecAggRound:
         out = {}
         for sender, payload in sorted(inbox.received.items()):
             try:
-                raw, advert, need = _unpack(payload, 3)
+                raw, advert, need = unpack(payload, 3)
                 if self.region in need.decode("ascii", "replace").split(",") and sender not in with_advert:
                     self.advert_delivered.discard(sender)  # it lost our key (a restart): send it again
                 am = self._absmax(raw, nchunks, sender)
@@ -384,28 +363,6 @@ class SecAggRound:
         if inbox is not None:
             self._count_received(inbox, phase, m)
         return inbox, futures
-
-    # ---- the shared-scale quantiser over a list of tensors -------------------------------
-    @staticmethod
-    def _quantize(own: list[torch.Tensor], scales: np.ndarray, levels: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """One int64 vector of every tensor's values (each tensor chunked on its own) and, per
-        tensor, its slice of `scales`."""
-        parts, spans, c0 = [], [], 0
-        for o in own:
-            nch = -(-o.numel() // CHUNK)
-            spans.append((c0, c0 + nch))
-            parts.append(secmask.quantize(o.numpy(), scales[c0:c0 + nch], chunk=CHUNK, levels=levels))
-            c0 += nch
-        return np.concatenate(parts), spans
-
-    @staticmethod
-    def _dequantize(q: np.ndarray, scales: np.ndarray, spans, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        out, pos = [], 0
-        for (c0, c1), ref in zip(spans, like):
-            vals = secmask.dequantize(q[pos:pos + ref.numel()], scales[c0:c1], chunk=CHUNK)
-            out.append(torch.from_numpy(vals).reshape(ref.shape))
-            pos += ref.numel()
-        return out
 
 
 def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadline,
