@@ -146,7 +146,10 @@ class SecAggRound:
             raise Fallback(f"{len(survivors)} masked updates arrived (secure aggregation needs 3)")
         self_keys = self._key_exchange(round_, survivors, sends, grid, m)
         if survivors == set(members) and set(self_keys) == survivors:
-            self._harvest(m)  # the common round ends here: no ack is waited for
+            # The common round ends here. Its masked update's acks came before the peers' keys (each
+            # key waited for one): waiting for them costs nothing and counts this round's bytes in it.
+            wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))
+            self._harvest(m)
             total = run.unmask_total(masked, self_keys=self_keys, dropped_seeds={}, bits=self.bits)
             self.ahead = (round_, tuple(members), np.max(np.stack([absmaxes[r] for r in members]), axis=0))
         else:
@@ -325,8 +328,8 @@ class SecAggRound:
 
     def _harvest(self, m: dict) -> None:
         """Count the pushes of `pending` that ended; the others stay pending, counted by a later
-        round. The common round waits for no ack (int8's waits for its update's): its self-key
-        pushes end while the next round's inner steps run."""
+        round. The common round waits for no self-key ack: those pushes end while the next round's
+        inner steps run (the last round's few hundred bytes are not counted)."""
         still = []
         for round_, peer, phase, fut in self.pending:
             if not fut.done():
