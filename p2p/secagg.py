@@ -35,7 +35,7 @@ from . import secmask, shamir
 from .tls import certificate_region
 
 REASONS = ("wrong_run", "wrong_round", "replayed_key", "bad_signature", "unknown_region", "malformed",
-           "wrong_share", "too_few_shares", "reveal_conflict")
+           "wrong_share", "too_few_shares", "reveal_conflict", "wrong_grid")
 KINDS = ("key", "seed")  # the two secrets a region shares: its X25519 key and its self-mask seed
 
 

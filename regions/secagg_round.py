@@ -2,18 +2,27 @@
 
 Keys cross each link once per run (p2p/secagg_run.py). One round of region i, after its inner
 steps; every message goes over the run's transport in secure aggregation's own side slots
-(p2p/secagg_slot.py), and every wait has the round's deadline:
+(p2p/secagg_slot.py), and every wait has the round's deadline. The common round (every region
+took part in the last one) is one masked exchange plus a 100-byte self key pipelined behind it,
+as int8's round is one exchange; the other phases run only when needed:
 
-1. SETUP to every peer: the per-chunk absmax of its update (4096-value chunks per tensor, as
-   int8 sends its scales in the clear), its signed key advert until that peer has filed it, and
-   the peers whose keys it lacks (a restarted region: they send theirs again next round).
-2. Every region quantises with the same scales (the largest absmax over the round's regions,
-   over the levels that keep a sum of n from wrapping the ring), masks, and sends MASKED.
-3. The survivors are the regions whose masked update arrived by the deadline. REVEAL to every
-   survivor: the round's self key (only to a peer that acknowledged i's masked update), the
-   survivors i saw and the digest of its grid. A region whose survivors or grid differ from a
-   peer's does not unmask (its sum would not be theirs).
-4. A region that lost masked updates asks, by its survivor list, for the pair seeds of the lost
+1. Scales. Every region quantises with the same per-chunk scales (4096 values a chunk per
+   tensor): the largest absmax over the round's regions, over the levels that keep a sum of n
+   from wrapping the ring. Agreed a round ahead: each masked update carries its sender's absmax
+   (as int8 sends its scales in the clear), so after a complete round every region holds every
+   absmax and the next round quantises with them, clipping what grew into the error-feedback
+   residual. Only when a region lacks them (the first round, after a round that lost a region,
+   a restarted region) does it run SETUP first: its absmax, its signed key advert until that
+   peer has filed it, and the peers whose keys it lacks (they send theirs again next round).
+2. MASKED to every peer: the masked update, the digest of its grid (a peer on another grid
+   refuses it: its sum would be garbage) and its absmax for the next round's scales.
+3. KEY: the round's self key, sent to a peer only once that peer acknowledged i's masked update
+   and i got the peer's (the rule the reveal had: never to a region that may be counted dropped).
+   A region that holds every member's masked update and self key unmasks: done, no more phases.
+4. Only when a masked update or a self key is missing: REVEAL to every survivor, the survivors
+   i saw and the digest of its grid (a region whose survivors or grid differ from a peer's does
+   not unmask: its sum would not be theirs), the self key again to the peers that acknowledged.
+   A region that lost masked updates asks, by its survivor list, for the pair seeds of the lost
    regions: RECOVER answers carry a survivor's own round seeds, and only for regions whose masked
    update it lost too (whoever holds a masked update never gets the seeds that unmask it).
 5. The sum of the survivors' updates is unmasked, dequantised and divided by their number: the
@@ -21,16 +30,16 @@ steps; every message goes over the run's transport in secure aggregation's own s
 
 A region that cannot unmask (no keys, a missing reveal or answer, survivors that disagree)
 applies its own update alone and reports every peer as missed: the driver's resync makes one
-model again. Refused side messages are counted by SecAggError.reason under `secagg_refused`.
+model again. Refused side messages are counted by SecAggError.reason under `secagg_refused`;
+`secagg_phase_s` has each phase's seconds and `secagg_scales_ahead` whether SETUP was skipped.
 """
 
 from __future__ import annotations
 
-import struct
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -39,39 +48,20 @@ import torch
 from geofed.p2p import secagg_run as run
 from geofed.p2p import secmask
 from geofed.p2p.secagg import KeyBook, SecAggError
-from geofed.p2p.secagg_slot import MASKED, RECOVER, REVEAL, SETUP, SideChannel
+from geofed.p2p.secagg_slot import KEY, MASKED, RECOVER, REVEAL, SETUP, SideChannel
 from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
-from geofed.p2p.transport import Transport, TransportError
+from geofed.p2p.transport import TransferStats, Transport, TransportError
 
-CHUNK = 4096  # values per shared scale (int8's chunk)
-
+from .secagg_grid import CHUNK, dequantize_all, pack, quantize_all, unpack
 
 class Fallback(Exception):
     """This region cannot unmask the round (why): it applies its own update alone."""
 
 
-def _pack(*parts: bytes) -> bytes:
-    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
-
-
-def _unpack(payload: bytes, count: int) -> list[bytes]:
-    out, pos = [], 0
-    for _ in range(count):
-        if pos + 4 > len(payload):
-            raise SecAggError("malformed", "a setup message ends inside a length")
-        (n,) = struct.unpack_from("<I", payload, pos)
-        if pos + 4 + n > len(payload):
-            raise SecAggError("malformed", "a setup message ends inside a part")
-        out.append(payload[pos + 4:pos + 4 + n])
-        pos += 4 + n
-    if pos != len(payload):
-        raise SecAggError("malformed", f"{len(payload) - pos} bytes after a setup message")
-    return out
-
-
 class SecAggRound:
     """A region's secure-aggregation exchange, one `exchange` per DiLoCo round. `deadline` is the
-    region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after SETUP."""
+    region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after its
+    inner steps (after SETUP when the round runs one), before its masked update."""
 
     def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
                  deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
@@ -89,8 +79,12 @@ class SecAggRound:
         self.publics: dict[str, bytes] = {}
         self.advert_delivered: set[str] = set()  # peers that filed this region's advert
         self.residual: list[torch.Tensor] | None = None
+        # (round, its members, every member's chunk absmax): the next round's scales, agreed ahead
+        self.ahead: tuple[int, tuple[str, ...], np.ndarray] | None = None
+        self.pending: list[tuple[int, str, int, Future]] = []  # pushes not yet acknowledged when a round ended
         self.refused: Counter[str] = Counter()
-        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(regions)), thread_name_prefix="geofed-secagg")
+        # A KEY task waits in a worker for its MASKED push's ack: room for both, per peer, and a stalled one.
+        self._pool = ThreadPoolExecutor(max_workers=max(6, 3 * len(regions)), thread_name_prefix="geofed-secagg")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -101,7 +95,9 @@ class SecAggRound:
         members = sorted(alive) if alive is not None else list(self.regions)
         peers = [p for p in members if p != self.region]
         m: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "transfers": [], "peers_missing": [],
-                             "wait_s": 0.0, "send_failures": {}, "secagg_signed": self.ca is not None}
+                             "wait_s": 0.0, "send_failures": {}, "secagg_signed": self.ca is not None,
+                             "secagg_phase_s": {}}
+        self._harvest(m)  # the last round's self-key pushes (acknowledged during the inner steps)
         t0 = time.monotonic()
         try:
             if len(members) < 3 or self.region not in members:
@@ -109,6 +105,9 @@ class SecAggRound:
                 raise Fallback(f"{len(members)} regions in the round (secure aggregation needs 3)")
             mean, survivors = self._round(round_, tensors, members, peers, m)
         except Fallback as why:
+            # Next round runs SETUP, and sends this region's advert again: a peer it lost may have restarted.
+            self.ahead = None
+            self.advert_delivered.clear()
             m.update(peers_missing=peers, secagg_failed=str(why), secagg_refused=dict(self.refused))
             return [t.detach().clone() for t in tensors], m
         m.update(wait_s=round(time.monotonic() - t0, 6), secagg_survivors=len(survivors),
@@ -123,49 +122,131 @@ class SecAggRound:
         own = [t.detach().float().cpu() for t in tensors]
         if self.residual is not None:
             own = [o + r for o, r in zip(own, self.residual)]
-        for phase in (SETUP, MASKED):
-            self.side.expect(round_, phase, peers)
+        self.side.expect(round_, MASKED, peers)
         absmax = np.concatenate([secmask.chunk_absmax(o.numpy(), CHUNK) for o in own])
+        levels = secmask.levels_for(len(members), self.bits)
+        ahead, self.ahead = self.ahead, None  # set again only by a complete round
+        if ahead is not None and ahead[:2] == (round_ - 1, tuple(members)) and set(peers) <= set(self.publics):
+            scales = secmask.shared_scales([ahead[2]], levels)
+        else:
+            scales = secmask.shared_scales([absmax, *self._setup(round_, members, peers, absmax, m).values()], levels)
+        m.update(secagg_levels=levels, secagg_scales_ahead="setup" not in m["secagg_phase_s"])
+        if self.drop_mid_round(round_):
+            m["secagg_dropped_self"] = True  # emulated: the region leaves before its masked update
+            raise Fallback("dropped mid-round (emulated)")
+        q, spans = quantize_all(own, scales, levels)
+        if self.error_feedback:  # what the grid clipped or rounded away goes out next round
+            self.residual = [o - d for o, d in zip(own, dequantize_all(q, scales, spans, own))]
+        mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
+        grid = run.digest(scales)
+        masked, absmaxes, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m)
+        survivors = frozenset(masked)
+        self.advert_delivered -= set(members) - survivors  # a region that missed the round may have restarted
+        if len(survivors) < 3:  # the sum of two is the other's update: no self key, no seed, no sum
+            raise Fallback(f"{len(survivors)} masked updates arrived (secure aggregation needs 3)")
+        self_keys = self._key_exchange(round_, survivors, sends, grid, m)
+        if survivors == set(members) and set(self_keys) == survivors:
+            # The common round ends here. Its masked update's acks came before the peers' keys (each
+            # key waited for one): waiting for them costs nothing and counts this round's bytes in it.
+            wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))
+            self._harvest(m)
+            total = run.unmask_total(masked, self_keys=self_keys, dropped_seeds={}, bits=self.bits)
+            self.ahead = (round_, tuple(members), np.max(np.stack([absmaxes[r] for r in members]), axis=0))
+        else:
+            wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))  # acks decide the reveal
+            ackers = {p for p, f in sends.items() if f.done() and f.exception() is None}
+            self._harvest(m)
+            total = self._unmask(round_, members, survivors, masked, ackers, grid, self_keys, m)
+        mean = [d / len(survivors) for d in dequantize_all(total, scales, spans, own)]
+        return mean, survivors
+
+    def _setup(self, round_: int, members: list[str], peers: list[str], absmax: np.ndarray, m: dict) -> dict[str, np.ndarray]:
+        """SETUP (step 1 when no scales were agreed ahead): every peer's absmax, keys filed."""
+        t = time.monotonic()
+        self.side.expect(round_, SETUP, peers)
         advert = encode_advert(self.keys.advert, self.cert)
         need = ",".join(sorted(p for p in peers if p not in self.publics)).encode()  # keys this region lacks
-        setups = {p: _pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
+        setups = {p: pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
                   for p in peers}
         with_advert = {p for p in peers if p not in self.advert_delivered}
-        inbox, acked = self._round_trip(round_, SETUP, setups, m)
-        self.advert_delivered |= acked
+        inbox, futures = self._round_trip(round_, SETUP, setups, m)
+        for p in with_advert:  # filed once its push is acknowledged (the next SETUP then sends none)
+            futures[p].add_done_callback(lambda f, p=p: f.exception() is None and self.advert_delivered.add(p))
         peer_absmax = self._take_setups(inbox, members, absmax.size, with_advert)
+        m["secagg_phase_s"]["setup"] = round(time.monotonic() - t, 6)
         if set(peer_absmax) != set(peers) or not set(peers) <= set(self.publics):
             raise Fallback(f"no scales or key from {sorted(set(peers) - (set(peer_absmax) & set(self.publics)))}")
-        if self.drop_mid_round(round_):
-            m["secagg_dropped_self"] = True  # emulated: the region leaves with its scales and keys sent
-            raise Fallback("dropped mid-round (emulated)")
-        n = len(members)
-        levels = secmask.levels_for(n, self.bits)
-        scales = secmask.shared_scales([absmax, *(peer_absmax[p] for p in peers)], levels)
-        q, spans = self._quantize(own, scales, levels)
-        if self.error_feedback:
-            self.residual = [o - d for o, d in zip(own, self._dequantize(q, scales, spans, own))]
-        mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
-        payload = encode_masked(mine)
-        inbox, ackers = self._round_trip(round_, MASKED, {p: payload for p in peers}, m)
+        return peer_absmax
+
+    def _masked_exchange(self, round_: int, mine: np.ndarray, grid: bytes, absmax: np.ndarray, peers, m):
+        """Step 2: push the masked update (its grid, the next round's absmax) and take the peers'.
+        Returns ({survivor: masked}, {survivor: absmax}, {peer: the push's future})."""
+        t = time.monotonic()
+        payload = pack(encode_masked(mine), grid, absmax.astype("<f4").tobytes())
+        sends = {p: self._pool.submit(self.side.send, p, round_, MASKED, payload, timeout_s=self.send_timeout_s)
+                 for p in peers}
+        self.pending += [(round_, p, MASKED, f) for p, f in sends.items()]
+        inbox = self.side.receive(round_, MASKED, self.deadline.current())
         if inbox.missing:  # as the Exchanger does: a miss widens the deadline, a complete round teaches it
             self.deadline.observe_miss()
         else:
             self.deadline.observe(inbox.waited_s)
-        masked = {self.region: mine}
-        for sender, raw in inbox.received.items():
+        self._count_received(inbox, MASKED, m)
+        masked, absmaxes = {self.region: mine}, {self.region: absmax}
+        for sender, raw in sorted(inbox.received.items()):
             try:
-                masked[sender] = decode_masked(raw, numel=mine.size, bits=self.bits)
+                body, their_grid, their_absmax = unpack(raw, 3)
+                if their_grid != grid:
+                    raise SecAggError("wrong_grid", f"{sender} quantised on another grid (its scales differ)")
+                their = self._absmax(their_absmax, absmax.size, sender)
+                masked[sender] = decode_masked(body, numel=mine.size, bits=self.bits)
             except SecAggError as exc:
                 self.refused[exc.reason] += 1
-        m["secagg_levels"] = levels
-        survivors = frozenset(masked)
-        total = self._unmask(round_, members, survivors, masked, ackers, run.digest(scales), m)
-        mean = [d / len(survivors) for d in self._dequantize(total, scales, spans, own)]
-        return mean, survivors
+                continue
+            absmaxes[sender] = their
+        m["secagg_phase_s"]["masked"] = round(time.monotonic() - t, 6)
+        return masked, absmaxes, sends
 
-    def _unmask(self, round_: int, members, survivors: frozenset[str], masked, ackers: set[str], grid: bytes, m):
-        """Steps 3-5 of the module docstring: the exact integer sum of the survivors' updates."""
+    def _key_exchange(self, round_: int, survivors: frozenset[str], sends: dict[str, Future], grid: bytes, m) -> dict[str, bytes]:
+        """Step 3: the self key to each survivor once it acknowledged the masked update (a worker
+        waits for the ack: no ack, no key); returns the self keys received, this region's included."""
+        t = time.monotonic()
+        others = sorted(survivors - {self.region})
+        self.side.expect(round_, KEY, others)
+        key = self.keys.self_key(round_)
+        msg = run.encode_reveal(self.run_id, round_, self.region, self_key=key, survivors=(), grid=grid)
+        for p in others:
+            self.pending.append((round_, p, KEY, self._pool.submit(self._key_after_ack, sends[p], p, round_, msg)))
+        # Twice the deadline: a peer that waited out its own deadline for a masked update that never
+        # came sends its key only then (a complete round's keys arrive within an RTT of the updates).
+        inbox = self.side.receive(round_, KEY, 2 * self.deadline.current())
+        self._count_received(inbox, KEY, m)
+        self_keys = {self.region: key}
+        for sender, raw in sorted(inbox.received.items()):
+            try:
+                run_id, r, region, their_key, _, their_grid = run.decode_reveal(raw)
+                if (run_id, r, region) != (self.run_id, round_, sender) or not their_key:
+                    raise SecAggError("wrong_round", f"a self key of {region!r} for round {r} pushed by {sender!r}")
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+                continue
+            if their_grid == grid:
+                self_keys[sender] = their_key
+        m["secagg_phase_s"]["key"] = round(time.monotonic() - t, 6)
+        return self_keys
+
+    def _key_after_ack(self, masked: Future, peer: str, round_: int, msg: bytes) -> TransferStats | None:
+        """In a worker: the self key to `peer` once its ack of the masked update is in (None: no ack)."""
+        try:
+            masked.result(timeout=self.send_timeout_s)
+        except (TransportError, TimeoutError):
+            return None
+        return self.side.send(peer, round_, KEY, msg, timeout_s=self.send_timeout_s)
+
+    def _unmask(self, round_: int, members, survivors: frozenset[str], masked, ackers: set[str], grid: bytes,
+                self_keys: dict[str, bytes], m):
+        """Step 4 (a region or a self key is missing): the exact integer sum of the survivors' updates."""
+        t = time.monotonic()
         others = sorted(survivors - {self.region})
         dropped = sorted(set(members) - survivors)
         self.side.expect(round_, REVEAL, others)
@@ -175,7 +256,7 @@ class SecAggRound:
                                         self_key=self.keys.self_key(round_) if p in ackers else b"")
                    for p in others}
         inbox, _ = self._round_trip(round_, REVEAL, reveals, m)
-        self_keys = {self.region: self.keys.self_key(round_)}
+        self_keys = dict(self_keys)
         answers = {}
         for sender, raw in sorted(inbox.received.items()):
             try:
@@ -207,6 +288,7 @@ class SecAggRound:
                     self.refused[exc.reason] += 1
                     continue
                 seeds.update({(sender, d): seed for d, seed in theirs.items() if d in dropped})
+        m["secagg_phase_s"]["reveal"] = round(time.monotonic() - t, 6)  # with the recovery answers
         missing = [(s, d) for s in survivors for d in dropped if (s, d) not in seeds]
         if missing:
             raise Fallback(f"no pair seeds for {sorted(missing)}")
@@ -218,14 +300,10 @@ class SecAggRound:
         out = {}
         for sender, payload in sorted(inbox.received.items()):
             try:
-                raw, advert, need = _unpack(payload, 3)
+                raw, advert, need = unpack(payload, 3)
                 if self.region in need.decode("ascii", "replace").split(",") and sender not in with_advert:
                     self.advert_delivered.discard(sender)  # it lost our key (a restart): send it again
-                if len(raw) != 4 * nchunks:
-                    raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
-                am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-                if not np.all(np.isfinite(am)) or np.any(am < 0):
-                    raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
+                am = self._absmax(raw, nchunks, sender)
                 if advert:
                     adv, cert = decode_advert(advert)
                     run.verify_run_advert(adv, sender=sender, run_id=self.run_id, regions=members, book=self.book,
@@ -239,56 +317,55 @@ class SecAggRound:
             out[sender] = am
         return out
 
-    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True):
-        """Push each peer its payload, wait for the peers' (the deadline), count the traffic; returns
-        (the inbox, the peers that acknowledged)."""
-        futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
-                   for p, b in payloads.items()}
-        deadline = self.deadline.current()
-        inbox = self.side.receive(round_, phase, deadline) if receive else None
-        wait(list(futures.values()), timeout=max(1.0, deadline))
-        acked = set()
-        for peer, fut in futures.items():
+    @staticmethod
+    def _absmax(raw: bytes, nchunks: int, sender: str) -> np.ndarray:
+        if len(raw) != 4 * nchunks:
+            raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
+        am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+        if not np.all(np.isfinite(am)) or np.any(am < 0):
+            raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
+        return am
+
+    def _harvest(self, m: dict) -> None:
+        """Count the pushes of `pending` that ended; the others stay pending, counted by a later
+        round. The common round waits for no self-key ack: those pushes end while the next round's
+        inner steps run (the last round's few hundred bytes are not counted)."""
+        still = []
+        for round_, peer, phase, fut in self.pending:
             if not fut.done():
-                m["send_failures"][peer] = f"secagg phase {phase} still in flight after the deadline"
+                still.append((round_, peer, phase, fut))
                 continue
             try:
                 stats = fut.result()
             except TransportError as exc:
-                m["send_failures"][peer] = str(exc)
+                m["send_failures"][peer] = f"secagg round {round_} phase {phase}: {exc}"
                 continue
-            acked.add(peer)
+            if stats is None:  # a self key not sent: the masked update was not acknowledged
+                continue
             m["bytes_sent"] += stats.bytes
             if phase == MASKED:
                 m["transfers"].append({"peer": peer, "direction": "send", "bytes": stats.bytes,
-                                       "seconds": round(stats.seconds, 6), "concurrent": len(futures)})
-        for sender, (nbytes, seconds) in (inbox.timings if inbox is not None else {}).items():
+                                       "seconds": round(stats.seconds, 6), "concurrent": len(self.regions) - 1})
+        self.pending = still
+
+    @staticmethod
+    def _count_received(inbox, phase: int, m: dict) -> None:
+        for sender, (nbytes, seconds) in inbox.timings.items():
             m["bytes_received"] += nbytes
             if phase == MASKED:
                 m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
-        return inbox, acked
 
-    # ---- the shared-scale quantiser over a list of tensors -------------------------------
-    @staticmethod
-    def _quantize(own: list[torch.Tensor], scales: np.ndarray, levels: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """One int64 vector of every tensor's values (each tensor chunked on its own) and, per
-        tensor, its slice of `scales`."""
-        parts, spans, c0 = [], [], 0
-        for o in own:
-            nch = -(-o.numel() // CHUNK)
-            spans.append((c0, c0 + nch))
-            parts.append(secmask.quantize(o.numpy(), scales[c0:c0 + nch], chunk=CHUNK, levels=levels))
-            c0 += nch
-        return np.concatenate(parts), spans
-
-    @staticmethod
-    def _dequantize(q: np.ndarray, scales: np.ndarray, spans, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        out, pos = [], 0
-        for (c0, c1), ref in zip(spans, like):
-            vals = secmask.dequantize(q[pos:pos + ref.numel()], scales[c0:c1], chunk=CHUNK)
-            out.append(torch.from_numpy(vals).reshape(ref.shape))
-            pos += ref.numel()
-        return out
+    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True):
+        """Push each peer its payload and wait (the deadline) for the peers' of this phase; returns
+        (the inbox, {peer: its push's future}). No ack is waited for: the pushes are counted when
+        they end (`_harvest`), and only the masked update's acks decide anything."""
+        futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
+                   for p, b in payloads.items()}
+        self.pending += [(round_, p, phase, f) for p, f in futures.items()]
+        inbox = self.side.receive(round_, phase, self.deadline.current()) if receive else None
+        if inbox is not None:
+            self._count_received(inbox, phase, m)
+        return inbox, futures
 
 
 def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadline,

@@ -10,7 +10,7 @@ WAN emulator with the AWS preset) of 4 regions training the digits MLP with DiLo
 * ``int8``: int8 updates (the reference of the secure-aggregation arms);
 * ``secagg``: int8-grid updates under security.secure_aggregation (8-bit mask ring);
 * ``secagg_drop``: the same, with one region (eu-west-1) leaving mid-round in the middle round
-  (regions.emulation.availability.mid_round: it sends its scales, then nothing more);
+  (regions.emulation.availability.mid_round: it sends its scales if the round agrees them, then nothing more);
 * ``dp_eps1``, ``dp_eps4``, ``dp_eps8``: record-level DP-SGD (privacy.dp.mode record, clip 1,
   delta 1e-5), the noise chosen by the accountant so the planned rounds end at that epsilon.
 

@@ -13,7 +13,7 @@ import torch
 
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.p2p.secagg_slot import MASKED, RECOVER, SETUP, SIDE, side_round
+from geofed.p2p.secagg_slot import KEY, MASKED, PHASES, RECOVER, SETUP, SIDE, side_round
 from geofed.p2p.transport import TransportError
 from geofed.regions.secagg_round import CHUNK, SecAggRound
 
@@ -59,14 +59,15 @@ def _run(rounds, updates, round_=0, alive=None):
     return out
 
 
-def _grid_mean(updates, members, levels, scaled_by=None):
-    """The plain mean of `members` on the shared int8-style grid (scales from `scaled_by`, default
-    the members): what the secure sum is exact to."""
+def _grid_mean(updates, members, levels, scaled_by=None, scales_from=None):
+    """The plain mean of `members` on the shared int8-style grid (scales from `scaled_by`'s
+    updates in `scales_from`, default the members' in `updates`): what the secure sum is exact to."""
     out = []
+    scales_from = scales_from or updates
     for k in range(len(next(iter(updates.values())))):
         xs = [updates[r][k].flatten().numpy() for r in members]
         pad = (-xs[0].size) % CHUNK
-        amax = np.max([np.pad(np.abs(updates[r][k].flatten().numpy()), (0, pad)).reshape(-1, CHUNK).max(axis=1)
+        amax = np.max([np.pad(np.abs(scales_from[r][k].flatten().numpy()), (0, pad)).reshape(-1, CHUNK).max(axis=1)
                        for r in (scaled_by or members)], axis=0)
         scale = np.repeat(amax / levels, CHUNK)[: xs[0].size]
         q = sum(np.clip(np.rint(x / scale), -levels, levels) for x in xs)
@@ -138,14 +139,26 @@ def test_a_region_leaving_mid_round_leaves_the_others_the_exact_sum_of_the_survi
 
 
 def test_two_rounds_in_a_row_and_8_bit_rings_keep_the_sum():
+    """Round 0 agrees its scales in SETUP; round 1 quantises with round 0's absmax (carried on the
+    masked updates: scales agreed a round ahead), sends no SETUP, and is still the exact grid sum."""
     ts, rounds = _cluster(bits=8)
-    for rnd in range(2):
+    seen = []
+    ts["a"].mailbox.side.set_validator(lambda s, rnd, p: seen.append(rnd) or bytes(p))
+    previous = None
+    for rnd in range(3):
         updates = _updates(REGIONS, seed=rnd)
         out = _run(rounds, updates, round_=rnd)
-        want = _grid_mean(updates, REGIONS, levels=31)  # 127 // 4: four sums cannot wrap 8 bits
+        # 127 // 4 levels: four sums cannot wrap 8 bits; the scales of the round before (round 0: its own)
+        want = _grid_mean(updates, REGIONS, levels=31, scales_from=previous)
         for r in REGIONS:
-            assert out[r][1]["secagg_levels"] == 31
+            m = out[r][1]
+            assert m["secagg_levels"] == 31 and m["secagg_scales_ahead"] == (rnd > 0), m
+            assert set(m["secagg_phase_s"]) == ({"masked", "key"} if rnd else {"setup", "masked", "key"}), m
             torch.testing.assert_close(out[r][0][0], want[0], rtol=0, atol=1e-5)
+        previous = updates
+    # one message a peer per phase; SETUP only in round 0, no REVEAL or RECOVER in a complete round
+    assert sorted(seen) == sorted(3 * [side_round(0, SETUP)] + [side_round(rnd, ph) for rnd in range(3)
+                                                                 for ph in (MASKED, KEY) for _ in range(3)])
     for t in ts.values():
         t.close()
 
@@ -178,9 +191,12 @@ def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted
     # round 2: the others send a their keys again (it said it lacks them); all four sum
     out = _run(rounds, _updates(REGIONS, seed=2), round_=2)
     assert all(o[1].get("secagg_survivors") == 4 for o in out.values()), {r: o[1] for r, o in out.items()}
-    # round 3: a's round-0 setup (its old key) replayed to b in a's slot, a sitting the round out
-    ts["a"].send("b", SIDE | side_round(3, SETUP), captured[("a", side_round(0, SETUP))], timeout_s=1.0)
+    # round 3: a sits out (the others agreed their scales ahead: no SETUP; they drop a)
     out = _run({r: rounds[r] for r in ("b", "c", "d")}, _updates(REGIONS, seed=3), round_=3, alive=REGIONS)
+    assert out["b"][1]["secagg_scales_ahead"] and out["b"][1]["secagg_dropped"] == ["a"], out["b"][1]
+    # round 4 (SETUP again after the drop): a's round-0 setup (its old key) replayed to b in a's slot
+    ts["a"].send("b", SIDE | side_round(4, SETUP), captured[("a", side_round(0, SETUP))], timeout_s=1.0)
+    out = _run({r: rounds[r] for r in ("b", "c", "d")}, _updates(REGIONS, seed=4), round_=4, alive=REGIONS)
     m = out["b"][1]
     assert m["secagg_refused"].get("replayed_key", 0) == 1, m
     assert "secagg_failed" in m and m["peers_missing"] == ["a", "c", "d"]
@@ -189,9 +205,11 @@ def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted
 
 
 def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
-    """d's masked update reaches a and c but not b: the survivor lists differ, so no region
-    applies a sum and no pair seed of d is revealed (a and c hold d's update and its self key;
-    they never answer b's request for d's seeds)."""
+    """d's masked update reaches a and c but not b. Self keys go only to regions whose masked
+    update arrived, so b (lost d) never gets d's and sends d none of its own: b and d cannot
+    unmask and apply their own updates; a and c hold every masked update and self key, and the
+    exact sum of all four. No pair seed of d is revealed (a and c hold d's update and its self
+    key; they never answer a request for d's seeds)."""
     ts, rounds = _cluster(deadline=1.0)
     send = rounds["d"].side.send
 
@@ -204,11 +222,57 @@ def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
     seen = []
     for r in REGIONS:
         side = ts[r].mailbox.side
-        side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % 4)) or bytes(p))
-    out = _run(rounds, _updates(REGIONS))
-    for r in REGIONS:
-        # b never saw d survive; a, c and d wait for b's reveal past their deadline or see its list
-        assert "secagg_failed" in out[r][1] and out[r][1]["peers_missing"], (r, out[r][1])
+        side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
+    updates = _updates(REGIONS)
+    out = _run(rounds, updates)
+    for r in ("b", "d"):
+        assert "secagg_failed" in out[r][1] and len(out[r][1]["peers_missing"]) == 3, out[r][1]
+        torch.testing.assert_close(out[r][0][0], updates[r][0])
+    want = _grid_mean(updates, REGIONS, levels=127)
+    for r in ("a", "c"):
+        assert out[r][1]["secagg_survivors"] == 4 and "secagg_failed" not in out[r][1], (r, out[r][1])
+        torch.testing.assert_close(out[r][0][0], want[0], rtol=0, atol=1e-5)
     assert not [x for x in seen if x[2] == RECOVER]  # nobody answered with pair seeds
+    assert ("b", "d", KEY) not in seen and ("d", "b", KEY) not in seen  # keys only where the masked went
+    for t in ts.values():
+        t.close()
+
+
+def test_a_masked_update_on_another_grid_is_refused_counted_and_the_others_still_sum_exactly():
+    """Round 1 quantises with scales agreed in round 0; d's are forged (its ahead absmax doubled).
+    Its masked update carries its grid's digest: a, b and c refuse it (counted as wrong_grid) and
+    treat d as dropped, recover d's masks among themselves and hold the exact sum of the three."""
+    ts, rounds = _cluster(deadline=1.0)
+    first = _updates(REGIONS, seed=0)
+    _run(rounds, first, round_=0)
+    r0, members, amax = rounds["d"].ahead
+    rounds["d"].ahead = (r0, members, amax * 2)
+    updates = _updates(REGIONS, seed=1)
+    out = _run(rounds, updates, round_=1)
+    want = _grid_mean(updates, ["a", "b", "c"], levels=127, scaled_by=REGIONS, scales_from=first)
+    for r in ("a", "b", "c"):
+        m = out[r][1]
+        assert m["secagg_refused"].get("wrong_grid") == 1 and m["secagg_dropped"] == ["d"], m
+        assert m["secagg_scales_ahead"] and "reveal" in m["secagg_phase_s"], m
+        for got, exp in zip(out[r][0], want):
+            torch.testing.assert_close(got, exp, rtol=0, atol=1e-5)
+    assert out["d"][1]["secagg_refused"].get("wrong_grid") == 3 and "secagg_failed" in out["d"][1]
+    for t in ts.values():
+        t.close()
+
+
+def test_two_survivors_never_unmask_their_sum():
+    """c and d leave mid-round: the sum of a and b minus a's own update would be b's, so neither
+    sends a self key or a pair seed, and both apply their own update alone."""
+    ts, rounds = _cluster(drop={"c", "d"}, deadline=1.0)
+    seen = []
+    for r in REGIONS:
+        ts[r].mailbox.side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
+    updates = _updates(REGIONS)
+    out = _run(rounds, updates)
+    for r in ("a", "b"):
+        assert out[r][1]["secagg_failed"].startswith("2 masked updates arrived"), out[r][1]
+        torch.testing.assert_close(out[r][0][0], updates[r][0])
+    assert not [x for x in seen if x[2] not in (SETUP, MASKED)], seen
     for t in ts.values():
         t.close()
