@@ -58,6 +58,10 @@ class PacingSection:
         "time-budget mode: the most a pseudo-gradient is scaled up or down by FedNova's normalisation "
         "(expected steps / its steps); 1 (default) turns it off: a plain mean, which weights a region by "
         "the steps behind its update; raise it (4) for non-IID shards (docs/heterogeneity.md)"))
+    fill_gaps: bool = field(default=True, metadata=_doc(
+        "time-budget mode with sync.overlap: a region that has returned its round keeps taking inner steps "
+        "until the next round arrives (they count in that round), instead of sitting idle while the driver "
+        "gathers and plans or a slower region finishes (regions/gapfill.py)"))
 
     def __post_init__(self):
         if self.quorum < 0:
