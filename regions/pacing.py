@@ -3,11 +3,14 @@
 * ``barrier`` (the default): every region runs H steps; the round ends when all have reported.
 * ``time-budget``: every region runs inner steps until a wall-clock budget the coordinator sets
   from the measured step times (budget = H x the median region's step time), so fast regions
-  run more steps than slow ones. Each pseudo-gradient is normalised FedNova-style (Wang et al.
-  2020): scaled by tau_eff / tau_i, tau_i the steps behind it and tau_eff the mean of the steps
-  the coordinator expects of the round's regions (the factor kept within [1/4, 4]), so a region's
-  weight in the mean does not grow with how fast its hardware is (objective drift toward the fast
-  regions' data).
+  run more steps than slow ones. Each pseudo-gradient is weighted by the work behind it
+  (``weighting: steps``, FedAvg's weighting by examples processed): scaled by tau_i / tau_eff,
+  tau_i its steps and tau_eff the mean of the steps the coordinator expects of the round's
+  regions, so a region that ran a few steps does not dilute the mean of the others' full rounds.
+  With ``fednova_max_scale`` above 1 it is normalised FedNova-style instead (Wang et al. 2020):
+  scaled by tau_eff / tau_i within [1/f, f], so a region's weight does not grow with how fast its
+  hardware is (objective drift toward the fast regions' data, at the price of amplifying a slow
+  region's few noisy steps).
 * ``quorum``: a region's receive closes once `quorum` - 1 peer updates (plus its own) are in and
   a short grace has passed; the driver closes the round once `quorum` regions have reported and
   dispatches the next round to every region not still busy. A late update is not dropped: the
@@ -58,6 +61,14 @@ class PacingSection:
         "time-budget mode: the most a pseudo-gradient is scaled up or down by FedNova's normalisation "
         "(expected steps / its steps); 1 (default) turns it off: a plain mean, which weights a region by "
         "the steps behind its update; raise it (4) for non-IID shards (docs/heterogeneity.md)"))
+    weighting: Literal["steps", "mean"] = field(default="steps", metadata=_doc(
+        "time-budget mode: steps: each pseudo-gradient is scaled by its steps / the mean steps expected of the "
+        "round's regions (at most max_steps_factor), so a region that ran few steps does not dilute the others' "
+        "full rounds; mean: a plain mean. fednova_max_scale above 1 takes precedence over both"))
+    fill_gaps: bool = field(default=True, metadata=_doc(
+        "time-budget mode with sync.overlap: a region that has returned its round keeps taking inner steps "
+        "until the next round arrives (they count in that round), instead of sitting idle while the driver "
+        "gathers and plans or a slower region finishes (regions/gapfill.py)"))
 
     def __post_init__(self):
         if self.quorum < 0:
@@ -72,6 +83,8 @@ class PacingSection:
             raise ValueError(f"max_steps_factor: must be in [1, 1000], got {self.max_steps_factor}")
         if not 1 <= self.fednova_max_scale <= 1000:
             raise ValueError(f"fednova_max_scale: must be in [1, 1000], got {self.fednova_max_scale}")
+        if self.weighting not in ("steps", "mean"):
+            raise ValueError(f"weighting: must be steps or mean, got {self.weighting!r}")
 
     def quorum_of(self, participants: int) -> int:
         """Regions (own included) that close a round of `participants` regions."""
@@ -106,6 +119,18 @@ def fednova_scale(steps: int, norm_steps: float | None, *, limit: float = 4.0) -
     return float(min(limit, max(1.0 / limit, float(norm_steps) / steps)))
 
 
+def update_scale(pacing: PacingSection, steps: int, norm_steps: float | None) -> tuple[str | None, float]:
+    """The factor on a time-budget round's pseudo-gradient, and the metric that reports it
+    (None: no scaling): FedNova's when fednova_max_scale is above 1, else the step weight."""
+    if not norm_steps or steps <= 0:
+        return None, 1.0
+    if pacing.fednova_max_scale > 1:
+        return "fednova_scale", fednova_scale(steps, norm_steps, limit=pacing.fednova_max_scale)
+    if pacing.weighting == "steps":
+        return "step_weight", float(min(pacing.max_steps_factor, steps / float(norm_steps)))
+    return None, 1.0
+
+
 def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence[torch.Tensor]]], *,
               round_: int, n_regions: int, exponent: float) -> tuple[list[torch.Tensor], list[float]]:
     """Fold late pseudo-gradients into a round's mean: (mixed + sum_s w_s/n x delta_s) / (1 + sum_s w_s/n),
@@ -124,4 +149,4 @@ def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence
     return out, [w * n_regions for w in weights]
 
 
-__all__ = ["PacingSection", "budget_over", "fednova_scale", "mix_stale", "stale_weight"]
+__all__ = ["PacingSection", "budget_over", "fednova_scale", "mix_stale", "stale_weight", "update_scale"]

@@ -53,9 +53,10 @@ class LocalSteps:
         slowdown's sleep counts as compute: it stands for a slower device). `before_step(k)`, when
         given, runs between the k-th backward and step (e.g. gradient tracking adds its drift
         correction to the gradients there)."""
+        filled_losses, filled = self.filler.take() if getattr(self, "filler", None) is not None else ([], [])
         losses, durations = [], []
         t0 = time.monotonic()
-        limit = H if budget_s is None else max(1, max_steps or H)
+        limit = H if budget_s is None else max(1, (max_steps or H) - len(filled))
         for k in range(limit):
             t_step = time.monotonic()
             losses.append(self.forward_backward())
@@ -66,7 +67,9 @@ class LocalSteps:
             durations.append(time.monotonic() - t_step)
             if budget_s is not None and budget_over(time.monotonic() - t0, durations, budget_s):
                 break
-        compute_s = time.monotonic() - t0
+        # Steps taken between rounds (sync.pacing.fill_gaps) are this round's first.
+        compute_s = time.monotonic() - t0 + sum(filled)
+        losses, durations = filled_losses + losses, filled + durations
         loss = sum(losses) / len(losses)
         steps = len(losses)
         # A round's first step reads several of the rest (a new round's data, allocation); a time
@@ -74,6 +77,8 @@ class LocalSteps:
         steady = durations[1:] if len(durations) >= 3 else durations
         metrics = {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s / steps, "steps": steps,
                    "step_time_steady_s": sum(steady) / len(steady)}
+        if filled:
+            metrics["fill_steps"], metrics["fill_s"] = len(filled), round(sum(filled), 6)
         if not math.isfinite(loss):
             exc = FloatingPointError(f"region {self.region}: train loss is {loss}")
             exc.metrics = metrics  # what the round's rollback reports (regions/rollback.py)

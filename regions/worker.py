@@ -27,6 +27,7 @@ from .sync import algorithm_class, mix
 from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
 from .exchange import Exchanger
+from .gapfill import GapFiller, pausing
 from .limits import wire_limits
 from .privacy.dp import noise_generator
 from .rollback import RoundGuard
@@ -67,8 +68,11 @@ class RoundPlan:
     dp_mode: str = "off"
     dp_clip: float = 1.0
     dp_noise: float | None = None
+    # sync.pacing.fill_gaps (regions/gapfill.py): after returning, step until the next call arrives.
+    fill: bool = False
 
 
+@pausing
 class RegionWorker(LocalSteps, RegionState):
     """`cfg` is the run config (geofed.orchestrator.config.RunConfig; duck-typed: regions must
     not import orchestrator)."""
@@ -114,6 +118,7 @@ class RegionWorker(LocalSteps, RegionState):
         self.device = resolve_device(spec, region=region)
         self.precision = Precision(cfg.sync.inner.precision, self.device)
         self.slowdown = Slowdown(cfg.regions.emulation.slowdown.get(region, 1.0))
+        self.filler = GapFiller(self)
         self.task = task if task is not None else make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed,
                                                             device=str(self.device))
         # Same init everywhere (seed, not seed + index): DiLoCo starts every region from one model.
@@ -229,6 +234,7 @@ class RegionWorker(LocalSteps, RegionState):
             metrics["eval"] = ev
         if plan.sketch:
             metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
+        fill = plan.fill and not plan.final
         wall = time.time() - t_start
         metrics.update({"round": plan.round, "region": self.region, "H": plan.H,
                         "codecs": {p: plan.codecs.get(p, self.cfg.compression.codec).key
@@ -237,6 +243,9 @@ class RegionWorker(LocalSteps, RegionState):
                         "links": self.exchanger.link_estimates(self.region),
                         "refused": self.transport.stats().get("refused_total", 0), "refusals": self.take_refusals(),
                         "clipped": self.admission.take_clipped(), "rss_mb": rss_mb()})
+        if fill:  # last: any call into the worker (even its own) stops the filler
+            cap = plan.max_steps or max(1, plan.H) * 4
+            self.filler.start(lr_scale=plan.lr_scale, max_steps=cap, max_s=max(1.0, 4 * (plan.budget_s or 0.0)))
         return metrics
 
     def _guarded_round(self, plan: RoundPlan) -> dict[str, Any]:

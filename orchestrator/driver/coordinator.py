@@ -134,10 +134,11 @@ class Coordinator:
         sketch = evaluate and self.cfg.sync.algorithm != "gossip"  # gossip fetches the models themselves
         paced = self._pacing_fields(H, alive)
         steps = self._calibration_steps(alive) if calibrating else {}
+        fill = not final and self._fills()
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
             plans[region] = RoundPlan(round=round_, H=steps.get(region, H), codecs=mine, lr_scale=scale, evaluate=region in evaluators,
-                                      alive=tuple(alive), final=final, sketch=sketch, **paced)
+                                      alive=tuple(alive), final=final, sketch=sketch, fill=fill, **paced)
         self._plan_t = self.clock.now()
         return plans
 
@@ -152,6 +153,15 @@ class Coordinator:
             unknown = float("inf")  # a region that never reported in time may be the slow one
             return [min(alive, key=lambda r: (self.region_step_time(r) or unknown, alive.index(r)))]
         return list(alive[:1])
+
+    def _fills(self) -> bool:
+        """Whether regions fill the gap after a round with steps (sync.pacing.fill_gaps,
+        regions/gapfill.py): time-budget rounds of DiLoCo with overlap, where the model a region
+        holds between rounds is its own unsynced progress; not with record-level DP (its accountant
+        counts the planned steps) or fragments (their outer state is per fragment)."""
+        cfg, p = self.cfg, self.pacing
+        return (p.mode == "time-budget" and p.fill_gaps and cfg.sync.overlap and cfg.sync.algorithm == "diloco"
+                and cfg.sync.fragments <= 1 and cfg.privacy.dp.mode == "off")
 
     def _calibration_steps(self, alive: list[str]) -> dict[str, int]:
         """A time-budget calibration round's steps per region: CALIBRATION_STEPS for a region of

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..pacing import fednova_scale, mix_stale
+from ..pacing import mix_stale, update_scale
 from ..privacy.dp import clip_and_noise_update, noise_generator
 from .common import exchange_metrics, no_exchange_metrics
 from .protocol import Shapes, SyncContext
@@ -80,12 +80,12 @@ class DilocoSync:
         metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
         start = self._start if self.overlap else self.global_params
         delta = [s.detach() - p.detach() for s, p in zip(start, ctx.params)]
-        # Time-budget rounds: FedNova's tau_eff / tau_i on what is sent (regions/pacing.py); the
-        # region's own unsynced progress (overlap) stays what it trained.
-        scale = fednova_scale(metrics["steps"], plan.norm_steps, limit=ctx.settings.pacing.fednova_max_scale)
+        # Time-budget rounds: the step weight (or FedNova's factor) on what is sent
+        # (regions/pacing.py); the region's own unsynced progress (overlap) stays what it trained.
+        key, scale = update_scale(ctx.settings.pacing, metrics["steps"], plan.norm_steps)
         sent = delta if scale == 1.0 else [d * scale for d in delta]
-        if scale != 1.0:
-            metrics["fednova_scale"] = round(scale, 4)
+        if key is not None:
+            metrics[key] = round(scale, 4)
         if plan.dp_mode == "update" and plan.dp_noise is not None:
             sent = self._dp_noised(plan, sent, metrics)
         t0 = time.monotonic()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..pacing import fednova_scale
+from ..pacing import update_scale
 from .common import exchange_metrics, no_exchange_metrics
 from .diloco import DilocoSync
 from .protocol import Shapes, SyncContext
@@ -135,10 +135,10 @@ class FragmentedDilocoSync(DilocoSync):
         metrics["fragment"] = f
         start = self.sp if self.overlap else self.gp
         delta = [start[k].detach() - self.local[k] for k in idx]
-        scale = fednova_scale(metrics["steps"], plan.norm_steps, limit=ctx.settings.pacing.fednova_max_scale)
+        key, scale = update_scale(ctx.settings.pacing, metrics["steps"], plan.norm_steps)
         sent = delta if scale == 1.0 else [d * scale for d in delta]
-        if scale != 1.0:
-            metrics["fednova_scale"] = round(scale, 4)
+        if key is not None:
+            metrics[key] = round(scale, 4)
         t0 = time.monotonic()
         if not self.overlap:
             res = ctx.exchange(plan, sent, stream=f"frag{f}")

@@ -17,7 +17,7 @@ FAST, SLOW, AWAY = "us-east-1", "eu-west-1", "ap-northeast-1"
 REGIONS = [FAST, SLOW, AWAY]
 
 
-def _run(tmp_path, pacing: dict, *, rounds: int = 9, absent: bool = False):
+def _run(tmp_path, pacing: dict, *, rounds: int = 9, absent: bool = False, overlap: bool = False):
     availability = {"schedule": [{"region": AWAY, "from_round": 3, "to_round": 4}]} if absent else {}
     cfg = config_from_mapping({
         "run": {"name": "hetero", "rounds": rounds, "report": False, "checkpoint_every": 1, "seed": 1,
@@ -29,7 +29,7 @@ def _run(tmp_path, pacing: dict, *, rounds: int = 9, absent: bool = False):
                     "emulation": {"slowdown": {SLOW: 6.0}, "availability": availability}},
         "network": {"emulation": {"mode": "none"}},
         "sync": {"policy": {"kind": "fixed", "H": 20}, "inner": {"lr": 0.003}, "outer": {"momentum": 0.5},
-                 "pacing": pacing, "deadline": {"initial_s": 30.0, "min_s": 20.0, "max_s": 60.0}},
+                 "pacing": pacing, "overlap": overlap, "deadline": {"initial_s": 30.0, "min_s": 20.0, "max_s": 60.0}},
         "compression": {"codec": "int8"},
     })
     runner = Runner(cfg, tmp_path, show_progress=False)
@@ -91,4 +91,18 @@ def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
     # Everyone stops at the budget: the slow region's compute is no longer 6x the fast one's.
     compute = {reg: sum(m["compute_s"] for m in budgeted if m["region"] == reg) for reg in REGIONS}
     assert max(compute.values()) < 2.0 * min(compute.values()), compute
+    assert summary["eval"]["value"] > 0.85
+
+
+@pytest.mark.slow  # the default suite's 20 minutes; CI runs it in the slow pass
+def test_with_overlap_fast_regions_fill_the_gaps_between_time_budget_rounds(tmp_path):
+    summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=6, overlap=True)
+    assert [r["round"] for r in rounds] == list(range(6))
+    filled = [m for m in metrics if m.get("fill_steps")]
+    # Between rounds (the driver gathers and plans; round 0 waits for the slow region) the fast
+    # regions step; those steps are the next round's first: its steps and compute include them.
+    assert {m["region"] for m in filled} >= {FAST, AWAY}, [(m["round"], m["region"], m.get("fill_steps")) for m in metrics]
+    assert all(m["round"] >= 1 for m in filled)
+    for m in filled:
+        assert 0 < m["fill_steps"] < m["steps"] and 0 < m["fill_s"] < m["compute_s"]
     assert summary["eval"]["value"] > 0.85

@@ -288,3 +288,22 @@ def test_a_region_that_starts_late_ends_its_budget_with_the_others(tmp_path):
         assert 0.2 <= on_time["compute_s"] < 0.8 and on_time.get("budget_late_s", 0.0) < 0.05
     finally:
         w.close()
+
+
+def test_time_budget_updates_are_weighted_by_their_steps_unless_fednova_is_on():
+    from geofed.regions.pacing import update_scale
+
+    steps = PacingSection(mode="time-budget")
+    assert steps.weighting == "steps"
+    # 3 regions expected to run 100 steps and one 10: tau_eff 77.5; the slow region's update
+    # counts 10/77.5 of a full one, the fast ones' 100/77.5 (the mean's magnitude is kept).
+    assert update_scale(steps, 10, 77.5) == ("step_weight", pytest.approx(10 / 77.5))
+    assert update_scale(steps, 100, 77.5) == ("step_weight", pytest.approx(100 / 77.5))
+    assert update_scale(steps, 10_000, 77.5) == ("step_weight", 4.0)  # within max_steps_factor
+    assert update_scale(steps, 10, None) == (None, 1.0)  # calibration round: no expectation yet
+    assert update_scale(PacingSection(mode="time-budget", weighting="mean"), 10, 77.5) == (None, 1.0)
+    nova = PacingSection(mode="time-budget", fednova_max_scale=4.0)
+    assert update_scale(nova, 10, 77.5) == ("fednova_scale", 4.0)
+    assert update_scale(nova, 100, 77.5) == ("fednova_scale", pytest.approx(0.775))
+    with pytest.raises(ValueError):
+        PacingSection(weighting="median")
