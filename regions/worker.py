@@ -244,8 +244,9 @@ class RegionWorker(LocalSteps, RegionState):
                         "refused": self.transport.stats().get("refused_total", 0), "refusals": self.take_refusals(),
                         "clipped": self.admission.take_clipped(), "rss_mb": rss_mb()})
         if fill:  # last: any call into the worker (even its own) stops the filler
-            cap = plan.max_steps or max(1, plan.H) * 4
-            self.filler.start(lr_scale=plan.lr_scale, max_steps=cap, max_s=max(1.0, 4 * (plan.budget_s or 0.0)))
+            # At most a nominal round's steps: a long gap (a peer back from an absence fetching the
+            # model) must not turn into several rounds of unsynchronised drift.
+            self.filler.start(lr_scale=plan.lr_scale, max_steps=max(1, plan.H), max_s=max(1.0, 4 * (plan.budget_s or 0.0)))
         return metrics
 
     def _guarded_round(self, plan: RoundPlan) -> dict[str, Any]:

@@ -82,7 +82,8 @@ class DilocoSync:
         delta = [s.detach() - p.detach() for s, p in zip(start, ctx.params)]
         # Time-budget rounds: the step weight (or FedNova's factor) on what is sent
         # (regions/pacing.py); the region's own unsynced progress (overlap) stays what it trained.
-        key, scale = update_scale(ctx.settings.pacing, metrics["steps"], plan.norm_steps)
+        key, scale = update_scale(ctx.settings.pacing, metrics["steps"], plan.norm_steps,
+                                  filled=metrics.get("fill_steps", 0))
         sent = delta if scale == 1.0 else [d * scale for d in delta]
         if key is not None:
             metrics[key] = round(scale, 4)

@@ -135,7 +135,8 @@ class FragmentedDilocoSync(DilocoSync):
         metrics["fragment"] = f
         start = self.sp if self.overlap else self.gp
         delta = [start[k].detach() - self.local[k] for k in idx]
-        key, scale = update_scale(ctx.settings.pacing, metrics["steps"], plan.norm_steps)
+        key, scale = update_scale(ctx.settings.pacing, metrics["steps"], plan.norm_steps,
+                                  filled=metrics.get("fill_steps", 0))
         sent = delta if scale == 1.0 else [d * scale for d in delta]
         if key is not None:
             metrics[key] = round(scale, 4)

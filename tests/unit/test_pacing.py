@@ -301,6 +301,8 @@ def test_time_budget_updates_are_weighted_by_their_steps_unless_fednova_is_on():
     assert update_scale(steps, 100, 77.5) == ("step_weight", pytest.approx(100 / 77.5))
     assert update_scale(steps, 10_000, 77.5) == ("step_weight", 4.0)  # within max_steps_factor
     assert update_scale(steps, 10, None) == (None, 1.0)  # calibration round: no expectation yet
+    # Steps filled between rounds are in the update, without a factor of their own.
+    assert update_scale(steps, 130, 77.5, filled=30) == ("step_weight", pytest.approx(100 / 77.5))
     assert update_scale(PacingSection(mode="time-budget", weighting="mean"), 10, 77.5) == (None, 1.0)
     nova = PacingSection(mode="time-budget", fednova_max_scale=4.0)
     assert update_scale(nova, 10, 77.5) == ("fednova_scale", 4.0)
