@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import threading
 import time
 from typing import Any
@@ -68,6 +69,12 @@ class GapFiller:
             while not self._stop.is_set() and len(self._durations) < max_steps and time.monotonic() - t0 < max_s:
                 t_step = time.monotonic()
                 loss = stepper.forward_backward()
+                if not math.isfinite(loss):
+                    # Not stepped: the next round starts from finite weights, and a rollback
+                    # (security.rollback_on_nonfinite) snapshots them at its start.
+                    self._losses.append(loss)
+                    self._durations.append(time.monotonic() - t_step)
+                    break
                 stepper.optimizer_step(lr_scale)
                 stepper.slowdown.after_step(time.monotonic() - t_step)
                 self._losses.append(loss)

@@ -17,13 +17,14 @@ from geofed.regions.gapfill import GapFiller, pausing
 class _Stepper:
     """The part of a RegionWorker the filler drives: a model, its optimiser, a data stream."""
 
-    def __init__(self, *, fail_after: int | None = None, slowdown: float = 1.0):
+    def __init__(self, *, fail_after: int | None = None, slowdown: float = 1.0, nan_after: int | None = None):
         torch.manual_seed(0)
         self.model = torch.nn.Linear(8, 2)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.slowdown = Slowdown(slowdown)
         self.steps = 0
         self.fail_after = fail_after
+        self.nan_after = nan_after
         self.filler = GapFiller(self)
 
     def forward_backward(self) -> float:
@@ -33,6 +34,8 @@ class _Stepper:
         x = torch.randn(16, 8)
         loss = torch.nn.functional.cross_entropy(self.model(x), (x[:, 0] > 0).long())
         loss.backward()
+        if self.nan_after is not None and self.steps >= self.nan_after:
+            return float("nan")
         return float(loss.detach())
 
     def optimizer_step(self, lr_scale: float) -> None:
@@ -105,3 +108,13 @@ def test_an_error_on_the_fill_thread_is_raised_on_take():
     with pytest.raises(FloatingPointError, match="nan"):
         s.filler.take()
     assert s.filler.take() == ([], [])
+
+
+def test_a_non_finite_loss_ends_the_fill_without_a_step():
+    s = _Stepper(nan_after=4)
+    s.filler.start(lr_scale=1.0, max_steps=10_000, max_s=30.0)
+    _wait_for(lambda: s.filler._thread is None or not s.filler._thread.is_alive())
+    before = s.model.weight.detach().clone()
+    losses, _ = s.filler.take()
+    assert s.steps == 4 and len(losses) == 5 and losses[-1] != losses[-1]  # the nan is reported, not stepped
+    assert torch.isfinite(before).all()
