@@ -269,13 +269,21 @@ class Exchanger:
     def _even_out_shares(self, done: Mapping[str, Any]) -> None:
         """Concurrent probes that read within SHARE_SPREAD of each other shared this region's
         egress: TCP splits a bottleneck unevenly over a few RTTs (14.1 / 16.4 / 17.9 Mbit/s for
-        an even 16.1 on a real shaped cluster), so each gets the even share of their sum. A
-        spread past that is links of their own (a slower path), kept as measured."""
+        an even 16.1 on a real shaped cluster), so each gets an even share of the egress. The
+        egress is all their bits over the time to the last one's end (they start together), not
+        the sum of their own rates: a probe that ends early leaves the egress to the others,
+        whose own rates then read high (18.0-18.4 for an even 16.1, three links of one region
+        12-14% over, on the shaped cluster). A spread past SHARE_SPREAD is links of their own (a
+        slower path), kept as measured."""
         with self._est_lock:
             rates = {p: self.estimator(p).bandwidth_bps for p in done}
             if len(rates) < 2 or None in rates.values() or max(rates.values()) > SHARE_SPREAD * min(rates.values()):
                 return
-            share = sum(rates.values()) / len(rates)
+            exposed = {p: done[p].seconds - (self.estimator(p).rtt_s or 0.0) for p in rates}
+            if min(exposed.values()) <= 0:
+                return
+            egress = sum(done[p].bytes * 8.0 for p in rates) / max(exposed.values())
+            share = min(egress / len(rates), max(rates.values()))
             for peer in rates:
                 self.estimator(peer).set_bandwidth(share)
 

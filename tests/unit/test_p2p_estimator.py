@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from geofed.p2p.estimator import LinkEstimator
@@ -121,17 +123,25 @@ def test_concurrent_probes_of_one_egress_read_as_even_shares_and_other_paths_as_
     ex = Exchanger(InMemoryTransport("a", InMemoryHub()), error_feedback=False,
                    deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0), send_timeout_s=5.0)
     try:
-        def probe(rates):
+        def probe(rates, nbytes=1_000_000):
+            # Each probe as its sender timed it (send -> ack: its bits at its own rate, plus one RTT).
+            done = {}
             for peer, bw in rates.items():
                 est = ex.estimator(peer)
                 est.observe_rtt(0.08)
                 est.set_bandwidth(bw)
-            ex._even_out_shares(dict.fromkeys(rates))
+                done[peer] = SimpleNamespace(bytes=nbytes, seconds=0.08 + nbytes * 8.0 / bw)
+            ex._even_out_shares(done)
             return {p: ex.estimator(p).bandwidth_bps for p in rates}
 
-        # A real shaped cluster: 50 Mbit/s egress, three pushes, TCP split it 14.1 / 16.4 / 17.9.
+        # A real shaped cluster: 50 Mbit/s egress, three pushes, TCP split it 14.1 / 16.4 / 17.9:
+        # the egress is their 24 Mbit over the 0.567 s to the last one's end, a third each.
         even = probe({"b": 14.1e6, "c": 16.4e6, "d": 17.9e6})
-        assert all(v == pytest.approx(16.133e6, rel=1e-3) for v in even.values())
+        assert all(v == pytest.approx(24e6 / (8e6 / 14.1e6) / 3, rel=1e-3) for v in even.values())
+        # One probe ended early and left the egress to the other two, whose own rates read high
+        # (the shaped cluster's 18.0-18.4 for an even 16.1): the share is still the egress's third.
+        early = probe({"b": 19e6, "c": 16e6, "d": 16e6})
+        assert all(v == pytest.approx(16e6, rel=1e-3) for v in early.values())
         # One path of its own at 5 Mbit/s, the other two sharing the rest: kept as measured.
         apart = probe({"b": 5e6, "c": 21e6, "d": 22e6})
         assert apart == {"b": 5e6, "c": 21e6, "d": 22e6}
