@@ -52,9 +52,10 @@ def init_ray(cfg: RunConfig, *, verbose: bool = False) -> RayHandle:
     """Reuse an already initialised Ray (tests share one), else start a local one or join `ray.address`.
     Ray's own start-up messages (its token-auth warning, "Started a local Ray instance") reach the
     terminal only when `verbose` (--verbose); its errors always do."""
-    if ray.is_initialized():
-        return RayHandle(started_here=False, address=None)
     address = cfg.ray.address
+    if ray.is_initialized():
+        _check_same_cluster(address)
+        return RayHandle(started_here=False, address=None)
     level = logging.INFO if verbose else logging.ERROR
     logging.getLogger("ray").setLevel(level)
     # Region workers must not each grab every core: torch threads are set per worker.
@@ -71,6 +72,28 @@ def init_ray(cfg: RunConfig, *, verbose: bool = False) -> RayHandle:
     else:
         ray.init(num_cpus=cfg.ray.num_cpus, **kwargs)
     return RayHandle(started_here=True, address=address)
+
+
+def _check_same_cluster(address: str | None) -> None:
+    """A process that already holds a Ray session (a notebook, a test session) keeps it; a
+    `ray.address` naming another cluster would otherwise be ignored without a word and the run
+    would train on the wrong machines."""
+    if not address or address == "auto" or "://" in address:
+        return
+    current = ray.get_runtime_context().gcs_address or ""
+    if _host_port(address) != _host_port(current):
+        raise PlacementError(
+            f"ray.address: {address} names another cluster than the Ray session this process already "
+            f"holds ({current}); call ray.shutdown() first, or leave ray.address unset to use that session")
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    host, _, port = address.rpartition(":")
+    try:
+        host = socket.gethostbyname(host.strip("[]"))
+    except OSError:
+        pass
+    return host, port
 
 
 def _wait_reachable(address: str, timeout_s: float) -> None:

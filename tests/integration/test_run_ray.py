@@ -73,3 +73,16 @@ def test_cli_end_to_end_with_set(tmp_path, capsys, monkeypatch):
     assert 0 < summary["compute_utilization"] <= 1
     cfg_text = (out / "config.yaml").read_text()
     assert "rounds: 2" in cfg_text
+
+
+def test_ray_address_of_another_cluster_is_refused_when_a_session_is_up():
+    """A process already holding Ray (a notebook, this test session) used to ignore ray.address."""
+    import ray
+
+    from geofed.orchestrator.driver.cluster import PlacementError, init_ray
+
+    ours = ray.get_runtime_context().gcs_address
+    with pytest.raises(PlacementError, match=r"^ray\.address: 127\.0\.0\.1:9 names another cluster"):
+        init_ray(_cfg(ray={"address": "127.0.0.1:9"}))
+    assert init_ray(_cfg(ray={"address": ours})).started_here is False  # the same cluster is fine
+    assert init_ray(_cfg(ray={"address": "auto"})).started_here is False

@@ -40,7 +40,7 @@ def test_one_region_warns(tmp_path):
            "ray": {"address": "127.0.0.1:9", "init_timeout_s": 1}}  # unreachable: ends quickly after the warning
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     # A process of its own: in this one a test session's shared Ray may be up, and a Ray that is
-    # up is reused whatever ray.address says (a 60 s run instead of a 3 s refusal).
+    # up refuses another ray.address (docs/launch.md) before the warning would be printed.
     done = subprocess.run([sys.executable, "-m", "geofed.orchestrator.cli", "run", "run.yaml", "--quiet"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
