@@ -187,11 +187,11 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
     run_dir = str(Path(run_dir).resolve())
     reused, code = claim_pooled(cfg, cpus, pin=pin)  # warm actors of an earlier run (ray.warm_pool_s)
     job = ray.get_runtime_context().get_job_id()
-    handles, pooled = {}, {}
+    handles, pooled, adopting = {}, {}, {}
     for region in rc.names:
         if region in reused:
             pooled[region], handles[region] = reused[region]
-            handles[region].adopt.remote(cfg, region, run_dir, tls=tls[region])  # node_info below waits for it
+            adopting[region] = handles[region].adopt.remote(cfg, region, run_dir, tls=tls[region])  # -> node_info
             continue
         selector = {rc.label_key: rc.label_of(region)} if pin else None
         cls = region_actor_class(num_cpus=cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
@@ -205,7 +205,7 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
             handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
     actors = RegionActors(handles, pooled=pooled)
     try:
-        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg)
+        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting)
     except BaseException:
         actors.kill()
         raise
@@ -254,11 +254,14 @@ def check_label_cpus(cfg: RunConfig, cpus: float) -> None:
         raise PlacementError(f"{detail}: lower regions.num_cpus or give those nodes more CPUs")
 
 
-def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dict[str, dict]:
-    """node_info of every actor once all answer; PlacementError naming the regions that did not start
-    within `timeout_s`, or the actor that failed to.
+def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig, *,
+               started: dict[str, Any] | None = None) -> dict[str, dict]:
+    """node_info of every actor once all answer (`started`: region -> a call already made that
+    returns it, a warm actor's adopt); PlacementError naming the regions that did not start within
+    `timeout_s`, or the actor that failed to.
     """
-    refs = {h.node_info.remote(): r for r, h in handles.items()}
+    started = started or {}
+    refs = {(started[r] if r in started else h.node_info.remote()): r for r, h in handles.items()}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         missing = sorted(refs[p] for p in pending)
@@ -274,6 +277,8 @@ def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dic
         except ray.exceptions.RayActorError as exc:
             # e.g. no free port in network.port_range, a data path missing on that node
             raise PlacementError(f"region {refs[ref]}: its actor failed to start: {exc}") from None
+        except ray.exceptions.RayTaskError as exc:  # a warm actor's adopt
+            raise PlacementError(f"region {refs[ref]}: its warm-pool actor failed to take the run: {exc.cause!r}") from None
     return info
 
 
