@@ -14,7 +14,7 @@ import ray
 from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.orchestrator.driver.runner import Runner
 from geofed.orchestrator.driver.warmpool import claim_pooled
-from geofed.regions.warm import POOL_NAMESPACE
+from geofed.regions.warm import POOL_NAMESPACE, job_alive
 from reliability_harness import BackgroundRun, events, pid_alive, small_config, wait_for
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(420)]
@@ -91,3 +91,9 @@ def test_a_run_without_the_pool_ends_idle_pooled_actors(tmp_path):
     assert taken == {}
     wait_for(lambda: not any(pid_alive(p) for p in pids.values()) and not _pooled(), 60,
              "idle pooled actors to be ended", every_s=0.5)
+
+
+def test_a_held_actor_tells_a_live_driver_from_a_gone_one():
+    # What a held actor's watchdog asks every few seconds: a crashed `geofed run` never releases it.
+    assert job_alive(ray.get_runtime_context().get_job_id())
+    assert not job_alive("ffffffff") and not job_alive(None)
