@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import ray
 
+from .warm import WarmSlot, load_assignment
 from .worker import RegionWorker
 
 # Per-node override of the address peers dial (a node behind NAT, a public IP): set in the
@@ -33,22 +35,65 @@ def advertised_host(cfg: Any) -> str | None:
 # The liveness probe runs on a thread of its own: a region busy with a long call still answers it,
 # a stopped or hung process does not (orchestrator/driver/faults.py tells the two apart by it).
 HEALTH_GROUP = "health"
+# A warm pool's claim from the next run is answered at once too, whatever the actor is doing.
+POOL_GROUP = "pool"
 
 
 class RegionActor(RegionWorker):
     """The Ray actor of a region: a RegionWorker that advertises its node's address and answers
-    heartbeats on a thread of their own.
+    heartbeats on a thread of their own. A pooled one (ray.warm_pool_s, regions/warm.py) outlives
+    its run and is handed the next run's config by `adopt`.
     """
 
-    def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None):
+    def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, str] | None = None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
-        # once); the node never needs the driver's RUN_DIR/tls.
+        # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
+        # actor and the Ray job of the run that creates it.
+        t0, age = time.monotonic(), process_age_s()  # where an actor's start goes (the setup_done event)
+        slot = None
+        if pool is not None:
+            # A restart re-runs __init__ with the creation arguments, those of the run that created
+            # the actor: the run that holds it now is in its saved assignment.
+            held = load_assignment(pool["name"]) or {"cfg": cfg, "region": region, "run_dir": run_dir, "tls": tls,
+                                                     "job": pool["job"]}
+            slot = WarmSlot(pool["name"], held)
+            cfg, region, run_dir, tls = held["cfg"], held["region"], held["run_dir"], held["tls"]
+        self._build(cfg, region, run_dir, tls)
+        self.__dict__["_pool"] = slot
+        self.__dict__["_start"] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3)}
+
+    def _build(self, cfg: Any, region: str, run_dir: str, tls) -> None:
         super().__init__(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg))
+
+    @ray.method(concurrency_group=POOL_GROUP)
+    def claim(self, job: str) -> bool:
+        """A pooled actor taken by the run of Ray job `job`; False when another run holds it."""
+        pool = self.__dict__.get("_pool")
+        return pool is not None and pool.claim(job)
+
+    def adopt(self, cfg: Any, region: str, run_dir: str, *, tls=None) -> dict[str, Any]:
+        """A claimed pooled actor becomes `region` of a new run: the old worker is closed and a
+        fresh one built in this process (no state of the last run survives); returns node_info."""
+        t0 = time.monotonic()
+        self.close()
+        pool = self._pool
+        self.__dict__.clear()
+        self.__dict__["_pool"] = pool
+        pool.assign(cfg=cfg, region=region, run_dir=run_dir, tls=tls)  # first: a restart from here on builds this run's worker
+        self._build(cfg, region, run_dir, tls)
+        self.__dict__["_start"] = {"process_s": None, "init_s": round(time.monotonic() - t0, 3), "reused": True}
+        return self.node_info()
+
+    def release(self, idle_s: float) -> None:
+        """The run is over: close the worker; the actor waits `idle_s` for the next run, then ends."""
+        self.close()
+        if self._pool is not None:
+            self._pool.release(idle_s)
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def heartbeat(self) -> dict[str, Any]:
         """Answers at once, whatever the region's main call is doing (reads two plain values)."""
-        return {"pid": os.getpid(), "completed_round": self.completed_round}
+        return {"pid": os.getpid(), "completed_round": self.__dict__.get("completed_round", -1)}
 
     def node_info(self) -> dict[str, Any]:
         """info() plus the Ray node the actor runs on (id, IP, labels), for the placement check."""
@@ -59,7 +104,8 @@ class RegionActor(RegionWorker):
             if node.get("NodeID") == node_id:
                 labels = dict(node.get("Labels") or {})
                 break
-        return {**self.info(), "node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels}
+        return {**self.info(), "node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels,
+                "start": self.__dict__.get("_start")}
 
 
 def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: dict[str, str] | None = None,
@@ -68,7 +114,19 @@ def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: di
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts,
                                "max_task_retries": 0,
                                # the default group keeps max_concurrency 1: region calls stay serial
-                               "concurrency_groups": {HEALTH_GROUP: 1}}
+                               "concurrency_groups": {HEALTH_GROUP: 1, POOL_GROUP: 1}}
     if label_selector:
         options["label_selector"] = label_selector
     return ray.remote(**options)(RegionActor)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): Ray's worker start and imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK")), 3)

@@ -136,7 +136,13 @@ class RaySection:
     address: str | None = field(default=None, metadata=_doc("null: start a local Ray; auto, HOST:PORT or ray://... joins a cluster"))
     num_cpus: int | None = field(default=None, metadata=_doc("CPUs of the local Ray (null: all)"))
     init_timeout_s: float = field(default=120.0, metadata=_doc("give up starting/joining Ray after this"))
+    warm_pool_s: float = field(default=0.0, metadata=_doc(
+        "keep the region actors alive this long after a run for the next run on the same cluster to reuse "
+        "(no new Python, torch already imported: docs/launch.md, Faster start); they hold their CPUs meanwhile; "
+        "0: off, each run starts and ends its own"))
 
     def __post_init__(self):
         if self.num_cpus is not None and not 1 <= self.num_cpus <= 4096:
             raise ValueError(f"num_cpus: must be in [1, 4096], got {self.num_cpus}")
+        if not 0 <= self.warm_pool_s <= 86400:
+            raise ValueError(f"warm_pool_s: must be in [0, 86400] seconds, got {self.warm_pool_s}")

@@ -20,8 +20,10 @@ from typing import Any
 import ray
 from geofed.p2p.tls import TlsMaterial, load_tls
 from geofed.regions.actor import region_actor_class
+from geofed.regions.warm import POOL_NAMESPACE
 
 from ..config import RunConfig
+from .warmpool import claim_pooled, end_pooled, new_name, slot_of
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +132,36 @@ def node_labels(label_key: str) -> dict[str, list[str]]:
 
 @dataclass
 class RegionActors:
-    """The region actors by region, and what each reported when it started (node_info)."""
+    """The region actors by region, and what each reported when it started (node_info); `pooled`:
+    region -> name of a warm-pool actor (ray.warm_pool_s), released at the end instead of killed."""
 
     handles: dict[str, Any]
     info: dict[str, dict] = field(default_factory=dict)
+    pooled: dict[str, str] = field(default_factory=dict)
 
     def kill(self) -> None:
-        for h in self.handles.values():
+        for region, h in self.handles.items():
+            if region in self.pooled:
+                end_pooled(self.pooled[region], h)
+                continue
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead is fine
                 pass
+
+    def end(self, idle_s: float) -> None:
+        """The run is over: pooled actors close their worker and wait `idle_s` for the next run;
+        the others (and a pooled one that does not answer) close and are killed."""
+        refs = {(h.release.remote(idle_s) if r in self.pooled else h.close.remote()): r for r, h in self.handles.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=10)
+        for ref in ready:
+            try:
+                ray.get(ref)
+                if refs[ref] in self.pooled:
+                    del self.handles[refs[ref]]  # waits for the next run
+            except Exception as exc:  # noqa: BLE001 - dead actors cannot close; they are killed next
+                log.debug("closing region %s: %s", refs[ref], exc)
+        self.kill()
 
 
 def region_tls(cfg: RunConfig, run_dir: str | Path) -> dict[str, TlsMaterial | None]:
@@ -164,15 +185,27 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
     # Absolute: an actor's working directory is not the driver's, and on another node each region
     # writes its checkpoints under this same path on its own disk.
     run_dir = str(Path(run_dir).resolve())
-    handles = {}
+    reused, code = claim_pooled(cfg, cpus, pin=pin)  # warm actors of an earlier run (ray.warm_pool_s)
+    job = ray.get_runtime_context().get_job_id()
+    handles, pooled, adopting = {}, {}, {}
     for region in rc.names:
+        if region in reused:
+            pooled[region], handles[region] = reused[region]
+            adopting[region] = handles[region].adopt.remote(cfg, region, run_dir, tls=tls[region])  # -> node_info
+            continue
         selector = {rc.label_key: rc.label_of(region)} if pin else None
         cls = region_actor_class(num_cpus=cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
                                  label_selector=selector)
-        handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
-    actors = RegionActors(handles)
+        if cfg.ray.warm_pool_s > 0:
+            name = new_name(slot_of(cfg, region, cpus, pin=pin, code=code))
+            pooled[region] = name
+            handles[region] = cls.options(name=name, namespace=POOL_NAMESPACE, lifetime="detached").remote(
+                cfg, region, run_dir, tls=tls[region], pool={"name": name, "job": job})
+        else:
+            handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
+    actors = RegionActors(handles, pooled=pooled)
     try:
-        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg)
+        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting)
     except BaseException:
         actors.kill()
         raise
@@ -221,11 +254,14 @@ def check_label_cpus(cfg: RunConfig, cpus: float) -> None:
         raise PlacementError(f"{detail}: lower regions.num_cpus or give those nodes more CPUs")
 
 
-def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dict[str, dict]:
-    """node_info of every actor once all answer; PlacementError naming the regions that did not start
-    within `timeout_s`, or the actor that failed to.
+def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig, *,
+               started: dict[str, Any] | None = None) -> dict[str, dict]:
+    """node_info of every actor once all answer (`started`: region -> a call already made that
+    returns it, a warm actor's adopt); PlacementError naming the regions that did not start within
+    `timeout_s`, or the actor that failed to.
     """
-    refs = {h.node_info.remote(): r for r, h in handles.items()}
+    started = started or {}
+    refs = {(started[r] if r in started else h.node_info.remote()): r for r, h in handles.items()}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         missing = sorted(refs[p] for p in pending)
@@ -241,6 +277,8 @@ def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig) -> dic
         except ray.exceptions.RayActorError as exc:
             # e.g. no free port in network.port_range, a data path missing on that node
             raise PlacementError(f"region {refs[ref]}: its actor failed to start: {exc}") from None
+        except ray.exceptions.RayTaskError as exc:  # a warm actor's adopt
+            raise PlacementError(f"region {refs[ref]}: its warm-pool actor failed to take the run: {exc.cause!r}") from None
     return info
 
 

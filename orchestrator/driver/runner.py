@@ -24,7 +24,7 @@ from .pacing import PacedRounds
 from .setup import SetUp
 from .privacy import DpAccounting
 from .progress import RunProgress
-from .recovery import Interrupted, RunFailed, StopSignals, first_line, signal_name
+from .recovery import Interrupted, RunFailed, StopSignals, signal_name
 from .rundir import Clock, read_jsonl, release_run_dir, write_json
 from ..config.strict import ConfigError
 from .summary import build_summary, evaluate_average
@@ -295,7 +295,7 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         return summary
 
     def shutdown(self) -> None:
-        """Close the logs, the region actors (then kill them), the emulator and a Ray this driver
+        """Close the logs, the region actors (then kill them, or leave pooled ones for the next run), the emulator and a Ray this driver
         started; safe after a failed or partial setup.
         """
         for logf in ("metrics_log", "rounds_log", "events_log"):
@@ -304,11 +304,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         if hasattr(self, "trackers"):
             self.trackers.close(self.outcome)
         if self.actors is not None:
-            try:
-                ray.get([h.close.remote() for h in self.actors.handles.values()], timeout=10)
-            except Exception as exc:  # noqa: BLE001 - dead actors cannot close; they are killed next
-                log.debug("closing the region actors: %s", first_line(exc))
-            self.actors.kill()
+            # Warm-pool actors (ray.warm_pool_s) wait for the next run; the others are killed.
+            self.actors.end(self.cfg.ray.warm_pool_s)
         if self.emulator is not None:
             self.emulator.stop()
         if self.ray is not None:

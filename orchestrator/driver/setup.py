@@ -62,7 +62,8 @@ class SetUp:
         self.events_log = JsonlLog(self.run_dir / "events.jsonl")
         self.trackers = Trackers(self.cfg, self.run_dir)
         self._event("started", driver_pid=os.getpid(), resume=self.resume,
-                    regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip")}
+                    regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip"),
+                                 "start": i.get("start")}
                              for r, i in self.actors.info.items()})
         if reaped:
             self._event("reaped_previous_driver", processes=reaped)

@@ -1,0 +1,138 @@
+"""Launch to round 0 on an existing Ray cluster: `geofed run` (RAY_ADDRESS set) of a few digits regions,
+timed from the command's process start to round 0 (the setup_done event's process_to_round0_s).
+
+    python benchmarks/startup.py [--reps 3] [--regions 4] [--arms cold warm] [--out DIR]
+
+Starts one Ray head of its own (`ray start --head --temp-dir DIR`, so no other session joins it),
+runs the arms interleaved (cold: the default, every run starts its actors; warm: ray.warm_pool_s
+60, the actors of the run before are reused: each warm run follows an uncounted one that fills the
+pool, since a cold run ends the idle pooled actors), prints each run's set-up phases and a table of medians, and ends the processes it
+started, by pid. Every run: configs/bench-wan-digits.yaml, 2 rounds of 20 steps, no emulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Token auth (Ray's default where ~/.ray/auth_token exists): the head and every driver use it.
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+BIN = Path(sys.executable).parent
+NAMES = ["us-east-1", "eu-west-1", "ap-northeast-1", "eu-central-1", "ap-southeast-2", "sa-east-1"]
+
+
+def ray_pids(temp_dir: str) -> list[int]:
+    """The processes of our Ray head: those whose command line names its temp dir (or the
+    session under it), plus their worker processes (children of our raylet)."""
+    mine: set[int] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if temp_dir in cmd:
+            mine.add(int(proc.name))
+    children = True
+    while children:
+        children = False
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) in mine:
+                continue
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid in mine:
+                mine.add(int(proc.name))
+                children = True
+    return sorted(mine)
+
+
+def start_head(temp_dir: str) -> str:
+    port = 36000 + os.getpid() % 2000
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "2", "--disable-usage-stats",
+                    "--include-dashboard", "false", "--port", str(port), "--temp-dir", temp_dir],
+                   check=True, capture_output=True, env=ENV)
+    return f"127.0.0.1:{port}"
+
+
+def one_run(address: str, out: Path, regions: int, warm_s: float) -> dict:
+    names = json.dumps(NAMES[:regions])
+    # RAY_ADDRESS, not --address: one node carries no region labels, and --address pins regions to them.
+    cmd = [str(BIN / "geofed"), "run", str(REPO / "configs/bench-wan-digits.yaml"),
+           "--out", str(out), "--quiet", "--no-report", "--set", f"regions.names={names}",
+           "--set", "run.rounds=2", "--set", "run.max_steps=40", "--set", "sync.policy.initial_H=20",
+           "--set", "sync.policy.H_min=20", "--set", "network.emulation.mode=none",
+           "--set", "network.probe_s=0", "--set", "ray.num_cpus=null", "--set", "regions.num_cpus=0.25"]
+    if warm_s:
+        cmd += ["--set", f"ray.warm_pool_s={warm_s:g}"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**ENV, "RAY_ADDRESS": address})
+    if proc.returncode:
+        raise RuntimeError(f"geofed run failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    total = time.monotonic() - t0
+    ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    done = next(e for e in ev if e["event"] == "setup_done")
+    started = next(e for e in ev if e["event"] == "started")
+    pids = sorted(r["pid"] for r in started["regions"].values())
+    start = [r.get("start") for r in started["regions"].values()]
+    return {"round0_s": done["process_to_round0_s"], "setup_s": done["setup_s"], "phases": done["phases_s"],
+            "total_s": round(total, 2), "pids": pids, "start": start}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--regions", type=int, default=4)
+    ap.add_argument("--arms", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="geofed-startup-"))
+    temp_dir = tempfile.mkdtemp(prefix="gfst", dir="/tmp")
+    address = start_head(temp_dir)
+    results: dict[str, list[dict]] = {a: [] for a in args.arms}
+    try:
+        for rep in range(args.reps):
+            for arm in args.arms:
+                if arm == "warm":  # fills the pool (a cold run ends idle pooled actors): not counted
+                    r = one_run(address, out / f"fill-{rep}", args.regions, 60)
+                    print(f"fill  {rep}  {r['round0_s']:.2f}s phases {r['phases']} pids {r['pids']}", flush=True)
+                r = one_run(address, out / f"{arm}-{rep}", args.regions, 60 if arm == "warm" else 0)
+                results[arm].append(r)
+                print(f"{arm:5} {rep}  {r['round0_s']:.2f}s (set-up {r['setup_s']:.2f}s) phases {r['phases']} "
+                      f"pids {r['pids']} start {r['start']}", flush=True)
+    finally:
+        for pid in ray_pids(temp_dir):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)
+        for pid in ray_pids(temp_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print("\n| arm | launch -> round 0 (median) | min - max | set-up (median) | actors phase (median) |")
+    print("| --- | --- | --- | --- | --- |")
+    for arm, rs in results.items():
+        t = [r["round0_s"] for r in rs]
+        print(f"| {arm} | {statistics.median(t):.2f} s | {min(t):.2f} - {max(t):.2f} s | "
+              f"{statistics.median(r['setup_s'] for r in rs):.2f} s | "
+              f"{statistics.median(r['phases']['actors'] for r in rs):.2f} s |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
