@@ -93,3 +93,21 @@ def decode_relay(data: bytes, *, binding: bytes, regions: Sequence[str], relayer
             raise SecAggError("malformed", f"a relay by {relayer!r} names owner index {i} (not a third region, or twice)")
         out[owner] = body[pos + 1:pos + 1 + SHARE]
     return bool(flag), out
+
+
+def rebuild(run_id: str, round: int, me: str, members: Sequence[str], shares: Mapping[str, tuple[bytes, bytes]],
+            relayed: Mapping[str, Mapping[str, bytes]]) -> tuple[dict[str, bytes], int]:
+    """({owner: self key}, how many rebuilt keys failed their check) for every owner of `shares`
+    (owner -> this region's share and the key's check, from its masked update) whose every other
+    member's share is in `relayed` (relayer -> {owner: share})."""
+    keys, forged = {}, 0
+    for owner, (mine, want) in sorted(shares.items()):
+        parts = [mine, *(relayed.get(j, {}).get(owner) for j in members if j not in (owner, me))]
+        if None in parts:
+            continue  # a member lost owner's masked update (or its relay is not in): KEY decides
+        key = combine(parts)
+        if check(run_id, round, owner, key) != want:
+            forged += 1
+            continue
+        keys[owner] = key
+    return keys, forged

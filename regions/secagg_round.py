@@ -53,7 +53,7 @@ from geofed.p2p.secagg_slot import KEY, MASKED, RECOVER, RELAY, REVEAL, SETUP, S
 from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
 from geofed.p2p.transport import TransferStats, Transport, TransportError
 
-from .secagg_grid import CHUNK, dequantize_all, pack, quantize_all, unpack
+from .secagg_grid import CHUNK, absmax_of, dequantize_all, pack, quantize_all, unpack
 
 class Fallback(Exception):
     """This region cannot unmask the round (why): it applies its own update alone."""
@@ -214,7 +214,7 @@ class SecAggRound:
                     raise SecAggError("malformed", f"{sender}'s self-key share is {len(their_share)} bytes")
                 if their_grid != grid:
                     raise SecAggError("wrong_grid", f"{sender} quantised on another grid (its scales differ)")
-                their = self._absmax(their_absmax, absmax.size, sender)
+                their = absmax_of(their_absmax, absmax.size, sender)
                 masked[sender] = decode_masked(body, numel=mine.size, bits=self.bits)
             except SecAggError as exc:
                 self.refused[exc.reason] += 1
@@ -247,16 +247,9 @@ class SecAggRound:
                 continue
             if flag:
                 counted.add(sender)
-        keys = {self.region: self.keys.self_key(round_)}
-        for owner in others:
-            parts = [shares[owner][0], *(relayed.get(j, {}).get(owner) for j in members if j not in (owner, self.region))]
-            if None in parts:
-                continue  # a member lost owner's masked update (or its relay is not in): KEY decides
-            key = relay.combine(parts)
-            if relay.check(self.run_id, round_, owner, key) != shares[owner][1]:
-                self.refused["wrong_share"] += 1  # a forged share: the key comes by KEY or not at all
-                continue
-            keys[owner] = key
+        keys, forged = relay.rebuild(self.run_id, round_, self.region, members, shares, relayed)
+        self.refused["wrong_share"] += forged  # a forged share: the key comes by KEY or not at all
+        keys[self.region] = self.keys.self_key(round_)
         m["secagg_phase_s"]["relay"] = round(time.monotonic() - t, 6)
         return keys, counted
 
@@ -362,7 +355,7 @@ class SecAggRound:
                 raw, advert, need = unpack(payload, 3)
                 if self.region in need.decode("ascii", "replace").split(",") and sender not in with_advert:
                     self.advert_delivered.discard(sender)  # it lost our key (a restart): send it again
-                am = self._absmax(raw, nchunks, sender)
+                am = absmax_of(raw, nchunks, sender)
                 if advert:
                     adv, cert = decode_advert(advert)
                     run.verify_run_advert(adv, sender=sender, run_id=self.run_id, regions=members, book=self.book,
@@ -375,15 +368,6 @@ class SecAggRound:
                 continue
             out[sender] = am
         return out
-
-    @staticmethod
-    def _absmax(raw: bytes, nchunks: int, sender: str) -> np.ndarray:
-        if len(raw) != 4 * nchunks:
-            raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
-        am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-        if not np.all(np.isfinite(am)) or np.any(am < 0):
-            raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
-        return am
 
     def _harvest(self, m: dict) -> None:
         """Count the pushes of `pending` that ended; the others stay pending, counted by a later
