@@ -248,7 +248,8 @@ class SecAggRound:
             if flag:
                 counted.add(sender)
         keys, forged = relay.rebuild(self.run_id, round_, self.region, members, shares, relayed)
-        self.refused["wrong_share"] += forged  # a forged share: the key comes by KEY or not at all
+        if forged:  # a forged share: the key comes by KEY or not at all
+            self.refused["wrong_share"] += forged
         keys[self.region] = self.keys.self_key(round_)
         m["secagg_phase_s"]["relay"] = round(time.monotonic() - t, 6)
         return keys, counted
