@@ -3,8 +3,8 @@
 Keys cross each link once per run (p2p/secagg_run.py). One round of region i, after its inner
 steps; every message goes over the run's transport in secure aggregation's own side slots
 (p2p/secagg_slot.py), and every wait has the round's deadline. The common round (every region
-took part in the last one) is one masked exchange plus a 100-byte self key pipelined behind it,
-as int8's round is one exchange; the other phases run only when needed:
+took part in the last one) is one masked exchange plus a ~100-byte relay behind it, as int8's
+round is one exchange; the other phases run only when needed:
 
 1. Scales. Every region quantises with the same per-chunk scales (4096 values a chunk per
    tensor): the largest absmax over the round's regions, over the levels that keep a sum of n
@@ -15,10 +15,15 @@ as int8's round is one exchange; the other phases run only when needed:
    a restarted region) does it run SETUP first: its absmax, its signed key advert until that
    peer has filed it, and the peers whose keys it lacks (they send theirs again next round).
 2. MASKED to every peer: the masked update, the digest of its grid (a peer on another grid
-   refuses it: its sum would be garbage) and its absmax for the next round's scales.
-3. KEY: the round's self key, sent to a peer only once that peer acknowledged i's masked update
-   and i got the peer's (the rule the reveal had: never to a region that may be counted dropped).
-   A region that holds every member's masked update and self key unmasks: done, no more phases.
+   refuses it: its sum would be garbage), its absmax for the next round's scales, and that peer's
+   XOR share of i's round self key (p2p/secagg_relay.py) with a check of the key.
+3. RELAY: once i's masked updates are in, i sends every other member its shares of the
+   survivors' keys (and whether it counted that member's update); a key whose every share came
+   is rebuilt, so only when every peer counted the owner's update. A region that holds every
+   member's masked update and self key unmasks: done, no more phases.
+   KEY (the fallback): the round's self key, sent to a peer only once that peer acknowledged i's
+   masked update and i got the peer's (never to a region that may be counted dropped); sent when
+   a masked update was lost, or when some peer did not count i's (nobody rebuilds i's key then).
 4. Only when a masked update or a self key is missing: REVEAL to every survivor, the survivors
    i saw and the digest of its grid (a region whose survivors or grid differ from a peer's does
    not unmask: its sum would not be theirs), the self key again to the peers that acknowledged.
