@@ -371,3 +371,29 @@ def test_a_forged_relayed_share_is_refused_and_counted_and_the_key_not_used():
         torch.testing.assert_close(out[r][0][0], want[0], rtol=0, atol=1e-5)
     for t in ts.values():
         t.close()
+
+
+def test_relay_messages_refuse_wrong_bindings_sizes_and_owners():
+    """split/combine: all shares give the key, any fewer not; decode_relay refuses a relay bound
+    to another round or link (wrong_round) and a wrong flag, size or owner (malformed)."""
+    key = bytes(range(32))
+    shares = relay.split(key, ["a", "c", "d"])  # b's key, one share per peer of b
+    assert relay.combine(shares.values()) == key
+    assert relay.combine([shares["a"], shares["c"]]) != key
+    tag = relay.tag("run", 3, "b", "a")
+    good = relay.encode_relay(tag, True, {"c": key, "d": shares["d"]}, REGIONS)  # b relays its shares of c's and d's keys
+    assert relay.decode_relay(good, binding=tag, regions=REGIONS, relayer="b", me="a") == (True, {"c": key, "d": shares["d"]})
+    for binding in (relay.tag("run", 2, "b", "a"), relay.tag("other", 3, "b", "a"), relay.tag("run", 3, "c", "a")):
+        with pytest.raises(ValueError, match="wrong_round"):
+            relay.decode_relay(good, binding=binding, regions=REGIONS, relayer="b", me="a")
+    for bad in (good[:-1], tag + b"\x02", relay.encode_relay(tag, False, {"a": key}, REGIONS),
+                relay.encode_relay(tag, False, {"b": key}, REGIONS), tag + b"\x01" + b"\x09" + key,
+                tag + b"\x01" + 2 * (b"\x02" + key)):
+        with pytest.raises(ValueError, match="malformed"):
+            relay.decode_relay(bad, binding=tag, regions=REGIONS, relayer="b", me="a")
+    keys, forged = relay.rebuild("run", 3, "a", REGIONS, {"b": (shares["a"], relay.check("run", 3, "b", key))},
+                                 {"c": {"b": shares["c"]}, "d": {"b": shares["d"]}})
+    assert keys == {"b": key} and forged == 0
+    keys, forged = relay.rebuild("run", 3, "a", REGIONS, {"b": (shares["a"], relay.check("run", 4, "b", key))},
+                                 {"c": {"b": shares["c"]}, "d": {"b": shares["d"]}})
+    assert keys == {} and forged == 1
