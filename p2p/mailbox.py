@@ -74,9 +74,11 @@ class Mailbox(Admission):
 
 
     # -- the owner's side ----------------------------------------------------------------
-    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
+    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
+                until: Collection[str] | None = None) -> Inbox:
         """Wait for the expected senders of `round` (all, or with `quorum` that many and then at
-        most `grace_s` for the rest) for at most `deadline_s`, then close every round <= it."""
+        most `grace_s` for the rest; or only those of them in `until`, the others taken if they
+        are in by then) for at most `deadline_s`, then close every round <= it."""
         if not deadline_s >= 0:
             raise ValueError(f"deadline_s: must be >= 0, got {deadline_s}")
         start = time.monotonic()
@@ -85,8 +87,9 @@ class Mailbox(Admission):
             if round not in self._expected:
                 raise ValueError(f"round: expect({round}, ...) was not called (or the round is closed)")
             expected = self._expected[round]
+            wanted = expected if until is None else expected & frozenset(until)
             self._receive_started[round] = start
-            while not expected <= self._arrived.get(round, {}).keys() | self._void.get(round, set()):
+            while not wanted <= self._arrived.get(round, {}).keys() | self._void.get(round, set()):
                 if quorum is not None and len(expected & self._arrived.get(round, {}).keys()) >= quorum:
                     end = min(end, time.monotonic() + grace_s)  # the quorum is in: a grace for the rest
                     quorum = None

@@ -9,8 +9,9 @@ once per run, and a round costs two small messages per link besides the masked u
 * **Masks, per round**: the pair seed of i and j is HKDF of their X25519 secret bound to the run
   and the round (p2p/secmask.py), so every round's masks are fresh; the self mask's key is HKDF
   of the self secret bound to the round (revealing it reveals no other round).
-* **Unmasking** (`unmask_total`): region i reveals its round's self key only to the peers that
-  acknowledged its masked update; the dropped regions' pairwise masks are removed with the pair
+* **Unmasking** (`unmask_total`): region i's round self key reaches a peer only if that peer
+  acknowledged its masked update (KEY), or rebuilt from XOR shares that only the peers that counted
+  its masked update relay (p2p/secagg_relay.py: possible only when every peer counted it); the dropped regions' pairwise masks are removed with the pair
   seeds that the survivors hold themselves (each survivor is one end of each of its pairs), which
   a survivor reveals only to a region that asks for them and only for a region whose masked
   update it did not get either. Shamir's t-of-n is not needed for that: the seed a survivor

@@ -1,8 +1,9 @@
 """Secure aggregation's own message slots next to the update's (docs/privacy.md, "In the round").
 
 The mailbox keeps one message per (sender, round): the update. A secure-aggregation round needs
-up to five per link (scales and keys when no scales were agreed ahead, the masked update, the
-self key, the reveal and a recovery answer after a drop: regions/secagg_round.py), so they travel
+up to six per link (scales and keys when no scales were agreed ahead, the masked update, the
+relayed self-key shares, the self key, the reveal and a recovery answer after a drop:
+regions/secagg_round.py), so they travel
 in a side mailbox: a push whose header round has the SIDE bit set is filed there, under the
 "side round" ``round * PHASES + phase`` (monotonic, so the side mailbox closes its rounds the way
 the main one does). The wire format is unchanged (the round is a uint64 in the push header), and
@@ -22,9 +23,11 @@ from .mailbox import Mailbox, Refusal, Ticket
 from .transport import Inbox, TransferStats, Transport
 
 SIDE = 1 << 62          # the header round's tag bit of a side message
-PHASES = 5              # side messages per round: scales (+ keys), masked update, self key, reveal, recovery
+PHASES = 6              # side messages per round: scales (+ keys), masked update, relay, self key, reveal, recovery
 # In this order: receiving a phase closes the earlier ones (the mailbox closes every round <= it).
-SETUP, MASKED, KEY, REVEAL, RECOVER = range(PHASES)
+# RELAY before KEY: a round whose relays rebuilt every self key never receives KEY (the keys it
+# did not need are dropped as late), one that lacks some still can.
+SETUP, MASKED, RELAY, KEY, REVEAL, RECOVER = range(PHASES)
 
 
 def side_round(round: int, phase: int) -> int:
@@ -116,5 +119,5 @@ class SideChannel:
     def expect(self, round: int, phase: int, senders: Collection[str]) -> None:
         self.mailbox.expect(side_round(round, phase), senders)
 
-    def receive(self, round: int, phase: int, deadline_s: float) -> Inbox:
-        return self.mailbox.receive(side_round(round, phase), deadline_s)
+    def receive(self, round: int, phase: int, deadline_s: float, *, until: Collection[str] | None = None) -> Inbox:
+        return self.mailbox.receive(side_round(round, phase), deadline_s, until=until)

@@ -57,3 +57,13 @@ def dequantize_all(q: np.ndarray, scales: np.ndarray, spans, like: list[torch.Te
         out.append(torch.from_numpy(vals).reshape(ref.shape))
         pos += ref.numel()
     return out
+
+
+def absmax_of(raw: bytes, nchunks: int, sender: str) -> np.ndarray:
+    """A peer's chunk maxima (SecAggError "malformed" unless `nchunks` finite non-negative floats)."""
+    if len(raw) != 4 * nchunks:
+        raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
+    am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.all(np.isfinite(am)) or np.any(am < 0):
+        raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
+    return am

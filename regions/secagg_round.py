@@ -3,8 +3,8 @@
 Keys cross each link once per run (p2p/secagg_run.py). One round of region i, after its inner
 steps; every message goes over the run's transport in secure aggregation's own side slots
 (p2p/secagg_slot.py), and every wait has the round's deadline. The common round (every region
-took part in the last one) is one masked exchange plus a 100-byte self key pipelined behind it,
-as int8's round is one exchange; the other phases run only when needed:
+took part in the last one) is one masked exchange plus a ~100-byte relay behind it, as int8's
+round is one exchange; the other phases run only when needed:
 
 1. Scales. Every region quantises with the same per-chunk scales (4096 values a chunk per
    tensor): the largest absmax over the round's regions, over the levels that keep a sum of n
@@ -15,10 +15,15 @@ as int8's round is one exchange; the other phases run only when needed:
    a restarted region) does it run SETUP first: its absmax, its signed key advert until that
    peer has filed it, and the peers whose keys it lacks (they send theirs again next round).
 2. MASKED to every peer: the masked update, the digest of its grid (a peer on another grid
-   refuses it: its sum would be garbage) and its absmax for the next round's scales.
-3. KEY: the round's self key, sent to a peer only once that peer acknowledged i's masked update
-   and i got the peer's (the rule the reveal had: never to a region that may be counted dropped).
-   A region that holds every member's masked update and self key unmasks: done, no more phases.
+   refuses it: its sum would be garbage), its absmax for the next round's scales, and that peer's
+   XOR share of i's round self key (p2p/secagg_relay.py) with a check of the key.
+3. RELAY: once i's masked updates are in, i sends every other member its shares of the
+   survivors' keys (and whether it counted that member's update); a key whose every share came
+   is rebuilt, so only when every peer counted the owner's update. A region that holds every
+   member's masked update and self key unmasks: done, no more phases.
+   KEY (the fallback): the round's self key, sent to a peer only once that peer acknowledged i's
+   masked update and i got the peer's (never to a region that may be counted dropped); sent when
+   a masked update was lost, or when some peer did not count i's (nobody rebuilds i's key then).
 4. Only when a masked update or a self key is missing: REVEAL to every survivor, the survivors
    i saw and the digest of its grid (a region whose survivors or grid differ from a peer's does
    not unmask: its sum would not be theirs), the self key again to the peers that acknowledged.
@@ -45,14 +50,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from geofed.p2p import secagg_relay as relay
 from geofed.p2p import secagg_run as run
 from geofed.p2p import secmask
 from geofed.p2p.secagg import KeyBook, SecAggError
-from geofed.p2p.secagg_slot import KEY, MASKED, RECOVER, REVEAL, SETUP, SideChannel
+from geofed.p2p.secagg_slot import KEY, MASKED, RECOVER, RELAY, REVEAL, SETUP, SideChannel
 from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
 from geofed.p2p.transport import TransferStats, Transport, TransportError
 
-from .secagg_grid import CHUNK, dequantize_all, pack, quantize_all, unpack
+from .secagg_grid import CHUNK, absmax_of, dequantize_all, pack, quantize_all, unpack
 
 class Fallback(Exception):
     """This region cannot unmask the round (why): it applies its own update alone."""
@@ -123,6 +129,7 @@ class SecAggRound:
         if self.residual is not None:
             own = [o + r for o, r in zip(own, self.residual)]
         self.side.expect(round_, MASKED, peers)
+        self.side.expect(round_, RELAY, peers)
         absmax = np.concatenate([secmask.chunk_absmax(o.numpy(), CHUNK) for o in own])
         levels = secmask.levels_for(len(members), self.bits)
         ahead, self.ahead = self.ahead, None  # set again only by a complete round
@@ -139,15 +146,21 @@ class SecAggRound:
             self.residual = [o - d for o, d in zip(own, dequantize_all(q, scales, spans, own))]
         mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
         grid = run.digest(scales)
-        masked, absmaxes, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m)
+        masked, absmaxes, shares, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m)
         survivors = frozenset(masked)
         self.advert_delivered -= set(members) - survivors  # a region that missed the round may have restarted
-        if len(survivors) < 3:  # the sum of two is the other's update: no self key, no seed, no sum
+        if len(survivors) < 3:  # the sum of two is the other's update: no self key, no seed, no share relayed, no sum
             raise Fallback(f"{len(survivors)} masked updates arrived (secure aggregation needs 3)")
-        self_keys = self._key_exchange(round_, survivors, sends, grid, m)
-        if survivors == set(members) and set(self_keys) == survivors:
-            # The common round ends here. Its masked update's acks came before the peers' keys (each
-            # key waited for one): waiting for them costs nothing and counts this round's bytes in it.
+        complete = survivors == set(members)
+        if not complete:  # a lost masked update: the relays cannot rebuild every key; KEY as before, now
+            self._send_keys(round_, survivors, sends, grid)
+        self_keys, counted = self._relay_exchange(round_, members, survivors, shares, m)
+        if complete and counted != set(peers):  # a peer did not count ours: nobody rebuilds our key
+            self._send_keys(round_, survivors, sends, grid)
+        self_keys = self._key_exchange(round_, survivors, self_keys, grid, m)
+        if complete and set(self_keys) == survivors:
+            # The common round ends here. Waiting for the masked update's acks (as int8 waits for
+            # its update's) counts this round's bytes in it.
             wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))
             self._harvest(m)
             total = run.unmask_total(masked, self_keys=self_keys, dropped_seeds={}, bits=self.bits)
@@ -180,11 +193,17 @@ class SecAggRound:
 
     def _masked_exchange(self, round_: int, mine: np.ndarray, grid: bytes, absmax: np.ndarray, peers, m):
         """Step 2: push the masked update (its grid, the next round's absmax) and take the peers'.
-        Returns ({survivor: masked}, {survivor: absmax}, {peer: the push's future})."""
+        Returns ({survivor: masked}, {survivor: absmax}, {survivor: (this region's share of its
+        self key, the key's check)}, {peer: the push's future})."""
         t = time.monotonic()
-        payload = pack(encode_masked(mine), grid, absmax.astype("<f4").tobytes())
-        sends = {p: self._pool.submit(self.side.send, p, round_, MASKED, payload, timeout_s=self.send_timeout_s)
-                 for p in peers}
+        key = self.keys.self_key(round_)
+        check = relay.check(self.run_id, round_, self.region, key)
+        body, tail = encode_masked(mine), absmax.astype("<f4").tobytes()
+        # Each peer's XOR share of the round's self key rides with the masked update: only a peer
+        # that got the update holds its share (and relays it, step 3).
+        sends = {p: self._pool.submit(self.side.send, p, round_, MASKED, pack(body, grid, tail, share + check),
+                                      timeout_s=self.send_timeout_s)
+                 for p, share in relay.split(key, peers).items()}
         self.pending += [(round_, p, MASKED, f) for p, f in sends.items()]
         inbox = self.side.receive(round_, MASKED, self.deadline.current())
         if inbox.missing:  # as the Exchanger does: a miss widens the deadline, a complete round teaches it
@@ -192,36 +211,75 @@ class SecAggRound:
         else:
             self.deadline.observe(inbox.waited_s)
         self._count_received(inbox, MASKED, m)
-        masked, absmaxes = {self.region: mine}, {self.region: absmax}
+        masked, absmaxes, shares = {self.region: mine}, {self.region: absmax}, {}
         for sender, raw in sorted(inbox.received.items()):
             try:
-                body, their_grid, their_absmax = unpack(raw, 3)
+                body, their_grid, their_absmax, their_share = unpack(raw, 4)
+                if len(their_share) != relay.SHARE + relay.CHECK:
+                    raise SecAggError("malformed", f"{sender}'s self-key share is {len(their_share)} bytes")
                 if their_grid != grid:
                     raise SecAggError("wrong_grid", f"{sender} quantised on another grid (its scales differ)")
-                their = self._absmax(their_absmax, absmax.size, sender)
+                their = absmax_of(their_absmax, absmax.size, sender)
                 masked[sender] = decode_masked(body, numel=mine.size, bits=self.bits)
             except SecAggError as exc:
                 self.refused[exc.reason] += 1
                 continue
             absmaxes[sender] = their
+            shares[sender] = (their_share[:relay.SHARE], their_share[relay.SHARE:])
         m["secagg_phase_s"]["masked"] = round(time.monotonic() - t, 6)
-        return masked, absmaxes, sends
+        return masked, absmaxes, shares, sends
 
-    def _key_exchange(self, round_: int, survivors: frozenset[str], sends: dict[str, Future], grid: bytes, m) -> dict[str, bytes]:
-        """Step 3: the self key to each survivor once it acknowledged the masked update (a worker
-        waits for the ack: no ack, no key); returns the self keys received, this region's included."""
+    def _relay_exchange(self, round_: int, members: list[str], survivors: frozenset[str], shares, m):
+        """Step 3: relay this region's share of each survivor's self key to every other member
+        (with whether it counted that member's own masked update) and rebuild the self keys whose
+        every share came: ({owner: self key}, this region's included; {peers that counted ours})."""
         t = time.monotonic()
         others = sorted(survivors - {self.region})
-        self.side.expect(round_, KEY, others)
-        key = self.keys.self_key(round_)
-        msg = run.encode_reveal(self.run_id, round_, self.region, self_key=key, survivors=(), grid=grid)
-        for p in others:
+        payloads = {p: relay.encode_relay(relay.tag(self.run_id, round_, self.region, p), p in survivors,
+                                          {o: shares[o][0] for o in others if o != p}, self.regions)
+                    for p in members if p != self.region}
+        # Every member relays to every other; a survivor's is awaited (it sent its masked update),
+        # a lost region's taken if it came by then. Twice the deadline, as for KEY: a peer that lost
+        # a masked update relays only once its own deadline is over.
+        inbox, _ = self._round_trip(round_, RELAY, payloads, m, until=others, wait_s=2 * self.deadline.current())
+        relayed, counted = {}, set()
+        for sender, raw in sorted(inbox.received.items()):
+            try:
+                flag, relayed[sender] = relay.decode_relay(raw, binding=relay.tag(self.run_id, round_, sender, self.region),
+                                                           regions=self.regions, relayer=sender, me=self.region)
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+                continue
+            if flag:
+                counted.add(sender)
+        keys, forged = relay.rebuild(self.run_id, round_, self.region, members, shares, relayed)
+        if forged:  # a forged share: the key comes by KEY or not at all
+            self.refused["wrong_share"] += forged
+        keys[self.region] = self.keys.self_key(round_)
+        m["secagg_phase_s"]["relay"] = round(time.monotonic() - t, 6)
+        return keys, counted
+
+    def _send_keys(self, round_: int, survivors: frozenset[str], sends: dict[str, Future], grid: bytes) -> None:
+        """KEY: the self key to each survivor once it acknowledged the masked update (a worker
+        waits for the ack: no ack, no key)."""
+        msg = run.encode_reveal(self.run_id, round_, self.region, self_key=self.keys.self_key(round_), survivors=(),
+                                grid=grid)
+        for p in sorted(survivors - {self.region}):
             self.pending.append((round_, p, KEY, self._pool.submit(self._key_after_ack, sends[p], p, round_, msg)))
+
+    def _key_exchange(self, round_: int, survivors: frozenset[str], self_keys: dict[str, bytes], grid: bytes, m) -> dict[str, bytes]:
+        """The self keys the relays did not rebuild, by KEY; returns every self key held."""
+        others = sorted(survivors - {self.region})
+        self.side.expect(round_, KEY, others)
+        lacking = sorted(survivors - set(self_keys))
+        if not lacking:
+            return self_keys  # the KEY slot closes with the next receive (keys sent anyway are dropped)
+        t = time.monotonic()
         # Twice the deadline: a peer that waited out its own deadline for a masked update that never
         # came sends its key only then (a complete round's keys arrive within an RTT of the updates).
-        inbox = self.side.receive(round_, KEY, 2 * self.deadline.current())
+        inbox = self.side.receive(round_, KEY, 2 * self.deadline.current(), until=lacking)
         self._count_received(inbox, KEY, m)
-        self_keys = {self.region: key}
+        self_keys = dict(self_keys)
         for sender, raw in sorted(inbox.received.items()):
             try:
                 run_id, r, region, their_key, _, their_grid = run.decode_reveal(raw)
@@ -231,7 +289,7 @@ class SecAggRound:
                 self.refused[exc.reason] += 1
                 continue
             if their_grid == grid:
-                self_keys[sender] = their_key
+                self_keys.setdefault(sender, their_key)
         m["secagg_phase_s"]["key"] = round(time.monotonic() - t, 6)
         return self_keys
 
@@ -303,7 +361,7 @@ class SecAggRound:
                 raw, advert, need = unpack(payload, 3)
                 if self.region in need.decode("ascii", "replace").split(",") and sender not in with_advert:
                     self.advert_delivered.discard(sender)  # it lost our key (a restart): send it again
-                am = self._absmax(raw, nchunks, sender)
+                am = absmax_of(raw, nchunks, sender)
                 if advert:
                     adv, cert = decode_advert(advert)
                     run.verify_run_advert(adv, sender=sender, run_id=self.run_id, regions=members, book=self.book,
@@ -316,15 +374,6 @@ class SecAggRound:
                 continue
             out[sender] = am
         return out
-
-    @staticmethod
-    def _absmax(raw: bytes, nchunks: int, sender: str) -> np.ndarray:
-        if len(raw) != 4 * nchunks:
-            raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
-        am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-        if not np.all(np.isfinite(am)) or np.any(am < 0):
-            raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
-        return am
 
     def _harvest(self, m: dict) -> None:
         """Count the pushes of `pending` that ended; the others stay pending, counted by a later
@@ -355,14 +404,16 @@ class SecAggRound:
             if phase == MASKED:
                 m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
 
-    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True):
+    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True,
+                    until=None, wait_s: float | None = None):
         """Push each peer its payload and wait (the deadline) for the peers' of this phase; returns
         (the inbox, {peer: its push's future}). No ack is waited for: the pushes are counted when
         they end (`_harvest`), and only the masked update's acks decide anything."""
         futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
                    for p, b in payloads.items()}
         self.pending += [(round_, p, phase, f) for p, f in futures.items()]
-        inbox = self.side.receive(round_, phase, self.deadline.current()) if receive else None
+        wait_s = self.deadline.current() if wait_s is None else wait_s
+        inbox = self.side.receive(round_, phase, wait_s, until=until) if receive else None
         if inbox is not None:
             self._count_received(inbox, phase, m)
         return inbox, futures

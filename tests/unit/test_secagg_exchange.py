@@ -13,8 +13,10 @@ import torch
 
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.p2p.secagg_slot import KEY, MASKED, PHASES, RECOVER, SETUP, SIDE, side_round
+from geofed.p2p import secagg_relay as relay
+from geofed.p2p.secagg_slot import KEY, MASKED, PHASES, RECOVER, RELAY, SETUP, SIDE, side_round
 from geofed.p2p.transport import TransportError
+from geofed.regions.secagg_grid import unpack
 from geofed.regions.secagg_round import CHUNK, SecAggRound
 
 REGIONS = ["a", "b", "c", "d"]
@@ -110,7 +112,9 @@ def test_a_region_never_holds_a_peers_unmasked_update():
     updates = _updates(REGIONS)
     _run(rounds, updates)
     for peer in ("b", "c", "d"):
-        raw = np.frombuffer(captured[(peer, side_round(0, MASKED))][-4 * 5007:], dtype="<u4").astype(np.int64)
+        body = unpack(captured[(peer, side_round(0, MASKED))], 4)[0]
+        raw = np.frombuffer(body, dtype="<u4").astype(np.int64)
+        assert raw.size == 5007
         raw[raw >= 1 << 31] -= 1 << 32
         # quantised values lie in [-127, 127]; masked ones are spread over the whole ring
         assert np.mean(np.abs(raw) <= 127) < 0.01
@@ -140,7 +144,8 @@ def test_a_region_leaving_mid_round_leaves_the_others_the_exact_sum_of_the_survi
 
 def test_two_rounds_in_a_row_and_8_bit_rings_keep_the_sum():
     """Round 0 agrees its scales in SETUP; round 1 quantises with round 0's absmax (carried on the
-    masked updates: scales agreed a round ahead), sends no SETUP, and is still the exact grid sum."""
+    masked updates: scales agreed a round ahead), sends no SETUP, and is still the exact grid sum.
+    Every self key is rebuilt from the relayed shares: no KEY message is sent at all."""
     ts, rounds = _cluster(bits=8)
     seen = []
     ts["a"].mailbox.side.set_validator(lambda s, rnd, p: seen.append(rnd) or bytes(p))
@@ -153,12 +158,12 @@ def test_two_rounds_in_a_row_and_8_bit_rings_keep_the_sum():
         for r in REGIONS:
             m = out[r][1]
             assert m["secagg_levels"] == 31 and m["secagg_scales_ahead"] == (rnd > 0), m
-            assert set(m["secagg_phase_s"]) == ({"masked", "key"} if rnd else {"setup", "masked", "key"}), m
+            assert set(m["secagg_phase_s"]) == ({"masked", "relay"} if rnd else {"setup", "masked", "relay"}), m
             torch.testing.assert_close(out[r][0][0], want[0], rtol=0, atol=1e-5)
         previous = updates
-    # one message a peer per phase; SETUP only in round 0, no REVEAL or RECOVER in a complete round
+    # one message a peer per phase; SETUP only in round 0, no KEY, REVEAL or RECOVER in a complete round
     assert sorted(seen) == sorted(3 * [side_round(0, SETUP)] + [side_round(rnd, ph) for rnd in range(3)
-                                                                 for ph in (MASKED, KEY) for _ in range(3)])
+                                                                 for ph in (MASKED, RELAY) for _ in range(3)])
     for t in ts.values():
         t.close()
 
@@ -205,11 +210,12 @@ def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted
 
 
 def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
-    """d's masked update reaches a and c but not b. Self keys go only to regions whose masked
-    update arrived, so b (lost d) never gets d's and sends d none of its own: b and d cannot
-    unmask and apply their own updates; a and c hold every masked update and self key, and the
-    exact sum of all four. No pair seed of d is revealed (a and c hold d's update and its self
-    key; they never answer a request for d's seeds)."""
+    """d's masked update reaches a and c but not b. b never holds its share of d's self key and
+    relays none, so nobody rebuilds d's key from relays; d's KEY goes only to the regions that
+    acknowledged its update (a, c). b cannot unmask and applies its own update; a and c (d's key
+    by KEY) and d (every other key rebuilt from relays: every peer got those updates) hold the
+    exact sum of all four. No pair seed of d is revealed (the holders of d's update and key never
+    answer a request for d's seeds), and b receives nothing from which d's key follows."""
     ts, rounds = _cluster(deadline=1.0)
     send = rounds["d"].side.send
 
@@ -219,18 +225,27 @@ def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
         return send(peer, round_, phase, payload, **kw)
 
     rounds["d"].side.send = lossy
-    seen = []
+    seen, at_b = [], []
     for r in REGIONS:
         side = ts[r].mailbox.side
         side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
+    inner = ts["b"].mailbox.side._validator
+    ts["b"].mailbox.side.set_validator(lambda s, rnd, p: at_b.append((s, rnd % PHASES, bytes(p))) or inner(s, rnd, p))
     updates = _updates(REGIONS)
     out = _run(rounds, updates)
-    for r in ("b", "d"):
-        assert "secagg_failed" in out[r][1] and len(out[r][1]["peers_missing"]) == 3, out[r][1]
-        torch.testing.assert_close(out[r][0][0], updates[r][0])
+    d_key = rounds["d"].keys.self_key(0)
+    assert not [x for x in at_b if d_key in x[2]]  # d's key never reached b, whole
+    relayed = [relay.decode_relay(p, binding=relay.tag("test", 0, s, "b"), regions=REGIONS, relayer=s, me="b")[1]
+               for s, ph, p in at_b if ph == RELAY]
+    shares_of_d = [r["d"] for r in relayed if "d" in r]
+    assert not [x for x in at_b if x[:2] == ("d", MASKED)]  # b's own share of d's key never came
+    # at most a's and c's shares (the n - 2 relayed ones: uniform without b's)
+    assert len(shares_of_d) <= 2 and relay.combine(shares_of_d) != d_key, [(s, ph, len(p)) for s, ph, p in at_b]  # a's and c's; b's own never came
+    assert "secagg_failed" in out["b"][1] and len(out["b"][1]["peers_missing"]) == 3, out["b"][1]
+    torch.testing.assert_close(out["b"][0][0], updates["b"][0])
     want = _grid_mean(updates, REGIONS, levels=127)
-    for r in ("a", "c"):
-        assert out[r][1]["secagg_survivors"] == 4 and "secagg_failed" not in out[r][1], (r, out[r][1])
+    for r in ("a", "c", "d"):
+        assert out[r][1].get("secagg_survivors") == 4 and "secagg_failed" not in out[r][1], (r, out[r][1].get("secagg_failed"), out[r][1]["secagg_phase_s"], out[r][1]["secagg_refused"])
         torch.testing.assert_close(out[r][0][0], want[0], rtol=0, atol=1e-5)
     assert not [x for x in seen if x[2] == RECOVER]  # nobody answered with pair seeds
     assert ("b", "d", KEY) not in seen and ("d", "b", KEY) not in seen  # keys only where the masked went
@@ -276,3 +291,111 @@ def test_two_survivors_never_unmask_their_sum():
     assert not [x for x in seen if x[2] not in (SETUP, MASKED)], seen
     for t in ts.values():
         t.close()
+
+
+def _capture(ts, region):
+    got = []
+    inner = ts[region].mailbox.side._validator
+    ts[region].mailbox.side.set_validator(lambda s, rnd, p: got.append((s, rnd // PHASES, rnd % PHASES, bytes(p)))
+                                          or inner(s, rnd, p))
+    return got
+
+
+def test_relayed_shares_rebuild_each_self_key_and_fewer_do_not():
+    """What reaches a in a complete round: its share of b's self key (with b's masked update) and
+    c's and d's relayed shares; all three XOR to b's round key, any two do not."""
+    ts, rounds = _cluster()
+    got = _capture(ts, "a")
+    _run(rounds, _updates(REGIONS))
+    mine = {s: unpack(p, 4)[3][:relay.SHARE] for s, _, ph, p in got if ph == MASKED}
+    relays = {s: relay.decode_relay(p, binding=relay.tag("test", 0, s, "a"), regions=REGIONS, relayer=s, me="a")
+              for s, _, ph, p in got if ph == RELAY}
+    assert all(flag for flag, _ in relays.values())  # every peer counted a's masked update
+    for owner in ("b", "c", "d"):
+        parts = [mine[owner]] + [relays[j][1][owner] for j in ("b", "c", "d") if j != owner]
+        assert relay.combine(parts) == rounds[owner].keys.self_key(0)
+        assert all(relay.combine(parts[:i] + parts[i + 1:]) != rounds[owner].keys.self_key(0) for i in range(3))
+    for t in ts.values():
+        t.close()
+
+
+def test_a_replayed_relay_is_refused_and_counted_and_never_sums_wrong():
+    """b's round-0 relay to a is pushed again into round 1's relay slot, where b's own relay to a
+    is lost (with both, the mailbox voids the slot: equivocation). a refuses it (bound to round 0:
+    wrong_round, counted), cannot rebuild c's and d's keys, gets no KEY (every peer counted
+    theirs) and applies its own update; the others hold one and the same sum."""
+    ts, rounds = _cluster(deadline=1.0)
+    got = _capture(ts, "a")
+    first = _run(rounds, _updates(REGIONS, seed=0), round_=0)
+    assert all("secagg_failed" not in o[1] for o in first.values()), {r: o[1].get("secagg_failed") for r, o in first.items()}
+    old = next(p for s, r, ph, p in got if (s, r, ph) == ("b", 0, RELAY))
+    send = rounds["b"].side.send
+
+    def lossy(peer, round_, phase, payload, **kw):
+        if peer == "a" and phase == RELAY:
+            raise TransportError("emulated loss of b's relay to a", peer=peer, reason="unavailable")
+        return send(peer, round_, phase, payload, **kw)
+
+    rounds["b"].side.send = lossy
+    ts["b"].send("a", SIDE | side_round(1, RELAY), old, timeout_s=1.0)
+    updates = _updates(REGIONS, seed=1)
+    out = _run(rounds, updates, round_=1)
+    m = out["a"][1]
+    assert m["secagg_refused"].get("wrong_round") == 1 and "secagg_failed" in m, (m.get("secagg_failed"), m["secagg_refused"])
+    torch.testing.assert_close(out["a"][0][0], updates["a"][0])
+    sums = [out[r][0][0] for r in ("b", "c", "d")]
+    assert all("secagg_failed" not in out[r][1] for r in ("b", "c", "d"))
+    torch.testing.assert_close(sums[0], sums[1], rtol=0, atol=0)
+    torch.testing.assert_close(sums[0], sums[2], rtol=0, atol=0)
+    for t in ts.values():
+        t.close()
+
+
+def test_a_forged_relayed_share_is_refused_and_counted_and_the_key_not_used():
+    """b relays a's shares with one byte flipped: a's rebuilt keys of c and d fail the check that
+    came with their masked updates (wrong_share, counted twice), a never sums with them."""
+    ts, rounds = _cluster(deadline=1.0)
+    send = rounds["b"].side.send
+
+    def forge(peer, round_, phase, payload, **kw):
+        if peer == "a" and phase == RELAY:
+            payload = payload[:-1] + bytes([payload[-1] ^ 1]) if len(payload) > relay.TAG + 1 else payload
+        return send(peer, round_, phase, payload, **kw)
+
+    rounds["b"].side.send = forge
+    updates = _updates(REGIONS)
+    out = _run(rounds, updates)
+    m = out["a"][1]
+    assert m["secagg_refused"].get("wrong_share") == 1, m  # the flipped byte is in the last share only
+    assert "secagg_failed" in m or out["a"][0][0].equal(out["b"][0][0]), m
+    want = _grid_mean(updates, REGIONS, levels=127)
+    for r in ("b", "c", "d"):
+        torch.testing.assert_close(out[r][0][0], want[0], rtol=0, atol=1e-5)
+    for t in ts.values():
+        t.close()
+
+
+def test_relay_messages_refuse_wrong_bindings_sizes_and_owners():
+    """split/combine: all shares give the key, any fewer not; decode_relay refuses a relay bound
+    to another round or link (wrong_round) and a wrong flag, size or owner (malformed)."""
+    key = bytes(range(32))
+    shares = relay.split(key, ["a", "c", "d"])  # b's key, one share per peer of b
+    assert relay.combine(shares.values()) == key
+    assert relay.combine([shares["a"], shares["c"]]) != key
+    tag = relay.tag("run", 3, "b", "a")
+    good = relay.encode_relay(tag, True, {"c": key, "d": shares["d"]}, REGIONS)  # b relays its shares of c's and d's keys
+    assert relay.decode_relay(good, binding=tag, regions=REGIONS, relayer="b", me="a") == (True, {"c": key, "d": shares["d"]})
+    for binding in (relay.tag("run", 2, "b", "a"), relay.tag("other", 3, "b", "a"), relay.tag("run", 3, "c", "a")):
+        with pytest.raises(ValueError, match="wrong_round"):
+            relay.decode_relay(good, binding=binding, regions=REGIONS, relayer="b", me="a")
+    for bad in (good[:-1], tag + b"\x02", relay.encode_relay(tag, False, {"a": key}, REGIONS),
+                relay.encode_relay(tag, False, {"b": key}, REGIONS), tag + b"\x01" + b"\x09" + key,
+                tag + b"\x01" + 2 * (b"\x02" + key)):
+        with pytest.raises(ValueError, match="malformed"):
+            relay.decode_relay(bad, binding=tag, regions=REGIONS, relayer="b", me="a")
+    keys, forged = relay.rebuild("run", 3, "a", REGIONS, {"b": (shares["a"], relay.check("run", 3, "b", key))},
+                                 {"c": {"b": shares["c"]}, "d": {"b": shares["d"]}})
+    assert keys == {"b": key} and forged == 0
+    keys, forged = relay.rebuild("run", 3, "a", REGIONS, {"b": (shares["a"], relay.check("run", 4, "b", key))},
+                                 {"c": {"b": shares["c"]}, "d": {"b": shares["d"]}})
+    assert keys == {} and forged == 1
