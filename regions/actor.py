@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from .warm import WarmSlot, load_assignment
+from .warm import WarmSlot, load_assignment, process_age_s
 from .worker import RegionWorker
 
 # Per-node override of the address peers dial (a node behind NAT, a public IP): set in the
@@ -49,7 +49,7 @@ class RegionActor(RegionWorker):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
         # actor and the Ray job of the run that creates it.
-        t0, age = time.monotonic(), process_age_s()  # where an actor's start goes (the setup_done event)
+        t0, age = time.monotonic(), process_age_s(ndigits=3)  # where an actor's start goes (the setup_done event)
         slot = None
         if pool is not None:
             # A restart re-runs __init__ with the creation arguments, those of the run that created
@@ -119,14 +119,3 @@ def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: di
         options["label_selector"] = label_selector
     return ray.remote(**options)(RegionActor)
 
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux /proc; None elsewhere): Ray's worker start and imports."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return round(max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK")), 3)

@@ -14,6 +14,7 @@ time, so it never holds its CPUs for good.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -143,3 +144,17 @@ class WarmSlot:
             drop_assignment(self.name)
         finally:
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+def process_age_s(ndigits: int | None = None) -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): for `geofed run` the
+    interpreter, imports and config check before the Runner; for an actor Ray's worker start and imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    age = max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    return age if ndigits is None else round(age, ndigits)

@@ -207,16 +207,3 @@ class Clock:
 
     def now(self) -> float:
         return time.monotonic() - self._t0
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux /proc; None elsewhere): `geofed run`'s start-up
-    time includes the interpreter, imports and the config check that precede the Runner."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))

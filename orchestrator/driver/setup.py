@@ -19,7 +19,9 @@ from .coordinator import Coordinator
 from .emulation import start_emulation
 from .recovery import marked_processes, record_processes
 from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver
-from .rundir import Clock, JsonlLog, ensure_private_dir, lock_run_dir, process_age_s
+from geofed.regions.warm import process_age_s
+
+from .rundir import Clock, JsonlLog, ensure_private_dir, lock_run_dir
 from .trackers import Trackers
 
 

@@ -19,18 +19,20 @@ from reliability_harness import BackgroundRun, events, pid_alive, small_config, 
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(420)]
 
-REGIONS = ["us-east-1", "eu-west-1"]
+REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 VICTIM = "eu-west-1"
-# 50 ms each way paces a round at >= ~0.15 s: a restart (10-20 s here: a new Python with torch)
-# happens well inside the run.
-ROUNDS = 120
+# 100 ms each way paces a round at >= ~0.3 s, so the run lasts >= 60 s and a restart (10-20 s
+# here: a new Python with torch) happens well inside it. Three regions: with two, the survivor's
+# rounds had no exchange to pace them once the victim was down, and a quiet host ran the rest of
+# the run in 3 s, before the restarted region was back.
+ROUNDS = 200
 
 
 def _cfg(warm_s: float, *, rounds: int, seed: int = 0):
     return small_config(regions=REGIONS, rounds=rounds, ray={"warm_pool_s": warm_s},
                         run={"name": "warm", "rounds": rounds, "seed": seed, "eval_every": rounds},
                         network={"emulation": {"mode": "proxy", "preset": None,
-                                               "default": {"latency_ms": 50, "bandwidth_mbps": 200, "jitter_ms": 0,
+                                               "default": {"latency_ms": 100, "bandwidth_mbps": 200, "jitter_ms": 0,
                                                            "loss": 0}}})
 
 
