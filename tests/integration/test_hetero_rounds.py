@@ -79,8 +79,9 @@ def test_quorum_rounds_close_without_the_slow_region_and_apply_its_late_update(t
 @pytest.mark.slow  # the default suite's 20 minutes; CI runs it in the slow pass
 def test_time_budget_rounds_give_fast_regions_more_steps(tmp_path):
     # FedNova scaling stays at its default (off): with 4x scaling one fresh-clone CI run ended at
-    # 0.83 accuracy; docs/heterogeneity.md has the A/B runs behind that default.
-    summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=6)
+    # 0.83 accuracy; docs/heterogeneity.md has the A/B runs behind that default. 9 rounds: with 6 a
+    # quiet fresh-clone CI host, whose budgets hold fewer steps of the slow region, ended at 0.838.
+    summary, rounds, metrics, _ = _run(tmp_path, {"mode": "time-budget"}, rounds=9)
     steps = {(m["round"], m["region"]): m["steps"] for m in metrics}
     # Round 0 calibrates: the set-up warm-up's pass times give the slow region fewer steps than the fast.
     assert steps[(0, FAST)] > steps[(0, SLOW)], steps
