@@ -45,6 +45,7 @@ def _pids(run_dir) -> dict[str, int]:
     return {r: i["pid"] for r, i in started["regions"].items()}
 
 
+@pytest.mark.slow  # ~70 s (200 paced rounds while a region restarts): the default suite's longest test
 def test_second_run_reuses_warm_actors_and_a_restarted_one_joins_the_current_run(tmp_path):
     first = Runner(_cfg(60, rounds=3), tmp_path / "first", show_progress=False)
     try:
