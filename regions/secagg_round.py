@@ -33,6 +33,10 @@ round is one exchange; the other phases run only when needed:
 5. The sum of the survivors' updates is unmasked, dequantised and divided by their number: the
    full topology's uniform mean, the same at every survivor.
 
+Here: the round and steps 1-3 (SETUP, MASKED, RELAY); KEY, REVEAL and RECOVER, which run only
+when the common round cannot end at RELAY, are in regions/secagg_recovery.py, and the side
+messages' push, wait and counting every phase shares in regions/secagg_io.py.
+
 A region that cannot unmask (no keys, a missing reveal or answer, survivors that disagree)
 applies its own update alone and reports every peer as missed: the driver's resync makes one
 model again. Refused side messages are counted by SecAggError.reason under `secagg_refused`;
@@ -42,9 +46,8 @@ model again. Refused side messages are counted by SecAggError.reason under `seca
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any
 
 import numpy as np
@@ -54,17 +57,16 @@ from geofed.p2p import secagg_relay as relay
 from geofed.p2p import secagg_run as run
 from geofed.p2p import secmask
 from geofed.p2p.secagg import KeyBook, SecAggError
-from geofed.p2p.secagg_slot import KEY, MASKED, RECOVER, RELAY, REVEAL, SETUP, SideChannel
+from geofed.p2p.secagg_slot import MASKED, RELAY, SETUP
 from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
-from geofed.p2p.transport import TransferStats, Transport, TransportError
+from geofed.p2p.transport import Transport
 
 from .secagg_grid import CHUNK, absmax_of, dequantize_all, pack, quantize_all, unpack
+from .secagg_io import Fallback
+from .secagg_recovery import SecAggRecovery
 
-class Fallback(Exception):
-    """This region cannot unmask the round (why): it applies its own update alone."""
 
-
-class SecAggRound:
+class SecAggRound(SecAggRecovery):
     """A region's secure-aggregation exchange, one `exchange` per DiLoCo round. `deadline` is the
     region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after its
     inner steps (after SETUP when the round runs one), before its masked update."""
@@ -72,14 +74,13 @@ class SecAggRound:
     def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
                  deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
                  drop_mid_round=lambda r: False):
-        self.region, self.regions, self.run_id, self.bits = region, sorted(regions), run_id, bits
-        self.deadline, self.send_timeout_s = deadline, send_timeout_s
+        super().__init__(regions=regions, transport=transport, deadline=deadline, send_timeout_s=send_timeout_s,
+                         max_message_bytes=max_message_bytes)
+        self.region, self.run_id, self.bits = region, run_id, bits
         self.error_feedback, self.drop_mid_round = error_feedback, drop_mid_round
         tls = getattr(transport, "tls", None)
         self.tls_key = None if tls is None else tls.key_pem
         self.cert, self.ca = (b"", None) if tls is None else (tls.cert_pem, tls.ca_pem)
-        self.side = SideChannel(transport, max_message_bytes=max_message_bytes)
-        self.side.set_validator(lambda sender, r, phase, payload: bytes(payload))  # checked in the round's thread
         self.book = KeyBook()
         self.keys: run.RunKeys | None = None
         self.publics: dict[str, bytes] = {}
@@ -87,13 +88,6 @@ class SecAggRound:
         self.residual: list[torch.Tensor] | None = None
         # (round, its members, every member's chunk absmax): the next round's scales, agreed ahead
         self.ahead: tuple[int, tuple[str, ...], np.ndarray] | None = None
-        self.pending: list[tuple[int, str, int, Future]] = []  # pushes not yet acknowledged when a round ended
-        self.refused: Counter[str] = Counter()
-        # A KEY task waits in a worker for its MASKED push's ack: room for both, per peer, and a stalled one.
-        self._pool = ThreadPoolExecutor(max_workers=max(6, 3 * len(regions)), thread_name_prefix="geofed-secagg")
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the round ---------------------------------------------------------------------
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], alive: Sequence[str] | None) -> tuple[list[torch.Tensor], dict]:
@@ -259,99 +253,6 @@ class SecAggRound:
         m["secagg_phase_s"]["relay"] = round(time.monotonic() - t, 6)
         return keys, counted
 
-    def _send_keys(self, round_: int, survivors: frozenset[str], sends: dict[str, Future], grid: bytes) -> None:
-        """KEY: the self key to each survivor once it acknowledged the masked update (a worker
-        waits for the ack: no ack, no key)."""
-        msg = run.encode_reveal(self.run_id, round_, self.region, self_key=self.keys.self_key(round_), survivors=(),
-                                grid=grid)
-        for p in sorted(survivors - {self.region}):
-            self.pending.append((round_, p, KEY, self._pool.submit(self._key_after_ack, sends[p], p, round_, msg)))
-
-    def _key_exchange(self, round_: int, survivors: frozenset[str], self_keys: dict[str, bytes], grid: bytes, m) -> dict[str, bytes]:
-        """The self keys the relays did not rebuild, by KEY; returns every self key held."""
-        others = sorted(survivors - {self.region})
-        self.side.expect(round_, KEY, others)
-        lacking = sorted(survivors - set(self_keys))
-        if not lacking:
-            return self_keys  # the KEY slot closes with the next receive (keys sent anyway are dropped)
-        t = time.monotonic()
-        # Twice the deadline: a peer that waited out its own deadline for a masked update that never
-        # came sends its key only then (a complete round's keys arrive within an RTT of the updates).
-        inbox = self.side.receive(round_, KEY, 2 * self.deadline.current(), until=lacking)
-        self._count_received(inbox, KEY, m)
-        self_keys = dict(self_keys)
-        for sender, raw in sorted(inbox.received.items()):
-            try:
-                run_id, r, region, their_key, _, their_grid = run.decode_reveal(raw)
-                if (run_id, r, region) != (self.run_id, round_, sender) or not their_key:
-                    raise SecAggError("wrong_round", f"a self key of {region!r} for round {r} pushed by {sender!r}")
-            except SecAggError as exc:
-                self.refused[exc.reason] += 1
-                continue
-            if their_grid == grid:
-                self_keys.setdefault(sender, their_key)
-        m["secagg_phase_s"]["key"] = round(time.monotonic() - t, 6)
-        return self_keys
-
-    def _key_after_ack(self, masked: Future, peer: str, round_: int, msg: bytes) -> TransferStats | None:
-        """In a worker: the self key to `peer` once its ack of the masked update is in (None: no ack)."""
-        try:
-            masked.result(timeout=self.send_timeout_s)
-        except (TransportError, TimeoutError):
-            return None
-        return self.side.send(peer, round_, KEY, msg, timeout_s=self.send_timeout_s)
-
-    def _unmask(self, round_: int, members, survivors: frozenset[str], masked, ackers: set[str], grid: bytes,
-                self_keys: dict[str, bytes], m):
-        """Step 4 (a region or a self key is missing): the exact integer sum of the survivors' updates."""
-        t = time.monotonic()
-        others = sorted(survivors - {self.region})
-        dropped = sorted(set(members) - survivors)
-        self.side.expect(round_, REVEAL, others)
-        if dropped:
-            self.side.expect(round_, RECOVER, others)
-        reveals = {p: run.encode_reveal(self.run_id, round_, self.region, survivors=survivors, grid=grid,
-                                        self_key=self.keys.self_key(round_) if p in ackers else b"")
-                   for p in others}
-        inbox, _ = self._round_trip(round_, REVEAL, reveals, m)
-        self_keys = dict(self_keys)
-        answers = {}
-        for sender, raw in sorted(inbox.received.items()):
-            try:
-                run_id, r, region, key, theirs, their_grid = run.decode_reveal(raw)
-                if (run_id, r, region) != (self.run_id, round_, sender):
-                    raise SecAggError("wrong_round", f"a reveal of {region!r} for round {r} pushed by {sender!r}")
-            except SecAggError as exc:
-                self.refused[exc.reason] += 1
-                continue
-            if theirs != survivors or their_grid != grid:
-                raise Fallback(f"{sender} saw survivors {sorted(theirs)} (or another grid); this region saw {sorted(survivors)}")
-            if key:
-                self_keys[sender] = key
-            lost = set(members) - theirs
-            if lost:  # it asks for the pair seeds of the regions it lost; answer for those this region lost too
-                answers[sender] = run.encode_recover(self.run_id, round_, self.region, {
-                    d: self.keys.pair_seed(d, self.publics[d], round_) for d in lost if d not in survivors})
-        if set(self_keys) != survivors:
-            raise Fallback(f"no self key from {sorted(survivors - set(self_keys))}")
-        seeds = {(self.region, d): self.keys.pair_seed(d, self.publics[d], round_) for d in dropped}
-        if answers or dropped:
-            inbox, _ = self._round_trip(round_, RECOVER, answers, m, receive=bool(dropped))
-            for sender, raw in sorted((inbox.received if inbox is not None else {}).items()):
-                try:
-                    run_id, r, region, theirs = run.decode_recover(raw)
-                    if (run_id, r, region) != (self.run_id, round_, sender):
-                        raise SecAggError("wrong_round", f"a recovery answer of {region!r} pushed by {sender!r}")
-                except SecAggError as exc:
-                    self.refused[exc.reason] += 1
-                    continue
-                seeds.update({(sender, d): seed for d, seed in theirs.items() if d in dropped})
-        m["secagg_phase_s"]["reveal"] = round(time.monotonic() - t, 6)  # with the recovery answers
-        missing = [(s, d) for s in survivors for d in dropped if (s, d) not in seeds]
-        if missing:
-            raise Fallback(f"no pair seeds for {sorted(missing)}")
-        return run.unmask_total(masked, self_keys=self_keys, dropped_seeds=seeds, bits=self.bits)
-
     def _take_setups(self, inbox, members: list[str], nchunks: int, with_advert: set[str]) -> dict[str, np.ndarray]:
         """Each peer's absmax, and its advert when it sent one (refused setups left out). A peer
         that lacks this region's key and was not sent it this round gets it next round."""
@@ -374,49 +275,6 @@ class SecAggRound:
                 continue
             out[sender] = am
         return out
-
-    def _harvest(self, m: dict) -> None:
-        """Count the pushes of `pending` that ended; the others stay pending, counted by a later
-        round. The common round waits for no self-key ack: those pushes end while the next round's
-        inner steps run (the last round's few hundred bytes are not counted)."""
-        still = []
-        for round_, peer, phase, fut in self.pending:
-            if not fut.done():
-                still.append((round_, peer, phase, fut))
-                continue
-            try:
-                stats = fut.result()
-            except TransportError as exc:
-                m["send_failures"][peer] = f"secagg round {round_} phase {phase}: {exc}"
-                continue
-            if stats is None:  # a self key not sent: the masked update was not acknowledged
-                continue
-            m["bytes_sent"] += stats.bytes
-            if phase == MASKED:
-                m["transfers"].append({"peer": peer, "direction": "send", "bytes": stats.bytes,
-                                       "seconds": round(stats.seconds, 6), "concurrent": len(self.regions) - 1})
-        self.pending = still
-
-    @staticmethod
-    def _count_received(inbox, phase: int, m: dict) -> None:
-        for sender, (nbytes, seconds) in inbox.timings.items():
-            m["bytes_received"] += nbytes
-            if phase == MASKED:
-                m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
-
-    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True,
-                    until=None, wait_s: float | None = None):
-        """Push each peer its payload and wait (the deadline) for the peers' of this phase; returns
-        (the inbox, {peer: its push's future}). No ack is waited for: the pushes are counted when
-        they end (`_harvest`), and only the masked update's acks decide anything."""
-        futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
-                   for p, b in payloads.items()}
-        self.pending += [(round_, p, phase, f) for p, f in futures.items()]
-        wait_s = self.deadline.current() if wait_s is None else wait_s
-        inbox = self.side.receive(round_, phase, wait_s, until=until) if receive else None
-        if inbox is not None:
-            self._count_received(inbox, phase, m)
-        return inbox, futures
 
 
 def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadline,

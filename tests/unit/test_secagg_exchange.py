@@ -1,4 +1,4 @@
-"""Secure aggregation in the round (regions/secagg_round.py) over the in-memory transport: the
+"""Secure aggregation in the round (regions/secagg_round.py, secagg_recovery.py) over the in-memory transport: the
 mean is the plain int8-grid mean up to quantisation, a region never holds a peer's unmasked
 update, a region that leaves mid-round does not stall or corrupt the others' round, and
 secure aggregation's side slots are separate from the update's."""
@@ -16,8 +16,8 @@ from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p import secagg_relay as relay
 from geofed.p2p.secagg_slot import KEY, MASKED, PHASES, RECOVER, RELAY, SETUP, SIDE, side_round
 from geofed.p2p.transport import TransportError
-from geofed.regions.secagg_grid import unpack
-from geofed.regions.secagg_round import CHUNK, SecAggRound
+from geofed.regions.secagg_grid import CHUNK, unpack
+from geofed.regions.secagg_round import SecAggRound
 
 REGIONS = ["a", "b", "c", "d"]
 
