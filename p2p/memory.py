@@ -115,10 +115,13 @@ class InMemoryTransport(Transport):
         with self._lock:
             self._send_failures[peer] += 1
 
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
         if len(payload) > self.mailbox.max_message_bytes:
             raise ValueError(f"payload: {len(payload)} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
         start = time.monotonic()
+        if spread_s > 0:
+            # No wire to pace: the payload arrives whole when its spread is over, as the last chunk would.
+            time.sleep(min(spread_s, timeout_s))
         target = self._target(peer, timeout_s)
         chunks = max(1, math.ceil(len(payload) / self.chunk_bytes))
         wire = _HEADER_BYTES + len(payload) + 5 * chunks
@@ -135,7 +138,8 @@ class InMemoryTransport(Transport):
             self._sent_messages[peer] += 1
         seconds = time.monotonic() - start
         return TransferStats(peer=peer, round=round, payload_bytes=len(payload), wire_bytes=wire,
-                             seconds=seconds, receiver_seconds=time.monotonic() - t0, chunks=chunks)
+                             seconds=seconds, receiver_seconds=time.monotonic() - t0, chunks=chunks,
+                             spread_s=max(0.0, spread_s))
 
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
         return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s)

@@ -77,6 +77,7 @@ class TransferStats:
     receiver_seconds: float  # header -> last chunk, measured by the receiver (no RTT)
     chunks: int
     cold: bool = False       # the first on a fresh connection: it paid handshakes and slow start
+    spread_s: float = 0.0    # paced over this many seconds (sync.spread_sends): its duration is the pace's
 
     @property
     def bytes(self) -> int:
@@ -149,9 +150,10 @@ class Transport(ABC):
         """Declare the in-neighbours of `round`; only they may push for it."""
 
     @abstractmethod
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
-        """Push `payload` to `peer`; returns once the peer validated and acknowledged it.
-        Raises TransportError on refusal, failure or timeout."""
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
+        """Push `payload` to `peer`; returns once the peer validated and acknowledged it. `spread_s`
+        > 0: release the payload evenly over that many seconds rather than at line rate
+        (p2p/spread.py). Raises TransportError on refusal, failure or timeout."""
 
     @abstractmethod
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:

@@ -17,6 +17,12 @@ def exchange_metrics(res: ExchangeResult) -> dict[str, Any]:
             "send_failures": res.send_failures}
 
 
+def spread_of(settings, metrics: Mapping[str, Any]) -> float:
+    """Seconds to spread an overlapped exchange's pushes over (sync.spread_sends): that share of the
+    round's compute, which the next round's about repeats and the exchange hides behind."""
+    return float(getattr(settings, "spread_sends", 0.0) or 0.0) * float(metrics.get("compute_s") or 0.0)
+
+
 def no_exchange_metrics() -> dict[str, Any]:
     """The exchange keys of a round in which no exchange completed (overlap's first round):
     every round's record has them, so sums over rounds never miss a key."""

@@ -38,7 +38,7 @@ import torch
 
 from ..pacing import mix_stale, update_scale
 from ..privacy.dp import clip_and_noise_update, noise_generator
-from .common import exchange_metrics, no_exchange_metrics
+from .common import exchange_metrics, no_exchange_metrics, spread_of
 from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class DilocoSync:
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent)
+            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, spread_of(ctx.settings, metrics))
             self._pending_round = plan.round
             if self.eager:
                 self._load_params(self._preview_outer_step(sent))
@@ -139,8 +139,8 @@ class DilocoSync:
         self._load_global()
         return metrics
 
-    def _exchange_and_mix(self, plan, delta):
-        res = self.ctx.exchange(plan, delta)
+    def _exchange_and_mix(self, plan, delta, spread_s: float = 0.0):
+        res = self.ctx.exchange(plan, delta, spread_s=spread_s)
         mixed = self.ctx.mix(plan, delta, res)
         # The synchronised model of this round exists now, a round before it is applied: an eval
         # round evaluates it here, off the training thread, so time to target counts from when it
