@@ -8,7 +8,8 @@ cover. A spread push cuts the payload into chunks and releases them evenly over 
 the link carries the round's bytes at about ``bytes / spread_s`` all round long.
 
 A chunk goes out every ``TICK_S`` at most, and no chunk is smaller than ``MIN_CHUNK_BYTES``
-(each chunk costs ~8 bytes of framing: at 1 KiB that is under 1%). A link slower than the pace
+(each chunk costs ~8 bytes of framing: at 512 B, 1.6%). The first chunk leaves at once and the
+last at the end of the spread, so the push spans it whole. A link slower than the pace
 is not paced at all in effect: the chunks queue and the push ends when the link has carried
 them, so its duration still measures the link (``p2p/estimator.py`` uses it only then).
 """
@@ -19,7 +20,7 @@ import math
 import time
 
 TICK_S = 0.05
-MIN_CHUNK_BYTES = 1024
+MIN_CHUNK_BYTES = 512
 
 
 def spread_chunk_bytes(nbytes: int, chunk_bytes: int, spread_s: float) -> int:
@@ -31,7 +32,7 @@ def spread_chunk_bytes(nbytes: int, chunk_bytes: int, spread_s: float) -> int:
 
 
 class SpreadClock:
-    """Releases chunk i of n at start + spread_s * i / n (the first at once)."""
+    """Releases chunk i of n at start + spread_s * i / (n - 1): the first at once, the last at the end."""
 
     def __init__(self, spread_s: float, chunks: int):
         self.spread_s, self.chunks = max(0.0, spread_s), max(1, chunks)
@@ -41,8 +42,8 @@ class SpreadClock:
         """Block until chunk `i` may go; the clock starts at chunk 0."""
         if self.start is None:
             self.start = time.monotonic()
-        if self.spread_s <= 0 or i <= 0:
+        if self.spread_s <= 0 or i <= 0 or self.chunks < 2:
             return
-        delay = self.start + self.spread_s * i / self.chunks - time.monotonic()
+        delay = self.start + self.spread_s * min(1.0, i / (self.chunks - 1)) - time.monotonic()
         if delay > 0:
             time.sleep(delay)

@@ -50,7 +50,7 @@ class Scenario:
     overrides: tuple[str, ...] = ()  # --set style KEY=VALUE applied to every arm
     frontier: bool = False           # also the eager, fragments and sparseloco arms (issue 21)
     fragments: int = 3               # sync.fragments of the fragment arms (char-lm's GRU: 3 is the most that helps)
-    spread: float = 0.8              # sync.spread_sends of the spread arm: a push over 80% of the next round
+    spread: float = 0.9              # sync.spread_sends of the spread arm: a push over 90% of the next round
     sparse_ladder: tuple[str, ...] = ("sparseloco(fraction=0.05)", "sparseloco(fraction=0.02)",
                                       "sparseloco(fraction=0.01)")
 

@@ -17,9 +17,12 @@ def exchange_metrics(res: ExchangeResult) -> dict[str, Any]:
             "send_failures": res.send_failures}
 
 
-def spread_of(settings, metrics: Mapping[str, Any]) -> float:
+def spread_of(settings, plan, metrics: Mapping[str, Any]) -> float:
     """Seconds to spread an overlapped exchange's pushes over (sync.spread_sends): that share of the
-    round's compute, which the next round's about repeats and the exchange hides behind."""
+    round's compute, which the next round's about repeats and the exchange hides behind. None for
+    the final round: its exchange is waited for at once, with no compute to hide behind."""
+    if plan.final:
+        return 0.0
     return float(getattr(settings, "spread_sends", 0.0) or 0.0) * float(metrics.get("compute_s") or 0.0)
 
 

@@ -110,7 +110,7 @@ class DilocoSync:
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, spread_of(ctx.settings, metrics))
+            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, spread_of(ctx.settings, plan, metrics))
             self._pending_round = plan.round
             if self.eager:
                 self._load_params(self._preview_outer_step(sent))
