@@ -23,7 +23,7 @@ from .proto import gossip_pb2, gossip_pb2_grpc
 from .service import CALLER_LIMITS, MAX_CHUNK_BYTES, MAX_PROBE_BYTES, PROBE_METHOD, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
 from .tls import TlsMaterial
 from .secagg_slot import SlotMailbox
-from .spread import SpreadClock, spread_chunk_bytes
+from .spread import SpreadClock, SpreadPushes, spread_chunk_bytes
 from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
 
 __all__ = ["GrpcTransport"]
@@ -89,6 +89,7 @@ class GrpcTransport(Transport):
         self.bind_host, self.ports, self.advertised_host = bind_host, range(lo, hi + 1), advertised_host
         self.tls = tls
         self.chunk_bytes = chunk_bytes
+        self.spreading = SpreadPushes()
         self.max_workers = max_workers
         self.max_state_bytes = max_state_bytes or max_message_bytes
         self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
@@ -261,7 +262,8 @@ class GrpcTransport(Transport):
         chunks = -(-n // cs)
         start = time.monotonic()
         try:
-            ack = push(messages(), timeout=timeout_s)
+            with self.spreading.track(clock):
+                ack = push(messages(), timeout=timeout_s)
         except grpc.RpcError as exc:
             with self._lock:
                 self._send_failures[peer] += 1

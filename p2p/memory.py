@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from .mailbox import Refusal
 from .secagg_slot import SlotMailbox
+from .spread import SpreadClock, SpreadPushes
 from .transport import Inbox, TransferStats, Transport, TransportError, Validator
 
 __all__ = ["InMemoryHub", "InMemoryTransport"]
@@ -73,6 +74,7 @@ class InMemoryTransport(Transport):
         self.region = region
         self.hub = hub
         self.chunk_bytes = chunk_bytes
+        self.spreading = SpreadPushes()
         self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
                                max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
         self._peers: dict[str, str] = {}
@@ -120,8 +122,11 @@ class InMemoryTransport(Transport):
             raise ValueError(f"payload: {len(payload)} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
         start = time.monotonic()
         if spread_s > 0:
-            # No wire to pace: the payload arrives whole when its spread is over, as the last chunk would.
-            time.sleep(min(spread_s, timeout_s))
+            # No wire to pace: the payload arrives whole when its spread is over (or is hurried), as
+            # the last chunk would.
+            with self.spreading.track(SpreadClock(min(spread_s, timeout_s), 2)) as clock:
+                clock.wait(0)
+                clock.wait(1)
         target = self._target(peer, timeout_s)
         chunks = max(1, math.ceil(len(payload) / self.chunk_bytes))
         wire = _HEADER_BYTES + len(payload) + 5 * chunks

@@ -12,12 +12,19 @@ A chunk goes out every ``TICK_S`` at most, and no chunk is smaller than ``MIN_CH
 last at the end of the spread, so the push spans it whole. A link slower than the pace
 is not paced at all in effect: the chunks queue and the push ends when the link has carried
 them, so its duration still measures the link (``p2p/estimator.py`` uses it only then).
+
+The spread is a plan made from the last round's compute. When the round it hides behind ends
+sooner (a faster round, the final flush), the region calls ``Transport.hurry()`` and what is
+left goes out at once: peers never wait on a pace that no longer has compute to hide behind.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 TICK_S = 0.05
 MIN_CHUNK_BYTES = 512
@@ -32,11 +39,17 @@ def spread_chunk_bytes(nbytes: int, chunk_bytes: int, spread_s: float) -> int:
 
 
 class SpreadClock:
-    """Releases chunk i of n at start + spread_s * i / (n - 1): the first at once, the last at the end."""
+    """Releases chunk i of n at start + spread_s * i / (n - 1): the first at once, the last at the
+    end; every chunk at once after hurry()."""
 
     def __init__(self, spread_s: float, chunks: int):
         self.spread_s, self.chunks = max(0.0, spread_s), max(1, chunks)
         self.start: float | None = None
+        self._hurry = threading.Event()
+
+    def hurry(self) -> None:
+        """Release the remaining chunks now."""
+        self._hurry.set()
 
     def wait(self, i: int) -> None:
         """Block until chunk `i` may go; the clock starts at chunk 0."""
@@ -46,4 +59,30 @@ class SpreadClock:
             return
         delay = self.start + self.spread_s * min(1.0, i / (self.chunks - 1)) - time.monotonic()
         if delay > 0:
-            time.sleep(delay)
+            self._hurry.wait(delay)
+
+
+class SpreadPushes:
+    """A transport's spread pushes in flight, so that hurry() reaches all of them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._clocks: set[SpreadClock] = set()
+
+    @contextmanager
+    def track(self, clock: SpreadClock) -> Iterator[SpreadClock]:
+        with self._lock:
+            self._clocks.add(clock)
+        try:
+            yield clock
+        finally:
+            with self._lock:
+                self._clocks.discard(clock)
+
+    def hurry(self) -> int:
+        """Release every tracked push's remaining chunks; returns how many pushes were paced."""
+        with self._lock:
+            clocks = list(self._clocks)
+        for c in clocks:
+            c.hurry()
+        return len(clocks)

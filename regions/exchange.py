@@ -145,6 +145,10 @@ class Exchanger:
             return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s, spread_s=spread_s)
         return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s)
 
+    def hurry(self) -> None:
+        """Spread pushes in flight (sync.spread_sends) send what is left now: the compute they hid behind is over."""
+        self.transport.hurry()
+
     def _probe_rtt(self, peer: str, *, warm_up: bool = False) -> None:
         """Ping `peer`. Called when our links are quiet (after the round's exchange): a ping queued
         behind a push in the emulator's (or a real router's) buffer measures the queue, not the path."""

@@ -163,7 +163,7 @@ class RegionWorker(LocalSteps, RegionState):
         return SyncContext(region=self.region, index=self.index, params=self.params, shapes=self.shapes,
                            settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
-                           evaluate=self.evaluate_params, secagg=self.secagg)
+                           evaluate=self.evaluate_params, secagg=self.secagg, hurry=lambda: self.exchanger.hurry())
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:

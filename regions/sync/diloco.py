@@ -167,6 +167,7 @@ class DilocoSync:
         return out
 
     def _finish_pending(self) -> dict[str, Any]:
+        self.ctx.hurry()  # the compute a spread push hid behind is over: what is left goes now
         t0 = time.monotonic()
         try:
             res, mixed, ev = self._pending.result(timeout=self.ctx.settings.deadline.max_s * 2 + 60)

@@ -174,6 +174,7 @@ class FragmentedDilocoSync(DilocoSync):
     def _finish_pending(self) -> dict[str, Any]:
         """Wait for the fragment in flight, apply its mean to its global copy, then rebase that fragment
         of the live model: the steps taken since it was sent stay, as its next pseudo-gradient's start."""
+        self.ctx.hurry()  # as DilocoSync's: a spread push's remaining chunks go now
         t0 = time.monotonic()
         f = self._pending_fragment
         try:

@@ -59,6 +59,8 @@ class SyncContext:
     fetch_state: Callable[..., bytes]               # (peer, *, timeout_s) -> that peer's state bytes
     # evaluate(params, *, restore_rng) -> metric dict, on a scratch copy of the model.
     evaluate: Callable[..., dict[str, Any]]
+    # hurry() -> None: this region's spread pushes in flight go out now (sync.spread_sends).
+    hurry: Callable[[], None] = lambda: None
     # security.secure_aggregation: the region's regions/secagg_round.py SecAggRound (None: off);
     # DiLoCo then exchanges through it instead of `exchange` and `mix`.
     secagg: Any = None
