@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..pacing import update_scale
-from .common import exchange_metrics, no_exchange_metrics, spread_of
+from .common import exchange_metrics, no_exchange_metrics
 from .diloco import DilocoSync
 from .protocol import Shapes, SyncContext
 
@@ -149,7 +149,7 @@ class FragmentedDilocoSync(DilocoSync):
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, spread_of(ctx.settings, plan, metrics))
+            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, self._spread.spread_s(plan, metrics))
             self._pending_round, self._pending_fragment = plan.round, f
             if self.eager:
                 self._set_local(idx, self._preview(f, sent), start=True)

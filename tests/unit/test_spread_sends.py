@@ -129,3 +129,13 @@ def test_hurry_releases_what_is_left_of_every_push_in_flight():
         th.join(5)
     assert len(done) == 2 and all(t - t0 < 2.0 for t in done)  # not the 30 s the spread planned
     assert pushes.hurry() == 0  # nothing tracked once they ended
+
+
+def test_the_spread_is_a_share_of_the_shortest_recent_round_and_none_for_the_final_one():
+    from geofed.regions.sync.common import SpreadPlanner
+
+    plan, final = RoundPlan(round=1, H=4), RoundPlan(round=9, H=4, final=True)
+    p = SpreadPlanner(0.5, window=3)
+    assert [p.spread_s(plan, {"compute_s": c}) for c in (2.0, 1.0, 3.0, 4.0, 5.0)] == [1.0, 0.5, 0.5, 0.5, 1.5]
+    assert p.spread_s(final, {"compute_s": 9.0}) == 0.0
+    assert SpreadPlanner(0.0).spread_s(plan, {"compute_s": 2.0}) == 0.0
