@@ -103,7 +103,10 @@ class Exchanger:
         futures = {p: self._pool.submit(self._send, p, round_, payloads[p], spread_s)
                    for p in out_peers if p not in skipped}
         t0 = time.monotonic()
-        deadline_s = self.deadline.current()
+        # Peers spread their pushes about as long as this region does: the deadline and its samples
+        # count from where the spread ends, so a pace neither eats the slack for a slow peer nor
+        # teaches the deadline a wait that is only the pace's.
+        deadline_s = self.deadline.current() + spread_s
         if quorum is None:
             inbox = self.transport.receive(round_, deadline_s)
         else:
@@ -120,7 +123,7 @@ class Exchanger:
         if not inbox.missing or quorum is not None:
             # Only complete rounds teach the deadline samples: a dead peer must not skew them
             # (a quorum round closes on purpose without the slowest, and is complete too)...
-            self.deadline.observe(wait_s)
+            self.deadline.observe(max(0.0, wait_s - spread_s))
         else:
             # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.
             self.deadline.observe_miss()
