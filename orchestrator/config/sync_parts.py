@@ -105,7 +105,7 @@ class SyncSection:
     spread_sends: float = field(default=0.0, metadata=_doc(
         "with overlap: pace each push of an overlapped exchange over this share of the round's compute time "
         "(0: at line rate, one burst a round), so a link carries the round's bytes evenly instead of at its "
-        "peak; in [0, 0.9], e.g. 0.8 (Streaming DiLoCo's lower peak bandwidth; docs/bench-wan.md)"))
+        "peak; in [0, 0.9], e.g. 0.9 (Streaming DiLoCo's lower peak bandwidth; docs/bench-wan.md)"))
     deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
     resync_after_miss: bool = field(default=True, metadata=_doc(
         "diloco/allreduce over the full topology without overlap: a region that missed an in-neighbour's update "
