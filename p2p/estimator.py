@@ -77,6 +77,7 @@ class LinkEstimator:
         self.srtt_s: float | None = None  # RFC 6298 smoothing, for display
         self.transfers = 0
         self.cold_transfers = 0
+        self.spread_transfers = 0  # paced pushes that ended with their pace: no bandwidth sample
         self.concurrent: int | None = None  # pushes in flight at once when the last sample was taken
 
     def observe_rtt(self, seconds: float) -> None:
@@ -87,15 +88,21 @@ class LinkEstimator:
         self.srtt_s = seconds if self.srtt_s is None else (1 - self.srtt_gain) * self.srtt_s + self.srtt_gain * seconds
 
     def observe_transfer(self, nbytes: int, seconds: float, *, includes_rtt: bool = True, cold: bool = False,
-                         concurrent: int = 1) -> None:
+                         concurrent: int = 1, spread_s: float = 0.0) -> None:
         """One transfer of `nbytes` that took `seconds`: sender-timed (send -> ack, includes one
         RTT) by default, or receiver-timed (first -> last byte) with includes_rtt=False. `cold`:
-        the first on its connection; `concurrent`: the sender's pushes in flight with it (itself included)."""
+        the first on its connection; `concurrent`: the sender's pushes in flight with it (itself
+        included); `spread_s`: the sender paced it over that long (p2p/spread.py)."""
         if nbytes < 0 or not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds: need nbytes >= 0 and a finite seconds > 0, got {nbytes}, {seconds}")
         self.transfers += 1
         if cold:
             self.cold_transfers += 1
+            return
+        if spread_s > 0 and (self.rtt_s is None or seconds < spread_s + 2 * self.rtt_s):
+            # It ended about when the pace let it: its duration is the pace's, not the link's. Only a
+            # push that ran well past its spread was held back by the link, and then measures it.
+            self.spread_transfers += 1
             return
         rtt = self.rtt_s
         if includes_rtt and (rtt is None or seconds < rtt):
@@ -158,12 +165,14 @@ class LinkEstimator:
         bw, rtt = self.bandwidth_bps, self.rtt_s
         return {"bandwidth_mbps": None if bw is None else bw / 1e6, "rtt_ms": None if rtt is None else rtt * 1e3,
                 "srtt_ms": None if self.srtt_s is None else self.srtt_s * 1e3, "transfers": self.transfers,
-                "cold_transfers": self.cold_transfers, "concurrent": self.concurrent}
+                "cold_transfers": self.cold_transfers, "spread_transfers": self.spread_transfers,
+                "concurrent": self.concurrent}
 
     def state_dict(self) -> dict[str, Any]:
         """The samples and counters, for a checkpoint (`load_state_dict` restores them)."""
         return {"rates": list(self._rates), "rtts": list(self._rtts), "srtt_s": self.srtt_s,
-                "transfers": self.transfers, "cold_transfers": self.cold_transfers, "concurrent": self.concurrent}
+                "transfers": self.transfers, "cold_transfers": self.cold_transfers,
+                "spread_transfers": self.spread_transfers, "concurrent": self.concurrent}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore `state_dict()`'s samples; the window sizes stay this estimator's own."""
@@ -171,3 +180,4 @@ class LinkEstimator:
         self._rtts = deque(d["rtts"], maxlen=self.rtt_window)
         self.srtt_s, self.concurrent = d.get("srtt_s"), d.get("concurrent")
         self.transfers, self.cold_transfers = int(d.get("transfers", 0)), int(d.get("cold_transfers", 0))
+        self.spread_transfers = int(d.get("spread_transfers", 0))

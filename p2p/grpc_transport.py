@@ -23,6 +23,7 @@ from .proto import gossip_pb2, gossip_pb2_grpc
 from .service import CALLER_LIMITS, MAX_CHUNK_BYTES, MAX_PROBE_BYTES, PROBE_METHOD, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
 from .tls import TlsMaterial
 from .secagg_slot import SlotMailbox
+from .spread import SpreadClock, SpreadPushes, spread_chunk_bytes
 from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
 
 __all__ = ["GrpcTransport"]
@@ -88,6 +89,7 @@ class GrpcTransport(Transport):
         self.bind_host, self.ports, self.advertised_host = bind_host, range(lo, hi + 1), advertised_host
         self.tls = tls
         self.chunk_bytes = chunk_bytes
+        self.spreading = SpreadPushes()
         self.max_workers = max_workers
         self.max_state_bytes = max_state_bytes or max_message_bytes
         self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
@@ -230,8 +232,9 @@ class GrpcTransport(Transport):
             raise ValueError(f"peer: {peer!r} is not connected (connect() it first)")
         return entry
 
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
-        """Stream a header and `payload` in chunk_bytes chunks to `peer` and wait for its ack.
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
+        """Stream a header and `payload` in chunk_bytes chunks to `peer` and wait for its ack; with
+        `spread_s`, smaller chunks released evenly over that many seconds (p2p/spread.py).
 
         ValueError for a payload above max_message_bytes or a negative round (our bug, not the peer's);
         TransportError, with the peer's refusal reason or the gRPC status as ``reason``, otherwise.
@@ -244,12 +247,14 @@ class GrpcTransport(Transport):
         push = self._entry(peer, timeout_s)[3]
         header = gossip_pb2.PushMessage(
             header=gossip_pb2.PushHeader(sender=self.region, round=round, total_bytes=n)).SerializeToString()
-        view, cs = memoryview(payload), self.chunk_bytes
+        view, cs = memoryview(payload), spread_chunk_bytes(n, self.chunk_bytes, spread_s)
         sizes = [0]
+        clock = SpreadClock(spread_s, -(-n // cs))
 
         def messages():
             yield header
-            for off in range(0, n, cs):
+            for i, off in enumerate(range(0, n, cs)):
+                clock.wait(i)
                 msg = encode_chunk(view[off:off + cs])
                 sizes[0] += len(msg) + 5
                 yield msg
@@ -257,7 +262,8 @@ class GrpcTransport(Transport):
         chunks = -(-n // cs)
         start = time.monotonic()
         try:
-            ack = push(messages(), timeout=timeout_s)
+            with self.spreading.track(clock):
+                ack = push(messages(), timeout=timeout_s)
         except grpc.RpcError as exc:
             with self._lock:
                 self._send_failures[peer] += 1
@@ -270,7 +276,8 @@ class GrpcTransport(Transport):
             self._sent_bytes[peer] += wire
             self._sent_messages[peer] += 1
         return TransferStats(peer=peer, round=round, payload_bytes=n, wire_bytes=wire, seconds=seconds,
-                             receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self._note_warm(peer))
+                             receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self._note_warm(peer),
+                             spread_s=max(0.0, spread_s))
 
     def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
         """Push `nbytes` (at most MAX_PROBE_BYTES) of zeros on the Probe method, which the peer counts

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from .mailbox import Refusal
 from .secagg_slot import SlotMailbox
+from .spread import SpreadClock, SpreadPushes
 from .transport import Inbox, TransferStats, Transport, TransportError, Validator
 
 __all__ = ["InMemoryHub", "InMemoryTransport"]
@@ -73,6 +74,7 @@ class InMemoryTransport(Transport):
         self.region = region
         self.hub = hub
         self.chunk_bytes = chunk_bytes
+        self.spreading = SpreadPushes()
         self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
                                max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
         self._peers: dict[str, str] = {}
@@ -115,10 +117,16 @@ class InMemoryTransport(Transport):
         with self._lock:
             self._send_failures[peer] += 1
 
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
         if len(payload) > self.mailbox.max_message_bytes:
             raise ValueError(f"payload: {len(payload)} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
         start = time.monotonic()
+        if spread_s > 0:
+            # No wire to pace: the payload arrives whole when its spread is over (or is hurried), as
+            # the last chunk would.
+            with self.spreading.track(SpreadClock(min(spread_s, timeout_s), 2)) as clock:
+                clock.wait(0)
+                clock.wait(1)
         target = self._target(peer, timeout_s)
         chunks = max(1, math.ceil(len(payload) / self.chunk_bytes))
         wire = _HEADER_BYTES + len(payload) + 5 * chunks
@@ -135,7 +143,8 @@ class InMemoryTransport(Transport):
             self._sent_messages[peer] += 1
         seconds = time.monotonic() - start
         return TransferStats(peer=peer, round=round, payload_bytes=len(payload), wire_bytes=wire,
-                             seconds=seconds, receiver_seconds=time.monotonic() - t0, chunks=chunks)
+                             seconds=seconds, receiver_seconds=time.monotonic() - t0, chunks=chunks,
+                             spread_s=max(0.0, spread_s))
 
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
         return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s)

@@ -16,6 +16,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .spread import SpreadPushes
+
 if TYPE_CHECKING:
     # Resolved at run time by the module __getattr__ below (the implementations import this
     # module); named here so that `__all__` and static tools see what it exports.
@@ -77,6 +79,7 @@ class TransferStats:
     receiver_seconds: float  # header -> last chunk, measured by the receiver (no RTT)
     chunks: int
     cold: bool = False       # the first on a fresh connection: it paid handshakes and slow start
+    spread_s: float = 0.0    # paced over this many seconds (sync.spread_sends): its duration is the pace's
 
     @property
     def bytes(self) -> int:
@@ -134,6 +137,7 @@ class Transport(ABC):
     """One region's endpoint. Thread-safe: sends to different peers may run in parallel."""
 
     region: str
+    spreading: SpreadPushes  # spread pushes in flight (sync.spread_sends), for hurry()
 
     @abstractmethod
     def start(self) -> str:
@@ -149,9 +153,14 @@ class Transport(ABC):
         """Declare the in-neighbours of `round`; only they may push for it."""
 
     @abstractmethod
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float) -> TransferStats:
-        """Push `payload` to `peer`; returns once the peer validated and acknowledged it.
-        Raises TransportError on refusal, failure or timeout."""
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
+        """Push `payload` to `peer`; returns once the peer validated and acknowledged it. `spread_s`
+        > 0: release the payload evenly over that many seconds rather than at line rate
+        (p2p/spread.py). Raises TransportError on refusal, failure or timeout."""
+
+    def hurry(self) -> None:
+        """Send what is left of every spread push now (the compute it was hiding behind is over)."""
+        self.spreading.hurry()
 
     @abstractmethod
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:

@@ -87,19 +87,26 @@ class Exchanger:
 
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
                  in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec,
-                 quorum: int | None = None, grace_s: float = 0.0, stream: str = "") -> ExchangeResult:
+                 quorum: int | None = None, grace_s: float = 0.0, stream: str = "",
+                 spread_s: float = 0.0) -> ExchangeResult:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`
         (all of them by the deadline, or with `quorum` that many and a grace for the rest). `stream`
         names a codec stream of its own (sync.fragments: one per fragment, each with its own layout
-        and error-feedback residual)."""
+        and error-feedback residual). `spread_s`: pace each push over that many seconds (an overlapped
+        exchange with sync.spread_sends; at most half the send timeout)."""
         self.transport.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
             self.observe_own(tensors)
         payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec, stream)
         skipped = self._still_stalled()
-        futures = {p: self._pool.submit(self._send, p, round_, payloads[p]) for p in out_peers if p not in skipped}
+        spread_s = min(max(0.0, spread_s), self.send_timeout_s / 2)
+        futures = {p: self._pool.submit(self._send, p, round_, payloads[p], spread_s)
+                   for p in out_peers if p not in skipped}
         t0 = time.monotonic()
-        deadline_s = self.deadline.current()
+        # Peers spread their pushes about as long as this region does: the deadline and its samples
+        # count from where the spread ends, so a pace neither eats the slack for a slow peer nor
+        # teaches the deadline a wait that is only the pace's.
+        deadline_s = self.deadline.current() + spread_s
         if quorum is None:
             inbox = self.transport.receive(round_, deadline_s)
         else:
@@ -116,7 +123,7 @@ class Exchanger:
         if not inbox.missing or quorum is not None:
             # Only complete rounds teach the deadline samples: a dead peer must not skew them
             # (a quorum round closes on purpose without the slowest, and is complete too)...
-            self.deadline.observe(wait_s)
+            self.deadline.observe(max(0.0, wait_s - spread_s))
         else:
             # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.
             self.deadline.observe_miss()
@@ -130,14 +137,20 @@ class Exchanger:
             result.transfers.append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
         return result
 
-    def _send(self, peer: str, round_: int, payload: bytes):
+    def _send(self, peer: str, round_: int, payload: bytes, spread_s: float = 0.0):
         with self._est_lock:  # a ping of the last round may still be adding to this estimator
             cold = self.estimator(peer).rtt_s is None
         if cold:
             # The first ping on a fresh channel pays the TCP + TLS handshake (several RTTs): warm
             # up with an unrecorded one, then measure.
             self._probe_rtt(peer, warm_up=True)
+        if spread_s > 0:
+            return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s, spread_s=spread_s)
         return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s)
+
+    def hurry(self) -> None:
+        """Spread pushes in flight (sync.spread_sends) send what is left now: the compute they hid behind is over."""
+        self.transport.hurry()
 
     def _probe_rtt(self, peer: str, *, warm_up: bool = False) -> None:
         """Ping `peer`. Called when our links are quiet (after the round's exchange): a ping queued
@@ -198,6 +211,8 @@ class Exchanger:
         self._observe(peer, stats, concurrent)
         if stats.cold:
             extra["cold"] = True
+        if stats.spread_s > 0:
+            extra["spread_s"] = round(stats.spread_s, 4)
         # t_end (wall clock, as the driver's round times): the link's rate over time (peak-to-mean, summary.json).
         result.transfers.append({"peer": peer, "direction": "send", "bytes": stats.bytes,
                                  "seconds": round(stats.seconds, 6), "concurrent": concurrent,
@@ -208,7 +223,8 @@ class Exchanger:
             # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
             # probes. Receiver timing was tried: it starts at the header, after the shaper's
             # burst has already let the first chunks through, and overestimates by 5-15%.
-            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold, concurrent=concurrent)
+            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold, concurrent=concurrent,
+                                                  spread_s=stats.spread_s)
 
     def probe_links(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
         """Warm every connection to `peers` and measure it, before the first round.

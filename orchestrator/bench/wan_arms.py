@@ -10,8 +10,9 @@ few keys changed, so arms differ only in how they synchronise:
 * ``adaptive``: the base as written (bandwidth policy, delayed overlap, the codec ladder);
 * the communication frontier (issue 21; scenarios with ``frontier``): ``adaptive-eager``
   (``sync.overlap: eager``), ``adaptive-frag-eager`` (and ``sync.fragments``: one fragment of the
-  model a round, Streaming DiLoCo) and ``adaptive-frag-eager-sparseloco`` (and the sparseloco
-  codec: a ladder of sparseloco fractions in place of int4 and top-k).
+  model a round, Streaming DiLoCo), ``adaptive-frag-eager-spread`` (and ``sync.spread_sends``:
+  each fragment's push paced over most of the next round) and ``adaptive-frag-eager-sparseloco``
+  (fragments and the sparseloco codec: a ladder of sparseloco fractions in place of int4 and top-k).
 
 Every arm runs the same number of inner steps (``run.max_steps``) on the same data and seed.
 """
@@ -49,6 +50,7 @@ class Scenario:
     overrides: tuple[str, ...] = ()  # --set style KEY=VALUE applied to every arm
     frontier: bool = False           # also the eager, fragments and sparseloco arms (issue 21)
     fragments: int = 3               # sync.fragments of the fragment arms (char-lm's GRU: 3 is the most that helps)
+    spread: float = 0.9              # sync.spread_sends of the spread arm: a push over 90% of the next round
     sparse_ladder: tuple[str, ...] = ("sparseloco(fraction=0.05)", "sparseloco(fraction=0.02)",
                                       "sparseloco(fraction=0.01)")
 
@@ -130,13 +132,15 @@ def build_arms(scenario: Scenario, base: dict[str, Any] | None = None) -> list[A
 
 
 def frontier_arms(base: dict[str, Any], sc: Scenario) -> list[Arm]:
-    """Issue 21's arms: adaptive with eager overlap, then fragments, then the sparseloco codec."""
+    """Issue 21's arms: adaptive with eager overlap, then fragments, then spread sends or the sparseloco codec."""
     eager = ["sync.overlap=eager"]
     frag = [*eager, f"sync.fragments={sc.fragments}"]
     ladder = ", ".join(sc.sparse_ladder)
+    spread = [*frag, f"sync.spread_sends={sc.spread}"]
     sparse = [*frag, f"compression.codec={sc.sparse_ladder[0]}", f"compression.ladder=[{ladder}]"]
     return [Arm(name=name, kind="adaptive", H=None, cfg=_config(base, sc, keys)) for name, keys in
-            (("adaptive-eager", eager), ("adaptive-frag-eager", frag), ("adaptive-frag-eager-sparseloco", sparse))]
+            (("adaptive-eager", eager), ("adaptive-frag-eager", frag), ("adaptive-frag-eager-spread", spread),
+             ("adaptive-frag-eager-sparseloco", sparse))]
 
 
 def _apply_scenario(base: dict[str, Any], sc: Scenario) -> None:

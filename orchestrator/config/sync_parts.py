@@ -102,6 +102,10 @@ class SyncSection:
         "in size) and exchange one per round, fragment round % N; the policy's H stays each parameter's sync "
         "period, so a round runs H/N steps and sends 1/N of the model (diloco over a static topology; "
         "docs/bench-wan.md)"))
+    spread_sends: float = field(default=0.0, metadata=_doc(
+        "with overlap: pace each push of an overlapped exchange over this share of the round's compute time "
+        "(0: at line rate, one burst a round), so a link carries the round's bytes evenly instead of at its "
+        "peak; in [0, 0.9], e.g. 0.9 (Streaming DiLoCo's lower peak bandwidth; docs/bench-wan.md)"))
     deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
     resync_after_miss: bool = field(default=True, metadata=_doc(
         "diloco/allreduce over the full topology without overlap: a region that missed an in-neighbour's update "
@@ -121,6 +125,11 @@ class SyncSection:
             raise ValueError("pacing.mode: quorum rounds and sync.overlap do not combine (a late region's update "
                              "would be two rounds old before it is applied); use time-budget with overlap")
 
+        if not 0.0 <= self.spread_sends <= 0.9:
+            raise ValueError(f"spread_sends: must be in [0, 0.9] (a share of the round's compute), got {self.spread_sends}")
+        if self.spread_sends > 0 and not self.overlap:
+            raise ValueError("spread_sends: pacing pushes over the round needs sync.overlap (true or eager): without "
+                             "it the round waits for its exchange, and spreading would only make it wait longer")
         if self.topology not in topology_names():
             raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
         self._check_fragments()

@@ -149,7 +149,7 @@ class FragmentedDilocoSync(DilocoSync):
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent)
+            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, self._spread.spread_s(plan, metrics))
             self._pending_round, self._pending_fragment = plan.round, f
             if self.eager:
                 self._set_local(idx, self._preview(f, sent), start=True)
@@ -158,9 +158,9 @@ class FragmentedDilocoSync(DilocoSync):
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
 
-    def _exchange_and_mix(self, plan, delta):
+    def _exchange_and_mix(self, plan, delta, spread_s: float = 0.0):
         f = self.fragment_of(plan.round)
-        res = self.ctx.exchange(plan, delta, stream=f"frag{f}")
+        res = self.ctx.exchange(plan, delta, stream=f"frag{f}", spread_s=spread_s)
         mixed = self.ctx.mix(plan, delta, res)
         ev = None
         if plan.evaluate:  # the global model with this fragment's outer step previewed (DilocoSync's reason)
@@ -174,6 +174,7 @@ class FragmentedDilocoSync(DilocoSync):
     def _finish_pending(self) -> dict[str, Any]:
         """Wait for the fragment in flight, apply its mean to its global copy, then rebase that fragment
         of the live model: the steps taken since it was sent stay, as its next pseudo-gradient's start."""
+        self.ctx.hurry()  # as DilocoSync's: a spread push's remaining chunks go now
         t0 = time.monotonic()
         f = self._pending_fragment
         try:

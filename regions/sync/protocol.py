@@ -48,9 +48,10 @@ class SyncContext:
     settings: Any                       # the run's `sync:` section (SyncConfig; duck-typed here)
     seed: int                           # run.seed
     stepper: InnerStepper
-    # exchange(plan, tensors, *, single_codec=False, send=True, stream="") -> ExchangeResult: push to this
-    # round's out-neighbours (none when send=False), collect from in-neighbours until the deadline;
-    # a named stream has codec states of its own (a fragment's layout and error feedback).
+    # exchange(plan, tensors, *, single_codec=False, send=True, stream="", spread_s=0.0) -> ExchangeResult:
+    # push to this round's out-neighbours (none when send=False), each push paced over spread_s
+    # (sync.spread_sends), collect from in-neighbours until the deadline; a named stream has codec
+    # states of its own (a fragment's layout and error feedback).
     exchange: Callable[..., ExchangeResult]
     # mix(plan, own, result) -> tensors: the topology's weighted (or the configured robust) mix.
     mix: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], list[torch.Tensor]]
@@ -58,6 +59,8 @@ class SyncContext:
     fetch_state: Callable[..., bytes]               # (peer, *, timeout_s) -> that peer's state bytes
     # evaluate(params, *, restore_rng) -> metric dict, on a scratch copy of the model.
     evaluate: Callable[..., dict[str, Any]]
+    # hurry() -> None: this region's spread pushes in flight go out now (sync.spread_sends).
+    hurry: Callable[[], None] = lambda: None
     # security.secure_aggregation: the region's regions/secagg_round.py SecAggRound (None: off);
     # DiLoCo then exchanges through it instead of `exchange` and `mix`.
     secagg: Any = None

@@ -140,7 +140,10 @@ def test_frontier_arms_get_their_own_ratios_and_the_best_arm_its_peak_to_mean():
     from geofed.orchestrator.bench.wan_arms import SCENARIOS, build_arms
 
     names = [a.name for a in build_arms(SCENARIOS["steady"])]
-    assert names[-4:] == ["adaptive", "adaptive-eager", "adaptive-frag-eager", "adaptive-frag-eager-sparseloco"]
+    assert names[-5:] == ["adaptive", "adaptive-eager", "adaptive-frag-eager", "adaptive-frag-eager-spread",
+                          "adaptive-frag-eager-sparseloco"]
+    spread = build_arms(SCENARIOS["steady"])[-2].cfg
+    assert spread.sync.fragments == 3 and spread.sync.overlap == "eager" and spread.sync.spread_sends == 0.9
     frag = build_arms(SCENARIOS["steady"])[-1].cfg
     assert frag.sync.fragments == 3 and frag.sync.overlap == "eager" and frag.compression.codec.kind == "sparseloco"
     reps = [[_arm("allreduce", 10.0, 6e8), _arm("adaptive", 1.0, 1e6), _arm("adaptive-frag-eager", 0.5, 3e5)]]
