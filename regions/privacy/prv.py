@@ -33,7 +33,11 @@ def _pow2_at_least(n: int) -> int:
 def _prv_accountant(keys: tuple[tuple[float, float], ...], horizons: tuple[int, ...], delta_error: float):
     """One discretisation for up to `horizons` steps of each (rate, noise): built once (about half a
     second), then composed for any step count within them (a few FFTs, tens of ms)."""
-    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+    try:
+        from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+    except ImportError as exc:  # a dependency of geofed; missing only in a hand-made environment
+        raise ImportError("privacy.dp.accountant: prv needs the package prv-accountant (pip install "
+                          "'prv-accountant>=0.2,<0.3'), or set privacy.dp.accountant: rdp") from exc
 
     prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=s) for q, s in keys]
     return PRVAccountant(prvs=prvs, eps_error=EPS_ERROR, delta_error=delta_error, max_self_compositions=list(horizons))
