@@ -29,7 +29,7 @@ from .sync.protocol import SyncAlgorithm, SyncContext
 from .exchange import Exchanger
 from .gapfill import GapFiller, pausing
 from .limits import wire_limits
-from .privacy.dp import noise_generator
+from .privacy.dp import dp_noise_seed, noise_generator
 from .rollback import RoundGuard
 from .secagg_round import make_secagg
 from .stepper import LocalSteps
@@ -101,7 +101,7 @@ class RegionWorker(LocalSteps, RegionState):
         self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
         self.completed_round = -1
         self.dp_plan: RoundPlan | None = None
-        self.dp_generator = noise_generator()
+        self.dp_generator = noise_generator(dp_noise_seed(cfg), region=self.index, stream="record")
         self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
         self.model.train()
@@ -163,7 +163,8 @@ class RegionWorker(LocalSteps, RegionState):
         return SyncContext(region=self.region, index=self.index, params=self.params, shapes=self.shapes,
                            settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
-                           evaluate=self.evaluate_params, secagg=self.secagg, hurry=lambda: self.exchanger.hurry())
+                           evaluate=self.evaluate_params, secagg=self.secagg, hurry=lambda: self.exchanger.hurry(),
+                           dp_noise_seed=dp_noise_seed(self.cfg))
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:

@@ -14,8 +14,7 @@ import math
 import sys
 from typing import Any
 
-from geofed.regions.privacy.accountant import RdpAccountant
-from geofed.regions.privacy.budget import PrivacyBudget
+from geofed.regions.privacy.budget import PrivacyBudget, accountant_from_state
 
 from .recovery import RunFailed
 
@@ -45,7 +44,7 @@ def budget_from_state(state: dict[str, Any]) -> PrivacyBudget:
     return PrivacyBudget(mode=state["mode"], noise_multiplier=float(state["noise_multiplier"]),
                          sample_rate=float(state["sample_rate"]), delta=float(state["delta"]),
                          target_epsilon=state["target_epsilon"], on_target=state["on_target"],
-                         accountant=RdpAccountant.from_state(state["accountant"]))
+                         accountant=accountant_from_state(state["accountant"]))
 
 
 class DpAccounting:
@@ -66,12 +65,12 @@ class DpAccounting:
             self.dp_budget = PrivacyBudget.plan(
                 mode=dp.mode, noise_multiplier=dp.noise_multiplier, target_epsilon=dp.target_epsilon,
                 delta=dp.delta, on_target=dp.on_target, rounds=rounds, steps_per_round=H,
-                batch_size=self.cfg.sync.inner.batch_size, smallest_shard=smallest)
+                batch_size=self.cfg.sync.inner.batch_size, smallest_shard=smallest, accountant=dp.accountant)
         except ValueError as exc:
             raise RunFailed(f"privacy.dp: {exc}") from None
         self._event("privacy_planned", mode=dp.mode, noise_multiplier=self.dp_budget.noise_multiplier,
                     sample_rate=self.dp_budget.sample_rate, planned_rounds=rounds, planned_H=H,
-                    target_epsilon=dp.target_epsilon, delta=dp.delta)
+                    target_epsilon=dp.target_epsilon, delta=dp.delta, accountant=dp.accountant)
 
     def _dp_plans(self, r: int, plans: dict[str, Any]) -> dict[str, Any] | None:
         """The round's plans with the noise to apply, or None when the budget stops the run before it."""
@@ -126,5 +125,6 @@ class DpAccounting:
         eps = b.epsilon()
         return {"mode": b.mode, "epsilon": eps if math.isfinite(eps) else None, "delta": b.delta,
                 "noise_multiplier": b.noise_multiplier, "sample_rate": b.sample_rate, "steps": b.accountant.steps,
+                "accountant": b.accountant.kind,
                 "clip": self.cfg.privacy.dp.clip, "target_epsilon": b.target_epsilon, "on_target": b.on_target,
                 "stopped_at_budget": self.dp_stopped}

@@ -105,6 +105,8 @@ def epsilon_from_rdp(rdp: Sequence[float], orders: Sequence[float], delta: float
 class RdpAccountant:
     """Composes steps of the subsampled Gaussian mechanism (RDP adds up over steps)."""
 
+    kind = "rdp"
+
     orders: tuple[float, ...] = DEFAULT_ORDERS
     rdp: list[float] = field(default_factory=list)
     steps: int = 0
@@ -124,6 +126,12 @@ class RdpAccountant:
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at `delta`."""
         return epsilon_from_rdp(self.rdp, self.orders, delta)[0]
+
+    def epsilon_if(self, delta: float, *, noise_multiplier: float, sample_rate: float, steps: int) -> float:
+        """Epsilon after `steps` more steps, nothing spent."""
+        trial = RdpAccountant.from_state(self.state())
+        trial.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps)
+        return trial.epsilon(delta)
 
     def state(self) -> dict:
         """What a checkpoint keeps: the orders, the RDP per order, the steps."""

@@ -14,6 +14,22 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .accountant import RdpAccountant, noise_multiplier_for
+from .prv import PrvAccountant, prv_noise_multiplier_for
+
+Accountant = RdpAccountant | PrvAccountant
+ACCOUNTANTS = ("prv", "rdp")
+
+
+def make_accountant(kind: str) -> Accountant:
+    """An empty accountant of privacy.dp.accountant's kind."""
+    if kind not in ACCOUNTANTS:
+        raise ValueError(f"accountant: expected one of {ACCOUNTANTS}, got {kind!r}")
+    return PrvAccountant() if kind == "prv" else RdpAccountant()
+
+
+def accountant_from_state(state: dict) -> Accountant:
+    """The accountant a checkpoint kept (a state without a kind is RDP's: checkpoints from before PRV)."""
+    return PrvAccountant.from_state(state) if state.get("kind") == "prv" else RdpAccountant.from_state(state)
 
 
 @dataclass
@@ -26,14 +42,15 @@ class PrivacyBudget:
     delta: float
     target_epsilon: float | None = None
     on_target: Literal["stop", "warn"] = "stop"
-    accountant: RdpAccountant = field(default_factory=RdpAccountant)
+    accountant: Accountant = field(default_factory=RdpAccountant)
 
     @classmethod
     def plan(cls, *, mode: str, noise_multiplier: float | None, target_epsilon: float | None, delta: float,
              on_target: str = "stop", rounds: int, steps_per_round: int, batch_size: int,
-             smallest_shard: int) -> PrivacyBudget:
+             smallest_shard: int, accountant: str = "rdp") -> PrivacyBudget:
         """The budget of a planned run; a null noise multiplier is the smallest that keeps `rounds`
-        rounds of `steps_per_round` inner steps within `target_epsilon`."""
+        rounds of `steps_per_round` inner steps within `target_epsilon` by the `accountant` (rdp or prv)."""
+        empty = make_accountant(accountant)
         if mode not in ("record", "update"):
             raise ValueError(f"mode: expected record or update, got {mode!r}")
         if mode == "record":
@@ -45,10 +62,10 @@ class PrivacyBudget:
         if noise_multiplier is None:
             if target_epsilon is None:
                 raise ValueError("noise_multiplier: needed when there is no target_epsilon")
-            noise_multiplier = noise_multiplier_for(target_epsilon=target_epsilon, delta=delta, sample_rate=rate,
-                                                    steps=steps)
+            search = prv_noise_multiplier_for if accountant == "prv" else noise_multiplier_for
+            noise_multiplier = search(target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=steps)
         return cls(mode=mode, noise_multiplier=noise_multiplier, sample_rate=rate, delta=delta,
-                   target_epsilon=target_epsilon, on_target=on_target)
+                   target_epsilon=target_epsilon, on_target=on_target, accountant=empty)
 
     def _steps(self, inner_steps: int) -> int:
         return inner_steps if self.mode == "record" else 1
@@ -59,10 +76,8 @@ class PrivacyBudget:
 
     def epsilon_if(self, inner_steps: int) -> float:
         """Epsilon after one more round of `inner_steps` inner steps, nothing spent."""
-        trial = RdpAccountant.from_state(self.accountant.state())
-        trial.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
-                   steps=self._steps(inner_steps))
-        return trial.epsilon(self.delta)
+        return self.accountant.epsilon_if(self.delta, noise_multiplier=self.noise_multiplier,
+                                          sample_rate=self.sample_rate, steps=self._steps(inner_steps))
 
     def check_next(self, inner_steps: int) -> Literal["ok", "warn", "stop"]:
         """Whether the next round may run: ok, warn (over target, on_target warn) or stop."""

@@ -13,6 +13,7 @@ whose `loss(model, batch)` takes a tensor or a tuple of tensors with the example
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -121,11 +122,20 @@ def clip_and_noise_update(tensors: Sequence[torch.Tensor], *, clip: float, noise
     return {"update_norm": norm, "clip_scale": scale}
 
 
-def noise_generator() -> torch.Generator:
-    """A generator for DP noise seeded from the OS's randomness, not the run seed: whoever knows a
-    noise draw can subtract it. (Like Opacus without secure_mode, the Mersenne Twister itself is
-    not a cryptographic generator; a resumed run draws fresh noise, not the same.)"""
-    return torch.Generator().manual_seed(secrets.randbits(63))
+def noise_generator(seed: int | None = None, *, region: int = 0, stream: str = "record") -> torch.Generator:
+    """A generator for DP noise. Without a seed (privacy.dp.seeded_noise false, the default) it is
+    seeded from the OS's randomness, not the run seed: whoever knows a noise draw can subtract it.
+    (Like Opacus without secure_mode, the Mersenne Twister itself is not a cryptographic generator;
+    a resumed run draws fresh noise, not the same.)
+
+    With a seed (seeded_noise true: reproducible research and benchmarks, no privacy against anyone
+    who knows the config) the generator is seeded by a hash of (seed, region, stream): its own
+    stream, apart from the data sampling's seed * 1000 + region, so the noise is not correlated
+    with which examples are drawn."""
+    if seed is None:
+        return torch.Generator().manual_seed(secrets.randbits(63))
+    digest = hashlib.sha256(f"geofed-dp-noise/{stream}/{seed}/{region}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
 
 
 def dp_step(model: nn.Module, loss: LossFn, batch: Any, *, clip: float, noise_multiplier: float,
@@ -138,3 +148,10 @@ def dp_step(model: nn.Module, loss: LossFn, batch: Any, *, clip: float, noise_mu
     dp_gradients(model, loss, batch, clip=clip, noise_multiplier=noise_multiplier, expected_batch=expected_batch,
                  generator=generator)
     return value
+
+
+def dp_noise_seed(cfg: Any) -> int | None:
+    """The seed of a run's DP noise: run.seed with privacy.dp.seeded_noise, else None (the OS's
+    randomness). `cfg` is the run config (duck-typed)."""
+    dp = getattr(getattr(cfg, "privacy", None), "dp", None)
+    return int(cfg.run.seed) if getattr(dp, "seeded_noise", False) else None

@@ -125,7 +125,7 @@ class DilocoSync:
         plan.dp_noise x clip (local DP: secure aggregation's 1/n noise share is not wired). A copy:
         with overlap, `delta` stays the region's own unsynced progress."""
         if self._dp_generator is None:
-            self._dp_generator = noise_generator()
+            self._dp_generator = noise_generator(self.ctx.dp_noise_seed, region=self.ctx.index, stream="update")
         noised = [t.clone() for t in sent]
         out = clip_and_noise_update(noised, clip=plan.dp_clip, noise_multiplier=plan.dp_noise,
                                     generator=self._dp_generator)

@@ -64,6 +64,7 @@ class SyncContext:
     # security.secure_aggregation: the region's regions/secagg_round.py SecAggRound (None: off);
     # DiLoCo then exchanges through it instead of `exchange` and `mix`.
     secagg: Any = None
+    dp_noise_seed: int | None = None  # privacy.dp.seeded_noise: run.seed, else None (the OS's randomness)
 
 
 class SyncAlgorithm(Protocol):

@@ -11,6 +11,9 @@ def test_arms_are_plain_int8_secagg_a_dropout_and_record_level_dp_at_three_epsil
     plain, dp = arm_config("plain", rounds=3, H=5, emulation="none"), arm_config("dp_eps8", rounds=3, H=5, emulation="proxy")
     assert plain.privacy.dp.mode == "off" and len(plain.regions.names) == 4
     assert (dp.privacy.dp.mode, dp.privacy.dp.target_epsilon, dp.privacy.dp.delta) == ("record", 8.0, 1e-5)
+    assert (dp.privacy.dp.accountant, dp.privacy.dp.seeded_noise) == ("prv", True)
+    assert plain.task.activation == dp.task.activation == "tanh" and plain.run.seed == 0
+    assert arm_config("plain", rounds=3, H=5, emulation="none", seed=2).run.seed == 2
     assert dp.network.emulation.mode == "proxy" and dp.network.emulation.preset == "aws"
     int8, sec = arm_config("int8", rounds=6, H=5, emulation="none"), arm_config("secagg", rounds=6, H=5, emulation="none")
     assert int8.compression.codec.key == sec.compression.codec.key == "int8"

@@ -36,8 +36,11 @@ def _plans(r, H=5):
     return {reg: RoundPlan(round=r, H=H) for reg in ("a", "b", "c")}
 
 
-def test_plans_carry_the_noise_and_epsilon_grows_then_the_budget_stops():
-    d = _Driver(_cfg({"mode": "update", "clip": 0.5, "noise_multiplier": 1.0, "target_epsilon": 8.0}))
+@pytest.mark.parametrize("accountant, expected", [("rdp", [4.73, 7.08]), ("prv", [4.38, 6.57])])
+def test_plans_carry_the_noise_and_epsilon_grows_then_the_budget_stops(accountant, expected):
+    """Update level, noise 1: RDP's bound, and (prv) the exact Gaussian curve, mu 1 then sqrt 2."""
+    d = _Driver(_cfg({"mode": "update", "clip": 0.5, "noise_multiplier": 1.0, "target_epsilon": 8.0,
+                      "accountant": accountant}))
     d._plan_privacy()
     assert planned_steps(d.cfg) == (6, 5)
     eps = []
@@ -48,7 +51,7 @@ def test_plans_carry_the_noise_and_epsilon_grows_then_the_budget_stops():
             break
         assert {(p.dp_mode, p.dp_clip, p.dp_noise) for p in plans.values()} == {("update", 0.5, 1.0)}
         eps.append(d._dp_spend({reg: {"steps": 5} for reg in plans})["dp_epsilon"])
-    assert [round(e, 2) for e in eps] == [4.73, 7.08]
+    assert [round(e, 2) for e in eps] == expected
     assert d.dp_stopped["round"] == 2 and d.events[-1]["event"] == "privacy_budget_reached"
     assert d._dp_summary()["epsilon"] == pytest.approx(eps[-1])
 

@@ -57,6 +57,14 @@ def test_digits_layers_sets_the_depth_of_the_mlp():
         _task("mlp-digits", layers=0)
 
 
+def test_digits_activation_tanh_for_dp():
+    relu = _task("mlp-digits", layers=2).build_model(0)
+    tanh = _task("mlp-digits", layers=2, activation="tanh").build_model(0)
+    assert [type(m).__name__ for m in tanh] == ["Linear", "Tanh", "Linear", "Tanh", "Linear"]
+    assert sum(isinstance(m, torch.nn.ReLU) for m in relu) == 2
+    assert all(torch.equal(a, b) for a, b in zip(relu.parameters(), tanh.parameters()))  # the same init
+
+
 def test_too_many_regions_for_the_data_is_a_clear_error():
     with pytest.raises(ValueError, match="regions: 5000 regions but only"):
         partition_indices(np.zeros(100, dtype=np.int64), 5000, kind="iid", alpha=1.0, seed=0)
