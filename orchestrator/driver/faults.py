@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import ray
+from geofed.regions.sync.common import merge_exchange_metrics
 
 from .recovery import RunFailed, first_line, plan_resync
 
@@ -234,6 +235,27 @@ class FaultHandling:
         if self.progress is not None:
             self.progress.log(f"[green]region {region} rejoined at round {r} after a {'restart' if restarted else 'stall'} "
                               f"(checkpoint {restored['round']}, state of round {state_round} from {donor})")
+
+    def _flush_for_resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:
+        """Overlap: a round reports the exchange of the round before, so a miss shows while this
+        round's exchange is still in flight, and a donor's global model and outer state would lack
+        the update that the receiver's pending exchange still applies. Every region that reported
+        applies its exchange in flight first (its metrics join the round's; its misses count for
+        the resync): then donor and receiver stand at the same round boundary, no exchange pending,
+        and the receiver takes exactly the donor's state. It costs the overlap of this one round."""
+        if not (self._resync_on and self.cfg.sync.overlap and any(m.get("peers_missing") for m in results.values())):
+            return
+        regions = [reg for reg in self.alive if reg in results]
+        flushed = self._call(regions, "flush_exchange", timeout=self.cfg.sync.deadline.max_s * 2 + 120)
+        for region, more in flushed.items():
+            if not more:
+                continue  # nothing was in flight (the last round flushes its own)
+            more = dict(more)
+            exchange_round = more.pop("exchange_round", None)
+            merge_exchange_metrics(results[region], more)
+            results[region]["flushed_exchange_round"] = exchange_round
+        self._event("overlap_flushed", regions=sorted(flushed), exchange_round=r,
+                    missing={reg: m.get("peers_missing") for reg, m in flushed.items() if m.get("peers_missing")})
 
     def _resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:
         """Regions that missed an update this round take the model of one that did not."""
