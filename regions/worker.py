@@ -320,7 +320,15 @@ class RegionWorker(LocalSteps, RegionState):
             # same set at every region of the round), not a missing peer's weight folded into self.
             w = 1.0 / (1 + len(res.received))
             return mix(own, res.received, {p: w for p in res.received}, w)
-        return mix(own, res.received, self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round))
+        weights, self_w = self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round)
+        if self.cfg.sync.topology == "full" and plan.alive is not None:
+            # Regions left out of the round (dead, stalled) are no miss: their weight goes to every
+            # region of the round alike, not each into its own, so the survivors keep one model
+            # (folded into self, each drifted its own way with no miss to resync it).
+            live = {p: w for p, w in weights.items() if p in plan.alive}
+            total = self_w + sum(live.values())
+            weights, self_w = {p: w / total for p, w in live.items()}, self_w / total
+        return mix(own, res.received, weights, self_w)
 
     def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:
         """Called by the transport for every incoming update: refuse (ValueError, or a Refusal
