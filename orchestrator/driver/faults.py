@@ -10,7 +10,7 @@ that missed an update resync from one that did not.
 
 It works on the Runner's state: ``cfg``, ``regions``, ``actors``, ``alive``, ``dead``,
 ``_probes``, ``_stalled``, ``addresses``, ``faults``, ``next_round``, ``progress``, ``_last_checkpoint``,
-``run_dir``, and its ``_event`` and ``_connect_all``.
+``run_dir``, ``_resync_on``, ``_bytes_sent``, and its ``_event`` and ``_connect_all``.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class FaultHandling:
         self.alive = [reg for reg in self.regions if reg in self.alive or reg == region]
         del self.dead[region]
         self._connect_all()
-        donors = [p for p in self.alive if p != region]
+        donors = self._flush_donors(r, [p for p in self.alive if p != region])
         donor, state_round = None, restored["round"]
         if donors and region in self.alive:
             try:
@@ -254,8 +254,25 @@ class FaultHandling:
             exchange_round = more.pop("exchange_round", None)
             merge_exchange_metrics(results[region], more)
             results[region]["flushed_exchange_round"] = exchange_round
-        self._event("overlap_flushed", regions=sorted(flushed), exchange_round=r,
+        self._event("overlap_flushed", regions=sorted(flushed), exchange_round=r, why="miss",
                     missing={reg: m.get("peers_missing") for reg, m in flushed.items() if m.get("peers_missing")})
+
+    def _flush_donors(self, r: int, donors: list[str]) -> list[str]:
+        """Overlap: before round r every donor still has round r-1's exchange in flight, which a
+        region rejoining now took no part in; a state taken without it would leave the region one
+        outer update behind for good. The donors apply it first (their misses in it resync them);
+        returns the donors still alive."""
+        if not (self.cfg.sync.overlap and donors):
+            return donors
+        flushed = {reg: m for reg, m in self._call(donors, "flush_exchange",
+                                                   timeout=self.cfg.sync.deadline.max_s * 2 + 120).items() if m}
+        if flushed:
+            sent = sum(int(m.get("bytes_sent", 0)) for m in flushed.values())
+            self._bytes_sent += sent  # the round records that would have reported them will not
+            self._event("overlap_flushed", regions=sorted(flushed), exchange_round=r - 1, why="rejoin", bytes_sent=sent,
+                        missing={reg: m["peers_missing"] for reg, m in flushed.items() if m.get("peers_missing")})
+            self._resync(r - 1, flushed)
+        return [p for p in donors if p in self.alive]
 
     def _resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:
         """Regions that missed an update this round take the model of one that did not."""
