@@ -229,10 +229,7 @@ class RegionWorker(LocalSteps, RegionState):
             t_eval = time.monotonic()
             metrics["eval"] = {**self.evaluate_synced(), "round": plan.round}
             metrics["eval_s"] = round(time.monotonic() - t_eval, 6)
-        if "eval_pending" in metrics:  # evaluated in the overlapped exchange, when its model existed
-            ev = metrics.pop("eval_pending")
-            metrics["eval_age_s"] = round(time.monotonic() - ev.pop("t_done"), 6)
-            metrics["eval"] = ev
+        _take_pending_eval(metrics)
         if plan.sketch:
             metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
         fill = plan.fill and not plan.final
@@ -275,6 +272,12 @@ class RegionWorker(LocalSteps, RegionState):
     def finish_pending(self) -> dict[str, Any]:
         """Apply an exchange still in flight (overlap) so the model includes every round; its metrics."""
         return self.algorithm.finish()
+
+    def flush_exchange(self) -> dict[str, Any]:
+        """finish_pending between rounds, its metrics as a round reports them (an evaluation made in
+        the exchange included): the driver's resync under overlap starts from every region's model
+        with the in-flight exchange applied (orchestrator/driver/faults.py)."""
+        return _take_pending_eval(self.finish_pending())
 
     # -- exchange helpers used by the algorithms ------------------------------------------
     def out_peers(self, plan: RoundPlan) -> list[str]:
@@ -319,7 +322,15 @@ class RegionWorker(LocalSteps, RegionState):
             # same set at every region of the round), not a missing peer's weight folded into self.
             w = 1.0 / (1 + len(res.received))
             return mix(own, res.received, {p: w for p in res.received}, w)
-        return mix(own, res.received, self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round))
+        weights, self_w = self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round)
+        if self.cfg.sync.topology == "full" and plan.alive is not None:
+            # Regions left out of the round (dead, stalled) are no miss: their weight goes to every
+            # region of the round alike, not each into its own, so the survivors keep one model
+            # (folded into self, each drifted its own way with no miss to resync it).
+            live = {p: w for p, w in weights.items() if p in plan.alive}
+            total = self_w + sum(live.values())
+            weights, self_w = {p: w / total for p, w in live.items()}, self_w / total
+        return mix(own, res.received, weights, self_w)
 
     def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:
         """Called by the transport for every incoming update: refuse (ValueError, or a Refusal
@@ -344,3 +355,13 @@ def rss_mb() -> float:
             return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20), 1)
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def _take_pending_eval(metrics: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation made in the overlapped exchange, when its model existed, reported as the
+    round's `eval` with its age (seconds since it was made)."""
+    if "eval_pending" in metrics:
+        ev = metrics.pop("eval_pending")
+        metrics["eval_age_s"] = round(time.monotonic() - ev.pop("t_done"), 6)
+        metrics["eval"] = ev
+    return metrics

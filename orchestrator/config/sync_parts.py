@@ -108,9 +108,11 @@ class SyncSection:
         "peak; in [0, 0.9], e.g. 0.9 (Streaming DiLoCo's lower peak bandwidth; docs/bench-wan.md)"))
     deadline: DeadlineSection = field(default_factory=DeadlineSection, metadata=_doc("receive deadlines"))
     resync_after_miss: bool = field(default=True, metadata=_doc(
-        "diloco/allreduce over the full topology without overlap: a region that missed an in-neighbour's update "
-        "(deadline, outage, a crashed peer) pulls the model from one that missed none (FetchState) after the round, "
-        "so every region trains one model; false: it keeps its own drifted copy"))
+        "diloco/allreduce over the full topology: a region that missed an in-neighbour's update (deadline, outage, "
+        "a crashed peer) pulls the model from one that missed none (FetchState) after the round, so every region "
+        "trains one model; false: it keeps its own drifted copy. With overlap a miss shows a round late: every "
+        "region first applies its exchange in flight (that round's overlap is lost), then the region takes the "
+        "donor's model and outer state with the same updates applied (docs/reliability.md)"))
     gossip: GossipSection = field(default_factory=GossipSection, metadata=_doc("gossip algorithm settings"))
     pacing: PacingSection = field(default_factory=PacingSection, metadata=_doc(
         "whether a round waits for its slowest region: barrier, time-budget or quorum (docs/heterogeneity.md)"))

@@ -10,7 +10,7 @@ that missed an update resync from one that did not.
 
 It works on the Runner's state: ``cfg``, ``regions``, ``actors``, ``alive``, ``dead``,
 ``_probes``, ``_stalled``, ``addresses``, ``faults``, ``next_round``, ``progress``, ``_last_checkpoint``,
-``run_dir``, and its ``_event`` and ``_connect_all``.
+``run_dir``, ``_resync_on``, ``_bytes_sent``, and its ``_event`` and ``_connect_all``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import ray
+from geofed.regions.sync.common import merge_exchange_metrics
 
 from .recovery import RunFailed, first_line, plan_resync
 
@@ -214,7 +215,7 @@ class FaultHandling:
         self.alive = [reg for reg in self.regions if reg in self.alive or reg == region]
         del self.dead[region]
         self._connect_all()
-        donors = [p for p in self.alive if p != region]
+        donors = self._flush_donors(r, [p for p in self.alive if p != region])
         donor, state_round = None, restored["round"]
         if donors and region in self.alive:
             try:
@@ -234,6 +235,44 @@ class FaultHandling:
         if self.progress is not None:
             self.progress.log(f"[green]region {region} rejoined at round {r} after a {'restart' if restarted else 'stall'} "
                               f"(checkpoint {restored['round']}, state of round {state_round} from {donor})")
+
+    def _flush_for_resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:
+        """Overlap: a round reports the exchange of the round before, so a miss shows while this
+        round's exchange is still in flight, and a donor's global model and outer state would lack
+        the update that the receiver's pending exchange still applies. Every region that reported
+        applies its exchange in flight first (its metrics join the round's; its misses count for
+        the resync): then donor and receiver stand at the same round boundary, no exchange pending,
+        and the receiver takes exactly the donor's state. It costs the overlap of this one round."""
+        if not (self._resync_on and self.cfg.sync.overlap and any(m.get("peers_missing") for m in results.values())):
+            return
+        regions = [reg for reg in self.alive if reg in results]
+        flushed = self._call(regions, "flush_exchange", timeout=self.cfg.sync.deadline.max_s * 2 + 120)
+        for region, more in flushed.items():
+            if not more:
+                continue  # nothing was in flight (the last round flushes its own)
+            more = dict(more)
+            exchange_round = more.pop("exchange_round", None)
+            merge_exchange_metrics(results[region], more)
+            results[region]["flushed_exchange_round"] = exchange_round
+        self._event("overlap_flushed", regions=sorted(flushed), exchange_round=r, why="miss",
+                    missing={reg: m.get("peers_missing") for reg, m in flushed.items() if m.get("peers_missing")})
+
+    def _flush_donors(self, r: int, donors: list[str]) -> list[str]:
+        """Overlap: before round r every donor still has round r-1's exchange in flight, which a
+        region rejoining now took no part in; a state taken without it would leave the region one
+        outer update behind for good. The donors apply it first (their misses in it resync them);
+        returns the donors still alive."""
+        if not (self.cfg.sync.overlap and donors):
+            return donors
+        flushed = {reg: m for reg, m in self._call(donors, "flush_exchange",
+                                                   timeout=self.cfg.sync.deadline.max_s * 2 + 120).items() if m}
+        if flushed:
+            sent = sum(int(m.get("bytes_sent", 0)) for m in flushed.values())
+            self._bytes_sent += sent  # the round records that would have reported them will not
+            self._event("overlap_flushed", regions=sorted(flushed), exchange_round=r - 1, why="rejoin", bytes_sent=sent,
+                        missing={reg: m["peers_missing"] for reg, m in flushed.items() if m.get("peers_missing")})
+            self._resync(r - 1, flushed)
+        return [p for p in donors if p in self.alive]
 
     def _resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:
         """Regions that missed an update this round take the model of one that did not."""

@@ -74,7 +74,7 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
     rows = [("run directory", run_dir), ("rounds", str(summary.get("rounds"))),
             *_times(summary),
             ("final train loss", _fmt(summary.get("final_train_loss"))),
-            (f"eval {ev.get('metric', '')}".strip(), _fmt(ev.get("value"))),
+            (f"eval {ev.get('metric', '')}".strip(), _fmt(ev.get("value")) + _eval_spread(summary)),
             ("bytes sent", f"{summary.get('bytes_sent', 0) / 1e6:.2f} MB"),
             ("compute utilisation", _fmt(summary.get("compute_utilization"))),
             ("region restarts / peers left out", f"{summary['faults']['region_restarts']} / {summary['faults']['peers_left_out']}"),
@@ -82,6 +82,17 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+
+
+def _eval_spread(summary: dict[str, Any]) -> str:
+    """' (regions a-b)' when the regions ended on models that evaluate differently: the eval shown
+    is one region's (diloco, all-reduce) or the average model's (gossip), and a drift (a miss
+    without resync) must not hide behind it."""
+    values = [v["value"] for v in (summary.get("eval_per_region") or {}).values()
+              if isinstance(v, dict) and isinstance(v.get("value"), (int, float))]
+    if len(values) < 2 or max(values) - min(values) <= 1e-6:
+        return ""
+    return f" (regions {min(values):.4f}-{max(values):.4f})"
 
 
 def _times(summary: dict[str, Any]) -> list[tuple[str, str]]:

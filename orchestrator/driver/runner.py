@@ -86,9 +86,10 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         self.stop = StopSignals()
         self.outcome = "FAILED"  # for the trackers: FINISHED once the summary is written, KILLED when stopped
         s = cfg.sync
-        # Quorum rounds leave the slowest out on purpose; its update comes late, not never.
+        # Quorum rounds leave the slowest out on purpose; its update comes late, not never. With
+        # overlap the exchange in flight is applied first (FaultHandling._flush_for_resync).
         self._resync_on = (s.resync_after_miss and s.algorithm in ("diloco", "allreduce") and s.topology == "full"
-                           and not s.overlap and s.pacing.mode != "quorum")
+                           and s.pacing.mode != "quorum")
         self._init_pacing()
 
     def _event(self, event: str, **fields) -> None:
@@ -135,6 +136,7 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
             return
         results = self._run_round(r, plans)
+        self._flush_for_resync(r, results)
         t_end = self.clock.now()
         self.coordinator.observe(results)
         self._bytes_sent += sum(m["bytes_sent"] for m in results.values())

@@ -45,3 +45,15 @@ def test_summary_shows_set_up_and_training_apart(capsys):
     assert "set-up time (start to first round)" in out and "39.0 s" in out
     assert "training time (round 0 to end)" in out and "4.4 s" in out
     assert "wall time" not in out
+
+
+def test_summary_shows_the_regions_eval_range_when_their_models_differ(capsys):
+    """The eval shown is one region's (diloco): regions that drifted apart show their range."""
+    base = {"rounds": 3, "wall_s": 4.4, "eval": {"metric": "accuracy", "value": 0.8889}, "bytes_sent": 1e6,
+            "compute_utilization": 0.8, "faults": {"region_restarts": 0, "peers_left_out": 2}, "refusals": {"total": 0}}
+    apart = {"a": {"value": 0.8889}, "b": {"value": 0.9178}, "c": {"value": 0.8778}}
+    print_summary({**base, "eval_per_region": apart}, "runs/x")
+    assert "0.8889 (regions 0.8778-0.9178)" in capsys.readouterr().out
+    one = {r: {"value": 0.8889} for r in "abc"}
+    print_summary({**base, "eval_per_region": one}, "runs/x")
+    assert "(regions" not in capsys.readouterr().out
