@@ -144,9 +144,7 @@ class Exchanger:
             # The first ping on a fresh channel pays the TCP + TLS handshake (several RTTs): warm
             # up with an unrecorded one, then measure.
             self._probe_rtt(peer, warm_up=True)
-        if spread_s > 0:
-            return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s, spread_s=spread_s)
-        return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s)
+        return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s, spread_s=spread_s)
 
     def hurry(self) -> None:
         """Spread pushes in flight (sync.spread_sends) send what is left now: the compute they hid behind is over."""
