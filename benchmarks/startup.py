@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -24,7 +25,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Token auth (Ray's default where ~/.ray/auth_token exists): the head and every driver use it.
+# Token auth, as geofed's launch plans use it: the head and every driver read this bench's own
+# token (written in main(), under the head's temp dir), so a machine without ~/.ray/auth_token runs it.
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 BIN = Path(sys.executable).parent
 NAMES = ["us-east-1", "eu-west-1", "ap-northeast-1", "eu-central-1", "ap-southeast-2", "sa-east-1"]
@@ -100,6 +102,10 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="geofed-startup-"))
     temp_dir = tempfile.mkdtemp(prefix="gfst", dir="/tmp")
+    token = Path(temp_dir) / "auth_token"
+    token.write_text(secrets.token_hex(24))
+    token.chmod(0o600)
+    ENV["RAY_AUTH_TOKEN_PATH"] = str(token)
     address = start_head(temp_dir)
     results: dict[str, list[dict]] = {a: [] for a in args.arms}
     try:

@@ -23,11 +23,6 @@ from geofed.p2p.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
-WARM_BYTES = 256 << 10      # a connection's first probe: about one BDP of a 25 Mbit/s, 80 ms link
-MIN_PROBE_BYTES = 64 << 10
-PROBE_RETRIES = 2           # larger probes of a link whose measuring probe was latency-bound
-PROBE_GROWTH = 4
-SHARE_SPREAD = 1.5          # concurrent probes within this ratio read as even shares of one egress
 
 
 @dataclass
@@ -69,7 +64,6 @@ class Exchanger:
         self.observe_own: Callable[[Sequence[torch.Tensor]], None] | None = None
         self._est_lock = threading.Lock()  # probes update estimators from pool threads
         self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
-        self._first_probe: dict[str, float] = {}  # peer -> seconds its warm-up probe took
         # Pushes left running that then succeeded, (peer, round, stats): reported with the next
         # exchange, so a link that only got slow still teaches its estimator and the policy.
         self._late: list[tuple[str, int, Any]] = []
@@ -225,94 +219,11 @@ class Exchanger:
                                                   spread_s=stats.spread_s)
 
     def probe_links(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
-        """Warm every connection to `peers` and measure it, before the first round.
+        """Warm every connection to `peers` and measure it before the first round
+        (regions/link_probe.py); returns the probes as transfer records."""
+        from .link_probe import LinkProber
 
-        Two phases, each with every peer at once (as a round's pushes share this region's egress):
-        a ping and a probe of WARM_BYTES that open the connection (TCP and TLS handshakes, slow
-        start, gRPC's flow-control windows; cold, not a sample), then a ping and a probe sized to
-        take about `duration_s` (at least 2 RTTs) at 1.5x the rate the first one read, which
-        measures it. Sizes, not durations: a sender can queue megabytes in socket buffers before
-        the link slows it, so a probe that stops on a timer measures the buffer. A peer that
-        fails is left to the rounds (logged); returns the probes as transfer records."""
-        records: list[dict] = []
-        timeout_s = min(self.send_timeout_s, 60.0)
-        warm = {p: min(max_bytes, WARM_BYTES) for p in peers}
-        sizes = warm
-        # A cold probe reads a fast link low (slow start), so the measuring probe it sizes may be
-        # over in less time than scheduling noise: latency-bound, no sample. Such links are probed
-        # again, PROBE_GROWTH times larger each time, up to max_bytes.
-        for phase in range(2 + PROBE_RETRIES):
-            measured = phase > 0
-            if phase == 1:
-                sizes = {p: self._probe_size(p, warm[p], duration_s, max_bytes) for p in peers if p in warm}
-            elif phase > 1:
-                sizes = self._probe_again(sizes, max_bytes)
-            done = self._probe_round(sizes, timeout_s, measured, warm, records)
-            if measured:
-                self._even_out_shares(done)
-        return records
-
-    def _probe_round(self, sizes: Mapping[str, int | None], timeout_s: float, measured: bool,
-                     warm: dict[str, int], records: list[dict]) -> dict[str, Any]:
-        """One probe to each peer of `sizes` at once; records appended, samples taken when `measured`."""
-        futures = {p: self._pool.submit(self._probe_one, p, n, timeout_s, not measured)
-                   for p, n in sizes.items() if n}
-        done = {}
-        for peer, fut in futures.items():
-            try:
-                done[peer] = fut.result(timeout=timeout_s + 15.0)
-            except (TransportError, TimeoutError) as exc:
-                log.warning("probe of the link to %s failed: %s", peer, exc)
-                warm.pop(peer, None)
-        for peer, stats in done.items():
-            if measured:
-                self._observe(peer, stats, len(futures))
-            else:
-                self._first_probe[peer] = stats.seconds
-            records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
-                            "seconds": round(stats.seconds, 6), "concurrent": len(futures), "cold": stats.cold,
-                            "measured": measured})
-        return done
-
-    def _probe_again(self, sizes: Mapping[str, int | None], max_bytes: int) -> dict[str, int]:
-        """Larger probes for the peers whose last one gave no bandwidth sample (latency-bound)."""
-        with self._est_lock:
-            unmeasured = [p for p, n in sizes.items() if n and self.estimator(p).bandwidth_bps is None]
-        return {p: min(max_bytes, sizes[p] * PROBE_GROWTH) for p in unmeasured if sizes[p] < max_bytes}
-
-    def _even_out_shares(self, done: Mapping[str, Any]) -> None:
-        """Concurrent probes that read within SHARE_SPREAD of each other shared this region's
-        egress: TCP splits a bottleneck unevenly over a few RTTs (14.1 / 16.4 / 17.9 Mbit/s for
-        an even 16.1 on a real shaped cluster), so each gets an even share of the egress. The
-        egress is all their bits over the time to the last one's end (they start together), not
-        the sum of their own rates: a probe that ends early leaves the egress to the others,
-        whose own rates then read high (18.0-18.4 for an even 16.1, three links of one region
-        12-14% over, on the shaped cluster). A spread past SHARE_SPREAD is links of their own (a
-        slower path), kept as measured."""
-        with self._est_lock:
-            rates = {p: self.estimator(p).bandwidth_bps for p in done}
-            if len(rates) < 2 or None in rates.values() or max(rates.values()) > SHARE_SPREAD * min(rates.values()):
-                return
-            exposed = {p: done[p].seconds - (self.estimator(p).rtt_s or 0.0) for p in rates}
-            if min(exposed.values()) <= 0:
-                return
-            egress = sum(done[p].bytes * 8.0 for p in rates) / max(exposed.values())
-            share = min(egress / len(rates), max(rates.values()))
-            for peer in rates:
-                self.estimator(peer).set_bandwidth(share)
-
-    def _probe_size(self, peer: str, warm_bytes: int, duration_s: float, max_bytes: int) -> int | None:
-        seconds = self._first_probe.get(peer)
-        if seconds is None:
-            return None
-        with self._est_lock:
-            rtt = self.estimator(peer).rtt_s or 0.0
-        rate = warm_bytes / max(seconds - rtt, 1e-3)  # bytes/s; a cold transfer reads low, hence 1.5x
-        return int(min(max_bytes, max(MIN_PROBE_BYTES, 1.5 * rate * max(duration_s, 2 * rtt))))
-
-    def _probe_one(self, peer: str, nbytes: int, timeout_s: float, first: bool):
-        self._probe_rtt(peer, warm_up=first)
-        return self.transport.probe(peer, nbytes, timeout_s=timeout_s)
+        return LinkProber(self).run(peers, duration_s=duration_s, max_bytes=max_bytes)
 
     def _stalled_ended(self, peer: str, round_: int, fut: Future, concurrent: int) -> None:
         # Runs on the pool's thread: only a list append (atomic) crosses to the exchanging thread.

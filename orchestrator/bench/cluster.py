@@ -74,14 +74,15 @@ def probe_links(cluster, payload_bytes: int) -> dict[str, Any]:
 
 
 def link_truth(cluster, probed: dict[str, Any]):
-    """What the shaped links really give (egress, payload efficiency, measured RTTs, plain TCP's warm push rate),
-    from the set-up probe."""
+    """What the shaped links really give (egress, payload efficiency, measured RTTs, plain TCP's warm push
+    and bulk rates), from the set-up probe."""
     from .cluster_checks import LinkTruth
 
     push = {link: round(probed["payload_bytes"] * 8 / max(1e-6, s - probed["rtt_ms"][link] / 1e3) / 1e6, 3)
             for link, s in probed["warm_push_s"].items()}
     return LinkTruth(egress_mbps=cluster.net.links.egress_mbps[cluster.net.regions[0]],
-                     payload_efficiency=cluster.net.payload_efficiency, rtt_ms=probed["rtt_ms"], push_mbps=push)
+                     payload_efficiency=cluster.net.payload_efficiency, rtt_ms=probed["rtt_ms"], push_mbps=push,
+                     bulk_mbps=probed.get("bulk_mbps", {}))
 
 
 def link_report(cluster, run, truth) -> dict[str, Any]:

@@ -119,6 +119,7 @@ def test_concurrent_probes_of_one_egress_read_as_even_shares_and_other_paths_as_
     from geofed.p2p.deadline import AdaptiveDeadline
     from geofed.p2p.memory import InMemoryHub, InMemoryTransport
     from geofed.regions.exchange import Exchanger
+    from geofed.regions.link_probe import LinkProber
 
     ex = Exchanger(InMemoryTransport("a", InMemoryHub()), error_feedback=False,
                    deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0), send_timeout_s=5.0)
@@ -131,7 +132,7 @@ def test_concurrent_probes_of_one_egress_read_as_even_shares_and_other_paths_as_
                 est.observe_rtt(0.08)
                 est.set_bandwidth(bw)
                 done[peer] = SimpleNamespace(bytes=nbytes, seconds=0.08 + nbytes * 8.0 / bw)
-            ex._even_out_shares(done)
+            LinkProber(ex).even_out_shares(done)
             return {p: ex.estimator(p).bandwidth_bps for p in rates}
 
         # A real shaped cluster: 50 Mbit/s egress, three pushes, TCP split it 14.1 / 16.4 / 17.9:
