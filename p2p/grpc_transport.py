@@ -1,10 +1,10 @@
-"""The real transport: a gRPC server per region and one long-lived channel per peer.
+"""The real transport: a gRPC server per region and the calls it makes over its peers' channels.
 
 Measured on these machines (FIELD-NOTES): client streaming in 1 MiB ``bytes`` chunks is the
-fast path (~1.2 GB/s plain, 0.4-0.66 GB/s mutual TLS on loopback); a new mTLS channel costs
-~7 ms plus slow start, and ``channel.close()`` blocks ~200 ms, so channels are opened once by
-``connect()`` and kept for the run. Message size limits are set explicitly on both ends (the
-receiver's 4 MiB default is the one that trips).
+fast path (~1.2 GB/s plain, 0.4-0.66 GB/s mutual TLS on loopback). The channels themselves
+(one long-lived channel per peer, opened by ``connect()`` and kept for the run, and which send
+ran on a fresh connection) are ``p2p/grpc_channels.py``'s. Message size limits are set
+explicitly on both ends (the receiver's 4 MiB default is the one that trips).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from .proto import gossip_pb2, gossip_pb2_grpc
-from .service import CALLER_LIMITS, MAX_CHUNK_BYTES, MAX_PROBE_BYTES, PROBE_METHOD, PUSH_METHOD, GossipServicer, add_to_server, encode_chunk
+from .grpc_channels import CORE_MESSAGE_LIMIT, PeerChannels, close_all
+from .proto import gossip_pb2
+from .service import CALLER_LIMITS, MAX_CHUNK_BYTES, MAX_PROBE_BYTES, GossipServicer, add_to_server, encode_chunk
 from .tls import TlsMaterial
 from .secagg_slot import SlotMailbox
 from .spread import SpreadClock, SpreadPushes, spread_chunk_bytes
@@ -30,9 +31,6 @@ __all__ = ["GrpcTransport"]
 
 log = logging.getLogger("geofed.p2p")
 
-# Core gRPC limit on one message: above our own chunk check, so an oversized chunk reaches the
-# handler (which counts it) unless it is absurd.
-_CORE_MESSAGE_LIMIT = 4 * MAX_CHUNK_BYTES
 # Threads beyond the peers' limits: strangers' calls (refused at once) and bursts of refusals.
 _SPARE_WORKERS = 8
 _STATUS_REASONS = {
@@ -98,19 +96,13 @@ class GrpcTransport(Transport):
                                         state_provider=lambda: self._state_provider)
         self._state_provider: Callable[[], bytes] | None = None
         self._server: grpc.Server | None = None
-        self._lock = threading.Lock()
-        self._channels: dict[str, tuple[str, grpc.Channel, gossip_pb2_grpc.GossipStub, Callable, Callable]] = {}
-        # A connection's epoch counts how often its channel became READY; a send finishing in an
-        # epoch no earlier send finished in ran on a fresh connection (handshakes, slow start):
-        # TransferStats.cold, which the link estimator does not take as a bandwidth sample.
-        self._epochs: Counter[str] = Counter()
-        self._warm_epoch: dict[str, int] = {}
+        self.channels = PeerChannels(region, tls)
+        self._lock = threading.Lock()  # the send counters and the ping nonce
         self._probe_bytes: Counter[str] = Counter()
         self._sent_bytes: Counter[str] = Counter()
         self._sent_messages: Counter[str] = Counter()
         self._send_failures: Counter[str] = Counter()
         self._nonce = 0
-        self._closed = False
         if tls is None:
             log.warning("%s: security.tls is false: updates travel in plaintext and senders are not "
                         "authenticated; use this only on a trusted network", region)
@@ -125,8 +117,8 @@ class GrpcTransport(Transport):
             raise RuntimeError(f"{self.region}: start() called twice")
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"gossip-{self.region}"),
-            options=[("grpc.max_receive_message_length", _CORE_MESSAGE_LIMIT),
-                     ("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT),
+            options=[("grpc.max_receive_message_length", CORE_MESSAGE_LIMIT),
+                     ("grpc.max_send_message_length", CORE_MESSAGE_LIMIT),
                      # gRPC sets SO_REUSEPORT by default: two regions could then bind one port
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=self.max_workers)
@@ -153,85 +145,20 @@ class GrpcTransport(Transport):
         """Open one long-lived channel per peer (with TLS, the certificate must name the peer, also
         through a proxy); a peer whose address changed gets a new channel and its old one is closed.
         """
-        opened, stale = {}, []
-        for peer, address in peers.items():
-            if peer == self.region:
-                continue
-            with self._lock:
-                current = self._channels.get(peer)
-            if current is not None and current[0] == address:
-                continue
-            options = [("grpc.max_send_message_length", _CORE_MESSAGE_LIMIT),
-                       ("grpc.max_receive_message_length", _CORE_MESSAGE_LIMIT),
-                       # one connection per peer, never shared with another channel
-                       ("grpc.use_local_subchannel_pool", 1),
-                       # grpcio's default 1 s first backoff would turn a short outage into a lost round
-                       ("grpc.initial_reconnect_backoff_ms", 100),
-                       ("grpc.max_reconnect_backoff_ms", 2000)]
-            if self.tls is not None:
-                # The dialled address may be an emulator proxy: check the certificate names `peer`.
-                options.append(("grpc.ssl_target_name_override", peer))
-                channel = grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
-            else:
-                channel = grpc.insecure_channel(address, options=options)
-            # Push sends pre-serialized messages (see service.encode_chunk).
-            push = channel.stream_unary(PUSH_METHOD, request_serializer=None,
-                                        response_deserializer=gossip_pb2.PushAck.FromString)
-            probe = channel.stream_unary(PROBE_METHOD, request_serializer=None,
-                                         response_deserializer=gossip_pb2.PushAck.FromString)
-            channel.subscribe(lambda state, p=peer, c=channel: self._on_state(p, c, state), try_to_connect=False)
-            opened[peer] = (address, channel, gossip_pb2_grpc.GossipStub(channel), push, probe)
-            if current is not None:
-                stale.append(current[1])
-        with self._lock:
-            self._channels.update(opened)
-            for peer in opened:
-                self._warm_epoch.pop(peer, None)
+        stale = self.channels.connect(peers)
         self.mailbox.add_known(peers)
-        _close_all(stale)
-
-    def _on_state(self, peer: str, channel: grpc.Channel, state: grpc.ChannelConnectivity) -> None:
-        # gRPC's connectivity thread; a replaced channel's late callbacks are ignored.
-        if state is grpc.ChannelConnectivity.READY:
-            with self._lock:
-                entry = self._channels.get(peer)
-                if entry is not None and entry[1] is channel:
-                    self._epochs[peer] += 1
-
-    def _note_warm(self, peer: str) -> bool:
-        """Whether the send that just finished on `peer`'s connection was its first (cold)."""
-        with self._lock:
-            epoch = self._epochs[peer]
-            cold = self._warm_epoch.get(peer) != epoch
-            self._warm_epoch[peer] = epoch
-        return cold
+        close_all(stale)
 
     def close(self) -> None:
         """Stop the server (0.2 s grace) and close every channel, in parallel; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            channels = [entry[1] for entry in self._channels.values()]
+        channels = self.channels.seal()
+        if channels is None:
+            return
         if self._server is not None:
             self._server.stop(grace=0.2).wait(5)
-        _close_all(channels)
+        close_all(channels)
 
     # -- sending -------------------------------------------------------------------------
-    def _stub(self, peer: str, timeout_s: float) -> gossip_pb2_grpc.GossipStub:
-        return self._entry(peer, timeout_s)[2]
-
-    def _entry(self, peer: str, timeout_s: float) -> tuple:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-        with self._lock:
-            if self._closed:
-                raise TransportError(f"{self.region}: transport is closed", peer=peer, reason="closed")
-            entry = self._channels.get(peer)
-        if entry is None:
-            raise ValueError(f"peer: {peer!r} is not connected (connect() it first)")
-        return entry
-
     def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
         """Stream a header and `payload` in chunk_bytes chunks to `peer` and wait for its ack; with
         `spread_s`, smaller chunks released evenly over that many seconds (p2p/spread.py).
@@ -244,7 +171,7 @@ class GrpcTransport(Transport):
             raise ValueError(f"payload: {n} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
         if round < 0:
             raise ValueError(f"round: must be >= 0, got {round}")
-        push = self._entry(peer, timeout_s)[3]
+        push = self.channels.get(peer, timeout_s).push
         header = gossip_pb2.PushMessage(
             header=gossip_pb2.PushHeader(sender=self.region, round=round, total_bytes=n)).SerializeToString()
         view, cs = memoryview(payload), spread_chunk_bytes(n, self.chunk_bytes, spread_s)
@@ -276,7 +203,7 @@ class GrpcTransport(Transport):
             self._sent_bytes[peer] += wire
             self._sent_messages[peer] += 1
         return TransferStats(peer=peer, round=round, payload_bytes=n, wire_bytes=wire, seconds=seconds,
-                             receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self._note_warm(peer),
+                             receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self.channels.note_warm(peer),
                              spread_s=max(0.0, spread_s))
 
     def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
@@ -285,7 +212,7 @@ class GrpcTransport(Transport):
         """
         if not 0 < nbytes <= MAX_PROBE_BYTES:
             raise ValueError(f"nbytes: need 0 < nbytes <= {MAX_PROBE_BYTES}, got {nbytes}")
-        probe = self._entry(peer, timeout_s)[4]
+        probe = self.channels.get(peer, timeout_s).probe
         header = gossip_pb2.PushMessage(
             header=gossip_pb2.PushHeader(sender=self.region, round=0, total_bytes=nbytes)).SerializeToString()
         chunk = encode_chunk(memoryview(bytes(min(self.chunk_bytes, nbytes))))
@@ -311,11 +238,11 @@ class GrpcTransport(Transport):
         with self._lock:
             self._probe_bytes[peer] += wire
         return TransferStats(peer=peer, round=-1, payload_bytes=nbytes, wire_bytes=wire, seconds=seconds,
-                             receiver_seconds=ack.receiver_seconds, chunks=full + bool(rest), cold=self._note_warm(peer))
+                             receiver_seconds=ack.receiver_seconds, chunks=full + bool(rest), cold=self.channels.note_warm(peer))
 
     def ping(self, peer: str, *, timeout_s: float) -> float:
         """Round trip of one Ping with a fresh nonce; TransportError if the reply names another region or nonce."""
-        stub = self._stub(peer, timeout_s)
+        stub = self.channels.get(peer, timeout_s).stub
         with self._lock:
             self._nonce += 1
             nonce = self._nonce
@@ -334,7 +261,7 @@ class GrpcTransport(Transport):
         """Stream `peer`'s state. Refuses (TransportError) a declared size above max_state_bytes and a
         malformed, overrunning or truncated stream; the buffer grows only with bytes that arrive.
         """
-        stub = self._stub(peer, timeout_s)
+        stub = self.channels.get(peer, timeout_s).stub
         limit = self.max_state_bytes
         try:
             stream = stub.FetchState(gossip_pb2.FetchStateRequest(sender=self.region), timeout=timeout_s)
@@ -392,12 +319,3 @@ class GrpcTransport(Transport):
                 counters["refused_total"] += n
             counters["connections"] = self._servicer.handshakes.counts()
         return own | counters
-
-
-def _close_all(channels: list[grpc.Channel]) -> None:
-    # channel.close() blocks ~200 ms each: close them in parallel.
-    threads = [threading.Thread(target=c.close, daemon=True) for c in channels]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(5)
