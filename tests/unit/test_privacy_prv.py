@@ -66,6 +66,38 @@ def test_prv_noise_search_gives_less_noise_for_the_same_epsilon():
     assert prv_epsilon_after(noise_multiplier=sigma - 0.02, **check) > 8.0
 
 
+# (target epsilon, rate, steps) -> the noise of the plain bisection below RDP's answer (the search
+# before the model-located one, main at d5fa9b9; delta 1e-5): bench privacy's dp_eps8, the budget test's,
+# a small rate, update level.
+BISECTION_NOISE = {
+    (8.0, 32 / 336, 1500): 2.35589599609375,
+    (4.0, 32 / 1000, 250): 0.92315673828125,
+    (2.0, 0.01, 1000): 0.96746826171875,
+    (8.0, 1.0, 30): 3.2880859375,
+}
+
+
+@pytest.mark.parametrize("setting", list(BISECTION_NOISE))
+def test_the_located_noise_search_gives_the_bisections_answer_and_keeps_epsilon_within_target(setting):
+    target, q, steps = setting
+    sigma = prv_noise_multiplier_for(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps)
+    assert sigma == pytest.approx(BISECTION_NOISE[setting], rel=1e-2)
+    assert abs(sigma - BISECTION_NOISE[setting]) <= 0.01  # the search's tolerance: one bisection step
+    assert prv_epsilon(((q, sigma, steps),), 1e-5) <= target
+    assert prv_epsilon_after(noise_multiplier=sigma - 0.01, sample_rate=q, steps=steps, delta=1e-5) > target
+
+
+def test_the_noise_search_evaluates_a_few_noises_and_once_per_setting():
+    """The plain bisection evaluated 10 noises here (update level: the closed form, so cheap to count);
+    the model-located one 3 (RDP's answer, the model's, its neighbour), and a repeat none."""
+    before = prv_epsilon.cache_info().misses
+    kw = dict(target_epsilon=6.0, delta=1e-5, sample_rate=1.0, steps=40)
+    sigma = prv_noise_multiplier_for(**kw)
+    assert prv_epsilon.cache_info().misses - before <= 4
+    assert prv_noise_multiplier_for(**kw) == sigma and prv_epsilon.cache_info().misses - before <= 4
+    assert prv_epsilon(((1.0, sigma, 40),), 1e-5) <= 6.0 < prv_epsilon(((1.0, sigma - 0.01, 40),), 1e-5)
+
+
 def test_a_prv_budget_stops_at_its_target_and_round_trips_through_a_checkpoint():
     budget = PrivacyBudget.plan(mode="record", noise_multiplier=None, target_epsilon=4.0, delta=1e-5, rounds=10,
                                 steps_per_round=25, batch_size=32, smallest_shard=1000, accountant="prv")
