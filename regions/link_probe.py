@@ -10,19 +10,18 @@ The phases, each with every peer at once (as a round's pushes share this region'
 1. **Warm-up**: a ping and a probe of WARM_BYTES per peer that open the connection (handshakes,
    slow start, gRPC's flow-control windows). Cold: not a bandwidth sample; its duration sizes the
    next probe.
-2. **RTT**: RTT_PINGS more pings per peer on the now quiet, warm connections. The estimator's RTT
-   is the minimum of its pings (queueing and a busy host only add delay), and a probe's rate is
-   ``bits / (seconds - RTT)``: one ping that waited 40 ms for a core (125 ms for an 81 ms path on
-   a loaded 2-core host) made every short probe after it read fast.
-3. **Measure**: a probe sized to take about `duration_s` (at least 2 RTTs) at 1.5x the rate the
-   warm-up read. Sizes, not durations: a sender can queue megabytes in socket buffers before the
-   link slows it, so a probe that stops on a timer measures the buffer.
-4. **Again**, up to PROBE_RETRIES times, while some peer's last probe said too little: one that
-   was latency-bound (no sample) grows PROBE_GROWTH times; one whose exposed time (seconds - RTT)
-   was under half of `duration_s` had been sized from a slow-start reading far below the link
-   (a warm-up that read 5 Mbit/s on a 16 Mbit/s share) and is resized to `duration_s` at the rate
-   it measured, so an error in the RTT weighs a quarter as much. Every peer is probed again
-   with it, since a share of the egress read at another concurrency is another share.
+2. **Measure**: a ping, then a probe sized to take about `duration_s` (at least 2 RTTs) at 1.5x
+   the rate the warm-up read. Sizes, not durations: a sender can queue megabytes in socket
+   buffers before the link slows it, so a probe that stops on a timer measures the buffer.
+3. **Again**, up to PROBE_RETRIES times, PROBE_GROWTH times larger, for the peers whose last
+   probe was latency-bound (no sample): the cold probe reads a fast link low (slow start), so
+   the probe it sizes can be over in less time than scheduling noise.
+
+Tried and left out (2026-12-03, the shaped 4-node test, 2 interleaved pairs): 3 more pings once
+warm, and probing every peer again at `duration_s` x its rate when the measuring probe was
+exposed under half of `duration_s`. Both arms read 0.95-1.06 of the true rate on a quiet host
+and 0.55-0.59 on a host too busy to carry the links (plain TCP bulk flows read 6-14 Mbit/s of
+16.1), and the extra phases cost 0.28 s of set-up.
 
 After each measuring phase, concurrent probes of one egress are evened out (`even_out_shares`).
 A peer that fails is left to the rounds (logged).
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from concurrent.futures import wait
 from typing import TYPE_CHECKING, Any
 
 from geofed.p2p.transport import TransportError
@@ -43,10 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 WARM_BYTES = 256 << 10      # a connection's first probe: about one BDP of a 25 Mbit/s, 80 ms link
 MIN_PROBE_BYTES = 64 << 10
-RTT_PINGS = 3               # pings per peer once warm, before the measuring probes
-PROBE_RETRIES = 2           # probes again of a link whose last probe was latency-bound or short
+PROBE_RETRIES = 2           # larger probes of a link whose measuring probe was latency-bound
 PROBE_GROWTH = 4
-SHORT_EXPOSED = 0.5         # a probe exposed for under this share of duration_s is resized
 SHARE_SPREAD = 1.5          # concurrent probes within this ratio read as even shares of one egress
 
 
@@ -63,22 +59,13 @@ class LinkProber:
         timeout_s = min(self.ex.send_timeout_s, 60.0)
         warm = {p: min(max_bytes, WARM_BYTES) for p in peers}
         done = self._probe_round(warm, timeout_s, False, records)
-        self._pings([p for p in peers if p in done])
-        sizes = {p: self._probe_size(p, warm[p], duration_s, max_bytes) for p in done}
-        for _ in range(1 + PROBE_RETRIES):
+        sizes: dict[str, int | None] = {p: self._probe_size(p, warm[p], duration_s, max_bytes) for p in done}
+        for attempt in range(1 + PROBE_RETRIES):
+            if attempt:
+                sizes = self._probe_again(sizes, max_bytes)
             done = self._probe_round(sizes, timeout_s, True, records)
             self.even_out_shares(done)
-            sizes = self._next_sizes(sizes, done, duration_s, max_bytes)
-            if not sizes:
-                break
         return records
-
-    def _pings(self, peers: Sequence[str]) -> None:
-        def ping(peer: str) -> None:
-            for _ in range(RTT_PINGS):
-                self.ex._probe_rtt(peer)
-
-        wait([self.ex._pool.submit(ping, p) for p in peers], timeout=60.0)
 
     def _probe_round(self, sizes: Mapping[str, int | None], timeout_s: float, measured: bool,
                      records: list[dict]) -> dict[str, Any]:
@@ -101,24 +88,11 @@ class LinkProber:
                             "measured": measured})
         return done
 
-    def _next_sizes(self, sizes: Mapping[str, int | None], done: Mapping[str, Any], duration_s: float,
-                    max_bytes: int) -> dict[str, int]:
-        """What to probe again: nothing, or every peer of `done` at once (a share read at another
-        concurrency than a round's is another share), latency-bound ones PROBE_GROWTH times larger,
-        the others sized to `duration_s` at their estimate, none smaller than before."""
-        again, nxt = False, {}
+    def _probe_again(self, sizes: Mapping[str, int | None], max_bytes: int) -> dict[str, int]:
+        """Larger probes for the peers whose last one gave no bandwidth sample (latency-bound)."""
         with self.ex._est_lock:
-            for peer, stats in done.items():
-                size, est = sizes[peer] or 0, self.ex.estimator(peer)
-                if est.bandwidth_bps is None:
-                    nxt[peer] = min(max_bytes, size * PROBE_GROWTH)
-                    again |= size < max_bytes
-                    continue
-                want = int(min(max_bytes, est.bandwidth_bps / 8 * duration_s))
-                nxt[peer] = max(size, want)
-                exposed = stats.seconds - (est.rtt_s or 0.0)
-                again |= exposed < SHORT_EXPOSED * duration_s and want > 1.5 * size
-        return nxt if again else {}
+            unmeasured = [p for p, n in sizes.items() if n and self.ex.estimator(p).bandwidth_bps is None]
+        return {p: min(max_bytes, sizes[p] * PROBE_GROWTH) for p in unmeasured if sizes[p] < max_bytes}
 
     def even_out_shares(self, done: Mapping[str, Any]) -> None:
         """Concurrent probes that read within SHARE_SPREAD of each other shared this region's
