@@ -105,9 +105,9 @@ class FlowCounters:
 def _raise_priority() -> None:
     """Run this thread (the whole WAN between the regions) at nice -20 where allowed (root).
 
-    The router stands for the network, which a real cluster's compute cannot slow down; at the
-    default priority a busy host starved it, and every link read 0.57-0.60 of its shaped rate
-    (RTT up to 125 ms on an 81 ms path) with regions, Ray and other work on 2 cores. A thread's
+    The router stands for the network, which a real cluster's compute cannot slow down; with
+    regions, Ray and other work on 2 cores, links read 0.57-0.60 of their shaped rate (pings up
+    to 125 ms on an 81 ms path) at the default priority. A thread's
     nice value is its own on Linux (setpriority on its thread id). Not real-time scheduling:
     a routing bug then cannot lock the machine."""
     try:
