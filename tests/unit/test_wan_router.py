@@ -7,9 +7,11 @@ real descriptors.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +129,22 @@ def test_router_keeps_a_pairs_order_and_counts_every_flow(devices):
 def test_a_latency_out_of_range_is_refused_naming_the_pair(devices):
     with pytest.raises(ValueError, match=r"latency_s: one-way latency of 10\.9\.0\.1->10\.9\.0\.2"):
         PacketRouter(devices.fds(), lambda a, b: 20.0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering a thread's nice value needs root (CAP_SYS_NICE)")
+def test_the_router_thread_runs_at_nice_minus_20_and_the_caller_keeps_its_own(devices):
+    # The router is the network between the regions: other work on the host must not starve it.
+    own = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's (Linux: a thread's nice is its own)
+    router = PacketRouter(devices.fds(), lambda a, b: 0.0)
+    router.start()
+    try:
+        tid = router._thread.native_id
+        deadline = time.monotonic() + 2
+        nice = None
+        while time.monotonic() < deadline and nice != -20:
+            nice = int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+            time.sleep(0.01)
+    finally:
+        router.stop()
+    assert nice == -20
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own
