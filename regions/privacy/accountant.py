@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 # Opacus's and TF-Privacy's default orders: fine near 1, where small epsilons are found, then integers.
 DEFAULT_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [128, 256])
@@ -89,6 +90,13 @@ def rdp_subsampled_gaussian(q: float, sigma: float, alpha: float) -> float:
     return log_a / (alpha - 1)
 
 
+@lru_cache(maxsize=64)
+def rdp_per_step(q: float, sigma: float, orders: tuple[float, ...]) -> tuple[float, ...]:
+    """One step's RDP at every order: the same for every round of a run, and 15 ms to compute
+    (the fractional orders' series), so kept."""
+    return tuple(rdp_subsampled_gaussian(q, sigma, a) for a in orders)
+
+
 def epsilon_from_rdp(rdp: Sequence[float], orders: Sequence[float], delta: float) -> tuple[float, float]:
     """(epsilon, the order that gave it) for `delta`: min over orders of
     rdp - (log delta + log alpha)/(alpha - 1) + log((alpha - 1)/alpha) (Balle et al. 2020, Thm 21)."""
@@ -99,6 +107,12 @@ def epsilon_from_rdp(rdp: Sequence[float], orders: Sequence[float], delta: float
         eps = r - (math.log(delta) + math.log(a)) / (a - 1) + math.log((a - 1) / a)
         best = min(best, (max(0.0, eps), a))
     return best
+
+
+@lru_cache(maxsize=256)
+def _epsilon_of(rdp: tuple[float, ...], orders: tuple[float, ...], delta: float) -> float:
+    """epsilon_from_rdp's epsilon, kept: a round asks for the same one up to three times."""
+    return epsilon_from_rdp(rdp, orders, delta)[0]
 
 
 @dataclass
@@ -119,13 +133,14 @@ class RdpAccountant:
         """Account for `steps` steps at this noise multiplier and sampling rate."""
         if steps < 0:
             raise ValueError(f"steps: must be >= 0, got {steps}")
-        for k, a in enumerate(self.orders):
-            self.rdp[k] += steps * rdp_subsampled_gaussian(sample_rate, noise_multiplier, a)
+        per_step = rdp_per_step(float(sample_rate), float(noise_multiplier), tuple(self.orders))
+        for k, r in enumerate(per_step):
+            self.rdp[k] += steps * r
         self.steps += steps
 
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at `delta`."""
-        return epsilon_from_rdp(self.rdp, self.orders, delta)[0]
+        return _epsilon_of(tuple(self.rdp), tuple(self.orders), delta)
 
     def epsilon_if(self, delta: float, *, noise_multiplier: float, sample_rate: float, steps: int) -> float:
         """Epsilon after `steps` more steps, nothing spent."""

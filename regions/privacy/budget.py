@@ -20,11 +20,11 @@ Accountant = RdpAccountant | PrvAccountant
 ACCOUNTANTS = ("prv", "rdp")
 
 
-def make_accountant(kind: str) -> Accountant:
-    """An empty accountant of privacy.dp.accountant's kind."""
+def make_accountant(kind: str, *, planned_steps: int = 0) -> Accountant:
+    """An empty accountant of privacy.dp.accountant's kind (PRV's discretised for `planned_steps`)."""
     if kind not in ACCOUNTANTS:
         raise ValueError(f"accountant: expected one of {ACCOUNTANTS}, got {kind!r}")
-    return PrvAccountant() if kind == "prv" else RdpAccountant()
+    return PrvAccountant(horizon=planned_steps) if kind == "prv" else RdpAccountant()
 
 
 def accountant_from_state(state: dict) -> Accountant:
@@ -50,7 +50,6 @@ class PrivacyBudget:
              smallest_shard: int, accountant: str = "rdp") -> PrivacyBudget:
         """The budget of a planned run; a null noise multiplier is the smallest that keeps `rounds`
         rounds of `steps_per_round` inner steps within `target_epsilon` by the `accountant` (rdp or prv)."""
-        empty = make_accountant(accountant)
         if mode not in ("record", "update"):
             raise ValueError(f"mode: expected record or update, got {mode!r}")
         if mode == "record":
@@ -59,6 +58,8 @@ class PrivacyBudget:
             rate, steps = batch_size / smallest_shard, rounds * steps_per_round
         else:
             rate, steps = 1.0, rounds
+        # PRV's discretised for the planned steps: the noise search's last one, reused by every round.
+        empty = make_accountant(accountant, planned_steps=steps)
         if noise_multiplier is None:
             if target_epsilon is None:
                 raise ValueError("noise_multiplier: needed when there is no target_epsilon")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .accountant import RdpAccountant, epsilon_after, noise_multiplier_for
+from .prv_compose import discretisation
 
 EPS_ERROR = 0.02  # the numerical composition's epsilon error: the reported epsilon is its upper bound
 Segment = tuple[float, float, int]  # (sample rate, noise multiplier, steps)
@@ -29,18 +30,10 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-@lru_cache(maxsize=32)
-def _prv_accountant(keys: tuple[tuple[float, float], ...], horizons: tuple[int, ...], delta_error: float):
-    """One discretisation for up to `horizons` steps of each (rate, noise): built once (about half a
-    second), then composed for any step count within them (a few FFTs, tens of ms)."""
-    try:
-        from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
-    except ImportError as exc:  # a dependency of geofed; missing only in a hand-made environment
-        raise ImportError("privacy.dp.accountant: prv needs the package prv-accountant (pip install "
-                          "'prv-accountant>=0.2,<0.3'), or set privacy.dp.accountant: rdp") from exc
-
-    prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=s) for q, s in keys]
-    return PRVAccountant(prvs=prvs, eps_error=EPS_ERROR, delta_error=delta_error, max_self_compositions=list(horizons))
+def _horizon(steps: int, planned: int) -> int:
+    """The steps a discretisation covers: the run's planned steps (one discretisation from the noise
+    search to the last round), else the power of two at or above (a few for a run past its plan)."""
+    return planned if steps <= planned else _pow2_at_least(steps)
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
@@ -67,8 +60,10 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 
 
 @lru_cache(maxsize=256)
-def prv_epsilon(segments: tuple[Segment, ...], delta: float) -> float:
-    """Epsilon after these steps (no RDP fallback: inf where the numerical composition fails)."""
+def prv_epsilon(segments: tuple[Segment, ...], delta: float, horizon: int = 0) -> float:
+    """Epsilon after these steps (no RDP fallback: inf where the numerical composition fails), from
+    a discretisation for `horizon` steps of each (rate, noise) where they are within it; kept, so a
+    round's check and its spend compute it once."""
     segments = tuple(s for s in segments if s[2] > 0 and s[0] > 0)
     if not segments:
         return 0.0
@@ -84,8 +79,8 @@ def prv_epsilon(segments: tuple[Segment, ...], delta: float) -> float:
     try:
         with warnings.catch_warnings(), _quiet_numpy():
             warnings.simplefilter("ignore")
-            acc = _prv_accountant(keys, tuple(_pow2_at_least(n) for n in steps), delta / 1000)
-            eps = float(acc.compute_epsilon(delta, steps)[2])
+            disc = discretisation(keys, tuple(_horizon(n, horizon) for n in steps), EPS_ERROR, delta / 1000)
+            eps = disc.epsilon(delta, steps)
     except (ValueError, ArithmeticError, RuntimeError, MemoryError):
         return math.inf
     return eps if math.isfinite(eps) and eps >= 0 else math.inf
@@ -104,6 +99,7 @@ class PrvAccountant:
 
     segments: list[list[float]] = field(default_factory=list)  # [rate, noise, steps], merged when equal
     rdp: RdpAccountant = field(default_factory=RdpAccountant)
+    horizon: int = 0  # the run's planned steps: its discretisation's (0: powers of two)
     kind = "prv"
 
     @property
@@ -121,7 +117,7 @@ class PrvAccountant:
         return tuple((float(q), float(s), int(n)) for q, s, n in self.segments)
 
     def epsilon(self, delta: float) -> float:
-        return min(prv_epsilon(self._key(), delta), self.rdp.epsilon(delta))
+        return min(prv_epsilon(self._key(), delta, self.horizon), self.rdp.epsilon(delta))
 
     def epsilon_if(self, delta: float, *, noise_multiplier: float, sample_rate: float, steps: int) -> float:
         """Epsilon after `steps` more steps, nothing spent."""
@@ -131,17 +127,18 @@ class PrvAccountant:
 
     def state(self) -> dict:
         return {"kind": "prv", "segments": [list(s) for s in self.segments], "rdp": self.rdp.state(),
-                "steps": self.steps}
+                "steps": self.steps, "horizon": self.horizon}
 
     @classmethod
     def from_state(cls, state: dict) -> PrvAccountant:
         return cls(segments=[[float(q), float(s), int(n)] for q, s, n in state["segments"]],
-                   rdp=RdpAccountant.from_state(state["rdp"]))
+                   rdp=RdpAccountant.from_state(state["rdp"]), horizon=int(state.get("horizon", 0)))
 
 
 def prv_epsilon_after(*, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
-    """Epsilon after `steps` steps at one noise multiplier and rate (the smaller of PRV and RDP)."""
-    acc = PrvAccountant()
+    """Epsilon after `steps` steps at one noise multiplier and rate (the smaller of PRV and RDP),
+    from a discretisation for exactly `steps` (the one a run planned for them reuses)."""
+    acc = PrvAccountant(horizon=steps)
     acc.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps)
     return acc.epsilon(delta)
 
