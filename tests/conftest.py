@@ -10,7 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The project's test mirror: the raw dataset files, served over a local HTTP server and fetched
 # with `geofed data`'s own code into a temporary cache ($GEOFED_DATA) for the whole session.
-DATASETS = ROOT.parent / "shared" / "datasets"
+# Beside the checkout (../shared/datasets), or wherever $GEOFED_TEST_DATASETS says.
+DATASETS = Path(os.environ.get("GEOFED_TEST_DATASETS") or ROOT.parent / "shared" / "datasets")
+NO_DATA = "needs the test datasets: no mirror at {} (set GEOFED_TEST_DATASETS)"
 FETCHED = ("cora", "citeseer", "tinyshakespeare")
 
 
@@ -36,7 +38,7 @@ def data_mirror():
     from support.httpmirror import MirrorServer
 
     if not DATASETS.is_dir():
-        pytest.skip(f"test mirror source not found at {DATASETS}")
+        pytest.skip(NO_DATA.format(DATASETS))
     with MirrorServer(DATASETS) as server:
         yield server
 
@@ -70,7 +72,7 @@ def _cached(name: str) -> Path:
 
     path = product_path(name)
     if not path.is_file():
-        pytest.skip(f"dataset {name} not in the test data cache (needs {DATASETS})")
+        pytest.skip(f"dataset {name} not in the test data cache; " + NO_DATA.format(DATASETS))
     return path
 
 
@@ -90,6 +92,20 @@ def tinyshakespeare_txt(data_cache) -> Path:
 def citeseer_npz(data_cache) -> Path:
     """CiteSeer's graph .npz, as `geofed data fetch citeseer` writes it."""
     return _cached("citeseer")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Without the test mirror (a checkout with no ../shared/datasets) and no datasets in the
+    user's cache, a test whose config names a dataset stops at the config's own check ("is not in
+    the data cache"): that is a skip naming what is missing, not a failure. With the mirror, as in
+    CI, nothing is changed."""
+    try:
+        return (yield)
+    except Exception as exc:
+        if not DATASETS.is_dir() and "is not in the data cache" in str(exc):
+            pytest.skip(NO_DATA.format(DATASETS))
+        raise
 
 
 def pytest_collection_modifyitems(config, items):

@@ -107,6 +107,7 @@ def test_dp_sections():
     assert _refused(BASE + "privacy: {dp: {eps: 1}}\n").key == "privacy.dp.eps"
 
 
+@pytest.mark.usefixtures("cora_npz")  # the graph config names cora, which the config checks first
 def test_dp_modes_refuse_what_they_cannot_protect():
     graph = "task: {kind: gcn-planetoid}\nnetwork: {emulation: {mode: none}}\n"
     err = _refused(graph + "privacy: {dp: {mode: record, noise_multiplier: 1.0}}\n")

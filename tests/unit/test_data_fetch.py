@@ -13,7 +13,9 @@ from geofed.regions.datasets import (ChecksumError, FetchError, FetchOptions, fe
                                      verify_dataset)
 from geofed.regions.datasets.download import fetch_file, sha256_of
 
-from conftest import DATASETS
+from conftest import DATASETS, NO_DATA
+
+needs_mirror = pytest.mark.skipif(not DATASETS.is_dir(), reason=NO_DATA.format(DATASETS))
 
 
 def _opts(server, **kw) -> FetchOptions:
@@ -39,6 +41,7 @@ def test_a_second_fetch_downloads_nothing(data_mirror, tmp_path):
     assert len(data_mirror.requests) == n
 
 
+@needs_mirror
 def test_a_mirror_with_bare_file_names_is_found(tmp_path):
     from support.httpmirror import MirrorServer
 
@@ -47,6 +50,7 @@ def test_a_mirror_with_bare_file_names_is_found(tmp_path):
     assert out.is_file()
 
 
+@needs_mirror
 def test_checksum_mismatch_is_refused_and_the_file_deleted(tmp_path):
     from support.httpmirror import MirrorServer
 
@@ -60,6 +64,7 @@ def test_checksum_mismatch_is_refused_and_the_file_deleted(tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither the file nor its .part is left
 
 
+@needs_mirror
 def test_a_truncated_download_resumes_with_a_range_request(tmp_path):
     from support.httpmirror import MirrorServer
 
