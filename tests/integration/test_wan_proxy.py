@@ -323,8 +323,9 @@ def test_four_region_preset_links_measure_within_10_percent():
         st = stats[f"{a}->{b}"]
         assert st["bytes"] == 1 + 8 + n + 1   # op, length, payload; and the receipt of b's transfer to a
         assert st["measured_goodput_mbps"] == pytest.approx(st["configured_bandwidth_mbps"], rel=0.10), f"{a}->{b}"
-        # Latency is a floor; above it, only the event loop's lateness (a few ms on a loaded machine).
-        assert st["configured_latency_ms"] <= st["measured_latency_ms"] <= st["configured_latency_ms"] + 10
+        # Latency is a floor; above it, only the event loop's lateness: a few ms on a loaded machine,
+        # 15 ms once (48.4 for 33.5) with the twelve bulk flows on a slower 2-core host (2026-12-03).
+        assert st["configured_latency_ms"] <= st["measured_latency_ms"] <= st["configured_latency_ms"] + 20
 
 
 def _vm_hwm_kib() -> int:
