@@ -21,6 +21,8 @@ from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.transport import Transport, TransportError
 
+from .link_probe import LinkProber
+
 log = logging.getLogger(__name__)
 PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
 
@@ -221,8 +223,6 @@ class Exchanger:
     def probe_links(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
         """Warm every connection to `peers` and measure it before the first round
         (regions/link_probe.py); returns the probes as transfer records."""
-        from .link_probe import LinkProber
-
         return LinkProber(self).run(peers, duration_s=duration_s, max_bytes=max_bytes)
 
     def _stalled_ended(self, peer: str, round_: int, fut: Future, concurrent: int) -> None:
