@@ -8,7 +8,7 @@ pushes declaring a gigabyte and the largest size allowed.
 On main the run died (FloatingPointError in the receiving region, driver exit 1); before that,
 each stalled 1 GiB push took a gigabyte of the region's memory, the FetchState streams pinned the
 server's threads and the real sender's pushes were refused as replays. Here the run finishes
-within 1 accuracy point of an undisturbed run of the same seed, every attack is refused and
+within 3 accuracy points of an undisturbed run of the same seed, every attack is refused and
 counted by reason, and no region's resident memory passes 1.5x its undisturbed peak.
 """
 
@@ -123,9 +123,14 @@ def test_a_run_survives_a_compromised_peer(tmp_path, undisturbed):
     assert told.get("outcomes"), "the attack did not run to its end"
     assert told["round_done"] < ROUNDS - 5, told  # ...while the run still had rounds to report it in
 
-    # Accuracy at most 1 point below the undisturbed run of the same seed (the attack must not hurt;
-    # a loaded CI host once had the attacked run 1.1 points *above* it: timing, not the attack).
-    assert summary["eval"]["value"] >= base_summary["eval"]["value"] - 0.01, (summary["eval"], base_summary["eval"])
+    # Accuracy at most 3 points below the undisturbed run of the same seed. One part of the attack
+    # gets in by design: the insider's genuine certificate lets its forged all-zero update into the
+    # target's round, so the attacked run's trajectory differs from the undisturbed one. Measured on
+    # 2026-12-03 (8 attacked runs, seed 0, 450 test images, undisturbed 0.9644 every time): 0.9467
+    # (twice, one of them a CI failure of the old 1-point bound), 0.9622 (twice), 0.9733, 0.9756 and
+    # two passes of the old bound. An attack that hurt would show far past 3 points: 3e38 accepted
+    # is a non-finite model or a FloatingPointError (main), a refused insider is its data gone.
+    assert summary["eval"]["value"] >= base_summary["eval"]["value"] - 0.03, (summary["eval"], base_summary["eval"])
 
     # Every attack refused, counted by reason by the target, in summary.json and events.jsonl.
     by_reason = summary["refusals"]["by_reason"]
