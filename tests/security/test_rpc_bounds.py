@@ -80,15 +80,19 @@ def test_a_fetch_state_flood_from_one_certificate_pins_one_thread_and_nobody_is_
     atk = HostilePeer(address, tls_dir=pki.directory, as_region="r2", target="r0")
     rss_before = _rss_mb()
     outcomes: list[str] = []
-    flood = threading.Thread(target=lambda: outcomes.extend(atk.fetch_flood(70, hold_s=4.0)))
+    flood = threading.Thread(target=lambda: outcomes.extend(atk.fetch_flood(70, hold_s=8.0)))
     flood.start()
+    # `outcomes` is a Counter: its total, not its len (the distinct outcomes), counts the streams
+    # (the len never reached 70, so this waited its full 30 s and the rounds below ran after the hold).
     deadline = time.monotonic() + 30
-    while len(atk.outcomes) < 70 and time.monotonic() < deadline:
+    while sum(atk.outcomes.values()) < 70 and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert sum(atk.outcomes.values()) == 70 and flood.is_alive(), atk.outcomes  # every stream open or refused, still held
     # While the flood holds its streams, honest rounds run (on main: "Concurrent RPC limit exceeded").
     for r in range(3):
         _honest_round(ts, r)
     assert r0.stats()["open_calls"].get("FetchState", 0) <= 1
+    assert flood.is_alive(), "the honest rounds must run while the flood holds its stream"
     rss_flood = _rss_mb() - rss_before
     flood.join(60)
     atk.close()
