@@ -21,7 +21,11 @@ Tried and left out (2026-12-03, the shaped 4-node test, 2 interleaved pairs): 3 
 warm, and probing every peer again at `duration_s` x its rate when the measuring probe was
 exposed under half of `duration_s`. Both arms read 0.95-1.06 of the true rate on a quiet host
 and 0.55-0.59 on a host too busy to carry the links (plain TCP bulk flows read 6-14 Mbit/s of
-16.1), and the extra phases cost 0.28 s of set-up.
+16.1), and the extra phases cost 0.28 s of set-up. Also tried (2026-12-03 evening, 15 runs,
+docs/bench-cluster.md): a settling probe of 1-2x `duration_s` at the warm rate replacing the
+reading, and a 4 MiB `grpc.http2.lookahead_bytes`. Neither held 10%: a probe's rate swings with
+gRPC's HTTP/2 flow-control window of the moment (907 KB probes ran at ~8 Mbit/s per flow, a
+64-85 KiB window per RTT, right after 280 KB ones at ~14), so a longer probe samples another window.
 
 After each measuring phase, concurrent probes of one egress are evened out (`even_out_shares`).
 A peer that fails is left to the rounds (logged).
