@@ -148,3 +148,29 @@ def test_concurrent_probes_of_one_egress_read_as_even_shares_and_other_paths_as_
         assert apart == {"b": 5e6, "c": 21e6, "d": 22e6}
     finally:
         ex.close()
+
+
+def test_concurrent_probes_that_started_apart_share_the_egress_over_their_whole_span():
+    from geofed.p2p.deadline import AdaptiveDeadline
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.exchange import Exchanger
+    from geofed.regions.link_probe import LinkProber
+
+    ex = Exchanger(InMemoryTransport("a", InMemoryHub()), error_feedback=False,
+                   deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0), send_timeout_s=5.0)
+    try:
+        # A 48 Mbit/s egress, three 1 MB probes started 0, 50 and 100 ms apart, all ending with the
+        # egress's last bit at 0.5 s (+ the 80 ms RTT for the ack): each one's own time undercounts
+        # the egress's (0.42 s for the last one out), the span does not.
+        prober, done = LinkProber(ex), {}
+        for i, peer in enumerate("bcd"):
+            est = ex.estimator(peer)
+            est.observe_rtt(0.08)
+            start, end = 0.05 * i, 0.58 - 0.01 * (2 - i)
+            est.set_bandwidth(8e6 / (end - start - 0.08))
+            done[peer] = SimpleNamespace(bytes=1_000_000, seconds=end - start)
+            prober._spans[peer] = (100.0 + start, 100.0 + end)
+        prober.even_out_shares(done)
+        assert all(ex.estimator(p).bandwidth_bps == pytest.approx(16e6, rel=1e-3) for p in "bcd")
+    finally:
+        ex.close()

@@ -244,3 +244,15 @@ def test_H_wanted_follows_the_codec_a_link_keeps_not_the_one_it_could_move_to():
     D_topk = by_hand_D(between["r0->r1"], "topk")
     assert d.details["H_wanted"] == max(10, math.ceil(D_topk / 0.01 - 1e-9)), d.reason
     assert d.H < 100
+
+
+def test_the_first_measured_decision_leaves_initial_H_even_inside_the_band():
+    # initial_H is a guess: the band keeps a measured H from flapping, not a guess from being corrected.
+    p = policy(hysteresis=0.25, hold_rounds=3, initial_H=100)
+    want = policy(hysteresis=0.0, hold_rounds=0, initial_H=100).decide(meas(1, mesh(300e6))).H
+    assert 0.75 * 100 < want < 100 or 100 < want < 1.25 * 100, "the links must want an H inside the band"
+    d = p.decide(meas(1, mesh(300e6)))
+    assert d.H == want and d.details["event"] == "changed"
+    # from then on the band holds: a small change of the links leaves H alone
+    d = p.decide(meas(5, mesh(280e6)))
+    assert d.H == want and d.details["event"] in ("held-band", "steady")
