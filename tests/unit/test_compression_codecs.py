@@ -40,7 +40,7 @@ def _chunks(x, chunk):
 
 
 def test_registry_is_closed_and_complete():
-    assert codec_names() == ["bf16", "fp16", "identity", "int4", "int8", "powersgd", "randomk", "sign", "sparseloco", "topk"]
+    assert codec_names() == ["bf16", "fp16", "identity", "int3", "int4", "int8", "powersgd", "randomk", "sign", "sparseloco", "topk"]
 
 
 def test_identity_is_exact_for_mixed_shapes_and_dtypes():
@@ -70,8 +70,8 @@ def test_fp16_saturates_instead_of_sending_inf():
     assert got.tolist() == [65504.0, 0.0, -2.0]
 
 
-@pytest.mark.parametrize("kind,levels", [("int8", 127), ("int4", 7)])
-@pytest.mark.parametrize("n,chunk", [(10_001, 1024), (4096, 4096), (7, 2), (300, 1000)])
+@pytest.mark.parametrize("kind,levels", [("int8", 127), ("int4", 7), ("int3", 3)])
+@pytest.mark.parametrize("n,chunk", [(10_001, 1024), (4096, 4096), (7, 8), (300, 1000)])
 def test_chunked_quantizers_err_at_most_half_a_step(kind, levels, n, chunk):
     x = _randn(n) * torch.linspace(0.01, 10, n)  # chunks of very different scales
     _, (got,) = _roundtrip({"kind": kind, "chunk": chunk}, [x])
@@ -81,13 +81,13 @@ def test_chunked_quantizers_err_at_most_half_a_step(kind, levels, n, chunk):
         assert gc.unique().numel() <= 2 * levels + 1
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int3"])
 def test_stochastic_rounding_is_unbiased_within_one_step(kind):
     x = _randn(512)
     state = CodecState(error_feedback=False, seed=3)
     spec = {"kind": kind, "chunk": 512, "stochastic": True}
     decs = torch.stack([_roundtrip(spec, [x], state)[1][0] for _ in range(400)])
-    step = x.abs().max() / (127 if kind == "int8" else 7)
+    step = x.abs().max() / {"int8": 127, "int4": 7, "int3": 3}[kind]
     assert ((decs - x).abs() <= step * (1 + 1e-5)).all()
     # the mean of 400 draws sits within 4 standard errors (step/2/sqrt(400)) of x
     assert (decs.mean(0) - x).abs().max() <= 4 * step / 2 / 20
@@ -179,7 +179,7 @@ def test_powersgd_warm_start_approaches_the_best_rank_r_error():
     assert errs[0] > errs[-1]
 
 
-@pytest.mark.parametrize("spec,ratio", [("int8", 3.9), ("int4", 7.5), ("sign", 30), ({"kind": "topk", "fraction": 0.01}, 60),
+@pytest.mark.parametrize("spec,ratio", [("int8", 3.9), ("int4", 7.5), ("int3", 10.0), ("sign", 30), ({"kind": "topk", "fraction": 0.01}, 60),
                                         ({"kind": "topk", "fraction": 0.01, "inner": "int8"}, 100),
                                         ({"kind": "randomk", "fraction": 0.01}, 150), ("fp16", 1.99),
                                         ({"kind": "sparseloco", "fraction": 0.01}, 200)])
@@ -220,6 +220,7 @@ def test_spec_round_trips_and_names():
     ({"kind": "int8", "chunk": 64.0}, "chunk: must be an integer"),
     ({"kind": "int8", "stochastic": "yes"}, "stochastic: must be true or false"),
     ({"kind": "int4", "chunk": 7}, "chunk: must be even"),
+    ({"kind": "int3", "chunk": 12}, "chunk: must be a multiple of 8"),
     ({"kind": "int8", "chunks": 64}, "chunks: unknown parameter of codec 'int8' (known: chunk, stochastic)"),
     ({"kind": "powersgd", "rank": 0}, "rank: must be in [1, 64]"),
     ({"kind": "powersgd", "rank": 65}, "rank: must be in [1, 64]"),
@@ -272,7 +273,7 @@ def test_inspect_update_reads_the_header():
 
 
 # ---- properties over shapes, dtypes and sizes (0, 1, odd) ------------------------------
-SPECS = ["identity", "fp16", "bf16", "int8", "int4", "sign", {"kind": "int8", "chunk": 3},
+SPECS = ["identity", "fp16", "bf16", "int8", "int4", "int3", {"kind": "int3", "chunk": 8, "stochastic": True}, "sign", {"kind": "int8", "chunk": 3},
          {"kind": "int4", "chunk": 2, "stochastic": True}, {"kind": "sign", "chunk": 5},
          {"kind": "topk", "fraction": 0.3}, {"kind": "topk", "fraction": 1.0, "inner": "int4"},
          {"kind": "randomk", "fraction": 0.5}, {"kind": "powersgd", "rank": 1}, {"kind": "powersgd", "rank": 3},
@@ -327,7 +328,7 @@ def test_codec_encode_and_decode_methods_check_the_codec():
         fp16.decode(payload, max_bytes=MAX)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", {"kind": "int8", "stochastic": True}, "sign",
+@pytest.mark.parametrize("spec", ["int8", "int4", "int3", {"kind": "int8", "stochastic": True}, "sign",
                                   {"kind": "topk", "fraction": 1.0, "inner": "int4"}])
 def test_tiny_and_subnormal_values_never_decode_to_garbage(spec):
     x = torch.tensor([1e-38, -1e-39, 0.0, 3e-39, 1e-45, 2.0 ** -99])
@@ -337,7 +338,7 @@ def test_tiny_and_subnormal_values_never_decode_to_garbage(spec):
 
 def test_huge_values_either_encode_finite_or_fail_loudly_at_the_sender():
     x = torch.full((64, 64), 3e37)
-    for spec in ["identity", "fp16", "bf16", "int8", "int4", "topk"]:
+    for spec in ["identity", "fp16", "bf16", "int8", "int4", "int3", "topk"]:
         _, (got,) = _roundtrip(spec, [x])
         assert torch.isfinite(got).all()
     with pytest.raises(CodecError, match="powersgd: tensor 0 overflows fp32"):

@@ -120,7 +120,7 @@ def test_building_a_spec_directly_validates_and_fills_in_the_defaults():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_keep_the_keys_their_runs_already_show(path):
     # rounds.jsonl / summary.json of existing run directories name these codecs this way.
-    known = {"fp16", "int8", "int4", "topk(fraction=0.05,inner=int8)", "topk(fraction=0.01,inner=int8)"}
+    known = {"fp16", "int8", "int4", "int3", "topk(fraction=0.05,inner=int8)", "topk(fraction=0.01,inner=int8)"}
     c = yaml.safe_load(path.read_text()).get("compression", {})
     for spelling in [c.get("codec", "fp16"), *c.get("ladder", [])]:
         assert spec_key(spelling) in known

@@ -34,6 +34,7 @@ BASES = [
     ({"kind": "randomk", "fraction": 0.25}, [(64,)]),
     ({"kind": "powersgd", "rank": 2}, [(20, 30), (30,)]),
     ({"kind": "sparseloco", "fraction": 0.1, "chunk": 64}, [(200,), (3, 7)]),  # 3 full chunks and a tail
+    ({"kind": "int3", "chunk": 16}, [(21,), (2, 5)]),  # 31 values: three full groups of 8 and a tail
 ]
 
 
