@@ -242,24 +242,19 @@ class Int3(_ChunkedQuant):
         packed, scales = out
         inv = _scales(x, self.chunk, self.levels, scales)
         cap = _nchunks(min(x.numel(), max(1, _BLOCK // self.chunk) * self.chunk), 8) * 8
-        u8 = torch.empty(cap, dtype=torch.uint8)
-        w32 = torch.empty(cap // 8, dtype=torch.int32)
-        t32 = torch.empty(cap // 8, dtype=torch.int32)
+        codes = torch.empty(cap)
+        word = torch.empty(cap // 8)
         for start, t in _quantized_blocks(x, self.chunk, inv, self.levels, self._generator(state)):
             m = t.numel()
             groups = _nchunks(m, 8)
-            # -3..3 as int8 then + 4 as bytes (see Int4); code 4 decodes to 0 and pads the tail
-            u = u8[: groups * 8]
-            u[:m].view(torch.int8).copy_(t)
-            u[:m].add_(4)
-            u[m:] = 4
-            # Eight 3-bit codes into the low 24 bits of one int32, first value lowest; its three
-            # low bytes (little-endian) go on the wire.
-            g = u.view(groups, 8)
-            w = w32[:groups]
-            w.copy_(g[:, 0])
-            for i in range(1, 8):
-                w.bitwise_or_(torch.bitwise_left_shift(t32[:groups].copy_(g[:, i]), 3 * i))
+            # Codes 1..7 (level + 4; 4 also pads the tail) as floats, eight to a row, times
+            # 8^0..8^7: each row's sum is its 24-bit word, exact in fp32 (every partial sum is an
+            # integer below 2^24). One matrix-vector product ran 2x faster than eight shift-ors.
+            c = codes[: groups * 8]
+            torch.add(t, 4, out=c[:m])
+            c[m:] = 4
+            w = torch.mv(c.view(groups, 8), _INT3_WEIGHTS, out=word[:groups]).to(torch.int32)
+            # the word's three low bytes (little-endian), first value lowest
             packed[3 * (start // 8): 3 * (start // 8 + groups)].view(groups, 3).copy_(w.view(torch.uint8).view(groups, 4)[:, :3])
 
     def decode_into(self, sections, shapes, out) -> None:
@@ -271,13 +266,16 @@ class Int3(_ChunkedQuant):
             groups = _nchunks(e - s, 8)
             wb = w32[:groups]
             wb[:, :3].copy_(packed[3 * (s // 8): 3 * (s // 8 + groups)].view(groups, 3))
-            w = wb.view(torch.int32).view(groups)
-            c = codes[:groups]
-            for i in range(8):
-                torch.bitwise_right_shift(w, 3 * i, out=c[:, i]).bitwise_and_(7)
+            w = wb.view(torch.int32)  # (groups, 1): the fourth byte stays 0
+            # one broadcast shift by 0, 3, ..., 21: 2x faster than eight strided shifts
+            c = torch.bitwise_right_shift(w, _INT3_SHIFTS, out=codes[:groups]).bitwise_and_(7)
             o = out[s:e]
             o.copy_(c.view(-1)[: e - s]).sub_(4)
             _scale_rows(o, scales, s, self.chunk)
+
+
+_INT3_WEIGHTS = torch.tensor([8.0 ** i for i in range(8)])
+_INT3_SHIFTS = torch.arange(0, 24, 3, dtype=torch.int32)
 
 
 @register
