@@ -103,9 +103,16 @@ def _scales(x: torch.Tensor, chunk: int, levels: int, scales_out: torch.Tensor) 
 class _ChunkedQuant(Codec):
     chunk: int
     levels: ClassVar[int]
+    per_pack: ClassVar[int] = 1   # values packed together: chunks hold whole packs
 
-    def _chunk_check(self) -> None:
+    def __post_init__(self):
         check_int("chunk", self.chunk, 1, 1 << 24)
+        if self.chunk % self.per_pack:
+            raise ValueError(f"chunk: {self._pack_rule}, got {self.chunk}")
+
+    @property
+    def contractive(self) -> bool:
+        return not getattr(self, "stochastic", False)
 
     def _generator(self, state: CodecState) -> torch.Generator | None:
         return state.generator if getattr(self, "stochastic", False) else None
@@ -123,13 +130,6 @@ class Int8(_ChunkedQuant):
     levels: ClassVar[int] = 127
     chunk: int = 4096
     stochastic: bool = False
-
-    def __post_init__(self):
-        self._chunk_check()
-
-    @property
-    def contractive(self) -> bool:
-        return not self.stochastic
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -157,17 +157,10 @@ class Int4(_ChunkedQuant):
 
     kind: ClassVar[str] = "int4"
     levels: ClassVar[int] = 7
+    per_pack: ClassVar[int] = 2
+    _pack_rule: ClassVar[str] = "must be even for int4 (two values per byte)"
     chunk: int = 1024
     stochastic: bool = False
-
-    def __post_init__(self):
-        self._chunk_check()
-        if self.chunk % 2:
-            raise ValueError(f"chunk: must be even for int4 (two values per byte), got {self.chunk}")
-
-    @property
-    def contractive(self) -> bool:
-        return not self.stochastic
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -222,17 +215,10 @@ class Int3(_ChunkedQuant):
 
     kind: ClassVar[str] = "int3"
     levels: ClassVar[int] = 3
+    per_pack: ClassVar[int] = 8
+    _pack_rule: ClassVar[str] = "must be a multiple of 8 for int3 (eight values per three bytes)"
     chunk: int = 256
     stochastic: bool = False
-
-    def __post_init__(self):
-        self._chunk_check()
-        if self.chunk % 8:
-            raise ValueError(f"chunk: must be a multiple of 8 for int3 (eight values per three bytes), got {self.chunk}")
-
-    @property
-    def contractive(self) -> bool:
-        return not self.stochastic
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
