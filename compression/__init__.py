@@ -16,6 +16,7 @@ from . import powersgd as _powersgd  # noqa: F401
 from . import quant as _quant  # noqa: F401
 from . import sparse as _sparse  # noqa: F401
 from . import sparseloco as _sparseloco  # noqa: F401
+from . import ternary as _ternary  # noqa: F401
 from .base import Codec, CodecError, Section, codec_names, make_codec
 from .spec import CodecSpec, spec_key
 from .state import CodecState

@@ -22,7 +22,7 @@ import torch
 from . import CodecState, decode_update, encode_update, make_codec
 
 DEFAULT_CODECS: list[Any] = [
-    "identity", "fp16", "bf16", "int8", "int4", "int3", "sign",
+    "identity", "fp16", "bf16", "int8", "int4", "int3", "ternary", "sign",
     {"kind": "topk", "fraction": 0.01},
     {"kind": "topk", "fraction": 0.01, "inner": "int8"},
     {"kind": "randomk", "fraction": 0.01},
@@ -30,8 +30,8 @@ DEFAULT_CODECS: list[Any] = [
     {"kind": "sparseloco", "fraction": 0.01},
 ]
 TARGET_NUMEL = 25_000_000  # the speed targets are stated for 25M floats
-FAST_KINDS = {"fp16", "bf16", "int8", "int4", "int3", "sign"}
-RATIO_TARGETS = {"int8": 3.9, "int4": 7.5, "int3": 10.0, "sign": 30.0}
+FAST_KINDS = {"fp16", "bf16", "int8", "int4", "int3", "ternary", "sign"}
+RATIO_TARGETS = {"int8": 3.9, "int4": 7.5, "int3": 10.0, "ternary": 19.0, "sign": 30.0}
 
 
 def _timed(fn: Callable[[], Any]) -> float:

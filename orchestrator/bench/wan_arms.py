@@ -12,7 +12,14 @@ few keys changed, so arms differ only in how they synchronise:
   (``sync.overlap: eager``), ``adaptive-frag-eager`` (and ``sync.fragments``: one fragment of the
   model a round, Streaming DiLoCo), ``adaptive-frag-eager-spread`` (and ``sync.spread_sends``:
   each fragment's push paced over most of the next round) and ``adaptive-frag-eager-sparseloco``
-  (fragments and the sparseloco codec: a ladder of sparseloco fractions in place of int4 and top-k).
+  (fragments and the sparseloco codec: a ladder of sparseloco fractions in place of int3 and top-k) and
+  ``adaptive-frag-eager-ternary`` (fragments and the ternary codec: 1.6 bits a value, ~19.6x, first in
+  the ladder).
+
+With ``target_on="eval"`` (steady) every arm evaluates its synchronised model as it trains (per-step
+sync every ``eval_stride`` steps, the others every round) and at per-step sync's step count
+(``run.eval_at_steps``): time and bytes to target and the loss at equal examples are held-out losses of
+the model a user would get, not the train loss of a region's replica in the middle of a round.
 
 Every arm runs the same number of inner steps (``run.max_steps``) on the same data and seed.
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..config import RunConfig, config_from_mapping, default_config_path
 from ..config.strict import parse_yaml_file
@@ -48,11 +55,14 @@ class Scenario:
     allreduce_steps: int | None = None   # None: max_steps
     regions: tuple[str, ...] | None = None  # None: the base config's
     overrides: tuple[str, ...] = ()  # --set style KEY=VALUE applied to every arm
-    frontier: bool = False           # also the eager, fragments and sparseloco arms (issue 21)
-    fragments: int = 3               # sync.fragments of the fragment arms (char-lm's GRU: 3 is the most that helps)
+    frontier: bool = False           # also the eager, fragments, sparseloco and ternary arms (issue 21)
+    fragments: int = 4               # sync.fragments of the fragment arms (docs/bench-wan.md: 4 beat 3, 6 and 8)
+    target_on: Literal["eval", "train"] = "train"  # the target is on the held-out loss of the synced model, or on train loss
+    eval_stride: int = 10            # target_on eval: per-step sync evaluates every this many steps
     spread: float = 0.9              # sync.spread_sends of the spread arm: a push over 90% of the next round
     sparse_ladder: tuple[str, ...] = ("sparseloco(fraction=0.05)", "sparseloco(fraction=0.02)",
                                       "sparseloco(fraction=0.01)")
+    ternary_ladder: tuple[str, ...] = ("ternary", "sparseloco(fraction=0.05)", "sparseloco(fraction=0.01)")
 
     def __post_init__(self):
         if self.name not in ("steady", "drop"):
@@ -69,6 +79,13 @@ class Scenario:
             raise ValueError(f"target_loss: must be > 0, got {self.target_loss}")
         if self.max_steps < 1 or any(h < 1 for h in self.fixed_H):
             raise ValueError("max_steps: max_steps and every fixed H must be >= 1")
+        if self.target_on not in ("eval", "train") or self.eval_stride < 1:
+            raise ValueError(f"target_on: eval or train (eval_stride >= 1), got {self.target_on!r}, {self.eval_stride}")
+
+    @property
+    def baseline_steps(self) -> int | None:
+        """Per-step sync's step count (equal examples for every arm), None without a per-step arm."""
+        return (self.allreduce_steps or self.max_steps) if self.allreduce else None
 
     @property
     def link_mbps(self) -> float:
@@ -86,21 +103,21 @@ class Arm:
     cfg: RunConfig = field(repr=False)
 
 
-# The full bench (docs/bench-wan.md): char-lm, about 14 minutes for steady, 6 for drop on 2 shared cores.
-# steady's 1.25 Mbit/s makes a per-step sync ~53 compute steps long here, still under the ~90 of a GPU
-# per region at the unscaled 50 Mbit/s (so the bench stays conservative for per-step sync). drop runs
-# 0.5 Mbit/s so that the 10x drop makes the int4 sync (1.8 s) outlast a round of 100 steps of this
-# small model; from 5 Mbit/s it would fall to 0.5 and still hide.
+# The full bench (docs/bench-wan.md): char-lm, about 17 minutes a repetition for steady, 6 for drop on 2
+# shared cores. steady's 1.25 Mbit/s makes a per-step sync ~50 compute steps long here, still under the ~90
+# of a GPU per region at the unscaled 50 Mbit/s (so the bench stays conservative for per-step sync). Its
+# target is the held-out loss 1.72 nats, which per-step sync reaches after ~500 steps. drop runs 0.5
+# Mbit/s so that the 10x drop makes the int3 sync outlast a round of 100 steps of this small model.
 SCENARIOS = {
-    "steady": Scenario(name="steady", bandwidth_scale=0.025, target_loss=1.8, max_steps=3000, allreduce_steps=800,
-                       fixed_H=(50, 100, 200, 400), frontier=True),
+    "steady": Scenario(name="steady", bandwidth_scale=0.025, target_loss=1.72, max_steps=1500, allreduce_steps=800,
+                       fixed_H=(50, 100, 200), frontier=True, target_on="eval"),
     "drop": Scenario(name="drop", bandwidth_scale=0.01, drop_at_s=5.0, target_loss=1.75, max_steps=3000,
                      fixed_H=(50, 100, 200, 400), allreduce=False),
 }
 # --quick: the same shape, smaller (a few minutes).
 QUICK = {
-    "steady": Scenario(name="steady", bandwidth_scale=0.1, target_loss=2.2, max_steps=1000, allreduce_steps=300,
-                       fixed_H=(100,), frontier=True),
+    "steady": Scenario(name="steady", bandwidth_scale=0.1, target_loss=1.85, max_steps=800, allreduce_steps=400,
+                       fixed_H=(100,), frontier=True, target_on="eval"),
     "drop": Scenario(name="drop", bandwidth_scale=0.01, drop_at_s=3.0, target_loss=2.0, max_steps=1500,
                      fixed_H=(50, 200), allreduce=False),
 }
@@ -119,9 +136,10 @@ def build_arms(scenario: Scenario, base: dict[str, Any] | None = None) -> list[A
     arms = []
     if scenario.allreduce:
         steps = scenario.allreduce_steps or scenario.max_steps
+        evals = [f"run.eval_every={scenario.eval_stride}", "run.eval_at_steps=[]"] if scenario.target_on == "eval" else []
         arms.append(Arm(name="allreduce", kind="allreduce", H=1, cfg=_config(base, scenario, [
             "sync.algorithm=allreduce", "compression.codec=identity", "compression.error_feedback=false",
-            "compression.ladder=[]", "sync.overlap=false", f"run.rounds={steps}", f"run.max_steps={steps}"])))
+            "compression.ladder=[]", "sync.overlap=false", f"run.rounds={steps}", f"run.max_steps={steps}", *evals])))
     for h in scenario.fixed_H:
         arms.append(Arm(name=f"fixed-H{h}", kind="fixed", H=h, cfg=_config(base, scenario, [
             f"sync.policy={{kind: fixed, H: {h}}}", f"run.rounds={math.ceil(scenario.max_steps / h) + 1}"])))
@@ -138,15 +156,20 @@ def frontier_arms(base: dict[str, Any], sc: Scenario) -> list[Arm]:
     ladder = ", ".join(sc.sparse_ladder)
     spread = [*frag, f"sync.spread_sends={sc.spread}"]
     sparse = [*frag, f"compression.codec={sc.sparse_ladder[0]}", f"compression.ladder=[{ladder}]"]
+    ternary = [*frag, f"compression.codec={sc.ternary_ladder[0]}", f"compression.ladder=[{', '.join(sc.ternary_ladder)}]"]
     return [Arm(name=name, kind="adaptive", H=None, cfg=_config(base, sc, keys)) for name, keys in
             (("adaptive-eager", eager), ("adaptive-frag-eager", frag), ("adaptive-frag-eager-spread", spread),
-             ("adaptive-frag-eager-sparseloco", sparse))]
+             ("adaptive-frag-eager-sparseloco", sparse), ("adaptive-frag-eager-ternary", ternary))]
 
 
 def _apply_scenario(base: dict[str, Any], sc: Scenario) -> None:
     run = base.setdefault("run", {})
     run.update({"max_steps": sc.max_steps, "rounds": max(int(run.get("rounds", 0) or 0), sc.max_steps),
                 "report": False, "checkpoint_every": 0})
+    if sc.target_on == "eval":  # every round's synchronised model, and per-step sync's step count for all
+        run["eval_every"] = 1
+        if sc.baseline_steps is not None and sc.baseline_steps < sc.max_steps:
+            run["eval_at_steps"] = [sc.baseline_steps]
     if sc.regions is not None:
         base.setdefault("regions", {})["names"] = list(sc.regions)
     em = base.setdefault("network", {}).setdefault("emulation", {})

@@ -1,10 +1,13 @@
 """What `geofed bench wan` reports about each arm, read back from its run directory.
 
 Times count from the start of round 0 on the run's clock (Ray start-up and connecting are left
-out, as in the comparison report); time and bytes to target are those of the first round whose
-mean train loss is at or below the target (report.facts.to_target, so the bench's table and the
-comparison report agree). In overlap mode a round's bytes are those of the exchange that
-completed in it (the previous round's), and the run's last round also flushes its own.
+out, as in the comparison report). Time and bytes to target are, with ``target_on="eval"``, those
+of the first evaluation of the synchronised model whose held-out loss is at or below the target
+(`eval_to_target`: the model a user gets, when it existed, and the bytes of every exchange up to
+its round); with ``target_on="train"`` those of the first round whose mean train loss is at or
+below it (report.facts.to_target, the comparison report's definition). In overlap mode a round's
+bytes are those of the exchange that completed in it (the previous round's), and the run's last
+round also flushes its own.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..report.facts import to_target, training_start
-from ..report.load import load_run
+from ..report.facts import ToTarget, to_target, training_start
+from ..report.load import Run, load_run
 
 FINAL_FRACTION = 0.1  # final loss: step-weighted mean train loss over the last 10% of steps
 
@@ -43,13 +46,14 @@ class ArmResult:
     drop_at_s: float | None       # the drop on this run's clock (drop scenario)
     run_dir: str
     peak_to_mean: float | None = None  # summary.json's busiest link: bytes per 1 s window, peak over mean
+    eval_at_baseline_steps: float | None = None  # the synchronised model's held-out metric at the allreduce arm's steps
 
     def doc(self) -> dict[str, Any]:
         """The arm's entry of the issue's --json document."""
         return {"name": self.name, "H": self.H, "time_to_target_s": _r(self.time_to_target_s),
                 "bytes_to_target": None if self.bytes_to_target is None else int(self.bytes_to_target),
                 "final_loss": _r(self.final_loss, 6), "eval": _r(self.eval, 4), "utilization": _r(self.utilization, 4),
-                "peak_to_mean": _r(self.peak_to_mean, 3)}
+                "peak_to_mean": _r(self.peak_to_mean, 3), "eval_at_baseline_steps": _r(self.eval_at_baseline_steps, 4)}
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -57,13 +61,14 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 
 
 def measure(run_dir: Path, *, name: str, kind: str, H: int | None, target_loss: float,
-            drop_at_s: float | None = None, baseline_steps: int | None = None) -> ArmResult:
-    """Read an arm's run directory back into an ArmResult (time to `target_loss` from round 0;
-    `baseline_steps`: also the loss at the allreduce arm's step count).
+            drop_at_s: float | None = None, baseline_steps: int | None = None, target_on: str = "train") -> ArmResult:
+    """Read an arm's run directory back into an ArmResult (time to `target_loss` from round 0, on the
+    held-out loss of the synchronised model with ``target_on="eval"``, else on the mean train loss;
+    `baseline_steps`: also the losses at the allreduce arm's step count).
     """
     run = load_run(run_dir)
     t0 = training_start(run)
-    reached = to_target(run, target_loss)
+    reached = eval_to_target(run, target_loss) if target_on == "eval" else to_target(run, target_loss)
     rounds = [r for r in run.rounds if r.t_start is not None and r.t_end is not None and r.H is not None]
     H_rounds = [(r.t_start - t0, r.t_end - t0, int(r.H)) for r in rounds]
     if H is None and H_rounds:
@@ -78,7 +83,44 @@ def measure(run_dir: Path, *, name: str, kind: str, H: int | None, target_loss: 
         utilization_training=training_utilization(run.metrics),
         steps=sum(h for _, _, h in H_rounds), wall_s=wall,
         loss_at_baseline_steps=None if baseline_steps is None else final_loss(run, baseline_steps), bytes_sent=float(s.get("bytes_sent", 0.0)),
-        drop_at_s=drop_at_s, run_dir=str(run_dir), peak_to_mean=(s.get("peak_to_mean") or {}).get("ratio"))
+        drop_at_s=drop_at_s, run_dir=str(run_dir), peak_to_mean=(s.get("peak_to_mean") or {}).get("ratio"),
+        eval_at_baseline_steps=None if baseline_steps is None else eval_at_steps(run, baseline_steps))
+
+
+def _steps_by_round(run: Run) -> dict[int, int]:
+    """Inner steps per region by the end of each round."""
+    out, done = {}, 0
+    for r in run.rounds:
+        done += int(r.H or 0)
+        out[r.round] = done
+    return out
+
+
+def eval_at_steps(run: Run, steps: int) -> float | None:
+    """The held-out metric of the synchronised model of the round that ended at exactly `steps` inner
+    steps (run.eval_at_steps makes one), else None."""
+    at = _steps_by_round(run)
+    return next((r.eval_value for r in run.rounds if r.eval_value is not None and r.eval_round is not None
+                 and at.get(r.eval_round) == steps), None)
+
+
+def _exchange_round(m: dict[str, Any]) -> int:
+    """The round whose exchange a region's metrics record reports (overlap: the previous one)."""
+    er = m.get("exchange_round", m["round"])
+    return m["round"] if er is None else int(er)
+
+
+def eval_to_target(run: Run, target: float) -> ToTarget:
+    """The first evaluation of the synchronised model at or below `target` (a loss): its round, the
+    seconds from round 0 to when that model existed (eval_t; with overlap, when its exchange
+    completed), and the bytes every region sent for exchanges up to that round (the model has
+    those and no others; with overlap round r's exchange is reported by round r + 1)."""
+    t0 = training_start(run)
+    for r in run.rounds:
+        if r.eval_value is not None and r.eval_value <= target and r.eval_round is not None:
+            sent = sum(float(m.get("bytes_sent", 0.0)) for m in run.metrics if _exchange_round(m) <= r.eval_round)
+            return ToTarget(r.eval_round, None if r.eval_t is None else r.eval_t - t0, sent)
+    return ToTarget(None, None, None)
 
 
 def final_loss(run, at_steps: int | None = None) -> float | None:
@@ -152,13 +194,14 @@ def ratios(arms: list[ArmResult], scenario: str) -> dict[str, Any]:
         if a.kind == "adaptive" and a.name != "adaptive":
             out[f"{a.name}:time_vs_allreduce"] = _ratio(ar.time_to_target_s, a.time_to_target_s)
             out[f"{a.name}:bytes_vs_allreduce"] = _ratio(ar.bytes_to_target, a.bytes_to_target)
-            # final loss at equal examples over per-step sync's (<= 1.02: issue 21's quality target)
-            out[f"{a.name}:loss_vs_allreduce"] = _ratio(a.loss_at_baseline_steps, ar.final_loss)
+            # held-out loss at equal examples over per-step sync's (<= 1.02: issue 21's quality target)
+            out[f"{a.name}:loss_vs_allreduce"] = loss_ratio(a, ar)
     if ad is None:
         return {**out, "_notes": notes}
     if ar is not None:
         out["time_vs_allreduce"] = _ratio(ar.time_to_target_s, ad.time_to_target_s)
         out["bytes_vs_allreduce"] = _ratio(ar.bytes_to_target, ad.bytes_to_target)
+        out["loss_vs_allreduce"] = loss_ratio(ad, ar)
     reached = [a for a in fixed if a.time_to_target_s is not None]
     if reached:
         best = min(reached, key=lambda a: a.time_to_target_s)
@@ -170,6 +213,15 @@ def ratios(arms: list[ArmResult], scenario: str) -> dict[str, Any]:
             out["time_vs_best_fixed_before_drop"] = _ratio(leader.time_to_target_s, ad.time_to_target_s)
             notes["best_fixed_before_drop"] = leader.name
     return {**out, "_notes": notes}
+
+
+def loss_ratio(arm: ArmResult, allreduce: ArmResult) -> float | None:
+    """The arm's loss at per-step sync's step count (equal examples) over per-step sync's: the held-out
+    loss of the synchronised models where both were evaluated there (run.eval_at_steps), else the
+    final train loss. 1.02: 2% worse."""
+    if arm.eval_at_baseline_steps is not None and allreduce.eval_at_baseline_steps is not None:
+        return _ratio(arm.eval_at_baseline_steps, allreduce.eval_at_baseline_steps)
+    return _ratio(arm.loss_at_baseline_steps, allreduce.final_loss)
 
 
 def best_before_drop(fixed: list[ArmResult]) -> ArmResult | None:

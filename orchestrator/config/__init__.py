@@ -69,6 +69,9 @@ class RunConfig:
             raise ValueError(f"security.robust_aggregation: {robust} replaces the mix of full-topology diloco or "
                              f"allreduce, not {self.sync.algorithm} over {self.sync.topology} (use clip)")
         check_privacy_rules(self)
+        if self.run.eval_at_steps and self.sync.pacing.mode == "time-budget":
+            raise ValueError("run.eval_at_steps: time-budget rounds (sync.pacing.mode) run as many steps as fit a "
+                             "budget, so no round ends at a given step count; use run.eval_every")
         if self.sync.fragments > 1 and self.security.secure_aggregation:
             raise ValueError("sync.fragments: secure aggregation (security.secure_aggregation) masks whole-model "
                              "updates; it does not combine with fragments")

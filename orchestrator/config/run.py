@@ -50,6 +50,11 @@ class RunSection:
         "synchronised model where it already is (DiLoCo: one region's global model): nothing crosses the wire, the "
         "overlapped exchange is not waited for, and the trained model is the same with or without it; gossip's "
         "average needs every region's model, a fetch counted as eval_fetch_bytes"))
+    eval_at_steps: tuple[int, ...] = field(default=(), metadata=_doc(
+        "also evaluate the synchronised model when every region has run exactly these many inner steps, e.g. [800] "
+        "(a round that would pass one is cut to end there, as run.max_steps cuts the last): held-out quality at equal "
+        "examples for runs whose H differs (geofed bench wan); not with sync.pacing time-budget, whose rounds have no "
+        "fixed step count"))
     target: TargetSection | None = field(default=None, metadata=_doc(
         "stop when the evaluated model reaches a metric value, e.g. {metric: accuracy, value: 0.95}; summary.json then "
         "has time_to_target_s, steps_to_target and bytes_to_target (null: run all rounds)"))
@@ -74,6 +79,10 @@ class RunSection:
         for key in ("checkpoint_every", "eval_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        if any(not 1 <= s <= 10**12 for s in self.eval_at_steps):
+            raise ValueError(f"eval_at_steps: every step count must be in [1, 1e12], got {list(self.eval_at_steps)}")
+        if list(self.eval_at_steps) != sorted(set(self.eval_at_steps)):
+            raise ValueError(f"eval_at_steps: must be increasing, without repeats, got {list(self.eval_at_steps)}")
         if not 2 <= self.keep_checkpoints <= 1000:
             raise ValueError(f"keep_checkpoints: must be in [2, 1000], got {self.keep_checkpoints}")
         _check_out_dir(self.out_dir)

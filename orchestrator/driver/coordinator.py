@@ -65,6 +65,8 @@ class Coordinator:
         self.last_record: dict[str, Any] = {}
         self.steps_done = 0
         self.max_steps = getattr(cfg.run, "max_steps", 0) or 0
+        self.eval_marks = tuple(getattr(cfg.run, "eval_at_steps", ()) or ())
+        self.at_eval_mark = False  # the last planned round ends on one of run.eval_at_steps
         self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._plan_t: float | None = None       # clock at the last plan()
@@ -125,7 +127,12 @@ class Coordinator:
             if left != H:
                 reason = f"{reason} | H {H}->{left}: what is left of run.max_steps={self.max_steps}"
             H = left
+        mark = next((m for m in self.eval_marks if self.steps_done < m < self.steps_done + H), None)
+        if mark is not None:  # run.eval_at_steps: this round ends on the mark, the next goes on from there
+            reason, H = f"{reason} | H {H}->{mark - self.steps_done}: run.eval_at_steps {mark}", mark - self.steps_done
         self.steps_done += H
+        self.at_eval_mark = self.steps_done in self.eval_marks
+        evaluate = evaluate or self.at_eval_mark
         final = self.done or round_ == self.cfg.run.rounds - 1
         self.last_reason, self.last_codecs, self.last_H = reason, codecs, H
         scale = self.lr_scale(round_)

@@ -42,9 +42,14 @@ class RunEvaluation:
         self.fetch_bytes = 0
         self._steps: dict[int, int] = {}   # round -> inner steps per region by its end
         self._bytes: dict[int, int] = {}   # exchange round -> bytes every region sent for it
+        self._forced: set[int] = set()     # rounds that end on run.eval_at_steps
 
     def due(self, round_: int) -> bool:
-        return bool(self.every) and (round_ + 1) % self.every == 0
+        return round_ in self._forced or (bool(self.every) and (round_ + 1) % self.every == 0)
+
+    def force(self, round_: int) -> None:
+        """`round_` evaluates whatever run.eval_every says: it ends on one of run.eval_at_steps."""
+        self._forced.add(round_)
 
     def of_round(self, round_: int, results: Mapping[str, Mapping[str, Any]], alive: list[str],
                  fetch_params: Callable[[], dict[str, list[torch.Tensor]]], *, t_end: float) -> dict[str, Any]:

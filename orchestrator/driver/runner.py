@@ -133,6 +133,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         t_start = self.clock.now()
         participants, absent = self._participants(r)
         plans = self._dp_plans(r, self.coordinator.plan(r, alive=participants, evaluate=evaluate))
+        if self.coordinator.at_eval_mark:
+            self.evaluation.force(r)
         if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
             return
         results = self._run_round(r, plans)

@@ -19,9 +19,11 @@ from geofed.orchestrator.driver.runner import prepare_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-DOC_ARM_KEYS = {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization", "peak_to_mean"}
+DOC_ARM_KEYS = {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization", "peak_to_mean",
+                "eval_at_baseline_steps"}
 DIGITS = "bench-wan-digits.yaml"
-RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "time_vs_best_fixed", "time_vs_best_fixed_before_drop"}
+RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "loss_vs_allreduce", "time_vs_best_fixed",
+              "time_vs_best_fixed_before_drop"}
 
 
 def test_arms_differ_only_in_how_they_sync():

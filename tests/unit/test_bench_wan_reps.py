@@ -14,7 +14,8 @@ from geofed.orchestrator.bench.wan_reps import (
 )
 from geofed.orchestrator.bench.wan_results import ArmResult
 
-RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "time_vs_best_fixed", "time_vs_best_fixed_before_drop"}
+RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "loss_vs_allreduce", "time_vs_best_fixed",
+              "time_vs_best_fixed_before_drop"}
 
 
 def test_the_order_is_round_robin_with_the_start_arm_rotated_per_repetition():
@@ -73,7 +74,7 @@ def test_arm_rows_keep_their_keys_and_are_medians_where_never_reached_ranks_last
     arms = {a["name"]: a for a in out["arms"]}
     assert [a["name"] for a in out["arms"]] == ["allreduce", "fixed-H100", "adaptive"]  # repetition 0's order
     assert all(set(a) == {"name", "H", "time_to_target_s", "bytes_to_target", "final_loss", "eval", "utilization",
-                           "peak_to_mean"}
+                           "peak_to_mean", "eval_at_baseline_steps"}
                for a in out["arms"])
     assert arms["adaptive"]["time_to_target_s"] == 1.5 and arms["adaptive"]["H"] == 160
     assert arms["adaptive"]["bytes_to_target"] == 1_000_000 and arms["adaptive"]["utilization"] == 0.9
@@ -139,13 +140,19 @@ def test_frontier_arms_get_their_own_ratios_and_the_best_arm_its_peak_to_mean():
     from geofed.orchestrator.bench.wan import best_arm_peak
     from geofed.orchestrator.bench.wan_arms import SCENARIOS, build_arms
 
-    names = [a.name for a in build_arms(SCENARIOS["steady"])]
-    assert names[-5:] == ["adaptive", "adaptive-eager", "adaptive-frag-eager", "adaptive-frag-eager-spread",
-                          "adaptive-frag-eager-sparseloco"]
-    spread = build_arms(SCENARIOS["steady"])[-2].cfg
-    assert spread.sync.fragments == 3 and spread.sync.overlap == "eager" and spread.sync.spread_sends == 0.9
-    frag = build_arms(SCENARIOS["steady"])[-1].cfg
-    assert frag.sync.fragments == 3 and frag.sync.overlap == "eager" and frag.compression.codec.kind == "sparseloco"
+    arms = {a.name: a for a in build_arms(SCENARIOS["steady"])}
+    assert list(arms)[-6:] == ["adaptive", "adaptive-eager", "adaptive-frag-eager", "adaptive-frag-eager-spread",
+                               "adaptive-frag-eager-sparseloco", "adaptive-frag-eager-ternary"]
+    spread = arms["adaptive-frag-eager-spread"].cfg
+    assert spread.sync.fragments == 4 and spread.sync.overlap == "eager" and spread.sync.spread_sends == 0.9
+    sparse = arms["adaptive-frag-eager-sparseloco"].cfg
+    assert sparse.sync.fragments == 4 and sparse.sync.overlap == "eager" and sparse.compression.codec.kind == "sparseloco"
+    tern = arms["adaptive-frag-eager-ternary"].cfg
+    assert tern.compression.codec.kind == "ternary" and tern.compression.ladder[0].kind == "ternary"
+    # every arm is judged on its synchronised model: each round, and at per-step sync's 800 steps
+    assert all(a.cfg.run.eval_every == 1 and a.cfg.run.eval_at_steps == (800,) for a in arms.values()
+               if a.name != "allreduce")
+    assert arms["allreduce"].cfg.run.eval_every == 10 and arms["allreduce"].cfg.run.max_steps == 800
     reps = [[_arm("allreduce", 10.0, 6e8), _arm("adaptive", 1.0, 1e6), _arm("adaptive-frag-eager", 0.5, 3e5)]]
     out = combine(reps, "steady")
     assert out["ratios"]["adaptive-frag-eager:time_vs_allreduce"] == 20.0
@@ -154,3 +161,45 @@ def test_frontier_arms_get_their_own_ratios_and_the_best_arm_its_peak_to_mean():
             {"name": "adaptive", "time_to_target_s": 2.0, "peak_to_mean": 3.0},
             {"name": "adaptive-frag-eager", "time_to_target_s": 1.0, "peak_to_mean": 1.2}]
     assert best_arm_peak(arms) == {"arm": "adaptive-frag-eager", "ratio": 1.2}
+
+
+def _write_run(tmp_path, rounds, metrics):
+    import json
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return d
+
+
+def test_held_out_target_and_equal_examples_come_from_the_synchronised_models_evaluations(tmp_path):
+    from geofed.orchestrator.bench.wan_results import eval_at_steps, eval_to_target, loss_ratio
+    from geofed.orchestrator.report.load import load_run
+
+    # Overlap: round r's exchange is reported by round r + 1 (exchange_round), and so is the evaluation
+    # of round r's synchronised model (eval_round r, eval_t when its exchange completed).
+    ev = {"metric": "loss", "higher_is_better": False}
+    rounds = [
+        {"round": 0, "t_start": 10.0, "t_end": 11.0, "H": 100, "mean_train_loss": 2.5},
+        {"round": 1, "t_start": 11.0, "t_end": 12.0, "H": 100, "mean_train_loss": 1.9,
+         "eval_avg": {**ev, "value": 2.0}, "eval_round": 0, "eval_t": 11.4},
+        {"round": 2, "t_start": 12.0, "t_end": 13.0, "H": 50, "mean_train_loss": 1.8,
+         "eval_avg": {**ev, "value": 1.75}, "eval_round": 1, "eval_t": 12.3},
+        {"round": 3, "t_start": 13.0, "t_end": 14.0, "H": 100, "mean_train_loss": 1.7,
+         "eval_avg": {**ev, "value": 1.74}, "eval_round": 2, "eval_t": 13.2},
+    ]
+    metrics = [{"round": r, "region": g, "bytes_sent": 0 if r == 0 else 1000 * r, "exchange_round": None if r == 0 else r - 1,
+                "train_loss": 2.0, "H": 100} for r in range(4) for g in ("a", "b")]
+    run = load_run(_write_run(tmp_path, rounds, metrics))
+    hit = eval_to_target(run, 1.76)
+    # round 1's model: its exchange (reported in round 2: 2 regions x 2000 B) and round 0's (in round 1: 2 x 1000)
+    assert hit.round == 1 and hit.seconds == pytest.approx(2.3) and hit.bytes == 6000
+    assert eval_to_target(run, 1.5).round is None
+    assert eval_at_steps(run, 250) == 1.74 and eval_at_steps(run, 200) == 1.75 and eval_at_steps(run, 300) is None
+    a = _arm("adaptive", 1.0)
+    ar = _arm("allreduce", 2.0)
+    assert loss_ratio(a, ar) is None  # no held-out loss at equal examples and no train loss there either
+    a = ArmResult(**{**a.__dict__, "eval_at_baseline_steps": 1.734, "loss_at_baseline_steps": 2.0})
+    ar = ArmResult(**{**ar.__dict__, "eval_at_baseline_steps": 1.7})
+    assert loss_ratio(a, ar) == pytest.approx(1.02)  # held-out wins over the train loss

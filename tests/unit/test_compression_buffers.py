@@ -110,7 +110,8 @@ def test_one_off_encodes_keep_no_buffer(monkeypatch):
 SPECS = ["identity", "fp16", "bf16", "int8", {"kind": "int8", "chunk": 7, "stochastic": True}, "int4",
          {"kind": "int4", "chunk": 6}, "int3", {"kind": "int3", "chunk": 24}, "sign", {"kind": "sign", "chunk": 5}, {"kind": "topk", "fraction": 0.05},
          {"kind": "topk", "fraction": 0.3, "inner": "int4"}, {"kind": "topk", "fraction": 0.01, "inner": "sign"},
-         "randomk", {"kind": "powersgd", "rank": 2}, {"kind": "sparseloco", "fraction": 0.05, "chunk": 64}]
+         "randomk", {"kind": "powersgd", "rank": 2}, {"kind": "sparseloco", "fraction": 0.05, "chunk": 64},
+         {"kind": "ternary", "chunk": 24}]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)

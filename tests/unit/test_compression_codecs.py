@@ -40,7 +40,7 @@ def _chunks(x, chunk):
 
 
 def test_registry_is_closed_and_complete():
-    assert codec_names() == ["bf16", "fp16", "identity", "int3", "int4", "int8", "powersgd", "randomk", "sign", "sparseloco", "topk"]
+    assert codec_names() == ["bf16", "fp16", "identity", "int3", "int4", "int8", "powersgd", "randomk", "sign", "sparseloco", "ternary", "topk"]
 
 
 def test_identity_is_exact_for_mixed_shapes_and_dtypes():
@@ -182,7 +182,7 @@ def test_powersgd_warm_start_approaches_the_best_rank_r_error():
 @pytest.mark.parametrize("spec,ratio", [("int8", 3.9), ("int4", 7.5), ("int3", 10.0), ("sign", 30), ({"kind": "topk", "fraction": 0.01}, 60),
                                         ({"kind": "topk", "fraction": 0.01, "inner": "int8"}, 100),
                                         ({"kind": "randomk", "fraction": 0.01}, 150), ("fp16", 1.99),
-                                        ({"kind": "sparseloco", "fraction": 0.01}, 200)])
+                                        ({"kind": "sparseloco", "fraction": 0.01}, 200), ("ternary", 19.0)])
 def test_estimate_ratio_matches_actual_and_meets_the_target(spec, ratio):
     n = 1_000_003
     codec = make_codec(spec)
@@ -277,7 +277,8 @@ SPECS = ["identity", "fp16", "bf16", "int8", "int4", "int3", {"kind": "int3", "c
          {"kind": "int4", "chunk": 2, "stochastic": True}, {"kind": "sign", "chunk": 5},
          {"kind": "topk", "fraction": 0.3}, {"kind": "topk", "fraction": 1.0, "inner": "int4"},
          {"kind": "randomk", "fraction": 0.5}, {"kind": "powersgd", "rank": 1}, {"kind": "powersgd", "rank": 3},
-         {"kind": "sparseloco", "fraction": 0.3, "chunk": 16}, {"kind": "sparseloco", "fraction": 1.0, "chunk": 16}]
+         {"kind": "sparseloco", "fraction": 0.3, "chunk": 16}, {"kind": "sparseloco", "fraction": 1.0, "chunk": 16},
+         "ternary", {"kind": "ternary", "chunk": 7}, {"kind": "ternary", "chunk": 3, "threshold": 0.0}]
 shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=0, max_size=4)
 dtype_st = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64])
 
@@ -329,7 +330,7 @@ def test_codec_encode_and_decode_methods_check_the_codec():
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4", "int3", {"kind": "int8", "stochastic": True}, "sign",
-                                  {"kind": "topk", "fraction": 1.0, "inner": "int4"}])
+                                  {"kind": "topk", "fraction": 1.0, "inner": "int4"}, "ternary"])
 def test_tiny_and_subnormal_values_never_decode_to_garbage(spec):
     x = torch.tensor([1e-38, -1e-39, 0.0, 3e-39, 1e-45, 2.0 ** -99])
     _, (got,) = _roundtrip(spec, [x])
@@ -338,7 +339,7 @@ def test_tiny_and_subnormal_values_never_decode_to_garbage(spec):
 
 def test_huge_values_either_encode_finite_or_fail_loudly_at_the_sender():
     x = torch.full((64, 64), 3e37)
-    for spec in ["identity", "fp16", "bf16", "int8", "int4", "int3", "topk"]:
+    for spec in ["identity", "fp16", "bf16", "int8", "int4", "int3", "topk", "ternary"]:
         _, (got,) = _roundtrip(spec, [x])
         assert torch.isfinite(got).all()
     with pytest.raises(CodecError, match="powersgd: tensor 0 overflows fp32"):

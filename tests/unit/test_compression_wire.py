@@ -35,6 +35,7 @@ BASES = [
     ({"kind": "powersgd", "rank": 2}, [(20, 30), (30,)]),
     ({"kind": "sparseloco", "fraction": 0.1, "chunk": 64}, [(200,), (3, 7)]),  # 3 full chunks and a tail
     ({"kind": "int3", "chunk": 16}, [(21,), (2, 5)]),  # 31 values: three full groups of 8 and a tail
+    ({"kind": "ternary", "chunk": 16}, [(21,), (2, 5)]),  # 31 values: six bytes of five codes, one of a code and padding
 ]
 
 
@@ -182,6 +183,9 @@ def _poke(i, section, fmt, value, index=0):
     (10, 2, "<f", float("nan"), 3, "sparseloco: chunk magnitudes must be finite"),
     (10, 0, "<B", 0xFF, 0, "sparseloco: indices within a chunk are not strictly increasing"),
     (10, 0, "<B", 0xFF, 17, "sparseloco: in-chunk index 63 out of range for a chunk of 29"),
+    (12, 0, "<B", 250, 2, "ternary: a byte of codes is 250"),
+    (12, 0, "<B", 2, 6, "ternary: padding codes after the last value must be 1 (zero)"),
+    (12, 1, "<f", -2.0, 1, "ternary: chunk levels must be finite and >= 0"),
 ])
 def test_lying_section_contents(i, section, fmt, value, index, message):
     p, shapes = _poke(i, section, fmt, value, index)
@@ -286,6 +290,8 @@ def _topk_indices(rng, p, shapes):
     h = inspect_update(bytes(p), max_bytes=1 << 30)
     if h.codec.kind == "sparseloco":
         return _sparseloco_contents(rng, p, h)
+    if h.codec.kind == "ternary":
+        return _ternary_contents(rng, p, h)
     if h.codec.kind != "topk":
         return _nan(rng, p, shapes)
     off_c, off_l, k = h.offsets[0], h.offsets[1], h.sections[1].count
@@ -309,6 +315,18 @@ def _sparseloco_contents(rng, p, h):
     else:  # a chunk's low level above its high one, or negative
         j = rng.randrange(h.sections[2].count // 2)
         struct.pack_into("<ff", p, h.offsets[2] + 8 * j, *rng.choice([(2.0, 1.0), (-1.0, 1.0), (-3.0, -2.0)]))
+    return _reseal(p), True
+
+
+def _ternary_contents(rng, p, h):
+    """The ternary base: 31 values in 7 bytes of codes (the last: one code, four of padding), 2 levels."""
+    what = rng.randrange(3)
+    if what == 0:  # a byte past 242: no five base-3 codes make it
+        p[h.offsets[0] + rng.randrange(h.sections[0].count)] = rng.randrange(243, 256)
+    elif what == 1:  # a padding code other than 1 (zero)
+        p[h.offsets[0] + h.sections[0].count - 1] = 1 + 3 * rng.choice([0, 2]) + 9
+    else:  # a negative level
+        struct.pack_into("<f", p, h.offsets[1] + 4 * rng.randrange(h.sections[1].count), -rng.uniform(1e-3, 1e3))
     return _reseal(p), True
 
 
@@ -385,7 +403,7 @@ def test_fuzz_1000_malformed_payloads_each_raise_codec_error_within_the_memory_c
     assert out["nfail"] == 0, out["failures"]
     # The fuzz reaches the deep checks, not only the checksum.
     for category in ("checksum", "truncated", "codec", "sections", "values", "too big", "topk", "shape", "dtype",
-                     "sparseloco"):
+                     "sparseloco", "ternary"):
         assert out["outcomes"].get(category, 0) >= 5, out["outcomes"]
 
 

@@ -44,13 +44,13 @@ class ManualClock:
         return self.t
 
 
-def _coordinator(policy, *, max_steps=0, rounds=100, overlap=True):
+def _coordinator(policy, *, max_steps=0, rounds=100, overlap=True, eval_at_steps=(), fragments=1):
     cfg = config_from_mapping({
-        "run": {"rounds": rounds, "max_steps": max_steps},
+        "run": {"rounds": rounds, "max_steps": max_steps, "eval_at_steps": list(eval_at_steps)},
         "task": {"kind": "mlp-digits", "hidden": 8},
         "regions": {"names": ["a", "b"]},
         "network": {"emulation": {"mode": "none"}},
-        "sync": {"overlap": overlap, "policy": policy},
+        "sync": {"overlap": overlap, "policy": policy, "fragments": fragments},
         "compression": {"codec": "int8"},
     })
     return Coordinator(cfg, model_numel=100_000, clock=ManualClock())
@@ -77,6 +77,40 @@ def test_max_steps_cuts_the_last_round_and_marks_it_final():
     assert Hs == [30, 30, 40] and sum(Hs) == 100
     assert finals == [False, False, True]
     assert "what is left of run.max_steps=100" in c.last_reason
+
+
+def test_eval_at_steps_cuts_the_round_that_would_pass_a_mark_and_evaluates_it():
+    c = _coordinator({"kind": "fixed", "H": 30}, max_steps=100, eval_at_steps=(45, 60))
+    rounds = []
+    r = 0
+    while not c.done:
+        plans = c.plan(r, alive=["a", "b"], evaluate=False)
+        rounds.append((plans["a"].H, plans["a"].evaluate, c.steps_done))
+        r += 1
+    # 30, then 15 to reach 45 (evaluated), 15 to 60 (evaluated), then 40 to the budget
+    assert rounds == [(30, False, 30), (15, True, 45), (15, True, 60), (40, False, 100)]
+    assert "run.eval_at_steps" not in c.last_reason
+
+
+def test_eval_at_steps_evaluates_a_round_that_ends_on_a_mark_without_cutting_and_cuts_fragment_rounds():
+    c = _coordinator({"kind": "fixed", "H": 30}, max_steps=90, eval_at_steps=(60,))
+    got = [(p["a"].H, p["a"].evaluate) for p in (c.plan(r, alive=["a", "b"], evaluate=False) for r in range(3))]
+    assert got == [(30, False), (30, True), (30, False)]
+    f = _coordinator({"kind": "fixed", "H": 40}, eval_at_steps=(50,), fragments=4)  # rounds of H/4 = 10 steps
+    hs = [f.plan(r, alive=["a", "b"], evaluate=False)["a"] for r in range(6)]
+    assert [(p.H, p.evaluate) for p in hs] == [(10, False)] * 4 + [(10, True), (10, False)]
+
+
+@pytest.mark.parametrize("steps,message", [([0], "every step count must be in [1, 1e12]"),
+                                           ([800, 300], "must be increasing, without repeats"),
+                                           ([5, 5], "must be increasing, without repeats")])
+def test_eval_at_steps_refuses_bad_lists(steps, message):
+    with pytest.raises(ValueError, match=r"run\.eval_at_steps: " + message.replace("[", r"\[").replace("]", r"\]")):
+        config_from_mapping({"run": {"eval_at_steps": steps}, "task": {"kind": "mlp-digits"},
+                             "network": {"emulation": {"mode": "none"}}})
+    with pytest.raises(ValueError, match="run.eval_at_steps: time-budget rounds"):
+        config_from_mapping({"run": {"eval_at_steps": [10]}, "task": {"kind": "mlp-digits"},
+                             "sync": {"pacing": {"mode": "time-budget"}}, "network": {"emulation": {"mode": "none"}}})
 
 
 def test_the_last_configured_round_is_final_without_a_step_budget():
