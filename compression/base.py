@@ -245,7 +245,7 @@ def _coerce(kind: str, key: str, annotation: Any, value: Any) -> Any:
 def check_inner(owner: str, inner: Codec) -> None:
     """An inner codec must work on a flat vector (no shapes) and not be sparse itself."""
     if not inner.elementwise or getattr(inner, "sparse", False):
-        raise ValueError(f"inner: {inner.kind!r} cannot be the inner codec of {owner!r} (use identity, fp16, bf16, int8, int4, int3 or sign)")
+        raise ValueError(f"inner: {inner.kind!r} cannot be the inner codec of {owner!r} (use identity, fp16, bf16, int8, int4, int3, ternary or sign)")
 
 
 def check_int(name: str, value: int, lo: int, hi: int) -> None:
