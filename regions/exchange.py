@@ -84,12 +84,14 @@ class Exchanger:
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
                  in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec,
                  quorum: int | None = None, grace_s: float = 0.0, stream: str = "",
-                 spread_s: float = 0.0) -> ExchangeResult:
+                 spread_s: float = 0.0, window_s: float = 0.0) -> ExchangeResult:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`
         (all of them by the deadline, or with `quorum` that many and a grace for the rest). `stream`
         names a codec stream of its own (sync.fragments: one per fragment, each with its own layout
         and error-feedback residual). `spread_s`: pace each push over that many seconds (an overlapped
-        exchange with sync.spread_sends; at most half the send timeout)."""
+        exchange with sync.spread_sends; at most half the send timeout). `window_s`: the compute an
+        overlapped exchange hides behind; the receive deadline is at least that long, since a peer
+        arriving within it costs nothing to wait for (regions/sync/common.py, OverlapWindow)."""
         self.transport.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
             self.observe_own(tensors)
@@ -102,7 +104,7 @@ class Exchanger:
         # Peers spread their pushes about as long as this region does: the deadline and its samples
         # count from where the spread ends, so a pace neither eats the slack for a slow peer nor
         # teaches the deadline a wait that is only the pace's.
-        deadline_s = self.deadline.current() + spread_s
+        deadline_s = max(self.deadline.current(), min(window_s, self.deadline.max_s)) + spread_s
         if quorum is None:
             inbox = self.transport.receive(round_, deadline_s)
         else:

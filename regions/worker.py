@@ -293,7 +293,7 @@ class RegionWorker(LocalSteps, RegionState):
         return {self.regions[j]: w for j, w in self.topology.in_weights(self.index, round_).items()}
 
     def exchange(self, plan: RoundPlan, tensors, *, single_codec: bool = False, send: bool = True, stream: str = "",
-                 spread_s: float = 0.0):
+                 spread_s: float = 0.0, window_s: float = 0.0):
         """Push `tensors` to this round's live out-neighbours (none with send=False: a rejoining
         gossip region only listens), collect from live in-neighbours (SyncContext.exchange)."""
         alive = set(plan.alive) if plan.alive is not None else None
@@ -303,7 +303,8 @@ class RegionWorker(LocalSteps, RegionState):
         quorum = None if plan.quorum is None else max(0, min(plan.quorum - 1, len(in_peers)))
         res = self.exchanger.exchange(plan.round, tensors, out_peers=out_peers, in_peers=in_peers,
                                       codecs=codecs, default_codec=self.cfg.compression.codec,
-                                      quorum=quorum, grace_s=plan.grace_s, stream=stream, spread_s=spread_s)
+                                      quorum=quorum, grace_s=plan.grace_s, stream=stream, spread_s=spread_s,
+                                      window_s=window_s)
         res.received = move_received(res.received, self.device)
         if res.stale:
             moved = move_received({f"{s}@{r}": t for s, r, t in res.stale}, self.device)

@@ -34,7 +34,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from .wan_arms import QUICK, SCENARIOS, Arm, Scenario, build_arms
+from .wan_arms import BASES, Arm, Scenario, build_arms, scenarios
 from .wan_reps import combine, interleaved_schedule, representative
 from .wan_results import ArmResult, measure
 
@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="geofed bench wan", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=("steady", "drop"), default="steady",
                    help="steady: every link 50 Mbit/s x scale, 80 ms RTT; drop: bandwidth falls 10x during the run")
+    p.add_argument("--base", choices=tuple(BASES), default="char-lm",
+                   help="the task every arm trains: char-lm (a GRU, configs/bench-wan.yaml) or gpt (a small "
+                        "transformer, configs/bench-wan-gpt.yaml; steady only)")
     p.add_argument("--quick", action="store_true", help="a smaller version (fewer steps and arms, one repetition)")
     p.add_argument("--reps", type=_positive, default=None, metavar="N",
                    help="run every arm N times, interleaved, and report medians with their spread (default 3; --quick: 1)")
@@ -77,7 +80,11 @@ def main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
-    scenario = (QUICK if args.quick else SCENARIOS)[args.scenario]
+    available = scenarios(args.base, quick=args.quick)
+    if args.scenario not in available:
+        print(f"geofed bench wan: --base {args.base} has the {', '.join(available)} scenario only", file=sys.stderr)
+        return 2
+    scenario = available[args.scenario]
     if args.overrides:
         import dataclasses
 

@@ -35,6 +35,7 @@ from ..config import RunConfig, config_from_mapping, default_config_path
 from ..config.strict import parse_yaml_file
 
 BASE_CONFIG = "bench-wan.yaml"
+BASES = {"char-lm": BASE_CONFIG, "gpt": "bench-wan-gpt.yaml"}  # --base: the task every arm trains
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,7 @@ class Scenario:
     and the arms to run."""
 
     name: str
+    base: str = BASE_CONFIG          # the config file of configs/ every arm is built from
     bandwidth_mbps: float = 50.0     # every link, as issue 6 gives it (before bandwidth_scale)
     rtt_ms: float = 80.0
     bandwidth_scale: float = 1.0     # network.emulation.bandwidth_scale (docs/bench-wan.md: why)
@@ -123,6 +125,26 @@ QUICK = {
 }
 
 
+# The transformer base (configs/bench-wan-gpt.yaml: 2 blocks, width 64, byte tokens; 121k parameters, 482 KB
+# fp32): steady only. Its step is ~5x the GRU's, so a per-step sync of as many compute steps as the GRU
+# base's would make the per-step arm run ~40 minutes; its links are faster instead (docs/bench-wan.md).
+GPT_SCENARIOS = {
+    "steady": Scenario(name="steady", base=BASES["gpt"], bandwidth_scale=0.08, target_loss=2.0, max_steps=1000,
+                       allreduce_steps=400, fixed_H=(100,), frontier=True, target_on="eval"),
+}
+GPT_QUICK = {
+    "steady": Scenario(name="steady", base=BASES["gpt"], bandwidth_scale=0.2, target_loss=2.3, max_steps=400,
+                       allreduce_steps=200, fixed_H=(100,), frontier=True, target_on="eval"),
+}
+
+
+def scenarios(base: str = "char-lm", *, quick: bool = False) -> dict[str, Scenario]:
+    """The scenarios of `geofed bench wan --base BASE` (full size or --quick); ValueError for an unknown base."""
+    if base not in BASES:
+        raise ValueError(f"--base: unknown base {base!r} (known: {', '.join(BASES)})")
+    return (QUICK if quick else SCENARIOS) if base == "char-lm" else (GPT_QUICK if quick else GPT_SCENARIOS)
+
+
 def base_mapping(name: str = BASE_CONFIG) -> dict[str, Any]:
     """A config of configs/ as a mapping (default the bench's base, configs/bench-wan.yaml)."""
     path = default_config_path().parent / name
@@ -131,7 +153,7 @@ def base_mapping(name: str = BASE_CONFIG) -> dict[str, Any]:
 
 def build_arms(scenario: Scenario, base: dict[str, Any] | None = None) -> list[Arm]:
     """The run config of every arm of ``scenario`` (allreduce first, adaptive last)."""
-    base = copy.deepcopy(base if base is not None else base_mapping())
+    base = copy.deepcopy(base if base is not None else base_mapping(scenario.base))
     _apply_scenario(base, scenario)
     arms = []
     if scenario.allreduce:

@@ -96,12 +96,23 @@ def _steps_by_round(run: Run) -> dict[int, int]:
     return out
 
 
+def _evals(run: Run) -> list[tuple[int, float, float | None]]:
+    """(eval_round, value, eval_t) of every evaluation of the synchronised model, by round: a round's
+    own and the earlier ones it also reported (a flush under overlap reports two)."""
+    out = {}
+    for r in run.rounds:
+        for rnd, value, t in r.evals_earlier:
+            out.setdefault(rnd, (rnd, value, t))
+        if r.eval_value is not None and r.eval_round is not None:
+            out.setdefault(r.eval_round, (r.eval_round, r.eval_value, r.eval_t))
+    return [out[k] for k in sorted(out)]
+
+
 def eval_at_steps(run: Run, steps: int) -> float | None:
     """The held-out metric of the synchronised model of the round that ended at exactly `steps` inner
     steps (run.eval_at_steps makes one), else None."""
     at = _steps_by_round(run)
-    return next((r.eval_value for r in run.rounds if r.eval_value is not None and r.eval_round is not None
-                 and at.get(r.eval_round) == steps), None)
+    return next((value for rnd, value, _ in _evals(run) if at.get(rnd) == steps), None)
 
 
 def _exchange_round(m: dict[str, Any]) -> int:
@@ -116,10 +127,10 @@ def eval_to_target(run: Run, target: float) -> ToTarget:
     completed), and the bytes every region sent for exchanges up to that round (the model has
     those and no others; with overlap round r's exchange is reported by round r + 1)."""
     t0 = training_start(run)
-    for r in run.rounds:
-        if r.eval_value is not None and r.eval_value <= target and r.eval_round is not None:
-            sent = sum(float(m.get("bytes_sent", 0.0)) for m in run.metrics if _exchange_round(m) <= r.eval_round)
-            return ToTarget(r.eval_round, None if r.eval_t is None else r.eval_t - t0, sent)
+    for rnd, value, t in _evals(run):
+        if value <= target:
+            sent = sum(float(m.get("bytes_sent", 0.0)) for m in run.metrics if _exchange_round(m) <= rnd)
+            return ToTarget(rnd, None if t is None else t - t0, sent)
     return ToTarget(None, None, None)
 
 

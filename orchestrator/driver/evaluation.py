@@ -78,6 +78,12 @@ class RunEvaluation:
             self.last = {k: ev[k] for k in ("metric", "value", "higher_is_better")}
             out.update(eval_avg=self.last, eval_region=evaluator, eval_round=ev.get("round", round_),
                        eval_t=round(t_end - m.get("eval_age_s", 0.0), 4))
+            # A flush in this round (a resync under overlap) also completed the next model's exchange:
+            # the earlier model's evaluation is kept beside it.
+            earlier = [{"round": e.get("round"), "value": e["value"], "t": round(t_end - e.get("age_s", 0.0), 4)}
+                       for e in m.get("evals_earlier", []) if "value" in e]
+            if earlier:
+                out["evals_earlier"] = earlier
         return out
 
     def note_round(self, round_: int, results: Mapping[str, Mapping[str, Any]], *, steps: int) -> None:

@@ -52,6 +52,9 @@ class RoundRow:
     eval_value: float | None = None
     eval_round: int | None = None
     eval_t: float | None = None
+    # Evaluations of earlier rounds' models reported in this round too (a flush under overlap):
+    # (eval_round, value, eval_t) each.
+    evals_earlier: tuple[tuple[int, float, float | None], ...] = ()
 
 
 @dataclass
@@ -264,9 +267,11 @@ def _eval_fields(coord: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(ev, dict) or num(ev.get("value")) is None:
         return {}
     rnd = coord.get("eval_round")
+    earlier = tuple((e["round"], num(e["value"]), num(e.get("t"))) for e in coord.get("evals_earlier") or []
+                    if isinstance(e, dict) and isinstance(e.get("round"), int) and num(e.get("value")) is not None)
     return {"eval_metric": str(ev.get("metric", "eval")), "eval_value": num(ev["value"]),
             "eval_round": rnd if isinstance(rnd, int) and not isinstance(rnd, bool) else coord["round"],
-            "eval_t": _first(num(coord.get("eval_t")), num(coord.get("t_end")))}
+            "eval_t": _first(num(coord.get("eval_t")), num(coord.get("t_end"))), "evals_earlier": earlier}
 
 
 def _codecs(coord: dict[str, Any], ms: list[dict[str, Any]]) -> dict[str, str]:

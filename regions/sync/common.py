@@ -18,23 +18,25 @@ def exchange_metrics(res: ExchangeResult) -> dict[str, Any]:
             "send_failures": res.send_failures}
 
 
-class SpreadPlanner:
-    """Seconds to spread an overlapped exchange's pushes over (sync.spread_sends): that share of the
-    shortest compute of the region's last few rounds, since the next round's compute is what the
-    exchange hides behind, and a peer whose round runs shorter than a spread waits for its end
-    (measured on 2 shared cores, where a round's compute moves +-25%: spreads from the last round
-    alone made peers wait 0.1-0.4 s in most rounds). None for the final round: its exchange is
-    waited for at once, with no compute to hide behind."""
+class OverlapWindow:
+    """The compute an overlapped exchange hides behind: the shortest compute of the region's last few
+    rounds (the next round's compute is what the exchange overlaps; on 2 shared cores a round's compute
+    moves +-25%, and sized on the last round alone a spread made peers wait 0.1-0.4 s in most rounds).
+    0 for the final round: its exchange is waited for at once, with no compute to hide behind.
 
-    def __init__(self, fraction: float, window: int = 5):
-        self.fraction = float(fraction or 0.0)
+    Two uses: the receive deadline is at least the window (a peer that arrives within it costs this
+    region nothing: waiting for it is free, refusing it as late loses its update and costs the run a
+    resync), and sync.spread_sends paces each push over its share of the window."""
+
+    def __init__(self, spread_fraction: float, window: int = 5):
+        self.fraction = float(spread_fraction or 0.0)
         self._compute: deque[float] = deque(maxlen=window)
 
-    def spread_s(self, plan, metrics: Mapping[str, Any]) -> float:
-        if self.fraction <= 0:
-            return 0.0
+    def note(self, plan, metrics: Mapping[str, Any]) -> tuple[float, float]:
+        """(window, spread) seconds for the exchange of the round `metrics` reports."""
         self._compute.append(float(metrics.get("compute_s") or 0.0))
-        return 0.0 if plan.final else self.fraction * min(self._compute)
+        window = 0.0 if plan.final else min(self._compute)
+        return window, self.fraction * window
 
 
 def no_exchange_metrics() -> dict[str, Any]:
@@ -46,9 +48,14 @@ def no_exchange_metrics() -> dict[str, Any]:
 
 def merge_exchange_metrics(into: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
     """Add a second exchange's metrics to a round's (overlap: a round that also flushes the
-    exchange still in flight reports both); keys other than the exchange's are overwritten."""
+    exchange still in flight reports both); keys other than the exchange's are overwritten, except
+    an evaluation: the round's own (of an earlier model) moves to `evals_earlier` with its age."""
     for key, value in more.items():
-        if key in ("bytes_sent", "bytes_received", "wait_s") and key in into:
+        if key == "eval" and "eval" in into:
+            earlier = {**into["eval"], "age_s": into.get("eval_age_s", 0.0)}
+            into["evals_earlier"] = [*into.get("evals_earlier", []), earlier]
+            into[key] = value
+        elif key in ("bytes_sent", "bytes_received", "wait_s") and key in into:
             into[key] = into[key] + value
         elif key in ("transfers", "peers_missing") and key in into:
             into[key] = list(into[key]) + [v for v in value if key == "transfers" or v not in into[key]]

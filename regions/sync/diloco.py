@@ -38,7 +38,7 @@ import torch
 
 from ..pacing import mix_stale, update_scale
 from ..privacy.dp import clip_and_noise_update, noise_generator
-from .common import SpreadPlanner, exchange_metrics, no_exchange_metrics
+from .common import OverlapWindow, exchange_metrics, no_exchange_metrics
 from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class DilocoSync:
         self._pending: Future | None = None
         self._pending_round: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap") if self.overlap else None
-        self._spread = SpreadPlanner(getattr(ctx.settings, "spread_sends", 0.0))
+        self._window = OverlapWindow(getattr(ctx.settings, "spread_sends", 0.0))
         self._start = [p.detach().clone() for p in ctx.params] if self.overlap else None  # where this round began
         self._dp_generator: torch.Generator | None = None  # privacy.dp.mode update, made on first use
 
@@ -111,7 +111,7 @@ class DilocoSync:
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, self._spread.spread_s(plan, metrics))
+            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, *self._window.note(plan, metrics))
             self._pending_round = plan.round
             if self.eager:
                 self._load_params(self._preview_outer_step(sent))
@@ -140,8 +140,8 @@ class DilocoSync:
         self._load_global()
         return metrics
 
-    def _exchange_and_mix(self, plan, delta, spread_s: float = 0.0):
-        res = self.ctx.exchange(plan, delta, spread_s=spread_s)
+    def _exchange_and_mix(self, plan, delta, window_s: float = 0.0, spread_s: float = 0.0):
+        res = self.ctx.exchange(plan, delta, spread_s=spread_s, window_s=window_s)
         mixed = self.ctx.mix(plan, delta, res)
         # The synchronised model of this round exists now, a round before it is applied: an eval
         # round evaluates it here, off the training thread, so time to target counts from when it

@@ -149,7 +149,7 @@ class FragmentedDilocoSync(DilocoSync):
         else:
             metrics.update(self._finish_pending() if self._pending is not None else
                            {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, self._spread.spread_s(plan, metrics))
+            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, *self._window.note(plan, metrics))
             self._pending_round, self._pending_fragment = plan.round, f
             if self.eager:
                 self._set_local(idx, self._preview(f, sent), start=True)
@@ -158,9 +158,9 @@ class FragmentedDilocoSync(DilocoSync):
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
 
-    def _exchange_and_mix(self, plan, delta, spread_s: float = 0.0):
+    def _exchange_and_mix(self, plan, delta, window_s: float = 0.0, spread_s: float = 0.0):
         f = self.fragment_of(plan.round)
-        res = self.ctx.exchange(plan, delta, stream=f"frag{f}", spread_s=spread_s)
+        res = self.ctx.exchange(plan, delta, stream=f"frag{f}", spread_s=spread_s, window_s=window_s)
         mixed = self.ctx.mix(plan, delta, res)
         ev = None
         if plan.evaluate:  # the global model with this fragment's outer step previewed (DilocoSync's reason)

@@ -48,10 +48,11 @@ class SyncContext:
     settings: Any                       # the run's `sync:` section (SyncConfig; duck-typed here)
     seed: int                           # run.seed
     stepper: InnerStepper
-    # exchange(plan, tensors, *, single_codec=False, send=True, stream="", spread_s=0.0) -> ExchangeResult:
-    # push to this round's out-neighbours (none when send=False), each push paced over spread_s
-    # (sync.spread_sends), collect from in-neighbours until the deadline; a named stream has codec
-    # states of its own (a fragment's layout and error feedback).
+    # exchange(plan, tensors, *, single_codec=False, send=True, stream="", spread_s=0.0, window_s=0.0)
+    # -> ExchangeResult: push to this round's out-neighbours (none when send=False), each push paced
+    # over spread_s (sync.spread_sends), collect from in-neighbours until the deadline (at least
+    # window_s: the compute an overlapped exchange hides behind); a named stream has codec states of
+    # its own (a fragment's layout and error feedback).
     exchange: Callable[..., ExchangeResult]
     # mix(plan, own, result) -> tensors: the topology's weighted (or the configured robust) mix.
     mix: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], list[torch.Tensor]]

@@ -203,3 +203,27 @@ def test_held_out_target_and_equal_examples_come_from_the_synchronised_models_ev
     a = ArmResult(**{**a.__dict__, "eval_at_baseline_steps": 1.734, "loss_at_baseline_steps": 2.0})
     ar = ArmResult(**{**ar.__dict__, "eval_at_baseline_steps": 1.7})
     assert loss_ratio(a, ar) == pytest.approx(1.02)  # held-out wins over the train loss
+
+
+def test_a_flush_reports_two_evaluations_and_both_count(tmp_path):
+    from geofed.orchestrator.bench.wan_results import eval_at_steps, eval_to_target
+    from geofed.orchestrator.report.load import load_run
+    from geofed.regions.sync.common import merge_exchange_metrics
+
+    # A resync under overlap flushes the exchange in flight: the round's own record (round 1's model)
+    # meets the flushed one (round 2's): the earlier moves aside, with its age.
+    m = {"eval": {"metric": "loss", "value": 1.8, "round": 1}, "eval_age_s": 0.5, "bytes_sent": 10}
+    merge_exchange_metrics(m, {"eval": {"metric": "loss", "value": 1.7, "round": 2}, "eval_age_s": 0.1, "bytes_sent": 5})
+    assert m["eval"]["round"] == 2 and m["evals_earlier"] == [{"metric": "loss", "value": 1.8, "round": 1, "age_s": 0.5}]
+    assert m["bytes_sent"] == 15
+    ev = {"metric": "loss", "higher_is_better": False}
+    rounds = [{"round": 0, "t_start": 0.0, "t_end": 1.0, "H": 100, "mean_train_loss": 2.0},
+              {"round": 1, "t_start": 1.0, "t_end": 2.0, "H": 100, "mean_train_loss": 1.9, "eval_avg": {**ev, "value": 1.9},
+               "eval_round": 0, "eval_t": 1.2},
+              {"round": 2, "t_start": 2.0, "t_end": 3.0, "H": 100, "mean_train_loss": 1.8, "eval_avg": {**ev, "value": 1.7},
+               "eval_round": 2, "eval_t": 2.9, "evals_earlier": [{"round": 1, "value": 1.75, "t": 2.5}]}]
+    metrics = [{"round": r, "region": "a", "bytes_sent": 100, "exchange_round": r - 1 if r else None} for r in range(3)]
+    run = load_run(_write_run(tmp_path, rounds, metrics))
+    assert eval_at_steps(run, 200) == 1.75 and eval_at_steps(run, 300) == 1.7
+    hit = eval_to_target(run, 1.76)
+    assert hit.round == 1 and hit.seconds == pytest.approx(2.5)

@@ -60,3 +60,32 @@ def test_links_on_one_spec_share_its_bytes_and_state_and_checkpoints_name_it_by_
         ex.close()
         for t in ts.values():
             t.close()
+
+
+def test_an_overlapped_exchange_waits_its_window_for_a_peer_the_adaptive_deadline_would_refuse():
+    import threading
+    import time
+
+    ts = _mesh(["a", "b"])
+    ex = Exchanger(ts["a"], error_feedback=True, deadline=AdaptiveDeadline(0.1, 0.1, 5.0, 3.0), send_timeout_s=5.0)
+    try:
+        x = [torch.randn(20)]
+        late = []
+        for r, window in ((0, 0.0), (1, 1.5)):
+            ts["b"].expect(r, ["a"])
+            # b's update arrives 0.5 s into the receive: after the 0.1 s deadline, within a 1.5 s window
+            sender = threading.Timer(0.5, lambda r=r: late.append(
+                Exchanger(ts["b"], error_feedback=False, deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0),
+                          send_timeout_s=5.0).exchange(r, x, out_peers=["a"], in_peers=[], codecs={},
+                                                       default_codec=CodecSpec.parse("identity"))))
+            sender.start()
+            t0 = time.monotonic()
+            res = ex.exchange(r, x, out_peers=[], in_peers=["b"], codecs={}, default_codec=TOPK, window_s=window)
+            waited = time.monotonic() - t0
+            sender.join()
+            if window == 0.0:
+                assert res.missing == ["b"] and waited < 0.45  # refused at its deadline: too early
+            else:
+                assert res.missing == [] and "b" in res.received and 0.4 < waited < 1.4
+    finally:
+        ex.close()

@@ -131,11 +131,12 @@ def test_hurry_releases_what_is_left_of_every_push_in_flight():
     assert pushes.hurry() == 0  # nothing tracked once they ended
 
 
-def test_the_spread_is_a_share_of_the_shortest_recent_round_and_none_for_the_final_one():
-    from geofed.regions.sync.common import SpreadPlanner
+def test_the_window_is_the_shortest_recent_compute_the_spread_its_share_and_the_final_round_has_none():
+    from geofed.regions.sync.common import OverlapWindow
 
     plan, final = RoundPlan(round=1, H=4), RoundPlan(round=9, H=4, final=True)
-    p = SpreadPlanner(0.5, window=3)
-    assert [p.spread_s(plan, {"compute_s": c}) for c in (2.0, 1.0, 3.0, 4.0, 5.0)] == [1.0, 0.5, 0.5, 0.5, 1.5]
-    assert p.spread_s(final, {"compute_s": 9.0}) == 0.0
-    assert SpreadPlanner(0.0).spread_s(plan, {"compute_s": 2.0}) == 0.0
+    p = OverlapWindow(0.5, window=3)
+    got = [p.note(plan, {"compute_s": c}) for c in (2.0, 1.0, 3.0, 4.0, 5.0)]
+    assert got == [(2.0, 1.0), (1.0, 0.5), (1.0, 0.5), (1.0, 0.5), (3.0, 1.5)]
+    assert p.note(final, {"compute_s": 9.0}) == (0.0, 0.0)
+    assert OverlapWindow(0.0).note(plan, {"compute_s": 2.0}) == (2.0, 0.0)  # no spread; the window still counts
