@@ -1,8 +1,8 @@
 """Quality at equal examples of `geofed bench wan`'s sync variants, without the network: the held-out
 loss of the synchronised model after N inner steps per region, for variants of configs/bench-wan.yaml.
 
-    python benchmarks/wan_quality.py [--variants NAME,...] [--seeds 0,1] [--steps 800] [--evals 500]
-                                     [--set KEY=VALUE ...] [--parallel 2] [--json]
+    python benchmarks/wan_quality.py [--base char-lm|gpt] [--variants NAME,...] [--seeds 0,1] [--steps 800]
+                                     [--evals 500] [--set KEY=VALUE ...] [--parallel 2] [--json]
 
 Each variant runs the real RegionWorkers (sync algorithm, codecs with error feedback, fragments,
 overlap) over the in-memory transport (regions/inprocess.py), with fixed-H plans: what `geofed bench wan`
@@ -57,8 +57,8 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.worker import RoundPlan
 
-H, steps, evals, sets = json.loads(sys.argv[1])
-base = base_mapping()
+H, steps, evals, sets, config = json.loads(sys.argv[1])
+base = base_mapping(config)
 base["network"] = {"emulation": {"mode": "none"}}
 base["sync"]["policy"] = {"kind": "fixed", "H": H}
 cfg = config_from_mapping(base, sets, source="benchmarks/wan_quality.py")
@@ -77,17 +77,23 @@ print(json.dumps(out))
 '''
 
 
-def run_variant(name: str, seed: int, steps: int, evals: list[int], extra: list[str]) -> dict[str, float]:
+def run_variant(name: str, seed: int, steps: int, evals: list[int], extra: list[str],
+                config: str = "bench-wan.yaml") -> dict[str, float]:
     H, sets = VARIANTS[name]
-    arg = json.dumps([H, steps, evals, [*sets, *extra, f"run.seed={seed}"]])
+    arg = json.dumps([H, steps, evals, [*sets, *extra, f"run.seed={seed}"], config])
     proc = subprocess.run([sys.executable, "-c", ONE_RUN, arg], capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"wan_quality: variant {name} seed {seed} failed:\n{proc.stderr[-2000:]}")
-    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    out = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    print(f"wan_quality: {name} seed {seed}: " + ", ".join(f"{v:.4f} at {k}" for k, v in sorted(out.items())),
+          file=sys.stderr, flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", choices=("char-lm", "gpt"), default="char-lm",
+                   help="configs/bench-wan.yaml (char-lm) or configs/bench-wan-gpt.yaml (gpt)")
     p.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     p.add_argument("--seeds", default="0", help="comma-separated run.seed values (default 0)")
     p.add_argument("--steps", type=int, default=800, help="inner steps per region (default 800: per-step sync's in the bench)")
@@ -105,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     evals = sorted({int(e) for e in a.evals.split(",") if e} | {a.steps})
     jobs = [(n, s) for s in seeds for n in names]
     with ThreadPoolExecutor(max(1, a.parallel)) as pool:
-        results = dict(zip(jobs, pool.map(lambda j: run_variant(j[0], j[1], a.steps, evals, a.sets), jobs)))
+        config = "bench-wan.yaml" if a.base == "char-lm" else "bench-wan-gpt.yaml"
+        results = dict(zip(jobs, pool.map(lambda j: run_variant(j[0], j[1], a.steps, evals, a.sets, config), jobs)))
     rows = [{"variant": n, "seed": s, "held_out": results[(n, s)],
              "vs_allreduce": {k: round(v / results[("allreduce", s)][k], 4) for k, v in results[(n, s)].items()}}
             for n, s in jobs]
