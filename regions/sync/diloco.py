@@ -78,6 +78,7 @@ class DilocoSync:
         previous round's is applied instead (see the module docstring).
         """
         ctx = self.ctx
+        self._window.started()
         metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
         start = self._start if self.overlap else self.global_params
         delta = [s.detach() - p.detach() for s, p in zip(start, ctx.params)]

@@ -131,6 +131,7 @@ class FragmentedDilocoSync(DilocoSync):
         ctx = self.ctx
         f = self.fragment_of(plan.round)
         idx = self.fragments[f]
+        self._window.started()
         metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
         metrics["fragment"] = f
         start = self.sp if self.overlap else self.gp

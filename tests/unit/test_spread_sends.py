@@ -131,12 +131,18 @@ def test_hurry_releases_what_is_left_of_every_push_in_flight():
     assert pushes.hurry() == 0  # nothing tracked once they ended
 
 
-def test_the_window_is_the_shortest_recent_compute_the_spread_its_share_and_the_final_round_has_none():
+def test_the_window_is_the_median_compute_plus_the_longest_wait_and_the_spread_a_share_of_the_shortest():
     from geofed.regions.sync.common import OverlapWindow
 
     plan, final = RoundPlan(round=1, H=4), RoundPlan(round=9, H=4, final=True)
-    p = OverlapWindow(0.5, window=3)
-    got = [p.note(plan, {"compute_s": c}) for c in (2.0, 1.0, 3.0, 4.0, 5.0)]
-    assert got == [(2.0, 1.0), (1.0, 0.5), (1.0, 0.5), (1.0, 0.5), (3.0, 1.5)]
+    p = OverlapWindow(0.5, rounds=3)
+    got = [p.note(plan, {"compute_s": c}) for c in (2.0, 1.0, 3.0, 4.0, 5.0)]  # no waits between rounds noted
+    assert got == [(2.0, 1.0), (1.5, 0.5), (2.0, 0.5), (3.0, 0.5), (4.0, 1.5)]
     assert p.note(final, {"compute_s": 9.0}) == (0.0, 0.0)
     assert OverlapWindow(0.0).note(plan, {"compute_s": 2.0}) == (2.0, 0.0)  # no spread; the window still counts
+    q = OverlapWindow(0.0)
+    q.note(plan, {"compute_s": 1.0})
+    time.sleep(0.3)  # the region waited for the barrier between rounds
+    q.started()
+    window, _ = q.note(plan, {"compute_s": 1.0})
+    assert 1.25 < window < 1.6  # the next result is needed after the wait and the next compute
