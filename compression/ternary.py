@@ -4,8 +4,8 @@ Per chunk of `chunk` values, the values with |x| >= `threshold` x mean|x| are se
 and the rest as 0, where L is the mean |x| of the values sent: the least-squares level for that
 choice, so ||x - decode(x)|| < ||x|| whenever a chunk sends anything (contractive: error
 feedback suits it). The default threshold, 0.75 of the mean magnitude, is the least-squares
-threshold of a Gaussian (0.61 sigma); on pseudo-gradients, which have heavier tails, it measured
-as well as 0.5 and 1.0.
+threshold of a Gaussian (0.61 sigma); on char-lm's pseudo-gradients 0.5 and 1.0 trained within
+the seed-to-seed spread of it (docs/bench-wan.md).
 
 Wire sections:
 
@@ -15,7 +15,7 @@ Wire sections:
     levels  fp32 per chunk, finite and >= 0
 
 1.6 bits + 32 / chunk bits a value: ~19.6x at chunk 1024, between int3 (10.2x) and sign (31.8x).
-On char-lm's DiLoCo pseudo-gradients with error feedback it trained within 0.6% of int3 at 1.9x
+On char-lm's DiLoCo pseudo-gradients with error feedback it trained within 0.8% of int3 at 1.9x
 fewer bytes (docs/compression.md, docs/bench-wan.md).
 
 Both directions run over cache-sized blocks of whole chunks and whole bytes with preallocated
