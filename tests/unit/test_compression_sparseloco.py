@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import struct
-import zlib
 
 import pytest
 import torch
@@ -13,34 +12,26 @@ from geofed.compression import (
     CodecSpec,
     CodecState,
     decode_update,
-    encode_and_decode,
     encode_update,
     inspect_update,
     make_codec,
 )
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.policies.cost import Ladder
+from support.codecs import MAX, least_squares, payload, randn, reseal, roundtrip, train
 
 torch.set_num_threads(1)
-MAX = 1 << 26
 
 
-def _randn(n, seed=0):
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _roundtrip(spec, x, state=None):
-    payload, (sent,) = encode_and_decode(spec, [x], state)
-    (got,) = decode_update(payload, max_bytes=MAX, expected_shapes=[x.shape])
-    assert torch.equal(sent, got)  # the sender's view is what receivers decode
-    return payload, got
 
 
 @pytest.mark.parametrize("n", [64, 1000, 4096 * 3 + 17])
 def test_keeps_the_top_k_of_every_chunk_with_two_magnitudes_and_the_sign(n):
     chunk, fraction = 64, 0.1
-    x = _randn(n) * torch.linspace(0.1, 10, n)  # chunks of very different scales
-    _, got = _roundtrip({"kind": "sparseloco", "fraction": fraction, "chunk": chunk}, x)
+    x = randn(n) * torch.linspace(0.1, 10, n)  # chunks of very different scales
+    _, got = roundtrip({"kind": "sparseloco", "fraction": fraction, "chunk": chunk}, x)
     for s in range(0, n, chunk):
         xc, gc = x[s: s + chunk], got[s: s + chunk]
         k = math.ceil(fraction * xc.numel() - 1e-9)
@@ -57,12 +48,12 @@ def test_keeps_the_top_k_of_every_chunk_with_two_magnitudes_and_the_sign(n):
 
 
 def test_round_trip_error_is_below_the_input_and_the_state_residual_is_what_was_not_sent():
-    x = _randn(50_000, seed=3)
+    x = randn(50_000, seed=3)
     state = CodecState(error_feedback=True)
-    _, got = _roundtrip("sparseloco", x, state)
+    _, got = roundtrip("sparseloco", x, state)
     assert float((got - x).norm()) < float(x.norm())  # contractive
     assert torch.allclose(state.residual, x - got)
-    x2 = _randn(50_000, seed=4)
+    x2 = randn(50_000, seed=4)
     payload = encode_update("sparseloco", [x2], state)  # the subtract_decoded path
     (s2,) = decode_update(payload, max_bytes=MAX)
     assert torch.allclose(got + s2 + state.residual, x + x2, atol=1e-5)
@@ -70,7 +61,7 @@ def test_round_trip_error_is_below_the_input_and_the_state_residual_is_what_was_
 
 def test_bytes_per_element_beat_topk_by_about_two():
     n = 1_000_000
-    x = _randn(n)
+    x = randn(n)
     bpe = {}
     for spec in ["sparseloco", "topk(fraction=0.01)", "topk(fraction=0.01,inner=int8)"]:
         codec = CodecSpec.parse(spec).codec()
@@ -83,53 +74,31 @@ def test_bytes_per_element_beat_topk_by_about_two():
     assert bpe["sparseloco"] < 0.68 * bpe["topk(fraction=0.01,inner=int8)"]  # 0.0302 B/element
 
 
-def _least_squares(workers=4, d=512, m=300, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    data = []
-    for i in range(workers):
-        a = torch.randn(m, d, generator=g) / d ** 0.5
-        data.append((a, a @ (torch.randn(d, generator=g) * 2 + i) + 0.1 * torch.randn(m, generator=g)))
-    return data
 
 
-def _train(data, codec, ef, steps=1500, lr=2.0):
-    w = torch.zeros(data[0][0].shape[1])
-    states = [CodecState(error_feedback=ef, seed=i) for i in range(len(data))]
-    for _ in range(steps):
-        update = torch.zeros_like(w)
-        for (a, b), state in zip(data, states):
-            grad = a.T @ (a @ w - b) / a.shape[0]
-            update += grad if codec is None else encode_and_decode(codec, [grad], state)[1][0]
-        w -= lr * update / len(data)
-    return sum(float(((a @ w - b) ** 2).mean() / 2) for a, b in data) / len(data), states
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.slow  # 26 s of training: the slow pass (CI runs both)
 def test_error_feedback_makes_two_percent_sparseloco_train_like_uncompressed():
-    data = _least_squares()
+    data = least_squares()
     codec = make_codec({"kind": "sparseloco", "fraction": 0.02, "chunk": 128})  # 3 of every 128 sent
-    plain, _ = _train(data, None, False)
-    with_ef, states = _train(data, codec, True)
-    without_ef, _ = _train(data, codec, False)
+    plain, _ = train(data, None, False, steps=1500)
+    with_ef, states = train(data, codec, True, steps=1500)
+    without_ef, _ = train(data, codec, False, steps=1500)
     assert all(s.ef_applied for s in states)
     assert with_ef <= plain * 1.01, (with_ef, plain)
     assert without_ef > plain * 1.01, (without_ef, plain)  # what was dropped never arrives
 
 
-def _payload(spec, n, seed=0):
-    return bytearray(encode_update(spec, [_randn(n, seed)])), n
 
 
-def _reseal(p):
-    struct.pack_into("<I", p, 8, zlib.crc32(bytes(p[12:])))
-    return bytes(p)
 
 
 def _poke_byte(p, section, index, value):
     h = inspect_update(bytes(p), max_bytes=MAX)
     p[h.offsets[section] + (index if index >= 0 else h.sections[section].count + index)] = value
-    return _reseal(p)
+    return reseal(p)
 
 
 @pytest.mark.parametrize("section,index,value,message", [
@@ -138,24 +107,24 @@ def _poke_byte(p, section, index, value):
     (0, 0, 0xFF, "not strictly increasing"),  # first index 63 in a chunk of 64: the next cannot follow
 ])
 def test_lying_payloads_are_refused(section, index, value, message):
-    p, n = _payload({"kind": "sparseloco", "fraction": 0.05, "chunk": 64}, 100)  # 64 + a tail of 36: 4 + 2 kept
+    p = payload({"kind": "sparseloco", "fraction": 0.05, "chunk": 64}, 100)  # 64 + a tail of 36: 4 + 2 kept
     with pytest.raises(CodecError, match=message):
         decode_update(_poke_byte(p, section, index, value), max_bytes=MAX)
 
 
 def test_an_index_past_the_tail_chunk_and_bad_magnitudes_are_refused():
     spec = {"kind": "sparseloco", "fraction": 0.5, "chunk": 16}
-    p, n = _payload(spec, 20)  # a chunk of 16 (8 kept) and a tail of 4 (2 kept): 10 x 4 bits
+    p = payload(spec, 20)  # a chunk of 16 (8 kept) and a tail of 4 (2 kept): 10 x 4 bits
     h = inspect_update(bytes(p), max_bytes=MAX)
     q = bytearray(p)
     q[h.offsets[0] + 4] = 0xF2  # the tail's indices: 2, then 15 (>= 4)
     with pytest.raises(CodecError, match="in-chunk index 15 out of range for a chunk of 4"):
-        decode_update(_reseal(q), max_bytes=MAX)
+        decode_update(reseal(q), max_bytes=MAX)
     for lo, hi in [(-1.0, 1.0), (2.0, 1.0), (0.0, float("inf")), (float("nan"), 1.0)]:
         q = bytearray(p)
         struct.pack_into("<ff", q, h.offsets[2], lo, hi)
         with pytest.raises(CodecError, match="chunk magnitudes must be finite with 0 <= low <= high"):
-            decode_update(_reseal(q), max_bytes=MAX)
+            decode_update(reseal(q), max_bytes=MAX)
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -186,7 +155,7 @@ def test_usable_from_the_config_and_ordered_by_bytes_in_a_policy_ladder():
 
 def test_empty_small_and_all_zero_updates():
     for x in [torch.zeros(0), torch.ones(1), torch.zeros(5000), torch.tensor([3e38, -3e38] * 40)]:
-        _, got = _roundtrip("sparseloco", x, CodecState(error_feedback=True))
+        _, got = roundtrip("sparseloco", x, CodecState(error_feedback=True))
         assert torch.isfinite(got).all() and got.shape == x.shape
 
 

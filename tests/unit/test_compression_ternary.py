@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import zlib
 
 import pytest
 import torch
@@ -12,33 +11,25 @@ from geofed.compression import (
     CodecSpec,
     CodecState,
     decode_update,
-    encode_and_decode,
     encode_update,
     inspect_update,
     make_codec,
 )
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.policies.cost import Ladder
+from support.codecs import MAX, least_squares, payload, randn, reseal, roundtrip, train
 
 torch.set_num_threads(1)
-MAX = 1 << 26
 
 
-def _randn(n, seed=0):
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _roundtrip(spec, x, state=None):
-    payload, (sent,) = encode_and_decode(spec, [x], state)
-    (got,) = decode_update(payload, max_bytes=MAX, expected_shapes=[x.shape])
-    assert torch.equal(sent, got)  # the sender's view is what receivers decode
-    return payload, got
 
 
 @pytest.mark.parametrize("n,chunk", [(64, 64), (1000, 64), (1029, 1024), (333, 7)])
 def test_sends_the_sign_of_the_values_above_the_threshold_at_their_mean_magnitude(n, chunk):
-    x = _randn(n) * torch.linspace(0.1, 10, n)  # chunks of very different scales
-    _, got = _roundtrip({"kind": "ternary", "chunk": chunk}, x)
+    x = randn(n) * torch.linspace(0.1, 10, n)  # chunks of very different scales
+    _, got = roundtrip({"kind": "ternary", "chunk": chunk}, x)
     for s in range(0, n, chunk):
         xc, gc = x[s: s + chunk], got[s: s + chunk]
         kept = xc.abs() >= 0.75 * xc.abs().mean()
@@ -50,13 +41,13 @@ def test_sends_the_sign_of_the_values_above_the_threshold_at_their_mean_magnitud
 
 
 def test_round_trip_error_is_below_the_input_and_the_state_residual_is_what_was_not_sent():
-    x = _randn(50_000, seed=3)
+    x = randn(50_000, seed=3)
     state = CodecState(error_feedback=True)
-    _, got = _roundtrip("ternary", x, state)
+    _, got = roundtrip("ternary", x, state)
     err = float((got - x).norm() / x.norm())
     assert err < 0.45  # a Gaussian's least-squares ternary error is 0.44 of its norm
     assert torch.allclose(state.residual, x - got)
-    x2 = _randn(50_000, seed=4)
+    x2 = randn(50_000, seed=4)
     payload = encode_update("ternary", [x2], state)
     (s2,) = decode_update(payload, max_bytes=MAX)
     assert torch.allclose(got + s2 + state.residual, x + x2, atol=1e-5)
@@ -65,64 +56,42 @@ def test_round_trip_error_is_below_the_input_and_the_state_residual_is_what_was_
 def test_contractive_even_for_a_chunk_of_one_spike_and_zeros():
     x = torch.zeros(4096)
     x[7] = 1e3
-    _, got = _roundtrip("ternary", x)
+    _, got = roundtrip("ternary", x)
     assert torch.equal(got, x)  # the spike is the only kept value: its level is itself, zeros stay zero
     y = torch.tensor([1e3] + [1e-3] * 1023)
-    _, got = _roundtrip("ternary", y)
+    _, got = roundtrip("ternary", y)
     assert float((got - y).norm()) < float(y.norm())
 
 
 def test_about_nineteen_times_smaller_than_fp32_and_twice_int3():
     n = 1_000_000
-    x = _randn(n)
+    x = randn(n)
     sizes = {spec: len(encode_update(spec, [x])) for spec in ["ternary", "int3", "sign"]}
     assert 4 * n / sizes["ternary"] == pytest.approx(19.5, rel=0.01)  # 1.6 bits + 32 / 1024
     assert make_codec("ternary").estimate_ratio(n) == pytest.approx(4 * n / sizes["ternary"], rel=0.01)
     assert sizes["int3"] > 1.85 * sizes["ternary"] > sizes["sign"]
 
 
-def _least_squares(workers=4, d=512, m=300, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    data = []
-    for i in range(workers):
-        a = torch.randn(m, d, generator=g) / d ** 0.5
-        data.append((a, a @ (torch.randn(d, generator=g) * 2 + i) + 0.1 * torch.randn(m, generator=g)))
-    return data
 
 
-def _train(data, codec, ef, steps=400, lr=2.0):
-    w = torch.zeros(data[0][0].shape[1])
-    states = [CodecState(error_feedback=ef, seed=i) for i in range(len(data))]
-    for _ in range(steps):
-        update = torch.zeros_like(w)
-        for (a, b), state in zip(data, states):
-            grad = a.T @ (a @ w - b) / a.shape[0]
-            update += grad if codec is None else encode_and_decode(codec, [grad], state)[1][0]
-        w -= lr * update / len(data)
-    return sum(float(((a @ w - b) ** 2).mean() / 2) for a, b in data) / len(data)
 
 
 def test_error_feedback_makes_ternary_train_like_uncompressed():
-    data = _least_squares()
+    data = least_squares()
     codec = make_codec({"kind": "ternary", "chunk": 128})
-    plain = _train(data, None, False)
-    with_ef = _train(data, codec, True)
-    without_ef = _train(data, codec, False)
+    plain, _ = train(data, None, False, steps=400)
+    with_ef, _ = train(data, codec, True, steps=400)
+    without_ef, _ = train(data, codec, False, steps=400)
     assert with_ef <= plain * 1.02, (with_ef, plain)
     assert without_ef > with_ef * 1.05, (without_ef, with_ef)  # what is dropped never arrives without EF
 
 
-def _payload(spec, n, seed=0):
-    return bytearray(encode_update(spec, [_randn(n, seed)])), n
 
 
-def _reseal(p):
-    struct.pack_into("<I", p, 8, zlib.crc32(bytes(p[12:])))
-    return bytes(p)
 
 
 def test_lying_payloads_are_refused():
-    p, n = _payload({"kind": "ternary", "chunk": 16}, 31)  # 7 bytes of codes: the last holds 1 value and 4 of padding
+    p = payload({"kind": "ternary", "chunk": 16}, 31)  # 7 bytes of codes: the last holds 1 value and 4 of padding
     h = inspect_update(bytes(p), max_bytes=MAX)
     for index, value, message in [(0, 243, "ternary: a byte of codes is 243; five base-3 codes make at most 242"),
                                   (3, 0xFF, "a byte of codes is 255"),
@@ -131,15 +100,15 @@ def test_lying_payloads_are_refused():
         q = bytearray(p)
         q[h.offsets[0] + index] = value
         with pytest.raises(CodecError, match=message):
-            decode_update(_reseal(q), max_bytes=MAX)
+            decode_update(reseal(q), max_bytes=MAX)
     for level in (-1.0, float("nan"), float("inf")):
         q = bytearray(p)
         struct.pack_into("<f", q, h.offsets[1] + 4, level)
         with pytest.raises(CodecError, match="ternary: chunk levels must be finite and >= 0"):
-            decode_update(_reseal(q), max_bytes=MAX)
+            decode_update(reseal(q), max_bytes=MAX)
     q = bytearray(p)
     q[h.offsets[0] + 6] = 1 + 3 + 9 + 27 + 81 - 1  # the last value -L, the padding zeros: valid
-    (got,) = decode_update(_reseal(q), max_bytes=MAX)
+    (got,) = decode_update(reseal(q), max_bytes=MAX)
     assert float(got[-1]) <= 0
 
 
@@ -171,6 +140,6 @@ def test_usable_from_the_config_and_ordered_by_bytes_in_a_policy_ladder():
 def test_empty_small_huge_and_all_zero_updates():
     for x in [torch.zeros(0), torch.ones(1), torch.zeros(5000), torch.tensor([3e38, -3e38] * 40),
               torch.tensor([1e-45, -1e-40, 0.0] * 9)]:
-        _, got = _roundtrip("ternary", x, CodecState(error_feedback=True))
+        _, got = roundtrip("ternary", x, CodecState(error_feedback=True))
         assert torch.isfinite(got).all() and got.shape == x.shape
         assert float((got - x).norm()) <= float(x.norm())
