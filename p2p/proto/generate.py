@@ -7,6 +7,7 @@ generated gRPC module imports ``from geofed.p2p.proto import gossip_pb2`` (a bar
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import tempfile
@@ -14,6 +15,24 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 GENERATED = ("gossip_pb2.py", "gossip_pb2_grpc.py")
+
+
+# The version stamps record which grpcio-tools/protoc wrote the code (and so the oldest
+# runtime it accepts); a newer patch release of the tools changes nothing else, so the
+# staleness check compares the code with the stamps blanked out.
+_STAMPS = (
+    (re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M), "GRPC_GENERATED_VERSION = <stamp>"),
+    (re.compile(r"^# Protobuf Python Version: .*$", re.M), "# Protobuf Python Version: <stamp>"),
+    (re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)"
+                r"\s*\d+,\s*\d+,\s*\d+,"), r"\1 <stamp>,"),
+)
+
+
+def without_version_stamps(text: str) -> str:
+    """The generated code with the tool-version stamps blanked out."""
+    for pattern, repl in _STAMPS:
+        text = pattern.sub(repl, text)
+    return text
 
 
 def generate(out_dir: Path) -> list[Path]:
