@@ -47,3 +47,22 @@ def test_eager_regions_end_on_one_model_and_learn(tmp_path):
     assert res["a"]["eval"]["value"] > 0.6 and res["a"]["exchange_round"] == 5  # the last round flushes its own
     delayed, _ = _train(tmp_path, ["a", "b", "c"], True, rounds=6)
     assert not all(torch.allclose(x, y, atol=1e-4) for x, y in zip(got["a"], delayed["a"]))  # it is another run
+
+
+def test_the_eager_preview_is_the_delayed_outer_step_when_local_and_global_agree(tmp_path):
+    # Eager applies outer_step(local pseudo-gradient) at once; delayed applies outer_step(global
+    # mean) a round later. With the two pseudo-gradients equal, both must move the global model
+    # to the same point, momentum and Nesterov included (0.9, after rounds that filled the buffer).
+    with InProcessRegions(_cfg(["a"], True, momentum=0.9), tmp_path / "delayed") as c:
+        for r in range(3):
+            c.run_round({"a": RoundPlan(round=r, H=5, final=(r == 2))})
+        algo = c.workers["a"].algorithm
+        assert all(s.get("momentum_buffer") is not None for s in algo.outer_opt.state.values())
+        gen = torch.Generator().manual_seed(0)
+        delta = [torch.randn(p.shape, generator=gen) * 1e-2 for p in algo.global_params]
+        before = [g.detach().clone() for g in algo.global_params]
+        preview = algo._preview_outer_step(delta)
+        assert all(torch.equal(g, b) for g, b in zip(algo.global_params, before))  # a preview writes nothing
+        algo._outer_step(delta)
+        assert all(torch.allclose(p, g, atol=1e-7) for p, g in zip(preview, algo.global_params))
+        assert not all(torch.allclose(p, b, atol=1e-6) for p, b in zip(preview, before))  # it did move
