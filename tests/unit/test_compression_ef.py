@@ -14,49 +14,18 @@ from geofed.compression import (
     encode_update,
     make_codec,
 )
+from support.codecs import least_squares, train
 
 torch.set_num_threads(1)
 
 
-def _least_squares(workers=4, d=500, m=300, seed=0):
-    """Each worker holds its own least-squares data with its own optimum (non-IID), so the
-    workers' gradients do not vanish at the joint optimum: top-k of each is biased there."""
-    g = torch.Generator().manual_seed(seed)
-    data = []
-    for i in range(workers):
-        a = torch.randn(m, d, generator=g) / d ** 0.5
-        b = a @ (torch.randn(d, generator=g) * 2 + i) + 0.1 * torch.randn(m, generator=g)
-        data.append((a, b))
-    return data
-
-
-def _loss(data, w):
-    return sum(float(((a @ w - b) ** 2).mean() / 2) for a, b in data) / len(data)
-
-
-def _train(data, codec, error_feedback, steps=1500, lr=2.0):
-    w = torch.zeros(data[0][0].shape[1])
-    states = [CodecState(error_feedback=error_feedback, seed=i) for i in range(len(data))]
-    for _ in range(steps):
-        update = torch.zeros_like(w)
-        for (a, b), state in zip(data, states):
-            grad = a.T @ (a @ w - b) / a.shape[0]
-            if codec is None:
-                update += grad
-            else:
-                _, (sent,) = encode_and_decode(codec, [grad], state)
-                update += sent
-        w -= lr * update / len(data)
-    return _loss(data, w), states
-
-
 @pytest.mark.timeout(120)
 def test_topk_one_percent_needs_error_feedback_to_match_uncompressed_training():
-    data = _least_squares()
+    data = least_squares(d=500)  # non-IID optima: top-k of each worker's gradient is biased at the joint one
     topk = make_codec({"kind": "topk", "fraction": 0.01})
-    plain, _ = _train(data, None, False)
-    with_ef, states = _train(data, topk, True)
-    without_ef, _ = _train(data, topk, False)
+    plain, _ = train(data, None, False, steps=1500)
+    with_ef, states = train(data, topk, True, steps=1500)
+    without_ef, _ = train(data, topk, False, steps=1500)
     assert all(s.ef_applied for s in states)
     assert states[0].bytes_wire / states[0].counter < 200  # 5 of 500 values per step (+ header), not 2000 bytes
     assert with_ef <= plain * 1.01, (with_ef, plain)
