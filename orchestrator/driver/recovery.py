@@ -4,7 +4,10 @@
   (the round in flight finishes, a checkpoint is written, exit 130/143); a second one stops at
   once (KeyboardInterrupt; the previous checkpoint stands, so at most one round is lost).
 - ``plan_resync``: after a round in which some regions missed an in-neighbour's update, which
-  region pulls the model from which (DiLoCo/all-reduce over a full topology keep one model).
+  region pulls the model from which (DiLoCo/all-reduce over a full topology keep one model); never
+  from a region whose update it missed or refused.
+- ``WithholdWatch``: a member that answers heartbeats but whose updates never arrive is left out of
+  the plan, and tried again later.
 - ``Interrupted``: raised by the runner after a clean stop.
 - what a killed driver left running: orchestrator/driver/leftovers.py (re-exported here).
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -91,41 +95,132 @@ class StopSignals:
 
 @dataclass(frozen=True, kw_only=True)
 class Resync:
-    """One region that missed an update and pulls the model from one of `donors`, which missed none."""
+    """One region that missed an update and pulls the model from `donors` (checked, and combined
+    when several answer: regions/worker_state.py), none of which it missed or refused."""
 
     region: str
-    donors: tuple[str, ...]  # any of them will do; the joiner's rendezvous order spreads the load
+    donors: tuple[str, ...]  # the ones it heard from first; the joiner's rendezvous order spreads the load
 
 
-def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> list[Resync]:
+def suspects(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> set[str]:
+    """Regions that more than half of the other reporting regions missed this round: each withheld
+    its update or had it refused (or its uplink is down). Such a region missed nothing itself, as it
+    received everyone's, so by miss counts alone it would be everyone's donor (issue 36, N1)."""
+    reporters = [r for r in order if r in results]
+    missed_by = Counter(p for r in reporters for p in set(results[r].get("peers_missing") or ()))
+    return {d for d in reporters if 2 * missed_by[d] > len(reporters) - 1}
+
+
+def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str], *,
+                left_out: Collection[str] = ()) -> list[Resync]:
     """Who pulls the model from whom after a round.
 
     With DiLoCo or all-reduce over a full topology every region that received every update holds
     the same model; a region that missed one folded the missing weight into its own update and
-    drifted. The donors are the regions that missed nothing; when every region missed something
-    (an outage of every link, a region that died mid-round) the one that missed fewest, first in
-    `order`, is the donor and the others take its model: one model again, at the cost of one
-    round of the others' local progress.
+    drifted. The donors are the regions that missed nothing, less the suspects (`suspects`: most
+    peers missed them); when every other region missed something (an outage of every link, a
+    region that died mid-round, a member that withholds its update) the one that missed fewest,
+    first in `order`, is the donor and the others, suspects included, take its model: one model
+    again, at the cost of one round of the others' local progress.
 
-    A region fetches only from donors whose update reached it this round when there are such:
-    that proves the donor -> region direction works, while the link that made it miss an update
-    may still be down (a FetchState over it would stall until its timeout).
+    A region never takes state from a region whose update it missed or refused this round: a
+    member that withholds its update from a region must not then hand it a model. Among the
+    others it tries first the donors whose update reached it this round: that proves the donor ->
+    region direction works. A region with no such donor stays on its own model. `left_out`
+    (regions muted for withholding: WithholdWatch) are neither donors nor resynced.
     """
-    missing = {r: len(m.get("peers_missing") or ()) for r, m in results.items()}
+    results = {r: m for r, m in results.items() if r not in left_out}
+    missing = {r: set(m.get("peers_missing") or ()) for r, m in results.items()}
     if not any(missing.values()):
         return []
-    complete = [r for r in order if missing.get(r) == 0]
-    if complete:
-        donors = tuple(complete)
-    else:
-        fewest = min(missing.values())
-        donors = (next(r for r in order if missing.get(r) == fewest),)
+    reporters = [r for r in order if r in missing]
+    suspect = suspects(results, order)
+    pool = [r for r in reporters if r not in suspect]
+    if not pool:
+        return []
+    fewest = min(len(missing[r]) for r in pool)
+    donors = [r for r in pool if not missing[r]] if fewest == 0 else [next(r for r in pool if len(missing[r]) == fewest)]
     jobs = []
-    for r in order:
-        if r in missing and missing[r] and r not in donors:
-            heard = {t.get("peer") for t in results[r].get("transfers") or () if t.get("direction") == "recv"}
-            jobs.append(Resync(region=r, donors=tuple(d for d in donors if d in heard) or donors))
+    for r in reporters:
+        if r in donors or not (missing[r] or r in suspect):
+            continue
+        heard = {t.get("peer") for t in results[r].get("transfers") or () if t.get("direction") == "recv"}
+        eligible = [d for d in donors if d != r and d not in missing[r]]
+        ranked = [d for d in eligible if d in heard] + [d for d in eligible if d not in heard]
+        if ranked:
+            jobs.append(Resync(region=r, donors=tuple(ranked)))
     return jobs
+
+
+class WithholdWatch:
+    """Members that answer heartbeats but whose updates never arrive (withheld, or refused by
+    their receivers) are left out of the plan like a stalled region (issue 36, N2).
+
+    A region is *withheld* in a round when it reported the round and more than half of the (at
+    least two) regions that expected its update missed it. After `after` such rounds in a row it
+    is muted: its in-neighbours stop waiting for it (so their receive deadlines never widen for
+    it) and it trains alone. After `first_out` rounds it is tried again (probation): it first takes
+    the model of a current region, then is planned like any other; an update that arrives puts it
+    back for good, one more withheld round mutes it again at once, for twice as long as the last
+    time (at most `max_out` rounds). Its state is in the driver's checkpoint (`state_dict`).
+    """
+
+    def __init__(self, *, after: int = 2, first_out: int = 2, max_out: int = 32):
+        if after < 1 or first_out < 1 or max_out < first_out:
+            raise ValueError(f"after, first_out: must be >= 1 and max_out >= first_out, got {after}, {first_out}, {max_out}")
+        self.after, self.first_out, self.max_out = after, first_out, max_out
+        self.streak: Counter[str] = Counter()
+        self.out_until: dict[str, int] = {}  # muted region -> first round it is tried again
+        self.tries: Counter[str] = Counter()  # how many times it was muted without a good round since
+        self.on_probation: set[str] = set()
+
+    def muted(self, round_: int) -> set[str]:
+        """The regions left out of `round_`."""
+        return {r for r, until in self.out_until.items() if round_ < until}
+
+    def back(self, round_: int) -> set[str]:
+        """Regions whose time out ends at `round_`: they are planned again (and catch up first)."""
+        due = {r for r, until in self.out_until.items() if round_ >= until}
+        for r in due:
+            del self.out_until[r]
+        self.on_probation |= due
+        return due
+
+    def observe(self, round_: int, results: Mapping[str, Mapping[str, Any]],
+                expecting: Mapping[str, Collection[str]]) -> list[dict[str, Any]]:
+        """Fold in one round: `expecting[x]` are the regions that expected x's update this round.
+        Returns one record per region muted now ({"region", "rounds_out", "missed_by", "expected_by"})."""
+        muted_now = []
+        out = self.muted(round_)
+        for x in [x for x in results if x not in out]:
+            by = [r for r in expecting.get(x, ()) if r in results and r != x]
+            missed = [r for r in by if x in set(results[r].get("peers_missing") or ())]
+            if len(by) < 2 or 2 * len(missed) <= len(by):
+                self.streak[x] = 0
+                if x in self.on_probation and len(by) >= 2:
+                    self.on_probation.discard(x)  # an update that arrived: back for good
+                    self.tries[x] = 0
+                continue
+            self.streak[x] += 1
+            if self.streak[x] >= self.after or x in self.on_probation:
+                rounds_out = min(self.max_out, self.first_out * 2 ** self.tries[x])
+                self.tries[x] += 1
+                self.streak[x] = 0
+                self.on_probation.discard(x)
+                self.out_until[x] = round_ + 1 + rounds_out
+                muted_now.append({"region": x, "rounds_out": rounds_out, "missed_by": sorted(missed),
+                                  "expected_by": sorted(by)})
+        return muted_now
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": dict(self.streak), "out_until": dict(self.out_until), "tries": dict(self.tries),
+                "on_probation": sorted(self.on_probation)}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.streak = Counter({str(k): int(v) for k, v in (d.get("streak") or {}).items()})
+        self.out_until = {str(k): int(v) for k, v in (d.get("out_until") or {}).items()}
+        self.tries = Counter({str(k): int(v) for k, v in (d.get("tries") or {}).items()})
+        self.on_probation = {str(r) for r in d.get("on_probation") or ()}
 
 
 def schedule_after(schedule: Sequence[Any], *, next_round: int, elapsed_s: float) -> tuple:
