@@ -163,6 +163,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .driver.trackers import check_trackers
 
         check_trackers(cfg, source=args.config)
+        if (check_data := getattr(cfg.task, "check_data", None)) is not None:  # a task's file, read as a run would
+            try:
+                check_data()
+            except ValueError as exc:
+                raise ConfigError("", str(exc), source=args.config) from None
         print(f"{args.config}: ok ({len(cfg.regions.names)} regions, task {cfg.task.kind}, {cfg.run.rounds} rounds)")
         return 0
     if args.command == "config-docs":

@@ -30,6 +30,11 @@ from geofed.regions.inputfiles import InputFileError, open_regular
 
 REQUIRED_KEYS = ("x", "y", "edge_index", "train_mask", "val_mask", "test_mask")
 MAX_NODES = 50_000_000
+# A class id sizes the model's output layer and every node's logits, a feature column its first
+# layer, in every process: one label 49,999,999 in a 1 KB file was a 3 GB output layer. Cora has
+# 7 classes and 1,433 columns, CiteSeer 6 and 3,703; 100,000 of each is far past any benchmark.
+MAX_CLASSES = 100_000
+MAX_FEATURES = 100_000
 MAX_GRAPH_BYTES = 1 << 30  # default cap (task.max_mb); Cora is 4 MB uncompressed, CiteSeer 15 MB
 MAX_ZIP_DIRECTORY = 1 << 20  # ~20k members' entries; the format has six
 _ZIP_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
@@ -83,7 +88,7 @@ def load_graph_npz(path: str | Path, *, max_bytes: int = MAX_GRAPH_BYTES) -> Gra
             raise
         # np.load refuses object arrays when allow_pickle=False; say so plainly.
         raise ValueError(f"{path}: not a plain-array .npz graph file: {exc}") from None
-    _validate(arrays, str(path))
+    _validate(arrays, str(path), max_bytes)
     return GraphData(
         x=arrays["x"], y=arrays["y"].astype(np.int64), edge_index=arrays["edge_index"].astype(np.int64),
         train_mask=arrays["train_mask"], val_mask=arrays["val_mask"], test_mask=arrays["test_mask"],
@@ -163,17 +168,26 @@ def _zip_directory_size(f: BinaryIO) -> int | None:
     return directory
 
 
-def _validate(a: dict[str, np.ndarray], src: str) -> None:
+def _validate(a: dict[str, np.ndarray], src: str, max_bytes: int) -> None:
     x, y, ei = a["x"], a["y"], a["edge_index"]
-    if x.ndim != 2 or not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
-        raise ValueError(f"{src}: x: expected a 2-D numeric array, got {x.dtype} {x.shape}")
+    if x.ndim != 2 or not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
+                           or x.dtype == np.bool_):
+        raise ValueError(f"{src}: x: expected a 2-D numeric array (real numbers), got {x.dtype} {x.shape}")
     n = x.shape[0]
     if not 1 <= n <= MAX_NODES:
         raise ValueError(f"{src}: x: node count {n} out of range [1, {MAX_NODES}]")
+    if (problem := feature_columns_problem(x.shape[1]) or finite_problem(x)) is not None:
+        raise ValueError(f"{src}: x: {problem}")
     if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"{src}: y: expected integer shape ({n},), got {y.dtype} {y.shape}")
     if y.min() < -1 or y.max() < 0:
         raise ValueError(f"{src}: y: class ids must be >= 0 (or -1 for unlabelled), with at least one label")
+    if (problem := class_count_problem(y, n)) is not None:
+        raise ValueError(f"{src}: y: {problem}")
+    classes = int(y.max()) + 1
+    if n * classes * 4 > max_bytes:  # the logits of a full-batch forward pass, in every process
+        raise ValueError(f"{src}: y: {classes} classes x {n} nodes of float32 outputs is {n * classes * 4} bytes; "
+                         f"the limit is {max_bytes}")
     if ei.ndim != 2 or ei.shape[0] != 2 or not np.issubdtype(ei.dtype, np.integer):
         raise ValueError(f"{src}: edge_index: expected integer shape (2, E), got {ei.dtype} {ei.shape}")
     if ei.size and (ei.min() < 0 or ei.max() >= n):
@@ -186,6 +200,33 @@ def _validate(a: dict[str, np.ndarray], src: str) -> None:
             raise ValueError(f"{src}: {key}: selects unlabelled nodes (y == -1)")
     if not a["train_mask"].any() or not a["test_mask"].any():
         raise ValueError(f"{src}: train_mask and test_mask must each select at least one node")
+
+
+def class_count_problem(y: np.ndarray, n: int) -> str | None:
+    """Why the labels `y` of `n` nodes ask for too many classes (ids 0..C-1 make C outputs), or None."""
+    top = int(y.max()) if y.size else -1
+    bound = min(MAX_CLASSES, n)
+    if top + 1 <= bound:
+        return None
+    return (f"class id {top} makes {top + 1} classes; at most {bound} (the smaller of {MAX_CLASSES} and the node "
+            f"count {n}): number the classes 0..C-1")
+
+
+def feature_columns_problem(columns: int) -> str | None:
+    """Why `columns` feature columns are too many (each is a row of the first layer), or None."""
+    return None if columns <= MAX_FEATURES else f"{columns} feature columns; at most {MAX_FEATURES}"
+
+
+def finite_problem(x: np.ndarray) -> str | None:
+    """Where a float array holds NaN or an infinity (training on one makes every loss NaN), or None."""
+    if not np.issubdtype(x.dtype, np.floating):
+        return None
+    bad = ~np.isfinite(x)
+    if not bad.any():
+        return None
+    at = tuple(int(i) for i in np.unravel_index(int(bad.argmax()), bad.shape))  # the first, without a list of all
+    where = f"row {at[0]}, column {at[1]}" if len(at) == 2 else f"index {at}"
+    return f"not finite ({float(x[at])!r} at {where})"
 
 
 def feature_tensor(x: np.ndarray) -> torch.Tensor:

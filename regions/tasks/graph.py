@@ -76,6 +76,12 @@ class GcnPlanetoidConfig:
         if not 1 <= self.max_mb <= 1 << 20:
             raise ValueError(f"max_mb: must be in [1, 1048576], got {self.max_mb}")
 
+    def check_data(self) -> None:
+        """Load the graph with the task's own checks and caps (`geofed validate` calls this), so a
+        file every region would refuse, or pay gigabytes for, is refused before anything starts;
+        ValueError starts with "task.path: " and names the file."""
+        load_task_graph(self.path, max_mb=self.max_mb)
+
 
 class GraphShard(Shard):
     """A region's subgraph; every batch is the whole subgraph (full-batch training)."""
