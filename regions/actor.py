@@ -45,7 +45,8 @@ class RegionActor(RegionWorker):
     its run and is handed the next run's config by `adopt`.
     """
 
-    def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, str] | None = None):
+    def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, str] | None = None,
+                 hostile=None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
         # actor and the Ray job of the run that creates it.
@@ -58,12 +59,12 @@ class RegionActor(RegionWorker):
                                                      "job": pool["job"]}
             slot = WarmSlot(pool["name"], held)
             cfg, region, run_dir, tls = held["cfg"], held["region"], held["run_dir"], held["tls"]
-        self._build(cfg, region, run_dir, tls)
+        self._build(cfg, region, run_dir, tls, hostile=hostile)  # hostile: geofed bench attack only
         self.__dict__["_pool"] = slot
         self.__dict__["_start"] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3)}
 
-    def _build(self, cfg: Any, region: str, run_dir: str, tls) -> None:
-        super().__init__(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg))
+    def _build(self, cfg: Any, region: str, run_dir: str, tls, *, hostile=None) -> None:
+        super().__init__(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg), hostile=hostile)
 
     @ray.method(concurrency_group=POOL_GROUP)
     def claim(self, job: str) -> bool:

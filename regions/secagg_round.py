@@ -71,6 +71,8 @@ class SecAggRound(SecAggRecovery):
     region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after its
     inner steps (after SETUP when the round runs one), before its masked update."""
 
+    hostile = None  # geofed bench attack only: a member whose contribution lies (regions/adversary.py)
+
     def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
                  deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
                  drop_mid_round=lambda r: False):
@@ -120,6 +122,8 @@ class SecAggRound(SecAggRecovery):
             self.keys = run.RunKeys.generate(run_id=self.run_id, region=self.region, round=round_,
                                              tls_key_pem=self.tls_key)
         own = [t.detach().float().cpu() for t in tensors]
+        if self.hostile is not None:
+            own = self.hostile.masked(round_, own, peers)
         if self.residual is not None:
             own = [o + r for o, r in zip(own, self.residual)]
         self.side.expect(round_, MASKED, peers)

@@ -26,6 +26,7 @@ from .device import Precision, device_name, move_received, resolve_device
 from .sync import algorithm_class, mix
 from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
+from .adversary import attach
 from .exchange import Exchanger
 from .gapfill import GapFiller, pausing
 from .limits import wire_limits
@@ -78,7 +79,7 @@ class RegionWorker(LocalSteps, RegionState):
     not import orchestrator)."""
 
     def __init__(self, cfg: Any, region: str, run_dir: str | Path, *, transport=None, tls=None,
-                 advertised_host: str | None = None, task=None):
+                 advertised_host: str | None = None, task=None, hostile=None):
         self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
         self.regions = list(cfg.regions.names)
         self.index = self.regions.index(region)
@@ -105,6 +106,8 @@ class RegionWorker(LocalSteps, RegionState):
         self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
         self.model.train()
+        # `hostile` (an Adversary): geofed bench attack's member whose own code lies; no config sets it.
+        self.hostile = None if hostile is None else attach(hostile, self)
 
     def _build_model_and_data(self, task, seed: int) -> None:
         """The device, the task, the model (one init everywhere), this region's shard and data
@@ -241,6 +244,8 @@ class RegionWorker(LocalSteps, RegionState):
                         "links": self.exchanger.link_estimates(self.region),
                         "refused": self.transport.stats().get("refused_total", 0), "refusals": self.take_refusals(),
                         "clipped": self.admission.take_clipped(), "rss_mb": rss_mb()})
+        if self.hostile is not None:
+            metrics["hostile"] = self.hostile.take_acts()
         if fill:  # last: any call into the worker (even its own) stops the filler
             # At most a nominal round's steps: a long gap (a peer back from an absence fetching the
             # model) must not turn into several rounds of unsynchronised drift.

@@ -171,13 +171,16 @@ def region_tls(cfg: RunConfig, run_dir: str | Path) -> dict[str, TlsMaterial | N
     return {r: load_tls(Path(run_dir) / "tls", r) for r in cfg.regions.names}
 
 
-def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionActors:
+def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: dict | None = None) -> RegionActors:
     """One actor per region; with `pin`, each only on nodes labelled with its region.
 
     Each actor gets its region's TLS material in its creation arguments: the driver's RUN_DIR
     need not be on a shared filesystem, and a restarted actor gets the same material again.
     """
     rc = cfg.regions
+    hostile = hostile or {}  # region -> Adversary: geofed bench attack only (regions/adversary.py)
+    if hostile and cfg.ray.warm_pool_s > 0:
+        raise ValueError("hostile regions need ray.warm_pool_s 0: a pooled actor would outlive its run")
     if pin:
         wait_for_labels(cfg)
     cpus = region_cpus(cfg, pin=pin)
@@ -202,7 +205,8 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool) -> RegionAc
             handles[region] = cls.options(name=name, namespace=POOL_NAMESPACE, lifetime="detached").remote(
                 cfg, region, run_dir, tls=tls[region], pool={"name": name, "job": job})
         else:
-            handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region])
+            handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region],
+                                                            **({"hostile": hostile[region]} if region in hostile else {}))
     actors = RegionActors(handles, pooled=pooled)
     try:
         actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting)

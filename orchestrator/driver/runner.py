@@ -60,8 +60,10 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False,
-                 verbose: bool = False):
+                 verbose: bool = False, hostile: dict | None = None):
         self.cfg, self.run_dir, self.resume, self.verbose = cfg, Path(run_dir), resume, verbose
+        # region -> regions.adversary.Adversary: `geofed bench attack` turns a member hostile; no config can
+        self.hostile = dict(hostile or {})
         self.regions = list(cfg.regions.names)
         self.show_progress = show_progress
         self.ray = None

@@ -43,7 +43,7 @@ class SetUp:
         mark("ray")
         self.stop.reclaim()
         pin = bool(self.cfg.ray.address)
-        self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin)
+        self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin, hostile=getattr(self, "hostile", None))
         mark("actors")
         if self.ray.started_here:
             record_processes(self.run_dir, token)
