@@ -198,6 +198,14 @@ class AdmissionPerLayout:
         """The region's own update, filed with its layout's norms."""
         self._of(tensors).observe_own(tensors)
 
+    def bound(self) -> float | None:
+        """The whole model's norm bound: the root sum of squares of every layout's bound (None
+        before any is known). A donor's state is held to it (p2p/rejoin.py)."""
+        with self._lock:
+            admissions = list(self._by_layout.values())
+        bounds = [b for b in (a.bound() for a in admissions) if b is not None]
+        return math.sqrt(math.fsum(b * b for b in bounds)) if bounds else None
+
     def admit(self, sender: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """UpdateAdmission.admit against the norms of the same layout."""
         return self._of(tensors).admit(sender, tensors)

@@ -52,6 +52,7 @@ REASONS = (
     "over_budget",        # this sender's pushes in flight and waiting would exceed its memory budget
     "no_deadline",        # the client set no deadline, or one above the server's limit
     "no_state",           # FetchState before a state provider was set
+    "bad_state",          # a donor's FetchState state refused by its receiver (p2p/rejoin.py, check_state)
     "tls_handshake",      # a connection that never carried an authenticated call: no client
                           # certificate or one from another CA (refused by gRPC core; p2p/handshakes.py)
 )

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from geofed.p2p.rejoin import fetch_state_from_any
+from geofed.p2p.admission import Refusal
+from geofed.p2p.rejoin import STATE_DONORS, check_state, combine_states, fetch_checked_states
 
 from . import checkpoint
 from .export import result_state
@@ -84,9 +85,17 @@ class RegionState:
         return buf.getvalue()
 
     def catch_up(self, peers: list[str], *, timeout_s: float | None = None,
-                 before_round: int | None = None) -> tuple[str, int]:
-        """Pull current parameters from one of `peers` (FetchState; each joiner tries the donors in
-        its own order, so rejoins spread across peers); returns (donor, round of its state).
+                 before_round: int | None = None, rounds_apart: int | None = None) -> tuple[str, int]:
+        """Pull current parameters from `peers` (FetchState; each joiner tries the donors in its own
+        order, so rejoins spread across peers); returns (donor, round of its state).
+
+        A donor is one member and may be hostile (issue 36, N1): each state is checked like an
+        update (p2p/rejoin.py check_state: layout, finite, security.max_update_value, distance to
+        this region's own state within the norm rule, per round apart); a refused one is counted
+        (`bad_state`) and the next donor asked. Where regions share one model (DiLoCo, all-reduce)
+        up to three donors are asked and their coordinate-wise median taken (the donor reported is
+        the one closest to it). `rounds_apart`: how many rounds this region's state may lag the
+        donors' (default: the rounds between its completed round and theirs, at least 1).
 
         The region's own inner optimizer, codec states and data position stay (they are its own,
         not the model's); the state is checked whole before any of it is loaded."""
@@ -94,11 +103,16 @@ class RegionState:
         mailbox = getattr(self.transport, "mailbox", None)
         if before_round is not None and mailbox is not None:
             mailbox.look_ahead(before_round)  # its peers push that round while this fetch runs
-        peer, data = fetch_state_from_any(self.transport, peers, timeout_s=timeout_s)
+        own = self._shared_state()
+        want = STATE_DONORS if self.cfg.sync.algorithm in ("diloco", "allreduce") else 1
+        got = fetch_checked_states(self.transport, peers, timeout_s=timeout_s, want=want,
+                                   check=lambda peer, data: self._checked_state(peer, data, own, rounds_apart),
+                                   on_refused=self._count_bad_state)
+        index, state = combine_states([s for _, s in got], own)
+        peer = got[index][0]
         # An overlapped exchange from before (the round before an absence) must not be applied on
         # top of the state taken now: finish it here; the donor's state then replaces its result.
         self.finish_pending()
-        state = checkpoint.load_tensors(data, what=f"state from {peer}")  # refuses code, in our words
         try:
             round_ = int(state["round"])
             self.model.load_state_dict(state["model"])
@@ -109,6 +123,33 @@ class RegionState:
         # region still runs it (its mailbox stays open for it), from the newer model.
         self._set_completed(round_ if before_round is None else min(round_, before_round - 1))
         return peer, self.completed_round
+
+    def _shared_state(self) -> dict[str, Any]:
+        """This region's own counterpart of a donor's state (what state_bytes serves), for the check."""
+        return {"round": self.completed_round, "model": self.model.state_dict(), "algorithm": self.algorithm.state_dict()}
+
+    def _checked_state(self, peer: str, data: bytes, own: dict[str, Any], rounds_apart: int | None) -> dict[str, Any]:
+        """A donor's FetchState bytes loaded (tensors only) and checked against `own`; Refusal `bad_state` if not fit."""
+        try:
+            state = checkpoint.load_tensors(data, what=f"state from {peer}")  # refuses code, in our words
+        except checkpoint.CheckpointError as exc:
+            raise Refusal("bad_state", str(exc)) from None
+        try:
+            donor_round = int(state["round"])
+        except (TypeError, KeyError, ValueError):
+            raise Refusal("bad_state", f"the state from {peer} has no round") from None
+        bound = self.admission.bound()
+        apart = rounds_apart if rounds_apart is not None else donor_round - self.completed_round
+        if bound is not None:
+            bound *= max(1, apart)
+        check_state(state, own, max_value=self.cfg.security.max_update_value, bound=bound, donor=peer)
+        return state
+
+    def _count_bad_state(self, peer: str, refusal: Refusal) -> None:
+        """A refused donor state, counted with the region's refusals (metrics.jsonl, summary.json)."""
+        mailbox = getattr(self.transport, "mailbox", None)
+        if mailbox is not None:
+            mailbox.count_refusal(refusal, peer, self.completed_round)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s state and take up the run after its round (the data stream replays to the

@@ -1,0 +1,201 @@
+"""Issue 36, N1: a member cannot hijack resync or rejoin.
+
+A member that withholds its update (or has it refused) made every honest region record a miss
+and resync from the one region that missed nothing: the member itself, which received everyone's
+update. Its FetchState state was loaded whole, unchecked: a random finite state drove every honest
+region to 0.133 accuracy, with 0 refusals counted.
+
+Here: the resync plan never names a donor whose update the receiver missed or refused that round,
+nor one that most regions missed; a donor's state is checked like an update (finite, within
+security.max_update_value, within a bounded distance of the receiver's own model) and refused as
+`bad_state`, counted; with three donors or more the coordinate-wise median of their states is
+taken, so one donor among three cannot move it.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.recovery import plan_resync, suspects
+from geofed.p2p.admission import Refusal
+from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+from geofed.p2p.rejoin import check_state, combine_states, donor_order, flat_tensors
+from geofed.regions.worker import RegionWorker
+
+ORDER = ["a", "b", "c", "d"]
+
+
+def _m(missing=(), heard=()):
+    return {"peers_missing": list(missing),
+            "transfers": [{"peer": p, "direction": "recv"} for p in heard] + [{"peer": "x", "direction": "send"}]}
+
+
+# -- the plan: who may be a donor -----------------------------------------------------------------
+def test_a_member_that_withheld_its_update_is_nobodys_donor():
+    """Before: every honest region resynced from "a", the withholder (it missed nothing):
+    [('b', ('a',)), ('c', ('a',)), ('d', ('a',))]."""
+    results = {"a": _m(heard="bcd"), "b": _m(missing="a", heard="cd"), "c": _m(missing="a", heard="bd"),
+               "d": _m(missing="a", heard="bc")}
+    assert suspects(results, ORDER) == {"a"}
+    jobs = plan_resync(results, ORDER)
+    assert all("a" not in j.donors for j in jobs), jobs
+    # One model again: the first honest region is the donor of the others, and of the suspect too.
+    assert [(j.region, j.donors) for j in jobs] == [("a", ("b",)), ("c", ("b",)), ("d", ("b",))]
+
+
+def test_a_region_never_takes_state_from_a_region_it_missed_or_refused():
+    """Before: "c" missed both "a" and "b" and was sent to them anyway (donors ('a', 'b'))."""
+    results = {"a": _m(heard="bc"), "b": _m(heard="ac"), "c": _m(missing="ab")}
+    assert plan_resync(results, ORDER[:3]) == []  # it stays on its own model
+
+
+def test_donors_it_heard_from_come_first():
+    results = {"a": _m(heard="bcd"), "b": _m(missing="a", heard="d"), "c": _m(heard="abd"), "d": _m(heard="abc")}
+    (job,) = plan_resync(results, ORDER)
+    assert job.region == "b" and job.donors == ("d", "c")  # "a": missed; "c": not heard (not expected)
+
+
+def test_regions_left_out_are_neither_donors_nor_resynced():
+    results = {"a": _m(heard="bcd"), "b": _m(missing="c", heard="ad"), "c": _m(heard="abd"), "d": _m(heard="abc")}
+    (job,) = plan_resync(results, ORDER, left_out={"a"})
+    assert job.region == "b" and job.donors == ("d",)
+
+
+def test_a_single_cut_link_leaves_its_sender_a_donor_of_the_others():
+    # a -> b is down: one of three expecting regions missed "a": no suspect.
+    results = {"a": _m(heard="bcd"), "b": _m(missing="a", heard="cd"), "c": _m(heard="abd"), "d": _m(heard="abc")}
+    assert suspects(results, ORDER) == set()
+    (job,) = plan_resync(results, ORDER)
+    assert job.donors == ("c", "d")
+
+
+# -- the state check and the majority, on real tensors ---------------------------------------------
+def _state(seed: int, scale: float = 1.0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = [torch.randn(8, 4, generator=g) * scale, torch.randn(8, generator=g) * scale]
+    return {"round": 5, "model": {"fc.weight": w[0].clone(), "fc.bias": w[1].clone()},
+            "algorithm": {"global": [w[0].clone(), w[1].clone()], "outer": {"state": {0: {"step": torch.tensor(3)}}}}}
+
+
+def test_check_state_refuses_non_finite_huge_far_and_misshapen_states():
+    own = _state(0)
+    near = _state(0)
+    near["model"]["fc.weight"] += 0.01
+    assert check_state(near, own, max_value=1e6, bound=1.0, donor="b") == pytest.approx(0.01 * (32 ** 0.5), rel=1e-4)
+    bad = {"nan": _state(0), "huge": _state(0), "far": _state(1), "shape": _state(0), "missing": _state(0)}
+    bad["nan"]["algorithm"]["global"][1][3] = float("nan")
+    bad["huge"]["model"]["fc.bias"][0] = 3e38
+    bad["shape"]["model"]["fc.weight"] = torch.zeros(4, 8)
+    del bad["missing"]["model"]["fc.bias"]
+    for name, state in bad.items():
+        with pytest.raises(Refusal) as err:
+            check_state(state, own, max_value=1e6, bound=1.0, donor="b")
+        assert err.value.reason == "bad_state" and "b" in err.value.detail, name
+    # No reference norm yet (a fresh region): no distance check, the value checks still hold.
+    assert check_state(bad["far"], own, max_value=1e6, bound=None, donor="b") > 1.0
+    with pytest.raises(Refusal):
+        check_state(bad["huge"], own, max_value=1e6, bound=None, donor="b")
+
+
+def test_the_median_of_three_states_is_the_two_honest_ones_state_exactly():
+    own, honest, poisoned = _state(0), _state(2), _state(3, scale=50.0)
+    for order in ([honest, _state(2), poisoned], [poisoned, honest, _state(2)]):
+        index, got = combine_states(order, own)
+        assert order[index] is not poisoned
+        for path, t in flat_tensors(honest).items():
+            assert torch.equal(flat_tensors(got)[path], t), path
+    # Two: the one closer to the receiver's own state.
+    index, got = combine_states([poisoned, _state(0)], own)
+    assert index == 1
+
+
+def _workers(tmp_path, names):
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits", "hidden": 8}, "regions": {"names": names},
+                               "network": {"emulation": {"mode": "none"}}})
+    hub = InMemoryHub()
+    workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub)) for r in names}
+    for w in workers.values():
+        w.start()
+        w.connect({r: f"inmem:{r}" for r in workers})
+    return workers
+
+
+def _poison(worker, value=None):
+    """Its FetchState serves standard normal values in every float tensor (the issue's attack), or `value`."""
+    def serve():
+        state = torch.load(io.BytesIO(worker.state_bytes()), weights_only=True)
+        out = {"round": state["round"], "model": {}, "algorithm": state["algorithm"]}
+        for k, t in state["model"].items():
+            out["model"][k] = torch.full_like(t, value) if value is not None else torch.randn_like(t)
+        out["algorithm"] = {"global": [torch.randn_like(g) for g in state["algorithm"]["global"]],
+                            "outer": state["algorithm"]["outer"]}
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        return buf.getvalue()
+    worker.transport.set_state_provider(serve)
+
+
+def _honest(workers, evil):
+    return next(w for w in list(workers.values())[1:] if w is not evil)
+
+
+def _own_norms(worker, norm=0.05):
+    """Three own updates of a known norm: the reference a receiver's admission holds after a few rounds."""
+    for _ in range(3):
+        worker.admission.observe_own([torch.full((100,), norm / 10)])
+
+
+def test_a_resyncing_region_refuses_a_poisoned_state_counts_it_and_takes_an_honest_one(tmp_path):
+    """Before: the poisoned state was loaded whole (catch_up returned its donor, the model random)."""
+    names = ["us-east-1", "eu-west-1", "ap-northeast-1"]
+    workers = _workers(tmp_path, names)
+    receiver = workers[names[0]]
+    first, second = donor_order(receiver.region, names[1:])  # the poisoned one is asked first
+    evil, honest = workers[first], workers[second]
+    try:
+        _poison(evil)
+        _own_norms(receiver)
+        before = [p.detach().clone() for p in receiver.params]
+        donor, _ = receiver.catch_up([evil.region, honest.region], timeout_s=5)
+        assert donor == honest.region
+        for p, q in zip(receiver.params, honest.params):
+            assert torch.equal(p, q)
+        assert all(torch.equal(p, q) for p, q in zip(before, receiver.params))  # the same init everywhere
+        assert receiver.transport.stats()["refused"].get("bad_state") == 1
+        assert receiver.take_refusals() == {"bad_state": 1}  # what metrics.jsonl and summary.json add up
+        # The only donor poisoned: refused, the region keeps its own model, and says why.
+        with pytest.raises(ValueError, match="bad_state"):
+            receiver.catch_up([evil.region], timeout_s=5)
+        assert all(torch.equal(p, q) for p, q in zip(before, receiver.params))
+    finally:
+        for w in workers.values():
+            w.close()
+
+
+def test_one_poisoned_donor_of_three_cannot_move_the_median_even_unchecked(tmp_path):
+    """No reference norm yet (its first round): the value checks pass a random finite state, and the
+    median of three donors, two of them honest, is still the honest state exactly. Before: the first
+    donor in the receiver's order was taken whole."""
+    names = ["us-east-1", "eu-west-1", "ap-northeast-1", "sa-east-1"]
+    workers = _workers(tmp_path, names)
+    receiver = workers[names[0]]
+    evil = workers[donor_order(receiver.region, names[1:])[0]]  # the one asked first
+    try:
+        _poison(evil)
+        receiver.catch_up(names[1:], timeout_s=5)
+        for p, q in zip(receiver.params, _honest(workers, evil).params):
+            assert torch.equal(p, q)
+        assert receiver.transport.stats()["refused"].get("bad_state") is None  # not refused: outvoted
+        # 3e38 everywhere: refused by the value bound, whatever the norms.
+        _poison(evil, value=3e38)
+        receiver.catch_up(names[1:], timeout_s=5)
+        assert receiver.transport.stats()["refused"].get("bad_state") == 1
+        for p, q in zip(receiver.params, _honest(workers, evil).params):
+            assert torch.equal(p, q)
+    finally:
+        for w in workers.values():
+            w.close()
