@@ -24,6 +24,7 @@ BENCHES = {
     "soak": ("geofed.orchestrator.bench.soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
     "privacy": ("geofed.orchestrator.bench.privacy", "plain vs record-level DP at epsilon 1, 4, 8 on digits (accuracy, epsilon)"),
     "plan": ("geofed.orchestrator.bench.plan", "geofed plan's predicted vs measured round time, utilisation and bytes"),
+    "attack": ("geofed.orchestrator.bench.attack", "one member of 4 turns hostile (withhold, poisoned state, flips, secagg x1e30) vs undisturbed"),
 }
 
 
