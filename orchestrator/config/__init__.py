@@ -18,6 +18,7 @@ from ..launch.config import LaunchSection
 from .cluster import MAX_REGIONS, RESERVED_REGION_NAMES, NetworkSection, RaySection, RegionsSection
 from .common import _doc
 from .privacy import PrivacySection, check_privacy_rules
+from .regionrefs import check_run_refs
 from .run import RunSection
 from .strict import ConfigError
 from .sync_parts import DeadlineSection, GossipSection, InnerOptimizer, OuterOptimizer, SyncSection
@@ -53,6 +54,7 @@ class RunConfig:
         "differential privacy (docs/privacy.md)"))
 
     def __post_init__(self):
+        check_run_refs(self)  # links, schedules, prices and the head region name real regions
         if self.regions.device.startswith("cuda") and self.regions.num_gpus <= 0:
             raise ValueError(f"regions.num_gpus: must be > 0 with regions.device {self.regions.device!r} "
                              f"(Ray hides the GPUs from an actor that reserves none)")

@@ -11,6 +11,7 @@ from geofed.p2p.wan.prices import EgressConfig
 from geofed.regions.emulation import ComputeEmulation
 
 from .common import NAME_RE as _NAME_RE, _doc
+from .regionrefs import check_section_refs
 
 MAX_REGIONS = 256
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -63,9 +64,6 @@ class RegionsSection:
         reserved = sorted(set(self.names) & set(RESERVED_REGION_NAMES))
         if reserved:
             raise ValueError(f"names: {', '.join(reserved)} is reserved (the run directory uses it for its own files)")
-        for k in self.labels:
-            if k not in self.names:
-                raise ValueError(f"labels: {k!r} is not a configured region")
         if self.num_cpus is not None and not 0 < self.num_cpus <= 1024:
             raise ValueError(f"num_cpus: must be in (0, 1024], got {self.num_cpus}")
         if not 1 <= self.torch_threads <= 256:
@@ -76,10 +74,7 @@ class RegionsSection:
             raise ValueError(f"start_timeout_s: must be in (0, 86400], got {self.start_timeout_s}")
         if not 0.5 <= self.heartbeat_timeout_s <= 86400:
             raise ValueError(f"heartbeat_timeout_s: must be in [0.5, 86400], got {self.heartbeat_timeout_s}")
-        try:
-            self.emulation.check_regions(self.names)
-        except ValueError as exc:
-            raise ValueError(f"emulation.{exc}") from None
+        check_section_refs(self)  # labels, slowdowns, absence windows: one wording, the known names listed
 
     def label_of(self, region: str) -> str:
         """The value of regions.label_key a node must carry to host `region`: its name unless regions.labels maps it."""
