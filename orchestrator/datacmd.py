@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"(default: ${ENV_MIRROR}, else each file's canonical URL)")
     f.add_argument("--timeout", type=float, default=30.0, metavar="S", help="seconds per connect and per read (30)")
     f.add_argument("--retries", type=int, default=4, metavar="N", help="retries on network errors, with backoff (4)")
+    f.add_argument("--deadline", type=float, default=600.0, metavar="S",
+                   help="seconds in all for each dataset: every file, try and pause (600)")
     f.add_argument("--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser("verify", help="check the cached files' SHA-256 and the converted files")
     v.add_argument("names", nargs="*", metavar="NAME", help="default: every dataset in the cache")
@@ -70,8 +72,13 @@ def _list(args) -> int:
 def _fetch(args) -> int:
     for name in args.names:
         get_dataset(name)  # an unknown name is exit 2 before anything is downloaded
+    for flag, value in (("--timeout", args.timeout), ("--deadline", args.deadline), ("--retries", args.retries + 1)):
+        if not value > 0:  # --retries is checked as retries + 1 tries
+            raise ValueError(f"{flag}: must be > {-1 if flag == '--retries' else 0}, got "
+                             f"{args.retries if flag == '--retries' else value}")
     with _progress(args.quiet) as report:
-        opts = FetchOptions(mirror=args.mirror, timeout_s=args.timeout, retries=args.retries, progress=report)
+        opts = FetchOptions(mirror=args.mirror, timeout_s=args.timeout, deadline_s=args.deadline, retries=args.retries,
+                            progress=report)
         for name in args.names:
             out = fetch_dataset(name, opts)
             print(f"{name}: {out}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .cache import data_root, dataset_dir, product_path, raw_dir
-from .download import FetchOptions, fetch_file, sha256_of
+from .download import Deadline, FetchOptions, fetch_file, sha256_of
 from .planetoid import convert_planetoid
 from .registry import Dataset, get_dataset
 
@@ -21,8 +21,9 @@ def fetch_dataset(name: str, opts: FetchOptions | None = None, root: Path | None
     opts = opts or FetchOptions()
     root = root or data_root()
     raw = raw_dir(ds, root)
+    deadline = Deadline(opts.deadline_s)  # one for the dataset: a slow file leaves less time to the next
     for remote in ds.files:
-        fetch_file(remote, raw / remote.name, opts)
+        fetch_file(remote, raw / remote.name, opts, deadline=deadline)
     out = product_path(ds, root)
     if ds.kind == "planetoid":
         write_graph_npz(convert_planetoid(raw, ds.name), out)

@@ -4,7 +4,15 @@ It honours ``Range: bytes=N-`` (206) and can misbehave on purpose:
 - ``truncate``: the first response for each path promises the whole file and sends half of it,
   then closes the connection (the client must resume from what it got);
 - ``hang``: accept the request and never answer (the client must time out);
-- ``corrupt``: serve the file with one byte changed (the checksum must refuse it).
+- ``corrupt``: serve the file with one byte changed (the checksum must refuse it);
+- ``endless``: send the file and then zeros, without a Content-Length, until the client hangs up
+  (or 64 MiB, so that a client without a cap fails a test instead of filling the disk); the
+  client must stop at the file's pinned size; ``oversize`` the same with a Content-Length 1,000
+  times the file's (the client must refuse it before reading the body);
+- ``drip``: promise the whole file, then send one byte every ``drip_s`` seconds, for at most 10 s
+  (a per-read timeout never fires: only a total deadline stops the client).
+
+`sent` counts the body bytes the server wrote, over all requests.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from urllib.parse import unquote
 class MirrorServer:
     """A running mirror: `url` is its base; `requests` logs (path, Range header) of each GET."""
 
-    def __init__(self, root: Path, mode: str = "ok"):
-        self.root, self.mode = Path(root), mode
+    def __init__(self, root: Path, mode: str = "ok", *, drip_s: float = 0.2):
+        self.root, self.mode, self.drip_s = Path(root), mode, drip_s
+        self.sent = 0
         self.requests: list[tuple[str, str | None]] = []
         self.truncated: set[str] = set()
         self.stop = threading.Event()
@@ -61,6 +70,9 @@ def _handler(server: MirrorServer) -> type[BaseHTTPRequestHandler]:
                 self.send_error(416)
                 return
             body = data[start or 0:]
+            if server.mode in ("endless", "oversize", "drip"):
+                self._misbehave(body)
+                return
             self.send_response(206 if start else 200)
             if start:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
@@ -72,6 +84,33 @@ def _handler(server: MirrorServer) -> type[BaseHTTPRequestHandler]:
                 body = body[:len(body) // 2]
                 self.close_connection = True
             self.wfile.write(body)
+            server.sent += len(body)
+
+        def _misbehave(self, body: bytes) -> None:
+            self.send_response(200)
+            self.close_connection = True
+            if server.mode == "oversize":
+                self.send_header("Content-Length", str(1000 * len(body)))
+            elif server.mode == "drip":
+                self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                if server.mode == "drip":
+                    for i in range(min(len(body), int(10 / server.drip_s))):
+                        if server.stop.wait(server.drip_s):
+                            return
+                        self.wfile.write(body[i:i + 1])
+                        self.wfile.flush()
+                        server.sent += 1
+                    return
+                self.wfile.write(body)
+                server.sent += len(body)
+                zeros = bytes(1 << 16)
+                while not server.stop.is_set() and server.sent < 64 << 20:  # until the client hangs up
+                    self.wfile.write(zeros)
+                    server.sent += len(zeros)
+            except OSError:  # the client closed the connection: what a bounded client does
+                pass
 
     return Handler
 

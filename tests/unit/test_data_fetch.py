@@ -116,3 +116,144 @@ def test_no_network_is_a_clear_error(tmp_path, monkeypatch):
 def test_a_mirror_folder_without_the_file_names_what_it_looked_for(tmp_path):
     with pytest.raises(FetchError, match=r"ind\.cora\.x: not in the mirror folder"):
         fetch_dataset("cora", FetchOptions(mirror=str(tmp_path / "empty")), root=tmp_path)
+
+
+# -- issue 36, N7 and N10: bounded downloads, and a .part that is never written through ---------
+
+def test_every_registry_file_pins_its_size():
+    """N7: the size cap needs each file's size in the registry (the mirror's copies agree)."""
+    from geofed.regions.datasets import DATASETS
+
+    for ds in DATASETS.values():
+        for remote in ds.files:
+            assert isinstance(remote.size, int) and remote.size > 0, remote.name
+            local = DATASETS_DIR / remote.mirror_path
+            if local.is_file():
+                assert local.stat().st_size == remote.size, remote.name
+
+
+DATASETS_DIR = DATASETS
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["endless", "oversize"])
+def test_a_body_longer_than_the_pinned_size_is_cut_off_and_deleted(tmp_path, mode):
+    """N7: an endless body wrote 300 MB for a 1.1 MB file and left the .part behind; before the fix
+    this mirror's 64 MiB reached the disk and ended in a ChecksumError (endless), or the whole
+    1,000x Content-Length was read (oversize)."""
+    from support.httpmirror import MirrorServer
+
+    remote = get_dataset("cora").files[1]  # ind.cora.y, 4,054 bytes
+    with MirrorServer(DATASETS, mode=mode) as server:
+        with pytest.raises(FetchError) as exc:
+            fetch_file(remote, tmp_path / remote.name, _opts(server, retries=2))
+    assert not isinstance(exc.value, ChecksumError)
+    assert f"more than the pinned {remote.size} bytes" in str(exc.value), str(exc.value)
+    assert len(server.requests) == 1  # not retried: more tries get the same answer
+    assert server.sent < 8 << 20, server.sent  # the client hung up; it did not read to the end
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_dripping_server_is_stopped_by_the_total_deadline(tmp_path):
+    """N7: one byte every 0.2 s never trips a 1 s per-read timeout; before the fix the fetch went on
+    until this mirror gave up (10 s) and left the .part behind."""
+    from support.httpmirror import MirrorServer
+
+    remote = get_dataset("cora").files[1]
+    with MirrorServer(DATASETS, mode="drip", drip_s=0.2) as server:
+        t0 = time.monotonic()
+        with pytest.raises(FetchError) as exc:
+            fetch_file(remote, tmp_path / remote.name, _opts(server, timeout_s=1.0, deadline_s=1.5, retries=3))
+        elapsed = time.monotonic() - t0
+    assert "deadline of 1.5 s" in str(exc.value) and remote.name in str(exc.value), str(exc.value)
+    assert elapsed < 4, elapsed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_deadline_covers_the_retries_and_their_pauses(tmp_path):
+    """N7: a hanging server with retries 5 and pauses of 1, 2, 4 s used to take ~4 x timeout plus
+    the pauses; the deadline ends it, whatever the retries would still allow."""
+    from support.httpmirror import MirrorServer
+
+    remote = get_dataset("cora").files[1]
+    with MirrorServer(DATASETS, mode="hang") as server:
+        t0 = time.monotonic()
+        with pytest.raises(FetchError, match=r"deadline of 2 s"):
+            fetch_file(remote, tmp_path / remote.name, _opts(server, timeout_s=1.0, deadline_s=2, retries=5,
+                                                             backoff_s=1.0))
+        assert time.monotonic() - t0 < 4
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_mirror
+def test_a_failed_fetch_leaves_no_part_behind(tmp_path):
+    """N7: a connection cut short with no retries left kept its .part (before the fix)."""
+    from support.httpmirror import MirrorServer
+
+    remote = get_dataset("tinyshakespeare").files[0]
+    with MirrorServer(DATASETS, mode="truncate") as server, pytest.raises(FetchError):
+        fetch_file(remote, tmp_path / remote.name, _opts(server, retries=0))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("target", ["existing", "dangling"])
+def test_a_symlink_planted_at_the_part_path_is_never_written_through(data_mirror, tmp_path, target):
+    """N10: before the fix the download opened the link and overwrote its target (or created it, for
+    a dangling link), and the rename then left the cache file a link to it."""
+    remote = get_dataset("cora").files[1]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    victim = tmp_path / "victim.txt"
+    if target == "existing":
+        victim.write_text("precious")
+    (cache / (remote.name + ".part")).symlink_to(victim)
+    out = fetch_file(remote, cache / remote.name, _opts(data_mirror))
+    assert not out.is_symlink() and sha256_of(out) == remote.sha256
+    assert [p.name for p in cache.iterdir()] == [remote.name]
+    if target == "existing":
+        assert victim.read_text() == "precious"
+    else:
+        assert not victim.exists()
+
+
+def test_a_stale_part_is_removed_not_resumed(data_mirror, tmp_path):
+    """N10: a regular .part left from before (or planted) is deleted and the file fetched whole;
+    before the fix its bytes were kept and only the rest asked for (a ChecksumError here)."""
+    remote = get_dataset("cora").files[1]
+    (tmp_path / (remote.name + ".part")).write_bytes(b"x" * 100)
+    out = fetch_file(remote, tmp_path / remote.name, _opts(data_mirror))
+    assert sha256_of(out) == remote.sha256
+    assert data_mirror.requests[-1][1] is None  # no Range request
+
+
+def test_a_mirror_folder_file_over_the_pinned_size_is_refused(tmp_path):
+    """N7 for --mirror DIR: a file there larger than the pinned size is refused before it is copied."""
+    remote = get_dataset("cora").files[1]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / remote.name).write_bytes(bytes(remote.size + 1))
+    cache = tmp_path / "cache"
+    with pytest.raises(FetchError, match=rf"is {remote.size + 1} bytes; the pinned size is {remote.size}"):
+        fetch_file(remote, cache / remote.name, FetchOptions(mirror=str(mirror)))
+    assert list(cache.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_geofed_data_fetch_takes_a_deadline(tmp_path, monkeypatch, capsys):
+    """N7 through the CLI: --deadline ends a dripping fetch (exit 1, one line, no .part); a
+    deadline of 0 is a user error (exit 2). Before the fix --deadline was an unknown option (exit 2)."""
+    from support.httpmirror import MirrorServer
+
+    from geofed.orchestrator.datacmd import main
+
+    monkeypatch.setenv("GEOFED_DATA", str(tmp_path))
+    with MirrorServer(DATASETS, mode="drip", drip_s=0.2) as server:
+        t0 = time.monotonic()
+        rc = main(["fetch", "cora", "--mirror", server.url, "--quiet", "--timeout", "1", "--deadline", "1.5"])
+        assert time.monotonic() - t0 < 5
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1 and "not done within the deadline of 1.5 s (--deadline)" in err, err
+    assert [p.name for p in (tmp_path / "cora" / "raw").iterdir()] == []
+    assert main(["fetch", "cora", "--deadline", "0"]) == 2
+    assert "--deadline: must be > 0, got 0.0" in capsys.readouterr().err
