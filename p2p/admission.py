@@ -109,6 +109,7 @@ class Admission:
         self._held: Counter[str] = Counter()  # bytes charged to each sender's budget
         self._arrived: dict[int, dict[str, _Entry]] = {}
         self._void: dict[int, set[str]] = {}  # round -> senders whose slot saw two different updates
+        self._refused_in: dict[int, set[str]] = {}  # round -> senders whose update the validator refused
         self.refused: Counter[str] = Counter()
         self.late_dropped = 0
         # (round, sender, seconds after receive() of that round began): how late late messages
@@ -199,10 +200,12 @@ class Admission:
             value = self._validator(ticket.sender, ticket.round, payload)
         except Refusal as r:  # the validator's own reason (out_of_bounds, outlier, ...)
             self.release(ticket, r)
+            self._refused_content(ticket)
             raise
         except ValueError as exc:
             refusal = Refusal("invalid_payload", f"{type(exc).__name__}: {exc}")
             self.release(ticket, refusal)
+            self._refused_content(ticket)
             raise refusal from None
         except Exception as exc:
             # A validator bug, not the sender's fault: say so loudly, but free the reservation so
@@ -236,6 +239,13 @@ class Admission:
             self._held[ticket.sender] += entry.held
             self._arrived.setdefault(ticket.round, {})[ticket.sender] = entry
             self.messages_received[ticket.sender] += 1
+            self._cond.notify_all()
+
+    def _refused_content(self, ticket: Ticket) -> None:
+        """The sender's update of that round was refused for what it holds: the owner stops waiting
+        for it (no honest sender pushes a round twice) and does not count it as a network miss."""
+        with self._cond:
+            self._refused_in.setdefault(ticket.round, set()).add(ticket.sender)
             self._cond.notify_all()
 
     def _check_slot(self, ticket: Ticket, fingerprint: tuple[int, int], *, reserved: bool = True) -> None:

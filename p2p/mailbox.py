@@ -89,7 +89,8 @@ class Mailbox(Admission):
             expected = self._expected[round]
             wanted = expected if until is None else expected & frozenset(until)
             self._receive_started[round] = start
-            while not wanted <= self._arrived.get(round, {}).keys() | self._void.get(round, set()):
+            while not wanted <= (self._arrived.get(round, {}).keys() | self._void.get(round, set())
+                                 | self._refused_in.get(round, set())):
                 if quorum is not None and len(expected & self._arrived.get(round, {}).keys()) >= quorum:
                     end = min(end, time.monotonic() + grace_s)  # the quorum is in: a grace for the rest
                     quorum = None
@@ -98,6 +99,7 @@ class Mailbox(Admission):
                     break
                 self._cond.wait(remaining)
             got = self._arrived.pop(round, {})
+            refused = frozenset((self._void.get(round, set()) | self._refused_in.get(round, set())) & (expected - got.keys()))
             for sender, entry in got.items():
                 self._refund(sender, entry.held)
             if self.stale_window:
@@ -113,6 +115,7 @@ class Mailbox(Admission):
             arrivals={s: e.arrival for s, e in got.items()},
             waits={s: max(0.0, e.arrival.arrived_at - start) for s, e in got.items()},
             waited_s=waited,
+            refused=refused,
         )
 
     def _close_upto(self, round: int) -> None:
@@ -125,6 +128,8 @@ class Mailbox(Admission):
                 self._refund(sender, entry.held)
         for r in [r for r in self._void if r <= round]:
             del self._void[r]
+        for r in [r for r in self._refused_in if r <= round]:
+            del self._refused_in[r]
         for r in [r for r in self._expected if r <= round]:
             del self._expected[r]
         for r in [r for r in self._receive_started if r < round - 8]:

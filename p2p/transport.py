@@ -115,6 +115,9 @@ class Inbox(Mapping[str, Any]):
     arrivals: dict[str, Arrival] = field(default_factory=dict)
     waits: dict[str, float] = field(default_factory=dict)
     waited_s: float = 0.0
+    # Expected senders whose update was refused for its content (or equivocated): missing, but not
+    # a miss of the network (no deadline waits for or widens on them; issue 36, N2).
+    refused: frozenset[str] = frozenset()
 
     def __getitem__(self, sender: str) -> Any:
         return self.received[sender]

@@ -121,7 +121,8 @@ class Exchanger:
             if peer in skipped:
                 result.send_failures[peer] = f"skipped: its push of round {skipped[peer]} is still in flight"
         self._report_late(result)
-        if not inbox.missing or quorum is not None:
+        # A refused update is the sender's doing, not the network's: it does not widen the deadline.
+        if not (inbox.missing - inbox.refused) or quorum is not None:
             # Only complete rounds teach the deadline samples: a dead peer must not skew them
             # (a quorum round closes on purpose without the slowest, and is complete too)...
             self.deadline.observe(max(0.0, wait_s - spread_s))

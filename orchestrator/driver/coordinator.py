@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Collection
 from typing import Any
 
 from geofed.compression import CodecSpec
@@ -97,8 +98,10 @@ class Coordinator:
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    def plan(self, round_: int, *, alive: list[str], evaluate: bool) -> dict[str, RoundPlan]:
-        """One RoundPlan per alive region (codecs differ per region: they are per out-link)."""
+    def plan(self, round_: int, *, alive: list[str], evaluate: bool, muted: Collection[str] = ()) -> dict[str, RoundPlan]:
+        """One RoundPlan per alive region (codecs differ per region: they are per out-link). `muted`
+        regions (members whose updates never arrive: recovery.WithholdWatch) run the round alone:
+        the others neither send to them nor wait for them, and none of them evaluates."""
         self._note_overhead()
         links = self._round_links(round_, alive)
         if self.cfg.sync.algorithm == "allreduce":
@@ -137,7 +140,9 @@ class Coordinator:
         self.last_reason, self.last_codecs, self.last_H = reason, codecs, H
         scale = self.lr_scale(round_)
         plans = {}
-        evaluators = self.evaluators(alive) if evaluate else ()
+        muted = set(muted) & set(alive)
+        heard = [r for r in alive if r not in muted] or list(alive)
+        evaluators = self.evaluators(heard) if evaluate else ()
         sketch = evaluate and self.cfg.sync.algorithm != "gossip"  # gossip fetches the models themselves
         paced = self._pacing_fields(H, alive)
         steps = self._calibration_steps(alive) if calibrating else {}
@@ -145,7 +150,7 @@ class Coordinator:
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
             plans[region] = RoundPlan(round=round_, H=steps.get(region, H), codecs=mine, lr_scale=scale, evaluate=region in evaluators,
-                                      alive=tuple(alive), final=final, sketch=sketch, fill=fill, **paced)
+                                      alive=(region,) if region in muted else tuple(heard), final=final, sketch=sketch, fill=fill, **paced)
         self._plan_t = self.clock.now()
         return plans
 
