@@ -62,11 +62,26 @@ class SetupSection:
 
     venv: str = field(default="/opt/geofed/venv", metadata=_doc("virtual environment created on every node"))
     python: str | None = field(
-        default=None, metadata=_doc("interpreter the venv is made from (null: pythonX.Y of the machine making the plan; Ray needs one Python version on every node and the driver)"))
+        default=None, metadata=_doc(
+            "interpreter the venv is made from on every node, a name on PATH or an absolute path, 3.11 or newer (null: "
+            "setup.sh takes the first Python 3.11+ with its venv module among pythonX.Y of the machine making the "
+            "plan, python3.13, python3.12, python3.11, python3; Ray needs one Python version on every node and the "
+            "driver)"))
     torch: str = field(default="torch==2.13.0", metadata=_doc("torch requirement, installed first so that pip does not pull another build"))
     torch_index_url: str | None = field(
+        default=None,
+        metadata=_doc("index of the torch wheel on every node, overriding the per-node choice (null: per node, "
+                      "torch_cuda_index_url where a region of the node trains on a GPU by regions.device and "
+                      "regions.num_gpus, torch_cpu_index_url elsewhere; https://pypi.org/simple for PyPI's build)"))
+    torch_cpu_index_url: str = field(
         default="https://download.pytorch.org/whl/cpu",
-        metadata=_doc("index of the torch wheel; the CPU index keeps a CPU node from pulling a multi-GB CUDA build (null: PyPI)"))
+        metadata=_doc("index of the torch wheel on a node whose regions train on the CPU (and a driver-only machine): "
+                      "keeps it from pulling a multi-GB CUDA build"))
+    torch_cuda_index_url: str = field(
+        default="https://download.pytorch.org/whl/cu130",
+        metadata=_doc("index of the torch wheel on a node with a region that trains on a GPU; its CUDA version must "
+                      "be one the nodes' NVIDIA driver runs (cu130 needs driver 580+; cu128 and cu126 are the older "
+                      "builds PyTorch publishes)"))
     package: str | None = field(default=None, metadata=_doc(
         "pip requirement that installs geofed (a wheel path or URL, a git URL, a name on an index you publish to); "
         "null: a wheel built from this checkout by `geofed launch plan`, shipped in the plan folder. Never the bare "
@@ -76,7 +91,8 @@ class SetupSection:
     extra_commands: tuple[str, ...] = field(default=(), metadata=_doc("more shell commands run on every node after installing (data, sysctl, ...)"))
 
     def __post_init__(self):
-        for key in ("venv", "python", "torch", "package", "ray"):
+        for key in ("venv", "python", "torch", "package", "ray", "torch_index_url", "torch_cpu_index_url",
+                    "torch_cuda_index_url"):
             if getattr(self, key) is not None and not getattr(self, key).strip():
                 raise ValueError(f"{key}: must not be empty")
         if self.package is not None and _BARE_GEOFED.fullmatch(self.package.strip()):

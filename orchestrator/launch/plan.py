@@ -22,7 +22,7 @@ from ..config import RunConfig, load_config
 from ..config.strict import ConfigError
 
 REGION_LABEL = "ray.io/availability-region"   # what RAY_NODE_REGION sets
-PLAN_VERSION = 1
+PLAN_VERSION = 2   # 2: setup is data (setup.sh renders it), torch index per node
 _LOOPBACK = ("127.", "localhost", "::1")
 # Ray's defaults (health checks: ray._raylet.Config of ray 2.60; GCS reconnects: src/ray/common/ray_config_def.h,
 # whose note says gcs_grpc_min_reconnect_backoff_ms is also the connect timeout, > 4x the latency). Never lowered.
@@ -41,6 +41,8 @@ class NodePlan:
     env: dict[str, str]             # exported before `ray start`
     options: dict[str, Any]         # `ray start` options without --address/--node-ip-address
     rtt_to_head_ms: float
+    gpu: bool = False               # a region here trains on a GPU (regions.device, regions.num_gpus)
+    torch_index_url: str | None = None  # where setup.sh on this node takes torch from (null: PyPI)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +63,7 @@ class LaunchPlan:
     ports: dict[str, Any]
     driver: dict[str, Any]
     venv: str
-    setup: list[str]
+    setup: dict[str, Any]                      # what setup.sh does on a node: setup_plan()
     tls: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     wheel: str | None = None                   # file name of the geofed wheel write_plan builds into the folder
@@ -126,8 +128,10 @@ def build_plan(cfg: RunConfig, *, config_path: str = "CONFIG") -> LaunchPlan:
                "node_local": {"runtime_env_agent": ports.runtime_env_agent, "metrics_export": ports.metrics_export,
                               "dashboard_agent_listen": ports.dashboard_agent_listen}},
         driver={"node": "head", "env": dict(base_env),
-                "command": ["geofed", "run", "CONFIG", "--address", f"$HEAD_IP:{ports.gcs}"]},
-        venv=cfg.launch.setup.venv, setup=setup_commands(cfg), tls=_tls_note(cfg), warnings=_warnings(cfg, rtts, worst),
+                "command": ["geofed", "run", "CONFIG", "--address", f"$HEAD_IP:{ports.gcs}"],
+                # a machine that only drives trains nothing: `setup.sh driver` installs this torch there
+                "torch_index_url": torch_index_url(cfg, gpu=False)},
+        venv=cfg.launch.setup.venv, setup=setup_plan(cfg), tls=_tls_note(cfg), warnings=_warnings(cfg, rtts, worst),
         wheel=None if cfg.launch.setup.package else wheel_name())
 
 
@@ -235,8 +239,10 @@ def _node(cfg: RunConfig, region: str, *, head: bool, env: dict[str, str], rtt: 
                     "--runtime-env-agent-port": p.runtime_env_agent, "--metrics-export-port": p.metrics_export,
                     "--min-worker-port": p.min_worker, "--max-worker-port": p.max_worker,
                     "--disable-usage-stats": None})
+    gpu = wants_gpu(cfg, region)
     return NodePlan(name="head" if head else f"worker-{region}", region=region, head=head, label=label,
-                    env=env, options=options, rtt_to_head_ms=rtt)
+                    env=env, options=options, rtt_to_head_ms=rtt, gpu=gpu,
+                    torch_index_url=torch_index_url(cfg, gpu=gpu))
 
 
 def ray_start_argv(node: NodePlan, *, ray: str = "ray", node_ip: str, head_address: str | None,
@@ -254,28 +260,60 @@ def ray_start_argv(node: NodePlan, *, ray: str = "ray", node_ip: str, head_addre
     return argv
 
 
-def setup_commands(cfg: RunConfig) -> list[str]:
-    """Run once on every node (and where the driver runs): same Python, same Ray, CPU torch first."""
+# Searched on the node after the plan maker's own pythonX.Y (Ray needs one Python version on every
+# node and the driver, so the version the plan was made with is the one to prefer).
+PYTHON_SEARCH = ("python3.13", "python3.12", "python3.11", "python3")
+PYTHON_MINIMUM = (3, 11)
+SYSCTL_FILE = "/etc/sysctl.d/60-geofed.conf"
+# FIELD-NOTES: with reno/cubic Linux restarts slow start after every idle gap between rounds.
+SYSCTL = {"net.ipv4.tcp_slow_start_after_idle": "0"}
+
+
+def wants_gpu(cfg: RunConfig, region: str) -> bool:
+    """Whether `region` trains on a GPU, so that its node needs a CUDA build of torch.
+
+    `auto` takes a GPU only where the actor reserves one: Ray hides every GPU from an actor with
+    regions.num_gpus 0. `cpu` with GPUs reserved never uses them. (regions.device is one value
+    for every region today; `region` is here so that a per-region device changes only this.)"""
+    rc = cfg.regions
+    assert region in rc.names, region
+    return rc.device.startswith("cuda") or (rc.device == "auto" and rc.num_gpus > 0)
+
+
+def torch_index_url(cfg: RunConfig, *, gpu: bool) -> str | None:
+    """The index a node takes torch from: launch.setup.torch_index_url when set, else the CUDA or
+    the CPU index by what the node's regions train on."""
+    s = cfg.launch.setup
+    if s.torch_index_url is not None:
+        return s.torch_index_url
+    return s.torch_cuda_index_url if gpu else s.torch_cpu_index_url
+
+
+def setup_plan(cfg: RunConfig) -> dict[str, Any]:
+    """What setup.sh does on a node, as data (render.setup_script turns it into the script): the
+    Python it looks for, the venv, the requirements in install order, the sysctl it persists."""
     import sys
     from importlib.metadata import version
 
     s = cfg.launch.setup
-    python = s.python or f"python{sys.version_info.major}.{sys.version_info.minor}"
-    pip = f"{s.venv}/bin/pip"
-    index = f" --index-url {s.torch_index_url}" if s.torch_index_url else ""
-    ray_req = s.ray or f"ray[default]=={version('ray')}"
-    # Never the bare name: a wheel shipped next to this script, or the operator's requirement.
-    package = f"'{s.package}'" if s.package else f'"$PLAN_DIR/{wheel_name()}"'
-    return ['PLAN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-            f"{python} -m venv {s.venv}",
-            f"{pip} install --upgrade pip",
-            # torch before geofed: an unpinned torch from PyPI is a multi-GB CUDA build
-            f"{pip} install '{s.torch}'{index}",
-            f"{pip} install '{ray_req}' {package}",
-            f"{s.venv}/bin/python -c 'import geofed.orchestrator.cli, ray, torch'",
-            # FIELD-NOTES: with reno/cubic Linux restarts slow start after every idle gap between rounds.
-            "sysctl -w net.ipv4.tcp_slow_start_after_idle=0",
-            *s.extra_commands]
+    maker = f"{sys.version_info.major}.{sys.version_info.minor}"
+    search = [] if s.python else [f"python{maker}", *(p for p in PYTHON_SEARCH if p != f"python{maker}")]
+    return {
+        "python": {"configured": s.python, "search": search, "minimum": "%d.%d" % PYTHON_MINIMUM,
+                   "plan_maker": maker},
+        "venv": s.venv,
+        # torch before geofed: an unpinned torch from PyPI is a multi-GB CUDA build
+        "torch": s.torch,
+        "ray": s.ray or f"ray[default]=={version('ray')}",
+        # Never the bare name: a wheel shipped next to the script, or the operator's requirement.
+        "package": s.package,
+        "sysctl": dict(SYSCTL),
+        "sysctl_file": SYSCTL_FILE,
+        "extra_commands": list(s.extra_commands),
+        # what the per-node torch choice was made from (setup.sh says it on each node)
+        "device": {"regions.device": cfg.regions.device, "regions.num_gpus": cfg.regions.num_gpus},
+        "torch_index_override": s.torch_index_url is not None,
+    }
 
 
 def wheel_name() -> str:

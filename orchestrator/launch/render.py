@@ -43,10 +43,233 @@ def _exports(env: dict[str, str]) -> list[str]:
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
+# The fixed part of setup.sh: shell functions over the variables setup_script renders above them.
+# Root is needed only to write outside the user's reach (the sysctl and its file, a venv under
+# /opt): as root, else through passwordless sudo for those steps only, else each says what it
+# could not do. GEOFED_SETUP_DRY_RUN skips exactly what downloads.
+_SETUP_FUNCTIONS = r"""
+say() { printf 'setup.sh: %s\n' "$*"; }
+warn() { printf 'setup.sh: warning: %s\n' "$*" >&2; }
+die() { local code="$1"; shift; printf 'setup.sh: %s\n' "$*" >&2; exit "$code"; }
+dry_run() { [ -n "${GEOFED_SETUP_DRY_RUN:-}" ]; }
+
+is_root() { [ "$(id -u)" -eq 0 ]; }
+have_sudo() { command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; }
+can_root() { is_root || have_sudo; }
+as_root() { if is_root; then "$@"; else sudo -n "$@"; fi; }
+
+py_version() {  # X.Y of interpreter $1; empty when it does not run as Python
+  "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
+}
+
+py_new_enough() {  # X.Y >= PY_MIN
+  local major="${1%%.*}" minor="${1#*.}"
+  [ "$major" -gt "${PY_MIN%%.*}" ] || { [ "$major" -eq "${PY_MIN%%.*}" ] && [ "$minor" -ge "${PY_MIN#*.}" ]; }
+}
+
+use_python() {  # the one interpreter $1 that $2 names: it must do, or setup.sh stops
+  local path ver
+  path="$(command -v "$1" 2>/dev/null)" || die 1 "$2: $1 is not an executable on this node"
+  ver="$(py_version "$path")"
+  [[ $ver =~ ^[0-9]+\.[0-9]+$ ]] || die 1 "$2: $1 does not run as Python"
+  py_new_enough "$ver" || die 1 "$2: $1 is Python $ver; geofed needs $PY_MIN or newer"
+  "$path" -c 'import ensurepip, venv' 2>/dev/null \
+    || die 1 "$2: $1 (Python $ver) has no venv module (Debian/Ubuntu, as root: apt-get install python$ver-venv)"
+  PYTHON="$path"
+  PYTHON_VERSION="$ver"
+}
+
+find_python() {  # the first of PY_SEARCH that is Python PY_MIN+ with its venv module
+  local cand path ver seen=""
+  for cand in "${PY_SEARCH[@]}"; do
+    path="$(command -v "$cand" 2>/dev/null)" || continue
+    ver="$(py_version "$path")"
+    if [[ ! $ver =~ ^[0-9]+\.[0-9]+$ ]]; then seen+=" $path (does not run)"; continue; fi
+    if ! py_new_enough "$ver"; then seen+=" $path ($ver)"; continue; fi
+    if ! "$path" -c 'import ensurepip, venv' 2>/dev/null; then seen+=" $path ($ver, no venv module)"; continue; fi
+    PYTHON="$path"
+    PYTHON_VERSION="$ver"
+    return 0
+  done
+  die 1 "no Python $PY_MIN or newer with its venv module on this node (looked for ${PY_SEARCH[*]} on PATH;" \
+    "found:${seen:- none}). Install one (as root; Debian/Ubuntu: apt-get install python3.11 python3.11-venv;" \
+    "RHEL/Fedora: dnf install python3.11), or point GEOFED_PYTHON at one"
+}
+
+pick_python() {
+  if [ -n "${GEOFED_PYTHON:-}" ]; then
+    use_python "$GEOFED_PYTHON" GEOFED_PYTHON
+  elif [ -n "$PY_CONFIGURED" ]; then
+    use_python "$PY_CONFIGURED" launch.setup.python
+  else
+    find_python
+    if [ "$PYTHON_VERSION" != "$PY_PLAN_MAKER" ]; then
+      warn "the plan was made with Python $PY_PLAN_MAKER and this node has $PYTHON_VERSION: Ray refuses a" \
+        "cluster whose nodes and driver differ in Python version; give them all one (GEOFED_PYTHON, or" \
+        "launch.setup.python)"
+    fi
+  fi
+  say "Python $PYTHON_VERSION: $PYTHON"
+}
+
+make_venv() {
+  local have
+  if [ -x "$VENV/bin/python" ]; then
+    have="$(py_version "$VENV/bin/python")"
+    if [ "$have" = "$PYTHON_VERSION" ]; then
+      say "venv $VENV exists (Python $have): installing into it"
+      return 0
+    fi
+    die 1 "$VENV holds a venv of Python ${have:-that does not run}, this node's Python is $PYTHON_VERSION:" \
+      "remove it (rm -rf $VENV) or point GEOFED_PYTHON at its Python"
+  fi
+  if ! mkdir -p "$VENV" 2>/dev/null || [ ! -w "$VENV" ]; then
+    if is_root || ! have_sudo; then
+      die 1 "$VENV: $(id -un) cannot create it or write there and has no passwordless sudo; run setup.sh as" \
+        "root or with sudo, or set launch.setup.venv to a path this user can write and make the plan again"
+    fi
+    say "$VENV: creating it with sudo, owned by $(id -un) (the only step of the venv that needs root)"
+    sudo -n mkdir -p "$VENV"
+    sudo -n chown "$(id -u):$(id -g)" "$VENV"
+  fi
+  "$PYTHON" -m venv "$VENV"
+  say "venv $VENV made with Python $PYTHON_VERSION"
+}
+
+pip_install() {  # pip install into the venv; a dry run prints it (it would download)
+  if dry_run; then
+    say "dry run, not downloading: pip install $(printf '%q ' "$@")"
+    return 0
+  fi
+  "$VENV/bin/python" -m pip install "$@"
+}
+
+install_packages() {
+  local torch_args=("$TORCH_REQ")
+  if [ -n "$TORCH_INDEX" ]; then torch_args+=(--index-url "$TORCH_INDEX"); fi
+  say "torch for node $NODE from ${TORCH_INDEX:-PyPI}: $TORCH_WHY"
+  pip_install --upgrade pip
+  # torch before geofed: an unpinned torch from PyPI is a multi-GB CUDA build
+  pip_install "${torch_args[@]}"
+  pip_install "$RAY_REQ" "$PACKAGE"
+  if dry_run; then
+    if [ -n "$LOCAL_WHEEL" ]; then
+      # geofed's own wheel lies in the plan folder: installing it alone downloads nothing
+      "$VENV/bin/python" -m pip install --quiet --no-deps --no-index "$PACKAGE"
+      say "dry run: installed ${PACKAGE##*/} without its dependencies"
+    fi
+    say "dry run: import check skipped (torch and Ray were not installed)"
+    return 0
+  fi
+  "$VENV/bin/python" -c 'import geofed.orchestrator.cli, ray, torch'
+  if [ -n "$TORCH_GPU" ] && ! "$VENV/bin/python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    warn "torch here sees no GPU (a CPU build, or no NVIDIA driver): this node's regions want one"
+  fi
+}
+
+persist_sysctl() {  # SYSCTL_KEYS[i] = SYSCTL_VALUES[i], now and at every boot
+  local i key want now proc
+  if can_root; then
+    as_root mkdir -p "${SYSCTL_FILE%/*}"
+    {
+      printf '# written by geofed setup.sh (launch plan of run %s)\n' "$RUN_NAME"
+      for i in "${!SYSCTL_KEYS[@]}"; do printf '%s = %s\n' "${SYSCTL_KEYS[$i]}" "${SYSCTL_VALUES[$i]}"; done
+    } | as_root tee "$SYSCTL_FILE" >/dev/null
+    say "persisted in $SYSCTL_FILE (applied at every boot)"
+  fi
+  for i in "${!SYSCTL_KEYS[@]}"; do
+    key="${SYSCTL_KEYS[$i]}"
+    want="${SYSCTL_VALUES[$i]}"
+    proc="/proc/sys/${key//.//}"
+    now="$(cat "$proc" 2>/dev/null || echo unknown)"
+    if [ "$now" = "$want" ] && can_root; then
+      say "$key is $want"
+    elif [ "$now" = "$want" ]; then
+      say "$key is $want now, but not persisted: writing $SYSCTL_FILE needs root (a reboot restores the default)"
+    elif can_root && printf '%s\n' "$want" | as_root tee "$proc" >/dev/null 2>&1; then
+      say "$key set to $want (was $now)"
+    elif can_root; then
+      warn "$key: could not set it to $want now (is /proc/sys read-only here?); $SYSCTL_FILE sets it at the next boot"
+    else
+      warn "$key is $now, not $want, and was neither set nor persisted: that needs root, which $(id -un) does not" \
+        "have here (no passwordless sudo). As root: echo '$key = $want' > $SYSCTL_FILE && sysctl -p $SYSCTL_FILE"
+    fi
+  done
+}
+"""
+
+_SETUP_MAIN = r"""
+NODE="${1:-}"
+node_torch "$NODE" || die 2 "usage: bash setup.sh NODE, where NODE is the node this runs on, one of: $NODES" \
+  "(it picks that node's torch build; got '$NODE')"
+pick_python
+make_venv
+install_packages
+persist_sysctl
+"""
+
+
 def setup_script(plan: LaunchPlan) -> str:
-    """setup.sh: the plan's install commands, for every node and the driver's machine."""
+    """setup.sh NODE: install geofed on a node (every node, and a machine that only runs the driver):
+    a Python 3.11+ found there, a venv, torch by what that node's regions train on, Ray, geofed, the
+    sysctl persisted where root allows; see _SETUP_FUNCTIONS for what needs root."""
+    s = plan.setup
     lines = _header(plan, "install geofed on a node (every node, and where the driver runs)")
-    return "\n".join(lines + plan.setup) + "\n"
+    lines += ['PLAN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+              "export PLAN_DIR  # launch.setup.extra_commands reach the plan folder's files through it",
+              "# usage: bash setup.sh NODE   (NODE: head, worker-<region>, or driver: a machine that only drives)",
+              "# GEOFED_PYTHON=/path/to/python3.X bash setup.sh NODE: this interpreter (3.11+), no search",
+              "# GEOFED_SETUP_DRY_RUN=1 bash setup.sh NODE: everything but the downloads (pip installs from an",
+              "#   index are printed; geofed's own wheel from this folder is installed without its dependencies)",
+              f"RUN_NAME={shlex.quote(plan.run_name)}",
+              f"VENV={shlex.quote(s['venv'])}",
+              f"PY_CONFIGURED={shlex.quote(s['python']['configured'] or '')}",
+              f"PY_SEARCH=({' '.join(shlex.quote(p) for p in s['python']['search'])})",
+              f"PY_MIN={shlex.quote(s['python']['minimum'])}",
+              f"PY_PLAN_MAKER={shlex.quote(s['python']['plan_maker'])}",
+              f"TORCH_REQ={shlex.quote(s['torch'])}",
+              f"RAY_REQ={shlex.quote(s['ray'])}",
+              f"PACKAGE={_sh('$PLAN_DIR/' + plan.wheel) if plan.wheel else shlex.quote(s['package'])}",
+              f"LOCAL_WHEEL={'1' if plan.wheel else ''}",
+              f"SYSCTL_FILE={shlex.quote(s['sysctl_file'])}",
+              f"SYSCTL_KEYS=({' '.join(shlex.quote(k) for k in s['sysctl'])})",
+              f"SYSCTL_VALUES=({' '.join(shlex.quote(v) for v in s['sysctl'].values())})",
+              f"NODES={shlex.quote(' '.join([n.name for n in plan.nodes] + ['driver']))}"]
+    lines += _SETUP_FUNCTIONS.strip("\n").splitlines()
+    lines += _node_torch(plan)
+    lines += _SETUP_MAIN.strip("\n").splitlines()
+    if s["extra_commands"]:
+        lines += ["# launch.setup.extra_commands", *s["extra_commands"]]
+    lines.append('say "done: node $NODE, venv $VENV"')
+    return "\n".join(lines) + "\n"
+
+
+def _node_torch(plan: LaunchPlan) -> list[str]:
+    """node_torch NAME: sets TORCH_INDEX, TORCH_GPU and TORCH_WHY for the node NAME (fails for a name not in
+    the plan); nodes that install the same build share a branch."""
+    dev = plan.setup["device"]
+    told = f"regions.device {dev['regions.device']}, regions.num_gpus {dev['regions.num_gpus']:g}"
+    override = "launch.setup.torch_index_url overrides the per-node choice"
+    if plan.setup["torch_index_override"]:
+        why = {True: override, False: override}
+    else:
+        why = {True: f"a region here trains on a GPU ({told}): the CUDA build",
+               False: f"the regions here train on the CPU ({told}): the CPU build"}
+    branches: dict[tuple, list[str]] = {}
+    for n in plan.nodes:
+        branches.setdefault((n.torch_index_url or "", n.gpu, why[n.gpu]), []).append(n.name)
+    driver_why = (override if plan.setup["torch_index_override"]
+                  else "a machine that only runs the driver trains nothing: the CPU build")
+    branches.setdefault((plan.driver["torch_index_url"] or "", False, driver_why), []).append("driver")
+    out = ["node_torch() {", '  case "$1" in']
+    for (index, gpu, text), names in branches.items():
+        out += [f"    {'|'.join(names)})",
+                f"      TORCH_INDEX={shlex.quote(index)}",
+                f"      TORCH_GPU={'1' if gpu else ''}",
+                f"      TORCH_WHY={shlex.quote(text)}",
+                "      ;;"]
+    out += ["    *) return 1 ;;", "  esac", "}"]
+    return out
 
 
 def node_script(plan: LaunchPlan, node: NodePlan) -> str:
@@ -110,7 +333,10 @@ def readme(plan: LaunchPlan) -> str:
             f"`{plan.driver['env']['RAY_AUTH_TOKEN_PATH']}`, mode 0600, with your secret manager. "
             "The plan never contains it. A node or driver without it fails with `InvalidAuthToken`."),
             "2. **Firewall.** Open the ports below between every pair of nodes, in both directions.",
-            "3. **Install** on every node: `bash setup.sh`.",
+            ("3. **Install** on every node: `bash setup.sh NODE`, NODE the name of the node's script without `.sh` "
+             "(`head`, `worker-<region>`; `driver` on a machine that only runs the driver). It picks the node's torch "
+             "build (Install, below), needs no root except for the sysctl and a venv the user cannot write, and says "
+             "what it could not do without root."),
             "4. **Head:** on the head node `NODE_IP=<its address> bash head.sh`.",
             "5. **Workers:** on each node of a region `NODE_IP=<its address> HEAD_IP=<head address> bash worker-<region>.sh`.",
             ("6. **Check:** on the head, `ray status` lists every node; "
@@ -134,5 +360,24 @@ def readme(plan: LaunchPlan) -> str:
     out += ["", f"Sized for the worst RTT to the head, {plan.worst_rtt_to_head_ms:g} ms.", "",
             "## TLS", "", f"- geofed gRPC: {plan.tls['geofed_grpc']}. {plan.tls['how']}",
             f"- Ray's control plane: {plan.tls['ray_control_plane']}", "",
-            "## Install", "", "```sh", *plan.setup, "```", ""]
+            "## Install", ""] + _install_section(plan)
     return "\n".join(out)
+
+
+def _install_section(plan: LaunchPlan) -> list[str]:
+    s = plan.setup
+    py = s["python"]
+    found = (f"`{py['configured']}` (`launch.setup.python`)" if py["configured"] else
+             "the first Python " + py["minimum"] + "+ with its venv module among " + ", ".join(f"`{p}`" for p in py["search"]))
+    out = [f"`setup.sh NODE` makes the venv `{s['venv']}` with {found} (`GEOFED_PYTHON=...` picks another), then "
+           f"installs `{s['torch']}` from the node's index below, then `{s['ray']}` and "
+           f"{'`' + plan.wheel + '` from this folder' if plan.wheel else '`' + s['package'] + '`'}, and checks the "
+           "imports. It writes " + ", ".join(f"`{k} = {v}`" for k, v in s["sysctl"].items()) + f" to `{s['sysctl_file']}` "
+           "and applies it, as root or with passwordless sudo; as another user it says it could not. "
+           "`GEOFED_SETUP_DRY_RUN=1` does everything but the downloads.", "",
+           "| node | torch index | CUDA build |", "| --- | --- | --- |"]
+    out += [f"| `{n.name}` | {n.torch_index_url or 'PyPI'} | {'yes' if n.gpu else 'no'} |" for n in plan.nodes]
+    out += [f"| `driver` | {plan.driver['torch_index_url'] or 'PyPI'} | no |", ""]
+    if s["extra_commands"]:
+        out += ["Then, on every node, `launch.setup.extra_commands`:", "", "```sh", *s["extra_commands"], "```", ""]
+    return out

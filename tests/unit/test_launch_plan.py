@@ -149,13 +149,12 @@ def test_token_auth_everywhere_and_no_secret_in_the_plan(written):
 
 
 def test_setup_installs_cpu_torch_first_and_the_same_ray(written):
-    setup = (written / "setup.sh").read_text().splitlines()
-    torch_line = next(i for i, line in enumerate(setup) if "'torch==2.13.0'" in line)
-    geofed_line = next(i for i, line in enumerate(setup) if '"$PLAN_DIR/geofed-' in line)
-    assert torch_line < geofed_line
-    assert "--index-url https://download.pytorch.org/whl/cpu" in setup[torch_line]
-    assert f"'ray[default]=={version('ray')}'" in setup[geofed_line]
-    assert any("tcp_slow_start_after_idle=0" in line for line in setup)
+    text = (written / "setup.sh").read_text()
+    assert "TORCH_REQ=torch==2.13.0\n" in text and "TORCH_INDEX=https://download.pytorch.org/whl/cpu\n" in text
+    assert f"RAY_REQ='ray[default]=={version('ray')}'\n" in text
+    install = text[text.index("install_packages() {"):]
+    assert install.index('pip_install "${torch_args[@]}"') < install.index('pip_install "$RAY_REQ" "$PACKAGE"')
+    assert "SYSCTL_KEYS=(net.ipv4.tcp_slow_start_after_idle)\nSYSCTL_VALUES=(0)\n" in text
 
 
 def test_tls_material_travels_with_the_actor_not_a_shared_filesystem(written):
@@ -233,10 +232,10 @@ def test_setup_installs_the_wheel_shipped_in_the_folder_never_the_bare_name(writ
     from geofed.orchestrator.launch.plan import wheel_name
 
     text = (written / "setup.sh").read_text()
-    installs = [line for line in text.splitlines() if "pip install" in line]
+    installs = [line for line in text.splitlines() if "pip install" in line or line.startswith("PACKAGE=")]
     assert installs and not any(re.search(r"""['"\s]geofed(['"\s=<>\[]|$)""", line) for line in installs), installs
     wheel = written / wheel_name()
-    assert wheel.is_file() and f'"$PLAN_DIR/{wheel_name()}"' in text
+    assert wheel.is_file() and f'PACKAGE="$PLAN_DIR/{wheel_name()}"\n' in text
     assert 'PLAN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"' == text.splitlines()[4]
     # The wheel holds this checkout's code: install it alone and import from it.
     target = tmp_path / "site"
@@ -258,4 +257,111 @@ def test_a_configured_requirement_is_used_as_given(tmp_path):
     cfg = load_config(CONFIG, ["launch.setup.package=git+https://example.org/me/geofed@v0.1.0"])
     plan = build_plan(cfg)
     assert plan.wheel is None
-    assert any("'git+https://example.org/me/geofed@v0.1.0'" in line for line in plan.setup)
+    assert plan.setup["package"] == "git+https://example.org/me/geofed@v0.1.0"
+    from geofed.orchestrator.launch.render import setup_script
+
+    assert "PACKAGE=git+https://example.org/me/geofed@v0.1.0\n" in setup_script(plan)  # shlex-safe: unquoted
+
+
+CPU_INDEX, CUDA_INDEX = "https://download.pytorch.org/whl/cpu", "https://download.pytorch.org/whl/cu130"
+
+
+@pytest.mark.parametrize("device, num_gpus, region_index", [
+    ("auto", 0.0, CPU_INDEX),    # Ray hides every GPU from an actor that reserves none: it trains on the CPU
+    ("cpu", 1.0, CPU_INDEX),     # a reserved GPU the region never uses
+    ("auto", 0.25, CUDA_INDEX),
+    ("cuda", 1.0, CUDA_INDEX),
+    ("cuda:1", 2.0, CUDA_INDEX),
+])
+def test_torch_build_is_chosen_per_node_from_regions_device(device, num_gpus, region_index):
+    """Issue 37 item 5: every node got the CPU index (launch.setup.torch_index_url), GPU nodes too.
+    Failed before with AttributeError: 'NodePlan' object has no attribute 'torch_index_url'."""
+    plan = build_plan(_base(regions__device=device, regions__num_gpus=num_gpus))
+    for node in plan.nodes:
+        assert node.torch_index_url == region_index, node.name
+        assert node.gpu == (region_index == CUDA_INDEX)
+    assert plan.driver["torch_index_url"] == CPU_INDEX   # a driver-only machine trains nothing
+    setup = (_render_setup(plan))
+    assert CUDA_INDEX in setup if region_index == CUDA_INDEX else CUDA_INDEX not in setup
+
+
+def test_torch_index_url_still_overrides_every_node():
+    """Failed before with AttributeError (no per-node torch index in the plan)."""
+    mirror = "https://mirror.example.org/torch/cu130"
+    cfg = _base(regions__device="cuda", regions__num_gpus=1, launch__setup__torch_index_url=mirror)
+    plan = build_plan(cfg)
+    assert {n.torch_index_url for n in plan.nodes} | {plan.driver["torch_index_url"]} == {mirror}
+    assert CPU_INDEX not in _render_setup(plan) and CUDA_INDEX not in _render_setup(plan)
+
+
+def _render_setup(plan) -> str:
+    from geofed.orchestrator.launch.render import setup_script
+
+    return setup_script(plan)
+
+
+def _run_setup(plan, tmp_path, *args, env=None):
+    script = tmp_path / "setup.sh"
+    script.write_text(_render_setup(plan))
+    # Nothing may download here: pip reads no config (no mirror, no find-links) and no index.
+    quiet = {"PATH": os.environ["PATH"], "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "HOME": str(tmp_path)}
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
+                          env={**quiet, **(env or {})})
+
+
+def test_setup_sh_needs_its_node_and_names_them(tmp_path):
+    """setup.sh installs the torch build of the node it runs on, so it must be told which node that is.
+    Failed before: it ignored its arguments and went on to install (exit 0 past the usage check)."""
+    plan = build_plan(_base(regions__device="cuda", regions__num_gpus=1, launch__setup__venv=str(tmp_path / "venv")))
+    for args in ([], ["worker-mars-1"]):
+        done = _run_setup(plan, tmp_path, *args)
+        assert done.returncode == 2, done
+        assert "usage: bash setup.sh NODE" in done.stderr
+        assert "head worker-us-east-1 worker-eu-west-1 driver" in done.stderr
+        assert "venv" not in done.stdout  # nothing was installed
+
+
+def test_setup_sh_refuses_a_configured_python_older_than_311(tmp_path):
+    """launch.setup.python names the one interpreter to use: one older than 3.11 stops setup.sh with a message
+    naming the key. Failed before: setup.sh ran `python3.10 -m venv` whatever its version."""
+    old = tmp_path / "bin" / "python3.10"
+    old.parent.mkdir()
+    old.write_text("#!/bin/sh\necho 3.10\n")   # answers the version probe the way a Python 3.10 would
+    old.chmod(0o755)
+    plan = build_plan(_base(launch__setup__python=str(old), launch__setup__venv=str(tmp_path / "venv")))
+    done = _run_setup(plan, tmp_path, "head")
+    assert done.returncode == 1, done
+    assert f"launch.setup.python: {old} is Python 3.10; geofed needs 3.11 or newer" in done.stderr
+
+
+def test_plan_keeps_setup_as_data(written):
+    """plan.json says how each node installs: candidates of the Python search, the sysctl it persists.
+    Failed before with TypeError: the setup was a list of shell lines."""
+    plan = LaunchPlan.from_json((written / "plan.json").read_text())
+    maker = f"python{sys.version_info.major}.{sys.version_info.minor}"  # Ray wants it on every node: first
+    rest = [p for p in ("python3.13", "python3.12", "python3.11", "python3") if p != maker]
+    assert plan.setup["python"]["search"] == [maker, *rest]
+    assert plan.setup["python"]["minimum"] == "3.11"
+    assert plan.setup["sysctl"] == {"net.ipv4.tcp_slow_start_after_idle": "0"}
+    assert plan.setup["sysctl_file"] == "/etc/sysctl.d/60-geofed.conf"
+
+
+def test_rendered_scripts_are_shellcheck_clean(written, tmp_path):
+    """Every script a plan renders (CPU and GPU nodes, a configured package) passes shellcheck."""
+    import shutil
+
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck)")
+    from geofed.orchestrator.launch.render import driver_script, node_script, setup_script
+
+    gpu = build_plan(_base(regions__device="cuda", regions__num_gpus=1,
+                           launch__setup__package="https://example.org/geofed-0.1.0-py3-none-any.whl",
+                           launch__setup__python="/usr/bin/python3.12"))
+    scripts = list(written.glob("*.sh"))
+    for name, text in [("setup-gpu.sh", setup_script(gpu)), ("driver-gpu.sh", driver_script(gpu)),
+                       *[(f"{n.name}-gpu.sh", node_script(gpu, n)) for n in gpu.nodes]]:
+        (tmp_path / name).write_text(text)
+        scripts.append(tmp_path / name)
+    done = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *map(str, scripts)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout
