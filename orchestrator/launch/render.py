@@ -124,7 +124,10 @@ make_venv() {
       "remove it (rm -rf $VENV) or point GEOFED_PYTHON at its Python"
   fi
   if ! mkdir -p "$VENV" 2>/dev/null || [ ! -w "$VENV" ]; then
-    if is_root || ! have_sudo; then
+    if is_root; then
+      die 1 "$VENV: cannot create it or write there, even as root (a read-only file system?); set" \
+        "launch.setup.venv to a writable path and make the plan again"
+    elif ! have_sudo; then
       die 1 "$VENV: $(id -un) cannot create it or write there and has no passwordless sudo; run setup.sh as" \
         "root or with sudo, or set launch.setup.venv to a path this user can write and make the plan again"
     fi

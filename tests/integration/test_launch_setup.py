@@ -156,3 +156,22 @@ def test_setup_as_root_persists_the_sysctl(gpu_plan, area):
     assert "net.ipv4.tcp_slow_start_after_idle set to 0 (was 1)" in done.stdout
     assert done.stdout.rstrip().endswith("after: 0")
     assert (SYSCTL_FILE.read_bytes() if SYSCTL_FILE.exists() else None) == host_before
+
+
+def test_setup_as_nobody_with_the_default_venv_says_how_to_go_on(area):
+    """The default venv (/opt/geofed/venv) is root's to create: without root or sudo setup.sh stops there,
+    naming launch.setup.venv. Failed before with Python's own "Error: [Errno 13] Permission denied:
+    '/opt/geofed'" from `python3.11 -m venv` (exit 1)."""
+    from geofed.orchestrator.config import load_config
+    from geofed.orchestrator.launch.plan import build_plan
+    from geofed.orchestrator.launch.render import setup_script
+
+    plan = build_plan(load_config(CONFIG))
+    assert plan.venv == "/opt/geofed/venv"
+    folder = area / "defaultplan"
+    folder.mkdir()
+    (folder / "setup.sh").write_text(setup_script(plan))
+    done = _as_nobody(folder / "setup.sh", "head", path="/usr/local/bin:/usr/bin:/bin")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("/opt/geofed/venv: nobody cannot create it or write there and has no passwordless sudo; run setup.sh "
+            "as root or with sudo, or set launch.setup.venv to a path this user can write") in done.stderr
