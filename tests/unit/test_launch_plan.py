@@ -311,7 +311,7 @@ def _run_setup(plan, tmp_path, *args, env=None):
 
 def test_setup_sh_needs_its_node_and_names_them(tmp_path):
     """setup.sh installs the torch build of the node it runs on, so it must be told which node that is.
-    Failed before: it ignored its arguments and went on to install (exit 0 past the usage check)."""
+    Failed before: it ignored its arguments and went on to install (here exit 1 at pip's torch step: assert 1 == 2)."""
     plan = build_plan(_base(regions__device="cuda", regions__num_gpus=1, launch__setup__venv=str(tmp_path / "venv")))
     for args in ([], ["worker-mars-1"]):
         done = _run_setup(plan, tmp_path, *args)
@@ -323,7 +323,7 @@ def test_setup_sh_needs_its_node_and_names_them(tmp_path):
 
 def test_setup_sh_refuses_a_configured_python_older_than_311(tmp_path):
     """launch.setup.python names the one interpreter to use: one older than 3.11 stops setup.sh with a message
-    naming the key. Failed before: setup.sh ran `python3.10 -m venv` whatever its version."""
+    naming the key. Failed before: setup.sh ran `<it> -m venv` whatever its version, then exit 127 (no venv/bin/pip)."""
     old = tmp_path / "bin" / "python3.10"
     old.parent.mkdir()
     old.write_text("#!/bin/sh\necho 3.10\n")   # answers the version probe the way a Python 3.10 would
@@ -347,7 +347,8 @@ def test_plan_keeps_setup_as_data(written):
 
 
 def test_rendered_scripts_are_shellcheck_clean(written, tmp_path):
-    """Every script a plan renders (CPU and GPU nodes, a configured package) passes shellcheck."""
+    """Every script a plan renders (CPU and GPU nodes, a configured package) passes shellcheck. Failed before on
+    the plan with launch.setup.package set: SC2034, PLAN_DIR appears unused (setup.sh of the default plan passed)."""
     import shutil
 
     if shutil.which("shellcheck") is None:
