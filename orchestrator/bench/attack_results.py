@@ -8,7 +8,8 @@ Accounting. The hostile region counts its own acts (metrics.jsonl `hostile`: pus
 flipped or scaled, one per peer; FetchState answers poisoned; masked contributions scaled, one per
 peer). The honest regions count what they refused or clipped: their `refusals` by reason and the
 whole run's (summary.json, whatever reasons the run knows), their `clipped` updates from the
-hostile member, secure aggregation's `secagg_refused` by reason, and (for withheld pushes only, at
+hostile member, secure aggregation's `secagg_refused` by reason (shown as `secagg_<reason>`; where
+the transport counted the same refusal under `<reason>`, it is one), and (for withheld pushes only, at
 most one per act) the rounds where they recorded the hostile member missing. Refusals are counted
 by the refusing region, not by sender; reasons a network fault alone gives (late, aborted, ...)
 are listed but do not count as catching the member. "Every hostile act counted" holds when what
@@ -170,9 +171,17 @@ def account(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any] | N
             refusals[reason] = max(refusals.get(reason, 0), int(n))
     if missed:
         refusals["missed"] = missed
-    caught = sum(n for reason, n in refusals.items() if reason not in BENIGN_REASONS)
+    caught = sum(n for reason, n in refusals.items() if reason not in BENIGN_REASONS and reason not in secagg_reasons(refusals))
+    # A secure-aggregation refusal the transport counted too (under its plain reason) is one refusal.
+    caught += sum(max(0, n - refusals.get(reason[len("secagg_"):], 0)) for reason, n in refusals.items()
+                  if reason in secagg_reasons(refusals))
     counted = caught + min(missed, acts.get("withheld", 0))
     return refusals, acts, counted
+
+
+def secagg_reasons(refusals: Mapping[str, int]) -> set[str]:
+    """The keys of `refusals` that are secure aggregation's own counts (secagg_refused, prefixed)."""
+    return {r for r in refusals if r.startswith("secagg_")}
 
 
 def arm_rows(results: Sequence[RunResult], arms: Sequence[Arm]) -> list[list[dict[str, Any]]]:

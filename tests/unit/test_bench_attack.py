@@ -224,6 +224,16 @@ def test_withheld_pushes_are_credited_by_the_misses_and_secagg_refusals_by_the_l
     assert res.counted == 6 + 2
 
 
+def test_a_secagg_refusal_the_transport_counted_too_is_counted_once(tmp_path):
+    bad = ar.ATTACKER
+    metrics = [_m(bad, 0, hostile={"secagg_scaled": 3}),
+               *[_m(r, 0, refusals={"out_of_bounds": 1}, secagg_refused={"out_of_bounds": 1, "wrong_grid": 1})
+                 for r in ("us-east-1", "ap-northeast-1", "eu-central-1")]]
+    res = ar.from_run_dir("secagg_x1e30", 0, _run_dir(tmp_path, "s", metrics=metrics, summary=_summary(ACC, wall_s=3.0)))
+    assert res.refusals == {"out_of_bounds": 3, "secagg_out_of_bounds": 3, "secagg_wrong_grid": 3}
+    assert res.counted == 3 + 3  # out_of_bounds once, wrong_grid (secure aggregation's alone)
+
+
 def test_a_run_that_died_has_no_metric_and_the_wall_time_of_its_last_round(tmp_path):
     metrics = [_m("us-east-1", 0), _m("us-east-1", 1), _m(ar.ATTACKER, 1, hostile={"secagg_scaled": 3})]
     d = _run_dir(tmp_path, "dead", metrics=metrics, summary=None)
