@@ -356,4 +356,9 @@ def _warnings(cfg: RunConfig, rtts: dict[str, dict], worst_to_head: float) -> li
     if worst_to_head > 250:
         out.append(f"a region is {worst_to_head:g} ms from the head: every driver-to-actor call pays that; "
                    "consider launch.head_region nearer the middle")
+    forced = cfg.launch.setup.torch_index_url
+    if forced and forced.rstrip("/").endswith("/cpu") and any(wants_gpu(cfg, r) for r in cfg.regions.names):
+        out.append(f"launch.setup.torch_index_url: {forced} is a CPU index, and regions.device "
+                   f"{cfg.regions.device} with regions.num_gpus {cfg.regions.num_gpus:g} trains on GPUs: every region "
+                   "would fail to start (leave it null for a CUDA build on those nodes)")
     return out

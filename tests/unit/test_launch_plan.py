@@ -366,3 +366,15 @@ def test_rendered_scripts_are_shellcheck_clean(written, tmp_path):
     done = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *map(str, scripts)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout
+
+
+def test_a_cpu_index_forced_onto_gpu_regions_warns():
+    """launch.setup.torch_index_url set to a CPU index while regions train on a GPU would make every region
+    fail at start (regions.device cuda, and torch without CUDA). Failed before: no warning (plan.warnings == [])."""
+    cfg = _base(regions__device="cuda", regions__num_gpus=1,
+                launch__setup__torch_index_url="https://download.pytorch.org/whl/cpu",
+                sync__deadline__min_s=5.0)
+    plan = build_plan(cfg)
+    assert any(w.startswith("launch.setup.torch_index_url: https://download.pytorch.org/whl/cpu is a CPU index")
+               for w in plan.warnings), plan.warnings
+    assert not any("torch_index_url" in w for w in build_plan(_base(regions__device="cuda", regions__num_gpus=1)).warnings)
