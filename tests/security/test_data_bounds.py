@@ -4,6 +4,8 @@ Planetoid pickle can ask for no more memory than the documented caps allow (N6, 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hostile_files import child_peak, npy_header
@@ -195,3 +197,151 @@ def test_convert_graph_caps_feature_columns_and_classes(tmp_path, capsys, case):
               "classes": "labels: class id 49999999 makes 50000000 classes; at most 3"}[case]
     assert rc == 2 and needle in err, err
     assert not (tmp_path / "g.npz").exists()
+
+
+# -- N15: the Planetoid unpickler and conversion bound what a pickle can make them allocate -----
+
+def _op(value) -> bytes:
+    """The protocol-2 opcodes that push `value` (an int, str or tuple of those)."""
+    import pickle
+
+    return pickle.dumps(value, protocol=2)[2:-1]
+
+
+def _global(module: str, name: str) -> bytes:
+    return f"c{module}\n{name}\n".encode()
+
+
+_RECONSTRUCT = _global("numpy.core.multiarray", "_reconstruct")
+_NDARRAY = _global("numpy", "ndarray")
+_TUPLE3, _TUPLE1, _REDUCE, _STOP = b"\x87", b"\x85", b"R", b"."
+
+
+@pytest.mark.parametrize("case", ["reconstruct", "ndarray_call", "wide_dtype"])
+def test_the_unpickler_refuses_arrays_over_the_bound(tmp_path, case):
+    """N15: `_reconstruct(ndarray, (2**40,), 'b')` in a 70-byte pickle asks numpy for 1 TiB (and a
+    dtype of 1 MB items for 1 GB); before the fix that allocation was attempted (a MemoryError
+    here for the first two, the 1 GB array made without a word)."""
+    from geofed.regions.datasets.planetoid import UnsafePickleError, load_pickle
+
+    body = {
+        "reconstruct": _RECONSTRUCT + _NDARRAY + _op((1 << 40,)) + _op("b") + _TUPLE3 + _REDUCE,
+        "ndarray_call": _NDARRAY + _op(((1 << 40,),)) + _REDUCE,
+        "wide_dtype": (_RECONSTRUCT + _NDARRAY + _op((1000,)) + _global("numpy", "dtype") + _op(("V1000000", 0, 1))
+                       + _REDUCE + _TUPLE3 + _REDUCE),
+    }[case]
+    path = tmp_path / "ind.cora.x"
+    path.write_bytes(b"\x80\x02" + body + _STOP)
+    with pytest.raises(UnsafePickleError) as exc:
+        load_pickle(path)
+    msg = str(exc.value)
+    want = {"reconstruct": 1 << 40, "ndarray_call": 8 << 40, "wide_dtype": 1000 * 1_000_000}[case]
+    assert msg.startswith(f"{path}: refused: an array of {want} bytes"), msg
+
+
+def test_the_unpickler_refuses_object_dtypes(tmp_path):
+    """N15: an object dtype lets a pickle's array state say 10^9 items with an empty list (numpy
+    then crashes); before the fix dtype('O8') was made without a word."""
+    from geofed.regions.datasets.planetoid import UnsafePickleError, load_pickle
+
+    path = tmp_path / "ind.cora.y"
+    path.write_bytes(b"\x80\x02" + _global("numpy", "dtype") + _op(("O8", 0, 1)) + _REDUCE + _STOP)
+    with pytest.raises(UnsafePickleError, match="refused: dtype object holds Python objects"):
+        load_pickle(path)
+
+
+@pytest.mark.parametrize("case", ["csr_call", "list_of_array"])
+def test_the_unpickler_refuses_calls_the_files_never_make(tmp_path, case):
+    """N15: `csr_matrix((2**31 - 1, 1))` allocates 2^31 row pointers (16 GB) and `list(an array)` a
+    Python object per element (~30x the array); the real files only restore CSR matrices from
+    their state and name list as a defaultdict's factory. Before the fix both calls were made."""
+    from geofed.regions.datasets.planetoid import UnsafePickleError, load_pickle
+
+    body = {
+        "csr_call": _global("scipy.sparse.csr", "csr_matrix") + _op(((2**31 - 1, 1),)) + _REDUCE,
+        "list_of_array": (_global("__builtin__", "list") + _RECONSTRUCT + _NDARRAY + _op((1 << 20,)) + _op("b")
+                          + _TUPLE3 + _REDUCE + _TUPLE1 + _REDUCE),
+    }[case]
+    path = tmp_path / "ind.cora.x"
+    path.write_bytes(b"\x80\x02" + body + _STOP)
+    needle = {"csr_call": "refused: a call of csr_matrix", "list_of_array": "refused: list() of an object"}[case]
+    with pytest.raises(UnsafePickleError, match=re.escape(needle)):
+        load_pickle(path)
+
+
+def test_the_allocations_of_one_pickle_are_bounded_in_total(tmp_path):
+    """N15: many arrays each under the bound: 40 of 16 MiB from one memoised callable; before the
+    fix each was allocated (640 MiB from a 2 KB file)."""
+    from geofed.regions.datasets.planetoid import MAX_ARRAY_BYTES, UnsafePickleError, load_pickle
+
+    one = _RECONSTRUCT + _NDARRAY + _op((16 << 20,)) + _op("b") + _TUPLE3 + _REDUCE + b"0"  # POP
+    path = tmp_path / "ind.cora.x"
+    path.write_bytes(b"\x80\x02" + one * 40 + b"N" + _STOP)
+    with pytest.raises(UnsafePickleError, match=rf"refused: its arrays would exceed {MAX_ARRAY_BYTES} bytes"):
+        load_pickle(path)
+
+
+def _raw_copy(tmp_path):
+    from conftest import DATASETS
+
+    raw = DATASETS / "planetoid" / "raw"
+    if not raw.is_dir():
+        pytest.skip(f"no raw Planetoid files at {raw}")
+    import shutil
+
+    for f in raw.glob("ind.cora.*"):
+        shutil.copy(f, tmp_path / f.name)
+    return tmp_path
+
+
+def _with_shape(data: bytes, shape: tuple[int, int]) -> bytes:
+    """A Python 2 CSR pickle with the ints of its `_shape` tuple replaced (BININT opcodes)."""
+    import pickletools
+    import struct
+
+    ops = list(pickletools.genops(data))
+    at = next(i for i, (op, arg, _) in enumerate(ops) if arg == "_shape")
+    first = next(i for i in range(at + 1, len(ops)) if ops[i][0].name.startswith("BININT"))
+    start, end = ops[first][2], ops[first + 2][2]  # the two ints, up to the TUPLE2
+    return data[:start] + b"".join(b"J" + struct.pack("<i", v) for v in shape) + data[end:]
+
+
+@pytest.mark.parametrize("case", ["csr_shape", "test_index", "list_for_array"])
+def test_the_conversion_refuses_shapes_over_the_bound(tmp_path, case):
+    """N15 past the unpickler: a CSR matrix whose pickled _shape says 10^6 x 10^6 (4 TB when made
+    dense), a test.index naming node 10^9 (a 10^9-row block), a list where an array belongs.
+    Before the fix each was a MemoryError or IndexError traceback (or that much memory)."""
+    import pickle
+
+    from geofed.regions.datasets.planetoid import convert_planetoid
+
+    raw = _raw_copy(tmp_path)
+    if case == "csr_shape":  # the real file, its pickled _shape (1000, 1433) rewritten
+        (raw / "ind.cora.tx").write_bytes(_with_shape((raw / "ind.cora.tx").read_bytes(), (10**6, 10**6)))
+        needle = "ind.cora.tx: a 1000000 x 1000000 matrix"
+    elif case == "test_index":
+        (raw / "ind.cora.test.index").write_text("0\n1000000000\n")
+        needle = "ind.cora.test.index: node ids must be in [0, 50000000]"
+    else:
+        (raw / "ind.cora.ty").write_bytes(pickle.dumps([[0, 1]] * 5, protocol=2))
+        needle = "ind.cora.ty: expected a numpy array or a scipy CSR matrix, got list"
+    with pytest.raises(ValueError) as exc:
+        convert_planetoid(raw, "cora")
+    assert needle in str(exc.value), str(exc.value)
+
+
+def test_a_shared_adjacency_list_cannot_multiply_the_edges(tmp_path):
+    """N15: 10,000 nodes whose adjacency is one shared 100,000-entry list (a 600 KB pickle, memo
+    references) is 10^9 edges; before the fix the conversion built them as Python tuples until
+    this child's 6 GiB ran out (MemoryError)."""
+    raw = _raw_copy(tmp_path)
+    out = child_peak(
+        "import collections, pickle, pathlib\n"
+        "from geofed.regions.datasets.planetoid import convert_planetoid\n"
+        "big = list(range(100_000))\n"
+        "g = collections.defaultdict(list, {i: big for i in range(10_000)})\n"
+        "pathlib.Path('ind.cora.graph').write_bytes(pickle.dumps(g, protocol=2))\n"
+        "convert_planetoid(pathlib.Path('.'), 'cora')\n", cwd=raw)
+    assert out.get("error", "").startswith("ValueError: "), out
+    assert "ind.cora.graph: 1000000000 adjacency entries; at most" in out["error"], out
+    assert out["grew_mb"] < 300, out
