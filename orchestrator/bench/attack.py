@@ -82,7 +82,11 @@ def run_arm(arm: Arm, rep: int, parent: Path, *, rounds: int, H: int, max_run_s:
     except Exception as exc:  # noqa: BLE001 - a run that dies is a result of the bench, not its failure
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     finally:
-        runner.shutdown()
+        try:
+            runner.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the next arm still runs; the run's own result stands
+            print(f"geofed bench attack: {arm.name}: shutting the run down: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
     return from_run_dir(arm.name, rep, run_dir, error=error, cut=runner.cut)
 
 

@@ -225,6 +225,7 @@ def test_withheld_pushes_are_credited_by_the_misses_and_secagg_refusals_by_the_l
 
 
 def test_a_secagg_refusal_the_transport_counted_too_is_counted_once(tmp_path):
+    """Before f276061 this counted 9: each out_of_bounds once as the transport's and once as secure aggregation's."""
     bad = ar.ATTACKER
     metrics = [_m(bad, 0, hostile={"secagg_scaled": 3}),
                *[_m(r, 0, refusals={"out_of_bounds": 1}, secagg_refused={"out_of_bounds": 1, "wrong_grid": 1})
