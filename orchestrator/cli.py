@@ -37,7 +37,8 @@ RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every",
 def _add_run(sub) -> None:
     """`geofed run` and its options."""
     run = sub.add_parser("run", help="train: one Ray actor per region, updates exchanged over gRPC")
-    run.add_argument("config", nargs="?", help="YAML run config (default: the embedded configs/local-wan.yaml)")
+    run.add_argument("config", nargs="?", help="YAML run config (default: the embedded configs/local-wan.yaml); "
+                     "with --resume only its plug-in task is read, to vouch for the one RUN_DIR names")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a config key (repeatable), e.g. --set run.rounds=2")
     run.add_argument("--out", help="run directory (default: <run.out_dir>/<run.name>-<UTC timestamp>)")
@@ -48,6 +49,10 @@ def _add_run(sub) -> None:
                      metavar="KEY", help="with --resume: accept a change of these keys (config.yaml edits or --set), "
                      "only keys that may change mid-run: " + ", ".join(RESUMABLE_KEYS)
                      + "; never security.* (TLS cannot be turned off on resume)")
+    run.add_argument("--trust-run-dir", dest="trust_run_dir", action="store_true",
+                     help="with --resume: import the plug-in task (task.kind python:...) RUN_DIR/config.yaml names "
+                     "although no CONFIG of yours names it (its top-level code runs); without it, a plug-in is "
+                     "imported only when CONFIG names the same one (kind and path), else exit 2")
     run.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
     run.add_argument("--quiet", action="store_true", help="no progress (a bar on a terminal, else one line per round)")
     run.add_argument("--verbose", action="store_true", help="let Ray's own start-up messages through (its "
@@ -181,6 +186,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         if args.allow_config_change and not args.resume:
             raise ConfigError("", "only with --resume RUN_DIR (a new run takes any config)", source="--allow-config-change")
+        if args.trust_run_dir and not args.resume:
+            raise ConfigError("", "only with --resume RUN_DIR (a new run imports only what its config names)",
+                              source="--trust-run-dir")
         from .driver.entry import run_from_args
 
         return run_from_args(args)

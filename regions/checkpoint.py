@@ -26,11 +26,16 @@ from typing import Any
 
 import torch
 
+from .inputfiles import InputFileError, open_regular
+
 MAGIC = b"GFCK"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 _TMP = re.compile(r"^\.ckpt-\d+\.pt\.tmp-\d+$")
 PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700  # what a run writes is its owner's alone (docs/RUNDIR.md)
 _GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
+# A checkpoint holds a model and its optimizer state; past this it is not one a geofed run wrote
+# on these machines, and reading it whole would take the host's memory (load_verified's cap).
+MAX_CHECKPOINT_BYTES = 64 << 30
 log = logging.getLogger(__name__)
 
 
@@ -88,12 +93,35 @@ def make_private_dirs(path: Path) -> None:
             pass  # made meanwhile (another region of this run on this node)
 
 
-def load_verified(path: Path) -> Any:
-    """Load a checkpoint after checking its magic and checksum; CheckpointError for any file that fails."""
+def read_bounded(path: Path, *, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most `max_bytes` (inputfiles.open_regular: a FIFO, a device
+    or a link to one is refused before it is opened), read in pieces: a file that reports a size
+    it does not hold (``/proc``) or grows is cut off past the cap instead of filling memory, and
+    nothing is allocated up front for a cap far above the file's size."""
+    with open_regular(path, max_bytes=max_bytes) as f:
+        size = os.fstat(f.fileno()).st_size
+        chunks, total = [], 0
+        while True:
+            # Its size first (one read for the usual file), then what a lying file adds, 8 MiB at a time.
+            want = size + 1 - total if total <= size else 8 << 20
+            chunk = f.read(min(want, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise InputFileError(path, f"holds more than {max_bytes} bytes; the limit is {max_bytes}", size=total)
+    return b"".join(chunks)
+
+
+def load_verified(path: Path, *, max_bytes: int = MAX_CHECKPOINT_BYTES) -> Any:
+    """Load a checkpoint after checking its magic and checksum; CheckpointError for any file that
+    fails, and for one that is not a regular file (a FIFO would block, ``/dev/zero`` never ends: a
+    run directory can be someone else's) or is larger than `max_bytes`."""
     try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from None
+        data = read_bounded(Path(path), max_bytes=max_bytes)
+    except InputFileError as exc:
+        raise CheckpointError(f"{path}: {exc.reason}") from None
     if len(data) < 36 or data[:4] != MAGIC:
         raise CheckpointError(f"{path}: not a geofed checkpoint (too short or bad magic)")
     digest, body = data[4:36], data[36:]

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import RunConfig, config_from_mapping, to_mapping
+from . import RunConfig, to_mapping
 from ..driver.rundir import read_json_file, utc_now, write_json
-from .strict import ConfigError
+from .strict import ConfigError, build
 
 RECORD_FILE = "config.record.json"
 
@@ -89,7 +89,10 @@ def check_resume(run_dir: Path, config_yaml: bytes, file_cfg: RunConfig, cfg: Ru
                           source=str(run_dir / "config.yaml"))
     if not isinstance(record.get("config"), dict) or not isinstance(record.get("sha256"), str):
         raise ConfigError("", "not a config record (needs sha256 and config)", source=str(path))
-    recorded = config_from_mapping(copy.deepcopy(record["config"]), source=str(path))
+    try:  # built, not looked up: a plug-in the record names is not imported (a run directory is data)
+        recorded = build(RunConfig, copy.deepcopy(record["config"]))
+    except ConfigError as exc:
+        raise exc.with_source(str(path)) from None
     changes = diff(_plain(recorded), _plain(cfg))
     edited = diff(_plain(recorded), _plain(file_cfg))
     refused = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in allow)]

@@ -24,7 +24,8 @@ def run_from_args(args) -> int:
     the exit code (143/130 after a clean stop on SIGTERM/SIGINT, 130 after an immediate one, 1 on a failed run).
     """
     if args.resume:
-        cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or ())
+        cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or (),
+                                     config=args.config, trust_run_dir=bool(getattr(args, "trust_run_dir", False)))
         lock_run_dir(run_dir, key="--resume")  # at once: a run still going there is named before any work
     else:
         cfg = load_config(args.config, args.overrides)

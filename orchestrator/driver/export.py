@@ -7,12 +7,13 @@ from pathlib import Path
 import torch
 
 from geofed.regions import checkpoint
-from geofed.regions.export import average_states, checkpoint_result, encode, params_of
+from geofed.regions.export import average_states, encode, named_result, params_of, trainable_names
 from geofed.regions.tasks import make_task
+from geofed.regions.tasks.base import PluginTaskConfig
 
-from ..config import RunConfig, load_config, to_mapping
+from ..config import RunConfig, to_mapping
 from ..config.strict import ConfigError
-from .rundir import utc_now, write_json
+from .rundir import output_dir, run_dir_config, utc_now, write_json
 
 SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 
@@ -50,8 +51,11 @@ def checkpoint_model(run_dir: Path, cfg: RunConfig, round_: int | None = None
                      ) -> tuple[int, list[str], dict[str, torch.Tensor]]:
     """The model of round `round_` (default: the newest) from the regions' checkpoints, as the run
     evaluates it: gossip's average of every region's, DiLoCo's and all-reduce's synchronised model
-    on the first region alive. Returns (round, regions averaged, state_dict); ConfigError when
-    there is no such checkpoint."""
+    on the first region alive. Returns (round, regions averaged, state_dict); ConfigError naming the
+    file when there is no such checkpoint or its tensors do not fit together.
+
+    The tensors keep the names the checkpoint gives them (regions/export.py: named_result): no
+    model is built, so a plug-in task named by the run directory is never imported."""
     have = _rounds(run_dir, list(cfg.regions.names))
     if not have:
         raise ConfigError("", "no region checkpoints (checkpoints/<region>/ckpt-*.pt) in this run directory",
@@ -61,13 +65,43 @@ def checkpoint_model(run_dir: Path, cfg: RunConfig, round_: int | None = None
         raise ConfigError("", f"no checkpoint of round {r}; rounds with checkpoints: "
                           + ", ".join(map(str, sorted(have))), source="--round")
     regions = have[r] if cfg.sync.algorithm == "gossip" else _first_alive(run_dir, r, have[r])
-    task = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=cfg.run.seed)
-    model = task.build_model(cfg.run.seed)
-    states = []
+    states: dict[Path, dict[str, torch.Tensor]] = {}
     for region in regions:
-        state = checkpoint.load_verified(checkpoint.checkpoint_path(run_dir / "checkpoints" / region, r))
-        states.append(checkpoint_result(model, state))
-    return r, regions, average_states(states)
+        path = checkpoint.checkpoint_path(run_dir / "checkpoints" / region, r)
+        states[path] = _named(path, checkpoint.load_verified(path), cfg)
+    _check_alike(states)
+    return r, regions, average_states(list(states.values()))
+
+
+def _named(path: Path, state: dict, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """One checkpoint's result by name; where the names are ambiguous in the state alone, a
+    built-in task's model (geofed's own code) names them; a plug-in's never is built."""
+    try:
+        try:
+            return named_result(state)
+        except ValueError as exc:
+            if "more than one way" not in str(exc) or isinstance(cfg.task, PluginTaskConfig):
+                raise
+        model = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=cfg.run.seed).build_model(cfg.run.seed)
+        return named_result(state, trainable_names(model))
+    except ValueError as exc:
+        raise ConfigError("", str(exc), source=str(path)) from None
+
+
+def _check_alike(states: dict[Path, dict[str, torch.Tensor]]) -> None:
+    """Every region's result has the first one's names, shapes and dtypes, or nothing is averaged."""
+    (first_path, first), *rest = states.items()
+    for path, state in rest:
+        missing = [k for k in first if k not in state]
+        extra = [k for k in state if k not in first]
+        if missing or extra:
+            what = f"missing {missing[0]!r}" if missing else f"an extra tensor {extra[0]!r}"
+            raise ConfigError("", f"its model is not {first_path}'s: {what} "
+                              f"({len(missing)} missing, {len(extra)} extra)", source=str(path))
+        for k, t in first.items():
+            if state[k].shape != t.shape or state[k].dtype != t.dtype:
+                raise ConfigError("", f"{k}: shape {list(state[k].shape)} {state[k].dtype}, but {list(t.shape)} {t.dtype} "
+                                  f"in {first_path}: not the same model", source=str(path))
 
 
 def _first_alive(run_dir: Path, r: int, have: list[str]) -> list[str]:
@@ -77,20 +111,22 @@ def _first_alive(run_dir: Path, r: int, have: list[str]) -> list[str]:
         alive = checkpoint.load_verified(checkpoint.checkpoint_path(run_dir / "checkpoints" / "driver", r))["alive"]
     except (checkpoint.CheckpointError, KeyError, TypeError):
         alive = have
-    return [next((a for a in alive if a in have), have[0])]
+    if not isinstance(alive, (list, tuple)):
+        alive = have
+    return [next((a for a in alive if isinstance(a, str) and a in have), have[0])]
 
 
 def export_from_args(args) -> int:
-    """`geofed export RUN_DIR [--round N] [--format F] [--out PATH]`: prints the file written."""
+    """`geofed export RUN_DIR [--round N] [--format F] [--out PATH]`: prints the file written.
+    The run directory is read as data: its config through the strict loader, no plug-in it
+    names imported, every file bounded, nothing written through a link inside it."""
     run_dir = Path(args.run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = run_dir_config(run_dir)
     try:
         r, regions, state = checkpoint_model(run_dir, cfg, args.round)
     except checkpoint.CheckpointError as exc:
         raise ConfigError("", str(exc), source=str(run_dir)) from None
-    out = Path(args.out) if args.out else run_dir / "export" / f"model-round{r}{SUFFIX[args.format]}"
+    name = f"model-round{r}{SUFFIX[args.format]}"
+    out = Path(args.out) if args.out else output_dir(run_dir, "export") / name
     print(write_model(out, cfg, state, fmt=args.format, round_=r, regions=regions))
     return 0
-

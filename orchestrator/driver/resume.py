@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from geofed.regions import checkpoint
+from geofed.regions.tasks.base import PluginTaskConfig
 
 from ..config import RunConfig, config_from_mapping
 from .leftovers import reap_previous
 from .recovery import RunFailed, schedule_after
 from ..config.record import check_resume
 from .rundir import ensure_private_dir, read_jsonl, truncate_jsonl
-from ..config.strict import ConfigError
-from ..config.yamlconfig import parse_yaml, read_config_bytes
+from ..config.strict import ConfigError, build
+from ..config.yamlconfig import apply_override, parse_yaml, parse_yaml_file, read_config_bytes
 
 
 class DriverCheckpoint(NamedTuple):
@@ -35,14 +36,22 @@ class DriverCheckpoint(NamedTuple):
     lost: list[int]  # rounds logged after `round`: they run again
 
 
-def resume_config(run_dir: Path, overrides, allow: Sequence[str] = ()) -> tuple[RunConfig, Path]:
+def resume_config(run_dir: Path, overrides, allow: Sequence[str] = (), *, config: str | None = None,
+                  trust_run_dir: bool = False) -> tuple[RunConfig, Path]:
     """The run's config: config.yaml, which must match the run's record of it, with the --set
-    overrides, of which only keys named in `allow` may change it (orchestrator/config/record.py)."""
+    overrides, of which only keys named in `allow` may change it (orchestrator/config/record.py).
+
+    A plug-in task config.yaml names (``task.kind: python:...``) is imported only once the user
+    vouched for it: `config` (the user's own config) names the same plug-in, or `trust_run_dir`
+    (--trust-run-dir). A run directory handed over is data until then."""
     path = Path(run_dir) / "config.yaml"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))
     text = read_config_bytes(path)  # a regular file of at most 1 MiB: a run directory is anyone's file
     data = parse_yaml(text, source=str(path))
+    if not trust_run_dir:
+        for task in (_task_unimported(data, (), str(path)), _task_unimported(data, overrides, str(path))):
+            _check_plugin_vouched(task, config, source=str(path))
     file_cfg = config_from_mapping(copy.deepcopy(data), source=str(path))
     cfg = config_from_mapping(data, overrides, source=str(path))
     changes = check_resume(Path(run_dir), text, file_cfg, cfg, allow)
@@ -50,6 +59,36 @@ def resume_config(run_dir: Path, overrides, allow: Sequence[str] = ()) -> tuple[
         print(f"geofed: resuming with {key} changed: {old!r} -> {new!r} (--allow-config-change)", file=sys.stderr)
     ensure_private_dir(Path(run_dir))  # a run directory written before the modes were tightened
     return cfg, Path(run_dir)
+
+
+def _task_unimported(data: dict, overrides, source: str) -> Any:
+    """The task section of `data` with `overrides`, built without looking up a plug-in's factory
+    (which imports its module)."""
+    data = copy.deepcopy(data)
+    try:
+        for assignment in overrides:
+            apply_override(data, assignment)
+        return build(RunConfig, data).task
+    except ConfigError as exc:
+        raise exc.with_source(source) from None
+
+
+def _check_plugin_vouched(task: Any, config: str | None, *, source: str) -> None:
+    """ConfigError unless `task` is built in, or the user's `config` names the same plug-in (kind and path)."""
+    if not isinstance(task, PluginTaskConfig):
+        return
+    where = f" (path {task.path})" if task.path is not None else ""
+    if config is None:
+        raise ConfigError("task.kind", f"names the plug-in {task.kind!r}{where}, whose module resuming would import "
+                          "(its top-level code runs); a run directory is data until you vouch for its code: pass "
+                          "your own config naming the same plug-in (geofed run CONFIG --resume RUN_DIR), or "
+                          "--trust-run-dir", source=source)
+    mine = _task_unimported(parse_yaml_file(config), (), config)
+    if not isinstance(mine, PluginTaskConfig) or (mine.kind, mine.path) != (task.kind, task.path):
+        theirs = mine.kind + (f" (path {mine.path})" if getattr(mine, "path", None) is not None else "")
+        raise ConfigError("task.kind", f"names the plug-in {task.kind!r}{where}, but {config} names {theirs!r}; "
+                          "resuming imports only a plug-in your own config names (or pass --trust-run-dir)",
+                          source=source)
 
 
 def load_driver_checkpoint(run_dir: Path) -> DriverCheckpoint:

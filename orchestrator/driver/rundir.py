@@ -16,11 +16,11 @@ from typing import Any
 
 import yaml
 
-from geofed.regions.checkpoint import PRIVATE_DIR, PRIVATE_FILE, make_private_dirs, write_bytes_atomic
-from geofed.regions.inputfiles import InputFileError, read_regular
+from geofed.regions.checkpoint import PRIVATE_DIR, PRIVATE_FILE, make_private_dirs, read_bounded, write_bytes_atomic
+from geofed.regions.inputfiles import InputFileError
 
 from ..config import RunConfig, to_mapping
-from ..config.strict import ConfigError
+from ..config.strict import ConfigError, build, parse_yaml_file
 
 
 def new_run_dir(cfg: RunConfig, out: str | None) -> Path:
@@ -156,16 +156,32 @@ class JsonlLog:
         self._f.close()
 
 
+MAX_LOG_BYTES = 1 << 30  # a log line is a few KiB a round and region: 1 GiB is ~100k rounds of 4 regions
+
+
+def read_run_file(path: Path, *, limit: int) -> bytes:
+    """A run directory's file, read as data (a run directory can be someone else's): a regular file
+    only (a FIFO would block, /dev/zero never ends), at most `limit` bytes. ConfigError names it."""
+    try:
+        return read_bounded(Path(path), max_bytes=limit)
+    except InputFileError as exc:
+        raise ConfigError("", exc.reason, source=str(path)) from None
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every record of a JSON lines file, up to a torn last line (a crash's); [] when the file is missing."""
-    if not path.exists():
+    """Every record of a JSON lines file, up to a torn last line (a crash's); [] when the file is missing.
+    ConfigError when it is not a regular file or holds more than MAX_LOG_BYTES."""
+    if not path.exists() and not path.is_symlink():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for i, line in enumerate(read_run_file(path, limit=MAX_LOG_BYTES).splitlines(), start=1):
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except ValueError:  # JSON or UTF-8 (a multi-byte character cut in two)
             break  # a torn last line from a crash; everything before it is good
+        if not isinstance(record, dict):
+            raise ConfigError("", f"line {i}: expected a JSON object, got {type(record).__name__}", source=str(path))
+        out.append(record)
     return out
 
 
@@ -182,11 +198,44 @@ def read_json_file(path: Path, *, limit: int = 4 << 20) -> Any:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        return json.loads(read_regular(path, max_bytes=limit))
+        return json.loads(read_bounded(path, max_bytes=limit))
     except InputFileError as exc:
         raise ConfigError("", exc.reason, source=str(path)) from None
     except ValueError as exc:
         raise ConfigError("", f"not JSON: {exc}", source=str(path)) from None
+
+
+def run_dir_config(run_dir: Path) -> RunConfig:
+    """RUN_DIR/config.yaml as a RunConfig, read as data: the strict, bounded YAML loader, and a
+    plug-in task it names is neither imported nor looked up (``export``, ``report``, ``watch``
+    and ``--resume`` never run code a run directory names). ConfigError names the file."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists() and not path.is_symlink():
+        raise ConfigError("", "not a run directory (no config.yaml)", source=str(run_dir))
+    data = parse_yaml_file(path)
+    try:
+        return build(RunConfig, data)
+    except ConfigError as exc:
+        raise exc.with_source(str(path)) from None
+
+
+def output_dir(run_dir: Path, name: str, *, mode: int = PRIVATE_DIR) -> Path:
+    """RUN_DIR/name for what export and report write, made with `mode` when missing; ConfigError
+    when it is a symbolic link (or not a folder): whoever planted the link would choose where our
+    files go."""
+    path = Path(run_dir) / name
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError("", f"cannot create {name}/: {exc.strerror}", source=str(run_dir)) from None
+    if path.is_symlink():
+        raise ConfigError("", f"{name} is a symbolic link (to {os.readlink(path)}); nothing is written through "
+                          "links inside a run directory: remove it, or name the output with --out", source=str(path))
+    if not path.is_dir():
+        raise ConfigError("", "exists and is not a directory", source=str(path))
+    return path
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -155,16 +154,19 @@ def _matrix(table: LinkTable, pricer: EgressPricer) -> dict[str, Link]:
 def file_segments(path: str, regions: Sequence[str], pricer: EgressPricer) -> list[Segment]:
     """The link matrix of a links file: a run's summary.json (its measured `links`) or a mapping
     ``{"a->b": {bandwidth_mbps, rtt_ms}}``; every directed link between `regions` must be there."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanInputError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        import yaml
+    from geofed.regions.inputfiles import InputFileError, read_regular
 
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise PlanInputError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
+    from ..config.strict import ConfigError, parse_yaml
+
+    try:  # a run's summary.json is anyone's file: a regular file, bounded; YAML by the strict loader
+        text = read_regular(path, max_bytes=64 << 20)
+        data = json.loads(text) if path.endswith(".json") else parse_yaml(text, source=path)
+    except InputFileError as exc:
+        raise PlanInputError(f"{path}: {exc.reason}") from None
+    except ConfigError as exc:
+        raise PlanInputError(str(exc)) from None
+    except ValueError as exc:
+        raise PlanInputError(f"{path}: not valid JSON: {exc}") from None
     prefix = "links."
     if isinstance(data, dict) and isinstance(data.get("links"), dict):
         data = data["links"]

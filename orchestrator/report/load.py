@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from geofed.regions.checkpoint import read_bounded
+from geofed.regions.inputfiles import InputFileError
 
-from ..config.strict import ConfigError
+from ..config.strict import ConfigError, parse_yaml_file
 
 RECORD_FILES = ("metrics.jsonl", "rounds.jsonl", "summary.json")
 MAX_LINE_BYTES = 16 << 20  # one round of one region is a few KiB; a huge line is a damaged file
+MAX_LOG_BYTES = 1 << 30  # a log file: ~100k rounds of 4 regions (orchestrator/driver/rundir.py's cap)
+MAX_JSON_BYTES = 64 << 20  # summary.json: the run's totals, a few KiB to a few MiB with many links
 
 
 class RunDirError(ConfigError):
@@ -151,12 +154,24 @@ def load_run(run_dir: str | Path) -> Run:
                events=events, regions=regions, warnings=warnings)
 
 
-def _read_json(path: Path, name: str) -> dict[str, Any]:
+def _read_bytes(path: Path, name: str, limit: int) -> bytes | None:
+    """RUN_DIR/name read as data (a run directory can be someone else's): None when missing, else a
+    regular file of at most `limit` bytes (a FIFO would block, /dev/zero never ends)."""
     f = path / name
-    if not f.is_file():
+    if not f.exists() and not f.is_symlink():
+        return None
+    try:
+        return read_bounded(f, max_bytes=limit)
+    except InputFileError as exc:
+        raise RunDirError(path, f"{name}: {exc.reason}") from None
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    raw = _read_bytes(path, name, MAX_JSON_BYTES)
+    if raw is None:
         return {}
     try:
-        data = json.loads(f.read_text(encoding="utf-8"))
+        data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RunDirError(path, f"{name}: invalid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -165,10 +180,9 @@ def _read_json(path: Path, name: str) -> dict[str, Any]:
 
 
 def _read_jsonl(path: Path, name: str, required: tuple[str, ...], warnings: list[str]) -> list[dict[str, Any]]:
-    f = path / name
-    if not f.is_file():
+    raw = _read_bytes(path, name, MAX_LOG_BYTES)
+    if raw is None:
         return []
-    raw = f.read_bytes()
     lines = raw.split(b"\n")
     out = []
     for i, line in enumerate(lines, start=1):
@@ -216,14 +230,11 @@ def _dedupe(records: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[s
 
 def _read_config(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
     f = path / "config.yaml"
-    if f.is_file():
-        try:
-            data = yaml.safe_load(f.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise RunDirError(path, f"config.yaml: invalid YAML: {str(exc).splitlines()[0]}") from None
-        if isinstance(data, dict):
-            return data
-    return {}
+    if not f.exists() and not f.is_symlink():
+        return {}
+    # The strict loader: aliases (a 1 KB bomb expands to GBs), nesting past MAX_DEPTH, tags and
+    # duplicate keys are one ConfigError naming the file; nothing it names is imported.
+    return parse_yaml_file(f)
 
 
 def _region_order(config: dict[str, Any], summary: dict[str, Any], metrics: list[dict[str, Any]]) -> list[str]:

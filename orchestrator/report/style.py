@@ -8,6 +8,8 @@ through pyplot: pyplot keeps global state and picks a GUI backend when a display
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +59,17 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def save(fig: Figure, out_dir: Path, name: str) -> str:
-    """Save `fig` as `name` in `out_dir` (white background); returns `name`."""
-    fig.savefig(out_dir / name, dpi=DPI, facecolor="white")
+    """Save `fig` as `name` in `out_dir` (white background); returns `name`. Written to a new file
+    beside it and renamed over it: a link planted at `name` is replaced, never written through."""
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format=Path(name).suffix.lstrip(".") or "png", dpi=DPI, facecolor="white")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out_dir / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return name
 
 

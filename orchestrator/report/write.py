@@ -14,6 +14,7 @@ from . import compare as cmp
 from . import plots, plots_cost, plots_links
 from .facts import default_target
 from .html import comparison_section, page, render_run
+from ..driver.rundir import output_dir
 from .load import Run, load_run
 from .style import RC, Plot
 
@@ -80,9 +81,14 @@ def write_report(run_dir: str | Path, *, compare: Sequence[str | Path] = (), out
     directory is not a run directory. Returns the path of report.html."""
     run = load_run(run_dir)
     others = [load_run(c) for c in compare]
-    # A comparison gets a folder of its own: the run's own report.html stays what it was.
-    path = _resolve_out(out, compare_dir(run.path, [o.path for o in others]) if others else run.path / "report")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if out is None:
+        # A comparison gets a folder of its own: the run's own report.html stays what it was. Inside
+        # the run directory (anyone's) that folder must not be a planted link to elsewhere.
+        name = compare_dir(run.path, [o.path for o in others]).name if others else "report"
+        path = output_dir(run.path, name, mode=0o755) / REPORT_NAME
+    else:
+        path = _resolve_out(out, run.path / "report")
+        path.parent.mkdir(parents=True, exist_ok=True)
     with matplotlib.rc_context(RC):
         made = run_plots(run, path.parent)
         section = ""
