@@ -39,8 +39,8 @@ import torch
 
 from .mailbox import Refusal
 
-__all__ = ["MODES", "AdmissionPerLayout", "UpdateAdmission", "coordinate_median", "l2_norm", "max_abs", "robust_mix", "trim_count",
-           "trimmed_mean"]
+__all__ = ["MODES", "AdmissionPerLayout", "UpdateAdmission", "coordinate_median", "fair_share_clip", "l2_norm", "max_abs",
+           "robust_mix", "trim_count", "trimmed_mean"]
 
 log = logging.getLogger("geofed.p2p")
 
@@ -113,11 +113,36 @@ def robust_mix(own: Sequence[torch.Tensor], received: Mapping[Hashable, Sequence
     return [m.to(t.dtype) for m, t in zip(mixed, own)]
 
 
+def fair_share_clip(own: Sequence[torch.Tensor], received: Mapping[str, Sequence[torch.Tensor]], *,
+                    multiple: float = 1.0) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], list[str]]:
+    """(own, received, the peers scaled down): every update of the round, the region's own too,
+    scaled down to `multiple` x the median L2 norm of the round's updates (the mean of the two
+    middle norms for an even count). With weights 1/n, a member's pull on the mean is then at most
+    `multiple` x that median / n, whatever it sent. The region's own update is held to the same
+    bound so that every region holding the same updates computes the same mean (full-topology
+    DiLoCo keeps one model). The median of the round, not of a window: it follows the honest norms
+    down as training converges, where a window's median lags them."""
+    if not received:
+        return list(own), {}, []
+    norms = {s: l2_norm(v) for s, v in received.items()}
+    own_norm = l2_norm(own)
+    bound = multiple * statistics.median([own_norm, *norms.values()])
+
+    def over(norm: float) -> bool:  # float rounding of one same norm is not an outsized update
+        return norm > bound * (1 + 1e-6) and math.isfinite(bound)
+
+    def held(tensors: Sequence[torch.Tensor], norm: float) -> list[torch.Tensor]:
+        return [t * (bound / norm) for t in tensors] if over(norm) else list(tensors)
+
+    out = {s: held(v, norms[s]) for s, v in received.items()}
+    return held(own, own_norm), out, sorted(s for s in received if over(norms[s]))
+
+
 class UpdateAdmission:
     """Judges every incoming update by magnitude; thread-safe (server threads call ``admit``)."""
 
     def __init__(self, *, mode: str = "clip", max_update_value: float = 1e6, norm_multiple: float = 10.0,
-                 window: int = 32, min_samples: int = 3):
+                 window: int = 32, min_samples: int = 3, clip: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
         if not max_update_value > 0 or not norm_multiple > 1:
@@ -125,6 +150,9 @@ class UpdateAdmission:
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError(f"window: need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
         self.mode, self.max_update_value, self.norm_multiple = mode, max_update_value, norm_multiple
+        # clip=False: `clip` mode's bound is applied at the mix instead (fair_share_clip), where
+        # the round's norms are known; here an outsized update only stays out of the reference.
+        self.clip = clip
         self.min_samples = min_samples
         self._norms: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
@@ -159,6 +187,8 @@ class UpdateAdmission:
             if self.mode != "clip":
                 raise Refusal("outlier", f"norm {norm:.3g} exceeds {self.norm_multiple:g} x the recent median "
                                          f"norm ({bound:.3g})")
+            if not self.clip:
+                return tensors  # the mix clips it (fair_share_clip); it never enters the reference
             with self._lock:
                 self.clipped[sender] += 1
             log.warning("clipped the update of %s: norm %.3g -> %.3g (%g x the recent median)", sender, norm,
@@ -168,6 +198,11 @@ class UpdateAdmission:
         with self._lock:
             self._norms.append(norm)
         return tensors
+
+    def note_clipped(self, senders: Sequence[str]) -> None:
+        """Count updates scaled down elsewhere (the mix's fair_share_clip, secure aggregation's mean)."""
+        with self._lock:
+            self.clipped.update(senders)
 
     def take_clipped(self) -> dict[str, int]:
         """Clipped updates by sender since the last call."""
@@ -185,7 +220,7 @@ class AdmissionPerLayout:
         self._kwargs = kwargs
         self._by_layout: dict[tuple, UpdateAdmission] = {}
         self._lock = threading.Lock()
-        UpdateAdmission(**kwargs)  # its argument checks, now
+        self._mix = UpdateAdmission(**kwargs)  # its argument checks, now; it counts the mix's clips
 
     def _of(self, tensors: Sequence[torch.Tensor]) -> UpdateAdmission:
         key = tuple(tuple(t.shape) for t in tensors)
@@ -210,10 +245,14 @@ class AdmissionPerLayout:
         """UpdateAdmission.admit against the norms of the same layout."""
         return self._of(tensors).admit(sender, tensors)
 
+    def note_clipped(self, senders: Sequence[str]) -> None:
+        """UpdateAdmission.note_clipped (whatever the layout)."""
+        self._mix.note_clipped(senders)
+
     def take_clipped(self) -> dict[str, int]:
         """Clipped updates by sender since the last call, over every layout."""
         with self._lock:
-            admissions = list(self._by_layout.values())
+            admissions = [self._mix, *self._by_layout.values()]
         out: Counter[str] = Counter()
         for a in admissions:
             out.update(a.take_clipped())

@@ -45,7 +45,10 @@ model again. Refused side messages are counted by SecAggError.reason under `seca
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import wait
 from typing import Any
@@ -58,6 +61,7 @@ from geofed.p2p import secagg_run as run
 from geofed.p2p import secmask
 from geofed.p2p.secagg import KeyBook, SecAggError
 from geofed.p2p.secagg_slot import MASKED, RELAY, SETUP
+from geofed.p2p.robust import UpdateAdmission, l2_norm, max_abs
 from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
 from geofed.p2p.transport import Transport
 
@@ -75,11 +79,15 @@ class SecAggRound(SecAggRecovery):
 
     def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
                  deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
-                 drop_mid_round=lambda r: False):
+                 drop_mid_round=lambda r: False, admission: UpdateAdmission | None = None):
         super().__init__(regions=regions, transport=transport, deadline=deadline, send_timeout_s=send_timeout_s,
                          max_message_bytes=max_message_bytes)
         self.region, self.run_id, self.bits = region, run_id, bits
         self.error_feedback, self.drop_mid_round = error_feedback, drop_mid_round
+        # security.max_update_value / norm_multiple / robust_aggregation, and the region's own update
+        # norms: what a member's scale and the unmasked mean are held to (admission of the round).
+        self.admission = admission if admission is not None else UpdateAdmission()
+        self._refusals_reported: Counter[str] = Counter()
         tls = getattr(transport, "tls", None)
         self.tls_key = None if tls is None else tls.key_pem
         self.cert, self.ca = (b"", None) if tls is None else (tls.cert_pem, tls.ca_pem)
@@ -88,7 +96,8 @@ class SecAggRound(SecAggRecovery):
         self.publics: dict[str, bytes] = {}
         self.advert_delivered: set[str] = set()  # peers that filed this region's advert
         self.residual: list[torch.Tensor] | None = None
-        # (round, its members, every member's chunk absmax): the next round's scales, agreed ahead
+        # (round, its members, every member's chunk absmax, a row each in members' order): the next
+        # round's scales, agreed ahead
         self.ahead: tuple[int, tuple[str, ...], np.ndarray] | None = None
 
     # ---- the round ---------------------------------------------------------------------
@@ -100,6 +109,7 @@ class SecAggRound(SecAggRecovery):
                              "wait_s": 0.0, "send_failures": {}, "secagg_signed": self.ca is not None,
                              "secagg_phase_s": {}}
         self._harvest(m)  # the last round's self-key pushes (acknowledged during the inner steps)
+        self.admission.observe_own(tensors)  # the reference of the mean's norm rule
         t0 = time.monotonic()
         try:
             if len(members) < 3 or self.region not in members:
@@ -110,10 +120,12 @@ class SecAggRound(SecAggRecovery):
             # Next round runs SETUP, and sends this region's advert again: a peer it lost may have restarted.
             self.ahead = None
             self.advert_delivered.clear()
-            m.update(peers_missing=peers, secagg_failed=str(why), secagg_refused=dict(self.refused))
+            m.update(peers_missing=peers, secagg_failed=str(why), secagg_refused=dict(self.refused),
+                     refusals=self._take_refusals())
             return [t.detach().clone() for t in tensors], m
         m.update(wait_s=round(time.monotonic() - t0, 6), secagg_survivors=len(survivors),
-                 secagg_dropped=sorted(set(members) - survivors), secagg_refused=dict(self.refused))
+                 secagg_dropped=sorted(set(members) - survivors), secagg_refused=dict(self.refused),
+                 refusals=self._take_refusals())
         # Every survivor holds this same mean: the dropped are not "missing" for the resync.
         return [x.to(device=ref.device, dtype=ref.dtype) for x, ref in zip(mean, tensors)], m
 
@@ -132,9 +144,13 @@ class SecAggRound(SecAggRecovery):
         levels = secmask.levels_for(len(members), self.bits)
         ahead, self.ahead = self.ahead, None  # set again only by a complete round
         if ahead is not None and ahead[:2] == (round_ - 1, tuple(members)) and set(peers) <= set(self.publics):
-            scales = secmask.shared_scales([ahead[2]], levels)
+            absmaxes = dict(zip(members, ahead[2]))
         else:
-            scales = secmask.shared_scales([absmax, *self._setup(round_, members, peers, absmax, m).values()], levels)
+            absmaxes = {self.region: absmax, **self._setup(round_, members, peers, absmax, m)}
+        refused = self._admit_scales(absmaxes)
+        # Capped at max_update_value: no member's value on the grid, nor the mean, can pass it.
+        scales = secmask.shared_scales([np.minimum(a, self.admission.max_update_value)
+                                        for r, a in absmaxes.items() if r not in refused], levels)
         m.update(secagg_levels=levels, secagg_scales_ahead="setup" not in m["secagg_phase_s"])
         if self.drop_mid_round(round_):
             m["secagg_dropped_self"] = True  # emulated: the region leaves before its masked update
@@ -144,7 +160,7 @@ class SecAggRound(SecAggRecovery):
             self.residual = [o - d for o, d in zip(own, dequantize_all(q, scales, spans, own))]
         mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
         grid = run.digest(scales)
-        masked, absmaxes, shares, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m)
+        masked, absmaxes, shares, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m, refused)
         survivors = frozenset(masked)
         self.advert_delivered -= set(members) - survivors  # a region that missed the round may have restarted
         if len(survivors) < 3:  # the sum of two is the other's update: no self key, no seed, no share relayed, no sum
@@ -162,14 +178,61 @@ class SecAggRound(SecAggRecovery):
             wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))
             self._harvest(m)
             total = run.unmask_total(masked, self_keys=self_keys, dropped_seeds={}, bits=self.bits)
-            self.ahead = (round_, tuple(members), np.max(np.stack([absmaxes[r] for r in members]), axis=0))
+            self.ahead = (round_, tuple(members), np.stack([absmaxes[r] for r in members]))
         else:
             wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))  # acks decide the reveal
             ackers = {p for p, f in sends.items() if f.done() and f.exception() is None}
             self._harvest(m)
             total = self._unmask(round_, members, survivors, masked, ackers, grid, self_keys, m)
         mean = [d / len(survivors) for d in dequantize_all(total, scales, spans, own)]
-        return mean, survivors
+        return self._admit_mean(mean, m), survivors
+
+    def _admit_scales(self, absmaxes: dict[str, np.ndarray]) -> dict[str, str]:
+        """{member: reason} for the peers whose chunk maxima (their share of the shared scale) are
+        refused: out_of_bounds above max_update_value; outlier (unless robust_aggregation is none)
+        above norm_multiple x the median of the members' maxima, the norm rule on the largest value.
+        Each is counted; every honest region sees the same maxima and refuses the same members, so
+        they keep one grid, and the refused member's masked update is then left out as a lost one."""
+        adm = self.admission
+        peaks = {r: float(a.max()) if a.size else 0.0 for r, a in absmaxes.items()}
+        median = statistics.median(peaks.values())
+        refused = {}
+        for r, peak in sorted(peaks.items()):
+            if r == self.region:
+                continue
+            if peak > adm.max_update_value:
+                refused[r] = "out_of_bounds"
+            elif adm.mode != "none" and len(peaks) >= 3 and peak > adm.norm_multiple * median:
+                refused[r] = "outlier"
+        self.refused.update(refused.values())
+        return refused
+
+    def _admit_mean(self, mean: list[torch.Tensor], m: dict) -> list[torch.Tensor]:
+        """The unmasked mean held to what a peer's update is held to, before the outer step: a value
+        above max_update_value (or not finite) fails the round (out_of_bounds; the region applies its
+        own update); under clip, a norm above norm_multiple x the region's recent own update norms
+        is scaled down to that bound (counted as clipped, sender `secagg-mean`)."""
+        adm = self.admission
+        peak = max_abs(mean)
+        if not math.isfinite(peak) or peak > adm.max_update_value:
+            self.refused["out_of_bounds"] += 1
+            raise Fallback(f"the unmasked mean holds a value of magnitude {peak:.3g} "
+                           f"(security.max_update_value {adm.max_update_value:.3g})")
+        bound = adm.bound() if adm.mode == "clip" else None
+        norm = l2_norm(mean)
+        if bound is not None and norm > bound:
+            adm.note_clipped(["secagg-mean"])
+            m["secagg_clipped"] = 1
+            return [t * (bound / norm) for t in mean]
+        return mean
+
+    def _take_refusals(self) -> dict[str, int]:
+        """This region's secure-aggregation refusals by reason since the last round's report: they
+        reach metrics' `refusals` and summary.json like the transport's."""
+        now = Counter(self.refused)
+        out = {k: n - self._refusals_reported[k] for k, n in now.items() if n > self._refusals_reported[k]}
+        self._refusals_reported = now
+        return out
 
     def _setup(self, round_: int, members: list[str], peers: list[str], absmax: np.ndarray, m: dict) -> dict[str, np.ndarray]:
         """SETUP (step 1 when no scales were agreed ahead): every peer's absmax, keys filed."""
@@ -189,7 +252,8 @@ class SecAggRound(SecAggRecovery):
             raise Fallback(f"no scales or key from {sorted(set(peers) - (set(peer_absmax) & set(self.publics)))}")
         return peer_absmax
 
-    def _masked_exchange(self, round_: int, mine: np.ndarray, grid: bytes, absmax: np.ndarray, peers, m):
+    def _masked_exchange(self, round_: int, mine: np.ndarray, grid: bytes, absmax: np.ndarray, peers, m,
+                         refused=frozenset()):
         """Step 2: push the masked update (its grid, the next round's absmax) and take the peers'.
         Returns ({survivor: masked}, {survivor: absmax}, {survivor: (this region's share of its
         self key, the key's check)}, {peer: the push's future})."""
@@ -211,6 +275,8 @@ class SecAggRound(SecAggRecovery):
         self._count_received(inbox, MASKED, m)
         masked, absmaxes, shares = {self.region: mine}, {self.region: absmax}, {}
         for sender, raw in sorted(inbox.received.items()):
+            if sender in refused:  # its scale was refused (counted then): left out as a lost update
+                continue
             try:
                 body, their_grid, their_absmax, their_share = unpack(raw, 4)
                 if len(their_share) != relay.SHARE + relay.CHECK:
@@ -282,7 +348,7 @@ class SecAggRound(SecAggRecovery):
 
 
 def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadline,
-                max_message_bytes: int) -> SecAggRound | None:
+                max_message_bytes: int, admission: UpdateAdmission | None = None) -> SecAggRound | None:
     """The region's SecAggRound when security.secure_aggregation is on (None otherwise). Absent
     regions of regions.emulation.availability with `mid_round` leave mid-round instead."""
     sec = cfg.security
@@ -295,5 +361,5 @@ def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadlin
     return SecAggRound(region=region, regions=names, transport=transport, run_id=f"{cfg.run.name}/{run_dir.name}",
                        bits=sec.secagg_bits, deadline=deadline,
                        send_timeout_s=cfg.sync.deadline.max_s, error_feedback=cfg.compression.error_feedback,
-                       max_message_bytes=max_message_bytes,
+                       max_message_bytes=max_message_bytes, admission=admission,
                        drop_mid_round=lambda r: mid_round and region in absent_regions(emulation, r, names))

@@ -18,7 +18,7 @@ import torch
 
 from geofed.compression import CodecError, CodecSpec, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
-from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, robust_mix
+from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, fair_share_clip, robust_mix
 from geofed.p2p.topology import make_topology
 
 from .emulation import Slowdown
@@ -95,7 +95,7 @@ class RegionWorker(LocalSteps, RegionState):
         sec = cfg.security
         admission_cls = AdmissionPerLayout if cfg.sync.fragments > 1 else UpdateAdmission  # a norm per fragment
         self.admission = admission_cls(mode=sec.robust_aggregation, max_update_value=sec.max_update_value,
-                                       norm_multiple=sec.norm_multiple)
+                                       norm_multiple=sec.norm_multiple, clip=not self._clips_at_mix())
         self._open_transport(transport, tls=tls, advertised_host=advertised_host)
         self._make_exchanger()
         self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
@@ -159,6 +159,7 @@ class RegionWorker(LocalSteps, RegionState):
                                    send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
         self.exchanger.observe_own = self.admission.observe_own
         self.secagg = make_secagg(cfg, self.region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
+                                  admission=self.admission,
                                   max_message_bytes=self.limits.max_message_bytes)
 
     def _sync_context(self) -> SyncContext:
@@ -242,7 +243,8 @@ class RegionWorker(LocalSteps, RegionState):
                                    for p in self.out_peers(plan)},
                         "wall_s": wall, "utilization": min(1.0, metrics.get("compute_s", 0.0) / wall) if wall > 0 else 0.0,
                         "links": self.exchanger.link_estimates(self.region),
-                        "refused": self.transport.stats().get("refused_total", 0), "refusals": self.take_refusals(),
+                        "refused": self.transport.stats().get("refused_total", 0),
+                        "refusals": _summed(self.take_refusals(), metrics.get("refusals")),
                         "clipped": self.admission.take_clipped(), "rss_mb": rss_mb()})
         if self.hostile is not None:
             metrics["hostile"] = self.hostile.take_acts()
@@ -321,6 +323,10 @@ class RegionWorker(LocalSteps, RegionState):
         robust coordinate-wise one that security.robust_aggregation selects (full-topology runs only).
         """
         how = self.cfg.security.robust_aggregation
+        if self._clips_at_mix() and res.received:
+            own, received, clipped = fair_share_clip(own, res.received, multiple=self.cfg.security.clip_multiple)
+            self.admission.note_clipped(clipped)
+            res = dataclasses.replace(res, received=received)
         if how in ("trimmed-mean", "median"):  # the config allows them for full-topology diloco/allreduce only
             return robust_mix(own, res.received, how=how, trim_fraction=self.cfg.security.trim_fraction)
         if self.cfg.sync.pacing.mode != "barrier":
@@ -337,6 +343,12 @@ class RegionWorker(LocalSteps, RegionState):
             total = self_w + sum(live.values())
             weights, self_w = {p: w / total for p, w in live.items()}, self_w / total
         return mix(own, res.received, weights, self_w)
+
+    def _clips_at_mix(self) -> bool:
+        """security.robust_aggregation clip with clip_multiple on: each round's mix scales every peer
+        update to the round's median norm (gossip mixes models, not updates: it clips on arrival)."""
+        sec = self.cfg.security
+        return sec.robust_aggregation == "clip" and sec.clip_multiple > 0 and self.cfg.sync.algorithm != "gossip"
 
     def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:
         """Called by the transport for every incoming update: refuse (ValueError, or a Refusal
@@ -371,3 +383,12 @@ def _take_pending_eval(metrics: dict[str, Any]) -> dict[str, Any]:
         metrics["eval_age_s"] = round(time.monotonic() - ev.pop("t_done"), 6)
         metrics["eval"] = ev
     return metrics
+
+
+def _summed(*counts: dict[str, int] | None) -> dict[str, int]:
+    """Refusal counts by reason added up (the transport's and the round's own, secure aggregation's)."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for reason, n in (c or {}).items():
+            out[reason] = out.get(reason, 0) + n
+    return out

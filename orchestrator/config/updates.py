@@ -38,14 +38,20 @@ class SecuritySection:
     tls: bool = field(default=True, metadata=_doc("mutual TLS on every channel (false: plaintext, warns)"))
     round_window: int = field(default=2, metadata=_doc("accept updates at most this many rounds ahead"))
     robust_aggregation: Literal["none", "clip", "trimmed-mean", "median"] = field(default="clip", metadata=_doc(
-        "what an outsized peer update meets: clip: scaled down to norm_multiple x the recent median norm; "
-        "trimmed-mean / median: refused (outlier) and the mix is coordinate-wise robust (full-topology diloco "
-        "or allreduce); none: only the value bound (docs/p2p.md)"))
+        "what a peer update meets: clip: scaled down at the mix to clip_multiple x the median norm of the round's "
+        "updates (gossip, and clip_multiple 0: to norm_multiple x the recent median norm on arrival); "
+        "trimmed-mean / median: refused (outlier) above norm_multiple and the mix is coordinate-wise robust "
+        "(full-topology diloco or allreduce); none: only the value bound (docs/reliability.md)"))
     max_update_value: float = field(default=1e6, metadata=_doc(
         "an update holding a value of larger magnitude is refused (out_of_bounds), in every mode"))
     norm_multiple: float = field(default=10.0, metadata=_doc(
         "an update whose L2 norm exceeds this multiple of the median of recent update norms (all senders and "
         "the region's own) is clipped or refused"))
+    clip_multiple: float = field(default=1.0, metadata=_doc(
+        "clip (diloco, allreduce): every peer update in a round's mix is scaled down to this multiple of the median "
+        "L2 norm of that round's updates (the region's own included), so one member moves the mean by at most its "
+        "1/n share at that norm; 0: off (only norm_multiple's bound, on arrival). Counted as clipped in metrics, "
+        "summary.json and the report"))
     trim_fraction: float = field(default=0.25, metadata=_doc(
         "trimmed-mean: values dropped at each end of every coordinate, as a fraction of the regions present "
         "(at least 1 when 3 or more)"))
@@ -71,5 +77,7 @@ class SecuritySection:
             raise ValueError(f"max_update_value: must be in (0, 3.4e38], got {self.max_update_value}")
         if not 1 < self.norm_multiple <= 1e6:
             raise ValueError(f"norm_multiple: must be in (1, 1e6], got {self.norm_multiple}")
+        if not (self.clip_multiple == 0 or 1 <= self.clip_multiple <= 1e6):
+            raise ValueError(f"clip_multiple: must be 0 (off) or in [1, 1e6], got {self.clip_multiple}")
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction: must be in [0, 0.5), got {self.trim_fraction}")

@@ -18,6 +18,7 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.adversary import huge_update
 from geofed.p2p.mailbox import Refusal
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+from geofed.regions.exchange import ExchangeResult
 from geofed.p2p.robust import UpdateAdmission, coordinate_median, robust_mix, trim_count, trimmed_mean
 from geofed.regions.worker import RegionWorker, RoundPlan
 
@@ -192,3 +193,57 @@ def test_one_sender_cannot_raise_the_reference_norm_by_escalating():
     with pytest.raises(Refusal) as ei:
         adm.admit("c", [torch.full((4,), 3e38)])
     assert ei.value.reason == "out_of_bounds"
+
+
+# -- issue 36, N4: the default bounds one member's pull on the mean to its share --------------------
+
+FOUR = ["a", "b", "c", "d"]  # d is the hostile member
+
+
+def _unit(tensors):
+    n = float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
+    return [t / n for t in tensors]
+
+
+def _flat(tensors):
+    return torch.cat([t.flatten().double() for t in tensors])
+
+
+@pytest.mark.parametrize("attack", ["flip_at_bound", "x-1000", "x-9", "x+9"])
+def test_under_the_default_one_member_keeps_the_mean_step_forward_and_its_share(tmp_path, attack):
+    """Region a of four, the default security section, its real admission and mix on real tensors:
+    three honest updates of norm 1 around a common direction, and d's update sign-flipped at the
+    bound (10 x the median norm, what the attack sent), x-1000, x-9 or x+9. The mean step must point
+    the honest way (cosine with the honest mean > 0) and d's pull on it must be at most its 1/4
+    share at the median norm (0.25). Before (clip at 10 x a window's median on arrival, the plain
+    mean after): d's update reached the mix at norm 9-10 with weight 1/4, a pull of 2.25-2.5, and
+    for the flips the mean step pointed backwards (cosine < 0)."""
+    cfg = config_from_mapping({"run": {"seed": 0}, "task": {"kind": "mlp-digits", "hidden": 16},
+                               "regions": {"names": FOUR}, "network": {"emulation": {"mode": "none"}}})
+    w = RegionWorker(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+    try:
+        g = torch.Generator().manual_seed(0)
+        common = [torch.randn(s, generator=g) for s in w.shapes]
+
+        def honest():
+            return _unit([c + 0.8 * torch.randn(c.shape, generator=g) for c in common])
+
+        for _ in range(3):  # earlier rounds: the admission's window holds honest norms (1)
+            w.admission.observe_own(honest())
+        ups = {r: honest() for r in FOUR}
+        mean_honest = [sum(ups[r][k] for r in "abc") / 3 for k in range(len(common))]
+        hostile = {"flip_at_bound": [-10.0 * t for t in _unit(mean_honest)], "x-1000": [-1000.0 * t for t in ups["d"]],
+                   "x-9": [-9.0 * t for t in ups["d"]], "x+9": [9.0 * t for t in ups["d"]]}[attack]
+        received = {"b": w.admission.admit("b", ups["b"]), "c": w.admission.admit("c", ups["c"]),
+                    "d": w.admission.admit("d", hostile)}
+        mixed = w.mix(RoundPlan(round=0, H=1), ups["a"], ExchangeResult(received=received, own_decoded={}, missing=[]))
+        step, want = _flat(mixed), _flat(mean_honest)
+        cosine = float(step @ want / (step.norm() * want.norm()))
+        assert cosine > 0, cosine
+        # The honest updates (norm 1) are at or under the round's median norm: they are mixed as they
+        # are, so what is left of the mean once they are taken out is d's pull.
+        pull = float((step - _flat([sum(ups[r][k] for r in "abc") / 4 for k in range(len(common))])).norm())
+        assert pull <= 0.25 * 1.0001, pull
+        assert w.admission.take_clipped() == {"d": 1}  # counted, whatever the direction
+    finally:
+        w.close()
