@@ -114,6 +114,7 @@ def fetch_file(remote: RemoteFile, dest: Path, opts: FetchOptions, *, deadline: 
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     out = _create_part(part)
+    mine = os.fstat(out.fileno())
     try:
         with out:
             mirror = mirror_of(opts)
@@ -127,15 +128,22 @@ def fetch_file(remote: RemoteFile, dest: Path, opts: FetchOptions, *, deadline: 
             if got != remote.sha256:
                 raise ChecksumError(f"{remote.name}: SHA-256 mismatch (from {source}): expected {remote.sha256}, "
                                     f"got {got}; the file was deleted")
-            mine = os.fstat(out.fileno())
-        here = os.lstat(part)
-        if (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):  # swapped since: not what was checked
+        if not _is_ours(part, mine):  # swapped since (or a second fetch of the same file took over)
             raise FetchError(f"{remote.name}: {part} was replaced while it was being written; nothing was kept")
         os.replace(part, dest)
     except BaseException:
-        part.unlink(missing_ok=True)  # the path itself: a link there goes, never what it points at
+        if _is_ours(part, mine):  # unlinks the path itself; another fetch's part is left to it
+            part.unlink(missing_ok=True)
         raise
     return dest
+
+
+def _is_ours(part: Path, mine: os.stat_result) -> bool:
+    try:
+        here = os.lstat(part)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _create_part(part: Path) -> BinaryIO:

@@ -257,3 +257,20 @@ def test_geofed_data_fetch_takes_a_deadline(tmp_path, monkeypatch, capsys):
     assert [p.name for p in (tmp_path / "cora" / "raw").iterdir()] == []
     assert main(["fetch", "cora", "--deadline", "0"]) == 2
     assert "--deadline: must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_a_part_swapped_during_the_download_is_neither_renamed_nor_deleted(data_mirror, tmp_path):
+    """N10: a file put at the .part path while the download writes (another fetch of the same file,
+    or an attacker) is not what was checked, so it is not renamed into the cache; and it is not
+    ours, so it is left alone. Before this check the failed fetch deleted the other one's file."""
+    remote = get_dataset("cora").files[1]
+    part = tmp_path / (remote.name + ".part")
+
+    def swap(name, done, total):
+        if not part.is_symlink() and part.read_bytes() != b"theirs":
+            part.unlink()
+            part.write_bytes(b"theirs")
+
+    with pytest.raises(FetchError, match="was replaced while it was being written"):
+        fetch_file(remote, tmp_path / remote.name, _opts(data_mirror, progress=swap))
+    assert part.read_bytes() == b"theirs" and not (tmp_path / remote.name).exists()
