@@ -22,8 +22,8 @@ from geofed.regions.inputfiles import InputFileError, open_regular
 from .planetoid import edge_index_from_pairs
 
 MAX_INPUT_BYTES = 4 << 30
-# A parsed CSV table (float64/int64) of more than 2^28 values is over 2 GiB, and makes a graph
-# over the 1 GiB the task and this command's own load-back accept.
+# A table (CSV or .npy) of more than 2^28 values is over 2 GiB parsed as float64/int64, and makes
+# a graph over the 1 GiB the task and this command's own load-back accept.
 MAX_TABLE_VALUES = 1 << 28
 
 
@@ -89,7 +89,7 @@ def _read_npy(path: Path, what: str, max_columns: int | None) -> np.ndarray:
             if declared != data:
                 raise ValueError(f"{what}: {path}: its header declares {' x '.join(map(str, shape))} {dtype} "
                                  f"({declared} bytes), the file holds {data} bytes of data")
-            _check_shape(path, what, tuple(shape), max_columns, MAX_INPUT_BYTES)
+            _check_shape(path, what, tuple(shape), max_columns, MAX_TABLE_VALUES)
             # read here, from the header just checked (numpy's read_array would parse it again)
             values = np.fromfile(f, dtype=dtype, count=math.prod(shape))
             return values.reshape(shape, order="F" if fortran else "C")

@@ -345,3 +345,17 @@ def test_a_shared_adjacency_list_cannot_multiply_the_edges(tmp_path):
     assert out.get("error", "").startswith("ValueError: "), out
     assert "ind.cora.graph: 1000000000 adjacency entries; at most" in out["error"], out
     assert out["grew_mb"] < 300, out
+
+
+def test_convert_graph_bounds_a_npy_table_by_its_values(tmp_path, capsys, monkeypatch):
+    """A .npy whose header is honest can still hold more values than a graph under the cap (the
+    bound is lowered here so that the file stays small); before, .npy tables were bounded only by
+    the 4 GiB file size."""
+    from geofed.regions.datasets import owngraph
+
+    monkeypatch.setattr(owngraph, "MAX_TABLE_VALUES", 1000)
+    feats = tmp_path / "f.npy"
+    np.save(feats, np.zeros((3, 400), dtype=np.uint8))
+    rc = data_main(_convert(tmp_path, features=feats))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"features: {feats}: 3 x 400 is 1200 values; at most 1000" in err, err
