@@ -37,6 +37,25 @@ transfers by 30-50%, never 3x. When the transfer is latency-bound at the current
 bytes would take under ``min_exposed_s`` to serialise), a slow reading is as likely a thread that
 waited for a core: such a fall is taken once ``window`` readings in a row show it.
 
+What sets a transfer's time on a busy host (issue 37: links of 18-57 Mbit/s ended the default run
+at 0.3-1.5 Mbit/s after one CPU stall, since 10 kB updates could lower an estimate and never raise
+it) is not a sample either, in either direction:
+
+* a transfer under the bandwidth-delay product at the estimate (``bytes * 8 < bandwidth * RTT``):
+  the link carries it within one RTT, so its time is latency plus however long the sender, the
+  receiver and any proxy between waited for a core. It only informs the RTT, and *doubts* the
+  estimate when it ran far slower (or far faster) than the estimate allows;
+* a transfer whose exposed time is under ``busy_factor`` times the host's scheduling noise: the
+  median of the last pings over the windowed-minimum RTT (pings carry no bytes, so whatever they
+  take past the path is the hosts' scheduling). A loaded host's pings read 2-4x the path, and a
+  transfer that such stalls could account for measures the CPU. As a lower bound of the link's
+  rate it may still give a first estimate or raise one (never lower it), at low confidence.
+
+Each estimate has an age (seconds since its last sample) and a confidence in [0, 1]: 1 after a
+clean sample, halved by every ``stale_s`` of age, by every doubt, and once when it rests on a
+busy reading. ``needs_probe()`` (confidence under one half) asks regions/link_probe.py's
+``Reprober`` for a window-opening transfer, which is large enough to be a sample.
+
 Each sample records how many pushes the sender had in flight at once (``concurrent``): a region's
 pushes share its egress, so a link measured alongside two others gets about a third of what it
 would alone when the sender's egress is the bottleneck. The estimate is what a push gets at that
@@ -46,8 +65,16 @@ concurrency, which is what a round with the same out-degree will see.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
+
+STALE_S = 15.0       # an estimate this old has confidence 1/2 and is re-probed
+BUSY_FACTOR = 4.0    # exposed time under this many times the hosts' scheduling noise is the CPU's
+NOISE_PINGS = 3      # the noise is the median excess of this many latest pings
+DOUBT_RATIO = 3.0    # an under-BDP transfer this far off the estimate (beyond the noise) doubts it
 
 
 class LinkEstimator:
@@ -58,7 +85,8 @@ class LinkEstimator:
 
     def __init__(self, *, window: int = 3, rtt_window: int = 30, min_exposed_fraction: float = 0.25,
                  min_exposed_s: float = 0.05, min_bytes: int = 1024, raise_bytes: int = 256 << 10,
-                 drop_ratio: float = 3.0, srtt_gain: float = 0.125):
+                 drop_ratio: float = 3.0, srtt_gain: float = 0.125, busy_factor: float = BUSY_FACTOR,
+                 stale_s: float = STALE_S, clock: Callable[[], float] = time.monotonic):
         if window < 1 or rtt_window < 1:
             raise ValueError(f"window: need window >= 1 and rtt_window >= 1, got {window}, {rtt_window}")
         if min_bytes < 1 or raise_bytes < min_bytes:
@@ -67,6 +95,15 @@ class LinkEstimator:
             raise ValueError(f"min_exposed_fraction: must be in (0, 10], got {min_exposed_fraction}")
         if not drop_ratio > 1:
             raise ValueError(f"drop_ratio: must be > 1, got {drop_ratio}")
+        if not (busy_factor >= 0 and stale_s > 0):
+            raise ValueError(f"stale_s: need busy_factor >= 0 and stale_s > 0, got {busy_factor}, {stale_s}")
+        self.busy_factor, self.stale_s, self._clock = busy_factor, stale_s, clock
+        self._pings: deque[float] = deque(maxlen=NOISE_PINGS)
+        self._sample_t: float | None = None  # clock() at the last bandwidth sample
+        self._busy_based = False  # the estimate rests on a reading the hosts' CPU may have slowed
+        self.doubts = 0  # non-samples since the last sample that disagreed with the estimate
+        self.busy_transfers = 0  # readings the hosts' scheduling noise could account for
+        self.under_bdp_transfers = 0
         self.window, self.rtt_window = window, rtt_window
         self.min_exposed_fraction, self.min_bytes, self.raise_bytes = min_exposed_fraction, min_bytes, raise_bytes
         self.min_exposed_s = min_exposed_s
@@ -84,56 +121,95 @@ class LinkEstimator:
         """One ping's round trip (finite, > 0): a sample of the windowed-minimum RTT and of the smoothed SRTT."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds: an RTT must be a finite number > 0, got {seconds}")
+        self._pings.append(seconds)
+        self._add_rtt(seconds)
+
+    def _add_rtt(self, seconds: float) -> None:
         self._rtts.append(seconds)
         self.srtt_s = seconds if self.srtt_s is None else (1 - self.srtt_gain) * self.srtt_s + self.srtt_gain * seconds
 
     def observe_transfer(self, nbytes: int, seconds: float, *, includes_rtt: bool = True, cold: bool = False,
-                         concurrent: int = 1, spread_s: float = 0.0) -> None:
+                         concurrent: int = 1, spread_s: float = 0.0) -> str:
         """One transfer of `nbytes` that took `seconds`: sender-timed (send -> ack, includes one
         RTT) by default, or receiver-timed (first -> last byte) with includes_rtt=False. `cold`:
         the first on its connection; `concurrent`: the sender's pushes in flight with it (itself
-        included); `spread_s`: the sender paced it over that long (p2p/spread.py)."""
+        included); `spread_s`: the sender paced it over that long (p2p/spread.py). Returns what it
+        was taken for: "sample", "busy" (a lower bound taken), or why it was no sample: "cold",
+        "spread", "small", "under-bdp", "latency-bound", "busy-ignored", "burst", "suspect"."""
         if nbytes < 0 or not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds: need nbytes >= 0 and a finite seconds > 0, got {nbytes}, {seconds}")
         self.transfers += 1
         if cold:
             self.cold_transfers += 1
-            return
+            return "cold"
         if spread_s > 0 and (self.rtt_s is None or seconds < spread_s + 2 * self.rtt_s):
             # It ended about when the pace let it: its duration is the pace's, not the link's. Only a
             # push that ran well past its spread was held back by the link, and then measures it.
             self.spread_transfers += 1
-            return
+            return "spread"
         rtt = self.rtt_s
         if includes_rtt and (rtt is None or seconds < rtt):
-            self.observe_rtt(seconds)  # it took at most one RTT: a better bound than the pings'
+            self._add_rtt(seconds)  # it took at most one RTT: a better bound than the pings'
             rtt = seconds
         if nbytes < self.min_bytes:
-            return
-        if includes_rtt:
-            exposed = seconds - rtt
-            if exposed < max(self.min_exposed_fraction * rtt, self.min_exposed_s):
-                return  # latency-bound: says little about the bandwidth
-        else:
-            exposed = seconds
-        self._add_rate(nbytes * 8.0 / exposed, nbytes, concurrent)
+            return "small"
+        exposed = seconds - rtt if includes_rtt else seconds
+        best = self.bandwidth_bps
+        verdict = self._verdict(nbytes, exposed, rtt, includes_rtt, best)
+        if verdict is None:
+            return self._add_rate(nbytes * 8.0 / max(exposed, 1e-9), nbytes, concurrent)
+        if verdict == "busy" and (best is None or (nbytes * 8.0 / exposed > best and nbytes >= self.raise_bytes)):
+            # The CPU slowed it, so the link carried at least this much: a lower bound may give a
+            # first estimate or raise one (at low confidence), never lower one.
+            self._add_rate(nbytes * 8.0 / exposed, nbytes, concurrent, busy=True)
+            return "busy"
+        if best is not None:
+            self._doubt(nbytes, exposed, best)
+        return "busy-ignored" if verdict == "busy" else verdict
 
-    def _add_rate(self, rate: float, nbytes: int, concurrent: int) -> None:
+    def _verdict(self, nbytes: int, exposed: float, rtt: float | None, includes_rtt: bool,
+                 best: float | None) -> str | None:
+        """Why a transfer is no clean bandwidth sample, or None when it is one."""
+        if best is not None and rtt and nbytes * 8.0 < best * rtt:
+            self.under_bdp_transfers += 1
+            return "under-bdp"  # the link carries it within one RTT: latency and scheduling set its time
+        if includes_rtt and exposed < max(self.min_exposed_fraction * rtt, self.min_exposed_s):
+            return "latency-bound"  # says little about the bandwidth
+        if exposed < self.busy_factor * self.noise_s:
+            self.busy_transfers += 1
+            return "busy"
+        return None
+
+    def _doubt(self, nbytes: int, exposed: float, best: float) -> None:
+        """A non-sample that the estimate and the noise together cannot explain lowers its confidence
+        (and so asks for a re-probe) without moving it: a link that really fell (or rose) is then
+        measured by a transfer large enough to say so."""
+        expected = nbytes * 8.0 / best
+        slack = self.min_exposed_s + self.busy_factor * self.noise_s
+        if exposed > DOUBT_RATIO * expected + slack or (expected > self.min_exposed_s and exposed * DOUBT_RATIO < expected):
+            self.doubts += 1
+
+    def _add_rate(self, rate: float, nbytes: int, concurrent: int, *, busy: bool = False) -> str:
         best = max(self._rates) if self._rates else None
         if best is not None and nbytes < self.raise_bytes and rate > best:
-            return  # a small transfer's speed may be a shaper's burst: it cannot raise the estimate
+            return "burst"  # a small transfer's speed may be a shaper's burst: it cannot raise the estimate
         if best is not None and rate * self.drop_ratio < best:
             if nbytes * 8.0 / best < self.min_exposed_s:
                 # At the estimate this transfer was latency-bound, so its slowness is as likely a
                 # stalled thread as the link: a fall needs `window` such readings in a row.
                 self._suspect.append(rate)
                 if len(self._suspect) < self.window:
-                    return
+                    return "suspect"
             self._rates.clear()  # a fall this large is the link, not noise
             self._rates.extend(self._suspect)
         self._suspect.clear()
         self._rates.append(rate)
         self.concurrent = max(1, int(concurrent))
+        self._sampled(busy=busy)
+        return "busy" if busy else "sample"
+
+    def _sampled(self, *, busy: bool) -> None:
+        self._sample_t, self._busy_based, self.doubts = self._clock(), busy, 0
 
     def set_bandwidth(self, bps: float) -> None:
         """Replace the samples with one figure (a measurement corrected by what it shared with:
@@ -142,6 +218,7 @@ class LinkEstimator:
             raise ValueError(f"bps: must be a finite number > 0, got {bps}")
         self._rates.clear()
         self._rates.append(bps)
+        self._sampled(busy=self._busy_based)
 
     @property
     def bandwidth_bps(self) -> float | None:
@@ -152,6 +229,45 @@ class LinkEstimator:
     def rtt_s(self) -> float | None:
         """The windowed minimum RTT in seconds, or None before any ping or transfer."""
         return min(self._rtts) if self._rtts else None
+
+    @property
+    def noise_s(self) -> float:
+        """How far the latest pings ran over the path's RTT (their median): the time the hosts took
+        to schedule them, since a ping carries no bytes. 0 before any ping."""
+        rtt = self.rtt_s
+        if rtt is None or not self._pings:
+            return 0.0
+        return max(0.0, statistics.median(self._pings) - rtt)
+
+    @property
+    def age_s(self) -> float | None:
+        """Seconds since the estimate's last sample, or None without one."""
+        return None if self._sample_t is None or not self._rates else max(0.0, self._clock() - self._sample_t)
+
+    @property
+    def confidence(self) -> float:
+        """In [0, 1]: 0 without an estimate; 1 after a clean sample, halved per `stale_s` of age, per
+        doubt since, and once when the estimate rests on a busy reading."""
+        age = self.age_s
+        if age is None:
+            return 0.0
+        return (0.5 if self._busy_based else 1.0) * 0.5 ** (age / self.stale_s + min(self.doubts, 30))
+
+    def needs_probe(self) -> bool:
+        """Whether a window-opening probe should measure this link again: no estimate (once the RTT
+        is known), or a confidence under one half (stale, doubted, or resting on a busy reading)."""
+        if self.bandwidth_bps is None:
+            return self.rtt_s is not None
+        return self.confidence < 0.5
+
+    def window_bytes(self, exposed_s: float) -> int | None:
+        """A transfer that opens the link's windows and measures it past the noise: at least twice
+        the BDP at the estimate and `exposed_s` (or busy_factor x the noise, if more) of its
+        bandwidth. None without an estimate."""
+        bw, rtt = self.bandwidth_bps, self.rtt_s or 0.0
+        if bw is None:
+            return None
+        return int(max(2 * bw * rtt, bw * max(exposed_s, 2 * self.busy_factor * self.noise_s)) / 8)
 
     def predict_s(self, nbytes: int) -> float | None:
         """Expected sender-timed duration of a transfer: RTT + bytes / bandwidth."""
@@ -166,13 +282,18 @@ class LinkEstimator:
         return {"bandwidth_mbps": None if bw is None else bw / 1e6, "rtt_ms": None if rtt is None else rtt * 1e3,
                 "srtt_ms": None if self.srtt_s is None else self.srtt_s * 1e3, "transfers": self.transfers,
                 "cold_transfers": self.cold_transfers, "spread_transfers": self.spread_transfers,
-                "concurrent": self.concurrent}
+                "concurrent": self.concurrent, "age_s": None if self.age_s is None else round(self.age_s, 2),
+                "confidence": round(self.confidence, 3), "busy_transfers": self.busy_transfers,
+                "under_bdp_transfers": self.under_bdp_transfers, "noise_ms": round(self.noise_s * 1e3, 2)}
 
     def state_dict(self) -> dict[str, Any]:
         """The samples and counters, for a checkpoint (`load_state_dict` restores them)."""
         return {"rates": list(self._rates), "rtts": list(self._rtts), "srtt_s": self.srtt_s,
                 "transfers": self.transfers, "cold_transfers": self.cold_transfers,
-                "spread_transfers": self.spread_transfers, "concurrent": self.concurrent}
+                "spread_transfers": self.spread_transfers, "concurrent": self.concurrent,
+                "age_s": self.age_s, "busy_based": self._busy_based, "doubts": self.doubts,
+                "pings": list(self._pings), "busy_transfers": self.busy_transfers,
+                "under_bdp_transfers": self.under_bdp_transfers}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore `state_dict()`'s samples; the window sizes stay this estimator's own."""
@@ -181,3 +302,9 @@ class LinkEstimator:
         self.srtt_s, self.concurrent = d.get("srtt_s"), d.get("concurrent")
         self.transfers, self.cold_transfers = int(d.get("transfers", 0)), int(d.get("cold_transfers", 0))
         self.spread_transfers = int(d.get("spread_transfers", 0))
+        # Ages travel, not clock readings: a restored region's monotonic clock starts elsewhere.
+        age = d.get("age_s")
+        self._sample_t = None if age is None else self._clock() - float(age)
+        self._busy_based, self.doubts = bool(d.get("busy_based", False)), int(d.get("doubts", 0))
+        self._pings = deque(d.get("pings", []), maxlen=NOISE_PINGS)
+        self.busy_transfers, self.under_bdp_transfers = int(d.get("busy_transfers", 0)), int(d.get("under_bdp_transfers", 0))
