@@ -131,4 +131,19 @@ def _refusals(metrics: list[dict], tail: dict[str, dict[str, int]]) -> dict[str,
         for reason, n in counts.items():
             by_reason[reason] = by_reason.get(reason, 0) + n
             by_region[region] = by_region.get(region, 0) + n
-    return {"total": sum(by_reason.values()), "by_reason": by_reason, "by_region": by_region}
+    return {"total": sum(by_reason.values()), "by_reason": by_reason, "by_region": by_region,
+            "clipped": _clipped(metrics)}
+
+
+def _clipped(metrics: list[dict]) -> dict[str, Any]:
+    """Updates scaled down rather than refused (security.robust_aggregation clip: at the mix to the
+    round's median norm, honest ones above it too; secure aggregation's mean as `secagg-mean`): by
+    the region that clipped them and by sender. A hostile member shows as one sender clipped by
+    every region, round after round."""
+    by_region: dict[str, int] = {}
+    by_sender: dict[str, int] = {}
+    for m in metrics:
+        for sender, n in (m.get("clipped") or {}).items():
+            by_region[m.get("region")] = by_region.get(m.get("region"), 0) + n
+            by_sender[sender] = by_sender.get(sender, 0) + n
+    return {"total": sum(by_region.values()), "by_region": by_region, "by_sender": by_sender}

@@ -89,9 +89,19 @@ def _tiles(run: Run) -> str:
         tiles.append(("region failures", str(failed), True))
     tiles.append(("peers left out", str(left_out) if isinstance(left_out, int) else "—", bool(left_out)))
     tiles.append(("refusals", str(refusals) if isinstance(refusals, int) else "—", bool(refusals)))
+    clipped = _clipped(run)
+    if clipped:
+        tiles.append(("clipped updates", str(clipped.get("total", 0)), False))
     return '<div class="tiles">' + "".join(
         f'<div class="tile{" bad" if bad else ""}"><div class="k">{escape(k)}</div><div class="v">{escape(v)}</div></div>'
         for k, v, bad in tiles) + "</div>"
+
+
+def _clipped(run: Run) -> dict:
+    """summary.json's refusals.clipped ({} for a run from before it was counted)."""
+    ref = run.summary.get("refusals")
+    clipped = ref.get("clipped") if isinstance(ref, dict) else None
+    return clipped if isinstance(clipped, dict) else {}
 
 
 def _faults_table(run: Run) -> str:
@@ -103,6 +113,13 @@ def _faults_table(run: Run) -> str:
         rows.append(("refusals (total)", ref.get("total", 0)))
         for reason, n in sorted((ref.get("by_reason") or {}).items()):
             rows.append((f"refused: {reason}", n))
+    clipped = _clipped(run)
+    if clipped:
+        # Scaled down, not refused: honest updates above a round's median norm are too, so the
+        # sender column is what tells a member clipped round after round.
+        rows.append(("clipped updates (total)", clipped.get("total", 0)))
+        for sender, n in sorted((clipped.get("by_sender") or {}).items()):
+            rows.append((f"clipped from {sender}", n))
     if not rows:
         return '<p class="note">No fault counts (summary.json missing).</p>'
     return table(["fault / refusal", "count"], rows, numeric=[1])
