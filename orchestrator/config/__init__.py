@@ -13,10 +13,11 @@ from typing import Any
 from geofed.compression import CodecSpec
 from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_config_class
 
-from . import strict
+from . import paths, strict
 from ..launch.config import LaunchSection
 from .cluster import MAX_REGIONS, RESERVED_REGION_NAMES, NetworkSection, RaySection, RegionsSection
 from .common import _doc
+from .overrides import apply_overrides
 from .privacy import PrivacySection, check_privacy_rules
 from .regionrefs import check_run_refs
 from .run import RunSection
@@ -29,7 +30,7 @@ __all__ = [
     "CompressionSection", "ConfigError", "DEFAULT_CONFIG", "DeadlineSection", "GossipSection", "InnerOptimizer",
     "LaunchSection", "MAX_REGIONS", "NetworkSection", "OuterOptimizer", "PrivacySection", "RESERVED_REGION_NAMES",
     "RaySection", "RegionsSection", "RunConfig", "RunSection", "SecuritySection", "SyncSection",
-    "config_from_mapping", "default_config_path", "load_config", "strict", "to_mapping",
+    "config_from_mapping", "default_config_path", "load_config", "load_mapping", "strict", "to_mapping",
 ]
 
 DEFAULT_CONFIG = "local-wan.yaml"
@@ -107,25 +108,47 @@ def default_config_path() -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load and validate a run config; ConfigError names the file and the dotted key."""
+    """Load and validate a run config; ConfigError names the file and the dotted key. Relative paths
+    in the file name files beside it; in `overrides`, files from the working directory (paths.py)."""
     path = Path(path) if path is not None else default_config_path()
     source = str(path)
+    return config_from_mapping(load_mapping(path, overrides), source=source)
+
+
+def load_mapping(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The mapping load_config builds its RunConfig from: the file's YAML with its relative paths
+    resolved against its folder, then the `--set` overrides applied (a kind switches its section,
+    overrides.py), their paths resolved against the working directory. For a tool that writes a
+    config derived from another (`geofed plan --write-config`) and must keep what it names."""
+    path = Path(path)
+    source = str(path)
     data = strict.parse_yaml_file(path, source=source)
-    return config_from_mapping(data, overrides, source=source)
+    try:
+        paths.resolve_file_paths(data, RunConfig, path.parent)
+        _apply_overrides(data, overrides)
+    except ConfigError as exc:
+        raise exc.with_source(source) from None
+    return data
 
 
 def config_from_mapping(data: dict, overrides=(), *, source: str = "<config>") -> RunConfig:
     """Apply `--set` overrides to a parsed YAML mapping (in place) and build the RunConfig strictly;
     a plug-in task's factory is looked up (imported, not called). ConfigError names `source` and the key.
+    The mapping's relative paths stay as they are (from the working directory): load_config
+    resolves a file's against its folder.
     """
     try:
-        for assignment in overrides:
-            strict.apply_override(data, assignment)
+        _apply_overrides(data, overrides)
         cfg = strict.build(RunConfig, data)
         _check_plugin_task(cfg.task)
         return cfg
     except ConfigError as exc:
         raise exc.with_source(source) from None
+
+
+def _apply_overrides(data: dict, overrides) -> None:
+    set_keys = apply_overrides(data, overrides, RunConfig)
+    paths.resolve_set_paths(data, RunConfig, set_keys)
 
 
 def _check_plugin_task(task: Any) -> None:

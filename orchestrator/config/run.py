@@ -39,8 +39,8 @@ class RunSection:
         "run.rounds still bounds the run): equal compute for runs whose H differs"))
     seed: int = field(default=0, metadata=_doc("seed for models, data shards and sampling"))
     out_dir: str = field(default="runs", metadata=_doc(
-        "parent folder of run directories: a relative path inside the working directory (no '..', not absolute); "
-        "to write elsewhere pass --out on the command line"))
+        "parent folder of run directories, relative to the working directory even in a config file (Paths, above): "
+        "no '..', not absolute; to write elsewhere pass --out on the command line"))
     checkpoint_every: int = field(default=1, metadata=_doc("checkpoint every N rounds (0: only at the end)"))
     keep_checkpoints: int = field(default=3, metadata=_doc(
         "how many checkpoints to keep per region and for the driver (>= 2: a crash between the regions' and the "

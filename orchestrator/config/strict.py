@@ -39,6 +39,11 @@ from .yamlconfig import (  # noqa: F401 - re-exported: the loader's entry points
 # type -> parser(value) -> instance, for values that YAML spells as scalars or mappings.
 VALUE_TYPES: dict[type, Any] = {CodecSpec: CodecSpec.parse}
 
+# Field metadata `path="config"`: a local file or folder the driver reads; a relative one names a
+# file beside the config file (with --set: from the working directory). orchestrator/config/paths.py.
+CONFIG_RELATIVE = "config"
+_PATH_NOTE = "A relative path is relative to the config file's folder (given with --set: to the working directory)."
+
 
 def build(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from `data`, strictly. Errors are ConfigError with a dotted key."""
@@ -191,7 +196,7 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
             continue
         choose = f.metadata.get("choose")
         if choose is not None:
-            kwargs[name] = _build_chosen(choose, value[name], sub, _default_kind(f))
+            kwargs[name] = _build_chosen(choose, value[name], sub, default_kind(f))
         else:
             kwargs[name] = _convert(hints[name], value[name], sub)
     try:
@@ -202,10 +207,28 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
         raise _prefixed(exc, path, fields) from None
 
 
-def _default_kind(f: dataclasses.Field) -> str | None:
+def default_kind(f: dataclasses.Field) -> str | None:
+    """The kind a discriminated field builds when its mapping names none (its default's kind)."""
     if f.default_factory is not dataclasses.MISSING:
         return getattr(f.default_factory(), "kind", None)
     return getattr(f.default, "kind", None) if f.default is not dataclasses.MISSING else None
+
+
+def section_class(f: dataclasses.Field, hint: Any, value: Any) -> type | None:
+    """The dataclass that field `f` (annotated `hint`) builds from `value`, or None when it builds
+    none: a plain value, a value type, or a discriminated section whose kind is missing or unknown
+    (building it reports that). For walks over a mapping before it is built (paths, --set)."""
+    choose = f.metadata.get("choose")
+    if choose is not None:
+        kind = value if isinstance(value, str) else value.get("kind") if isinstance(value, dict) else None
+        kind = default_kind(f) if kind is None else kind
+        try:
+            return choose(kind) if isinstance(kind, str) else None
+        except KeyError:
+            return None
+    members = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    nested = [a for a in members if dataclasses.is_dataclass(a) and a not in VALUE_TYPES]
+    return nested[0] if len(nested) == 1 else None
 
 
 def _build_chosen(choose, value: Any, path: str, default_kind: str | None = None) -> Any:
@@ -254,7 +277,10 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             default = "(section)" if dataclasses.is_dataclass(made) else repr(made)
         else:
             default = "(required)"
-        rows.append((key, str(tp).replace("typing.", ""), default, f.metadata.get("doc", "")))
+        doc = f.metadata.get("doc", "")
+        if f.metadata.get("path") == CONFIG_RELATIVE:
+            doc = f"{doc}. {_PATH_NOTE}" if doc else _PATH_NOTE
+        rows.append((key, str(tp).replace("typing.", ""), default, doc))
         members = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
         nested = [a for a in members if dataclasses.is_dataclass(a) and a not in VALUE_TYPES]
         if len(nested) == 1 and "choose" not in f.metadata:  # a section, or an optional one

@@ -89,15 +89,12 @@ def write_config(path: str, overrides: Sequence[str], doc: dict, out: str) -> st
     """CONFIG with the recommendation (docs/plan.md's rule) applied (sync.policy fixed H, compression.codec); None when none."""
     import yaml
 
-    from ..config import config_from_mapping
-    from ..config.strict import apply_override, parse_yaml_file
+    from ..config import config_from_mapping, load_mapping
 
     rec = doc["recommendation"]
     if rec is None:
         return None
-    data = parse_yaml_file(Path(path), source=path)
-    for o in overrides:
-        apply_override(data, o)
+    data = load_mapping(Path(path), overrides)  # paths made absolute: the written file may live elsewhere
     data.setdefault("sync", {})["policy"] = {"kind": "fixed", "H": rec["H"]}
     data.setdefault("compression", {})["codec"] = rec["codec"]
     config_from_mapping(dict(data), source=out)  # the written file must load

@@ -90,7 +90,7 @@ class PluginTaskConfig:
     """``kind: python:package.module:function``; every other key goes to the function."""
 
     kind: str
-    path: str | None = field(default=None, metadata={"doc": "folder put on sys.path before importing the module (relative to the working directory)"})
+    path: str | None = field(default=None, metadata={"path": "config", "doc": "folder put on sys.path before importing the module"})
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"doc": "keyword arguments for the factory"})
 
     def __post_init__(self):

@@ -30,8 +30,8 @@ class CharLMConfig:
     dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
         "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
         "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
-    path: str = field(default="", metadata={"doc": (
-        "your own UTF-8 text file instead of dataset (relative to the working directory); a regular file of any "
+    path: str = field(default="", metadata={"path": "config", "doc": (
+        "your own UTF-8 text file instead of dataset; a regular file of any "
         "size, of which only the first max_chars characters are read")})
     max_chars: int = field(default=300_000, metadata={"doc": (
         "use at most this many characters from the start of the file (at most 4 bytes each are read)")})

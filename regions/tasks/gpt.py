@@ -34,10 +34,10 @@ class GPTConfig:
     dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
         "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
         "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
-    path: str = field(default="", metadata={"doc": (
-        "your own UTF-8 text file instead of dataset (relative to the working directory); only the first "
+    path: str = field(default="", metadata={"path": "config", "doc": (
+        "your own UTF-8 text file instead of dataset; only the first "
         "max_chars characters are read")})
-    tokenizer: str | None = field(default=None, metadata={"doc": (
+    tokenizer: str | None = field(default=None, metadata={"path": "config", "doc": (
         "a Hugging Face `tokenizers` JSON file (e.g. a trained BPE); null: byte-level tokens (vocabulary 256)")})
     max_chars: int = field(default=1_000_000, metadata={"doc": "use at most this many characters from the start of the file"})
     n_layer: int = field(default=5, metadata={"doc": "transformer blocks"})

@@ -40,9 +40,9 @@ class GcnPlanetoidConfig:
     dataset: str = field(default=DEFAULT_DATASET, metadata=_doc(
         "cora or citeseer, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
         "`geofed data fetch NAME`, docs/data.md); resolved on the driver; ignored when path is set"))
-    path: str = field(default="", metadata=_doc(
+    path: str = field(default="", metadata={"path": "config", **_doc(
         "your own graph .npz (x, y, edge_index, train/val/test masks; `geofed data convert-graph` writes one) "
-        "instead of dataset; relative paths from the working directory"))
+        "instead of dataset")})
     model: Literal["gcn", "sage"] = field(default="gcn", metadata=_doc("gcn (Kipf & Welling) or sage (GraphSAGE-mean)"))
     hidden: int = field(default=16, metadata=_doc("hidden units"))
     dropout: float = field(default=0.5, metadata=_doc("dropout on input features and hidden layer"))

@@ -49,7 +49,7 @@ class HFCausalLMConfig:
     architecture) trained on a text file; needs ``pip install 'geofed[hf]'``."""
 
     kind: Literal["hf-causal-lm"] = "hf-causal-lm"
-    config: str = field(default="", metadata={"doc": (
+    config: str = field(default="", metadata={"path": "config", "doc": (
         "a local transformers config.json, or a folder holding one (the model gets random weights); "
         "empty: built from architecture and the sizes below")})
     architecture: str = field(default="gpt2", metadata={"doc": (
@@ -65,8 +65,8 @@ class HFCausalLMConfig:
     context: int = field(default=128, metadata={"doc": "tokens per training sequence (at most the model's positions)"})
     dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
         "tinyshakespeare from the data cache (`geofed data fetch tinyshakespeare`); ignored when path is set")})
-    path: str = field(default="", metadata={"doc": "your own UTF-8 text file instead of dataset"})
-    tokenizer: str | None = field(default=None, metadata={"doc": (
+    path: str = field(default="", metadata={"path": "config", "doc": "your own UTF-8 text file instead of dataset"})
+    tokenizer: str | None = field(default=None, metadata={"path": "config", "doc": (
         "a local `tokenizers` JSON file, or a folder holding tokenizer.json; null: byte tokens (vocabulary 256)")})
     max_chars: int = field(default=1_000_000, metadata={"doc": "use at most this many characters from the start of the file"})
     test_fraction: float = field(default=0.1, metadata={"doc": "the last fraction of the tokens is held out"})

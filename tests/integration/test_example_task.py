@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def test_example_task_runs_and_learns(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the example's task.path is relative to the repository root
+    monkeypatch.chdir(ROOT)  # the command as the README gives it (task.path is relative to the config's folder)
     out = tmp_path / "run"
     assert main(["run", "examples/my-task.yaml", "--set", "run.rounds=4", "--out", str(out), "--no-report", "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
