@@ -21,7 +21,7 @@ from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.transport import Transport, TransportError
 
-from .link_probe import LinkProber
+from .link_probe import LinkProber, Reprober
 
 log = logging.getLogger(__name__)
 PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
@@ -71,6 +71,7 @@ class Exchanger:
         # exchange, so a link that only got slow still teaches its estimator and the policy.
         self._late: list[tuple[str, int, Any]] = []
         self.quiet_late_upto = -1  # a peer refusing these rounds as `late` is expected (after a restore)
+        self.reprober: Reprober | None = None  # re-probes stale links during the rounds (set by probe_links)
         # One push per peer plus one stalled push per peer never queue behind each other.
         self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
 
@@ -130,10 +131,14 @@ class Exchanger:
             # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.
             self.deadline.observe_miss()
         self._collect_sends(futures, round_, result, grace_s=max(1.0, deadline_s))
+        pings = []
         if round_ % PING_EVERY == 0:
             for peer in futures:
                 if peer not in result.send_failures:
-                    self._pool.submit(self._probe_rtt, peer)  # off the critical path
+                    pings.append(self._pool.submit(self._probe_rtt, peer))  # off the critical path
+        if self.reprober is not None:
+            self.reprober.after_round([p for p in futures if p not in result.send_failures], pings)
+            result.transfers.extend(self.reprober.take_records())
         for sender, (nbytes, seconds) in inbox.timings.items():  # payload bytes, receiver-timed
             result.bytes_received += nbytes
             result.transfers.append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
@@ -228,7 +233,9 @@ class Exchanger:
 
     def probe_links(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
         """Warm every connection to `peers` and measure it before the first round
-        (regions/link_probe.py); returns the probes as transfer records."""
+        (regions/link_probe.py); returns the probes as transfer records. The rounds then re-probe
+        links whose estimates go stale or doubted, with probes up to `max_bytes`."""
+        self.reprober = Reprober(self, max_bytes=max_bytes)
         return LinkProber(self).run(peers, duration_s=duration_s, max_bytes=max_bytes)
 
     def _stalled_ended(self, peer: str, round_: int, fut: Future, concurrent: int) -> None:

@@ -34,6 +34,17 @@ started up to the pings' spread apart, and each region's share was the bits over
 probe's own time: the shaped 4-node test read 0.91-1.09 of the true rate over 4 quiet runs and
 passed its 10% check in 3; after it, 0.93-0.99 in 3 of 3. A peer that fails is left to the
 rounds (logged).
+
+**Re-probes during the rounds** (`Reprober`, issue 37): updates under a link's bandwidth-delay
+product are no bandwidth samples (p2p/estimator.py), so on the default run (10 kB updates) nothing
+after set-up would measure a link again. An estimate that is stale or doubted
+(`LinkEstimator.needs_probe`) is measured again by one window-opening probe (over twice the BDP,
+and REPROBE_EXPOSED_S of the estimate's rate), one link of the region at a time, started after the
+round's pushes and pings (so a ping never queues behind it) on the send pool: the round does not
+wait for it. A probe the hosts' CPU slowed is no sample; that link's next re-probe waits twice as
+long (REPROBE_MIN_INTERVAL_S up to REPROBE_MAX_INTERVAL_S), so a busy host costs few bytes. Its
+bytes are counted with the set-up probes' (`probe_bytes_sent`, egress) and its record goes into
+the next round's transfers (`"direction": "probe", "reprobe": true`).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
 from geofed.p2p.transport import TransportError
@@ -55,6 +67,10 @@ MIN_PROBE_BYTES = 64 << 10
 PROBE_RETRIES = 2           # larger probes of a link whose measuring probe was latency-bound
 PROBE_GROWTH = 4
 SHARE_SPREAD = 1.5          # concurrent probes within this ratio read as even shares of one egress
+REPROBE_EXPOSED_S = 0.2     # a re-probe's time at the estimate's rate: 4x the estimator's min_exposed_s
+REPROBE_BLIND_BYTES = 1 << 20  # a re-probe of a link without an estimate (its set-up probes failed)
+REPROBE_MIN_INTERVAL_S = 5.0   # per link between re-probes; doubled while they read busy
+REPROBE_MAX_INTERVAL_S = 60.0
 
 
 class LinkProber:
@@ -160,3 +176,62 @@ class LinkProber:
         t0 = time.monotonic()
         stats = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
         return stats, (t0, time.monotonic())
+
+
+class Reprober:
+    """Window-opening re-probes of stale or doubted out-links during the rounds (the module docstring)."""
+
+    def __init__(self, exchanger: Exchanger, *, max_bytes: int, clock=time.monotonic):
+        self.ex, self.max_bytes, self._clock = exchanger, max_bytes, clock
+        self._running: Future | None = None
+        self._next_t: dict[str, float] = {}     # peer -> clock() before which it is not probed again
+        self._interval: dict[str, float] = {}   # peer -> its current interval between re-probes
+        self._records: list[dict] = []          # finished re-probes, appended by the pool's thread
+
+    def after_round(self, peers: Sequence[str], after: Sequence[Future]) -> None:
+        """Start one re-probe, of the least confident of `peers` that needs one, once `after` (the
+        round's pings) are done; nothing when one is still running."""
+        if self._running is not None and not self._running.done():
+            return
+        now = self._clock()
+        with self.ex._est_lock:
+            due = [(est.confidence, p) for p in peers if (est := self.ex.estimators.get(p)) is not None
+                   and est.needs_probe() and now >= self._next_t.get(p, 0.0)]
+        if not due:
+            return
+        peer = min(due)[1]
+        self._next_t[peer] = now + self._interval.get(peer, REPROBE_MIN_INTERVAL_S)
+        self._running = self.ex._pool.submit(self._probe, peer, list(after))
+
+    def _probe(self, peer: str, after: list[Future]) -> str | None:
+        timeout_s = min(self.ex.send_timeout_s, 60.0)
+        wait(after, timeout=timeout_s)
+        with self.ex._est_lock:
+            nbytes = self.ex.estimator(peer).window_bytes(REPROBE_EXPOSED_S) or REPROBE_BLIND_BYTES
+        nbytes = min(self.max_bytes, max(WARM_BYTES, nbytes))
+        try:
+            stats = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
+        except TransportError as exc:
+            log.info("re-probe of the link to %s failed: %s", peer, exc)
+            return None
+        with self.ex._est_lock:
+            verdict = self.ex.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold)
+        interval = self._interval.get(peer, REPROBE_MIN_INTERVAL_S)
+        self._interval[peer] = (REPROBE_MIN_INTERVAL_S if verdict == "sample"
+                                else min(REPROBE_MAX_INTERVAL_S, 2 * interval))
+        self._records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
+                              "seconds": round(stats.seconds, 6), "concurrent": 1, "cold": stats.cold,
+                              "measured": True, "reprobe": True, "verdict": verdict, "t_end": round(time.time(), 4)})
+        return verdict
+
+    def take_records(self) -> list[dict]:
+        """The re-probes finished since the last call, as transfer records."""
+        out = []
+        while self._records:
+            out.append(self._records.pop(0))  # pop is atomic against the pool thread's append
+        return out
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the running re-probe (if any) ends: tests and a clean shutdown."""
+        if self._running is not None:
+            wait([self._running], timeout=timeout_s)
