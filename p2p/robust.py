@@ -1,29 +1,46 @@
-"""Robust aggregation and update admission: what one hostile peer's update can do to a region.
+"""Robust aggregation and update admission: what one hostile member's update can do to a region.
 
 Pure functions on lists of tensors (no transport), plus ``UpdateAdmission``, which a region's
 validator calls for every decoded update on the receiving server thread, before the push is
 acknowledged, so a refused update is refused to its sender with a counted reason.
 
-Admission (``security.robust_aggregation``, ``security.max_update_value``, ``security.norm_multiple``):
+What holds, each by a test (tests/security/test_robust_aggregation.py unless named):
 
-- every mode refuses an update holding a value above ``max_update_value`` (``out_of_bounds``): a
-  finite 3e38 passes the NaN/Inf check and overflows the first forward pass it reaches;
-- ``clip`` (the default) scales an update whose L2 norm exceeds ``norm_multiple`` x the reference
-  norm down to that bound (counted as clipped, not refused); ``trimmed-mean`` and ``median``
-  refuse it (``outlier``) and aggregate coordinate-wise; ``none`` checks the value bound only.
+- Every mode refuses an update holding a value above ``security.max_update_value``
+  (``out_of_bounds``): a finite 3e38 passes a NaN/Inf check and overflows the first forward pass.
+- ``clip`` (the default) with ``security.clip_multiple`` c (default 1; DiLoCo, all-reduce,
+  fragments): ``fair_share_clip`` scales every update of a round's mix, the region's own too,
+  down to c x the median L2 norm of that round's updates. With the mix's weights 1/n, one
+  member's pull on the mean step is then at most c x that median / n, whatever it sent: x-1000,
+  x+9, x-9 and a flip at the old 10x bound, 4 regions, pull <= 0.25 of the median and cosine with
+  the honest mean > 0 (test_under_the_default_one_member_keeps_the_mean_step_forward_and_its_share).
+  Every region holding the same updates computes the same clipped mean, so full-topology DiLoCo
+  keeps one model. Counted as ``clipped`` by sender (metrics, summary.json, the report); honest
+  updates above a round's median are scaled and counted too.
+- ``trimmed-mean`` and ``median`` (full-topology DiLoCo/all-reduce only) refuse an update whose
+  norm passes ``security.norm_multiple`` x the recent median norm (``outlier``) and aggregate
+  coordinate-wise: with f hostile values among n, the coordinate-wise median (f < n / 2) and the
+  trimmed mean that drops k >= f values at each end (k = ``trim_count``) keep every coordinate
+  within the honest values' range of that coordinate
+  (test_median_and_trimmed_mean_ignore_one_hostile_value_in_three: n = 3, f = 1).
+- ``none``: the value bound only.
 
-The reference norm is the median of the last ``window`` norms over *all* senders and the region's
-own updates (``observe_own``), not per sender: a per-sender median lets a hostile peer raise its
-own reference step by step (each update 10x its last accepted one), while one peer among the
-others and the region itself moves a shared median by at most one position (a clipped update is
-not counted at all). With only the region and one peer, that peer is half the window: robust
-aggregation needs honest majorities (3 regions or more) to mean anything. No norm is judged
-before ``min_samples`` norms are known (the first round): the value bound and the receiving
-region's rollback on a non-finite loss cover that round.
+What does not hold: a member inside the bounds still moves the mean. Under ``clip`` a flip at the
+median norm subtracts up to 1/n of it from every round's step (measured on digits, 4 regions: 2-3
+points of final accuracy, benchmarks/robust_defaults.py, docs/reliability.md); under trimmed-mean
+or median it can pull every coordinate to an end of the honest range. With half the members
+hostile or more, the median norm and the median value are theirs: nothing is bounded. Gossip mixes
+models, not updates, so it keeps only the arrival bound below.
 
-Aggregation: ``coordinate_median`` and ``trimmed_mean`` (drop the k largest and k smallest values
-of every coordinate, k = max(1, floor(trim_fraction x n)) for n >= 3) replace the weighted mix of
-full-topology DiLoCo/allreduce. With f hostile peers among n values they need n >= 2f + 1.
+The arrival bound (gossip, ``clip_multiple`` 0, and the reference of the ``outlier`` refusal, of
+secure aggregation's mean and of a resync donor's distance): the median of the last ``window``
+norms over all senders and the region's own updates (``observe_own``), not per sender: a
+per-sender median lets a hostile peer raise its own reference step by step (each update 10x its
+last accepted one: test_one_sender_cannot_raise_the_reference_norm_by_escalating), while one
+peer among the others and the region itself moves a shared median by at most one position (an
+update over the bound is not counted in it). No norm is judged before ``min_samples`` norms are
+known (the first round): the value bound and the receiving region's rollback on a non-finite loss
+cover that round.
 """
 
 from __future__ import annotations

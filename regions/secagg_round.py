@@ -33,6 +33,17 @@ round is one exchange; the other phases run only when needed:
 5. The sum of the survivors' updates is unmasked, dequantised and divided by their number: the
    full topology's uniform mean, the same at every survivor.
 
+Admission (issue 36, N3), since no region sees a member's update: a member whose chunk maxima
+(its share of the shared scale) pass security.max_update_value is refused (`out_of_bounds`), or
+above norm_multiple x the median of the members' maxima (`outlier`, unless robust_aggregation is
+none); the others' scales leave it out, so its masked update is on another grid or left out as a
+lost one (recovered as in step 4). The scales are capped at max_update_value, so no value of the
+mean can pass it; the unmasked mean is checked before the outer step: a value out of bounds fails
+the round (`out_of_bounds`), and under clip a norm above norm_multiple x the region's own recent
+update norms is scaled down to that bound (clipped, sender `secagg-mean`). Per-member clipping
+at the median norm (clip's fair share) cannot be done on masked updates: inside these bounds a
+member still moves the mean by up to the largest admitted scale.
+
 Here: the round and steps 1-3 (SETUP, MASKED, RELAY); KEY, REVEAL and RECOVER, which run only
 when the common round cannot end at RELAY, are in regions/secagg_recovery.py, and the side
 messages' push, wait and counting every phase shares in regions/secagg_io.py.
