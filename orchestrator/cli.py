@@ -34,13 +34,18 @@ RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every",
                   "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")
 
 
+SET_HELP = ("A relative path given here is from the working directory (one in the file: from the file's folder); "
+            "setting a section's kind (sync.policy.kind=fixed) switches it to that kind's defaults, and other --set "
+            "keys still apply (docs/CONFIG.md)")
+
+
 def _add_run(sub) -> None:
     """`geofed run` and its options."""
     run = sub.add_parser("run", help="train: one Ray actor per region, updates exchanged over gRPC")
     run.add_argument("config", nargs="?", help="YAML run config (default: the embedded configs/local-wan.yaml); "
                      "with --resume only its plug-in task is read, to vouch for the one RUN_DIR names")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                     help="override a config key (repeatable), e.g. --set run.rounds=2")
+                     help="override a config key (repeatable), e.g. --set run.rounds=2. " + SET_HELP)
     run.add_argument("--out", help="run directory (default: <run.out_dir>/<run.name>-<UTC timestamp>)")
     run.add_argument("--address", help="join an existing Ray cluster: auto, HOST:PORT or ray://HOST:PORT")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round; refused "
@@ -67,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
 
     val = sub.add_parser("validate", help="check a config without running it")
     val.add_argument("config", help="YAML run config")
-    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                     help="override a config key (repeatable), as `geofed run` does. " + SET_HELP)
 
     sub.add_parser("plan", help="predict round time, utilisation, bytes and egress $ per (H, codec) before a run",
                    add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
