@@ -251,3 +251,51 @@ def test_plan_write_config_keeps_naming_the_same_files(layout, tmp_path, capsys)
     assert main(["plan", str(path), "--H", "50", "--codecs", "int8", "--step-time", "0.01",
                  "--set", "sync.policy.kind=fixed", "--write-config", str(out)]) == 0, capsys.readouterr().err
     assert load_config(out).task.path == str(conf / "data" / "text.txt")
+
+
+# Keys that hold a path but are not resolved on the driver, and why (docs/CONFIG.md, Paths).
+NOT_RESOLVED = {
+    "run.out_dir": "relative to the working directory on purpose: run directories go where the user works",
+    "launch.auth_token_path": "an absolute path on every node of the cluster",
+    "launch.setup.venv": "an absolute path on every node of the cluster",
+    "launch.setup.python": "an interpreter on every node (a name on PATH or an absolute path)",
+    "launch.setup.package": "a pip requirement, given to pip on every node as written",
+}
+
+
+def _path_like_fields():
+    """(dotted key, field) of every key of every section, task kind and policy kind whose name says
+    it may hold a path."""
+    import dataclasses
+    import re
+    import typing
+
+    from geofed.orchestrator.config import RunConfig
+    from geofed.orchestrator.policies import policy_config_class, policy_kinds
+    from geofed.regions.tasks.base import PluginTaskConfig, task_config_class, task_kinds
+
+    looks = re.compile(r"path|dir|file|folder|tokenizer|venv|package|python|^config$")
+    roots = [(RunConfig, "")] + [(task_config_class(k), "task") for k in task_kinds()] + \
+        [(PluginTaskConfig, "task")] + [(policy_config_class(k), "sync.policy") for k in policy_kinds()]
+    seen, out = set(), []
+    while roots:
+        cls, prefix = roots.pop()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            if looks.search(f.name) and (key, cls) not in seen:
+                seen.add((key, cls))
+                out.append((key, f))
+            members = typing.get_args(hints[f.name]) or (hints[f.name],)
+            roots += [(m, key) for m in members if dataclasses.is_dataclass(m) and isinstance(m, type)]
+    return out
+
+
+def test_every_key_that_holds_a_path_says_how_it_resolves():
+    """A new key holding a local file must be marked path="config" (resolved beside the config) or
+    be named here with the reason it is not."""
+    unclassified = [key for key, f in _path_like_fields()
+                    if f.metadata.get("path") != "config" and key not in NOT_RESOLVED]
+    assert unclassified == []
+    marked = {key for key, f in _path_like_fields() if f.metadata.get("path") == "config"}
+    assert marked == {"task.path", "task.tokenizer", "task.config"}
