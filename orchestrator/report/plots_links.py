@@ -19,6 +19,7 @@ from .style import (
 )
 
 MAX_BARS = 16
+LOW_CONFIDENCE = 0.5  # LinkEstimator.needs_probe's threshold: such an estimate is due for a re-probe
 _QUANT = {"bandwidth": ("bandwidth_mbps", "configured_bandwidth_mbps", "Mbit/s"),
           "rtt": ("rtt_ms", "configured_rtt_ms", "ms")}
 
@@ -30,6 +31,18 @@ def _link_points(run: Run, link: str, key: str, div: float):
         x = (r.t_end / div) if r.t_end is not None else None
         if x is not None:
             pts.append((x, num(v.get(key))))
+    return pts
+
+
+def _low_confidence(run: Run, link: str, key: str, div: float) -> list[tuple[float, float]]:
+    """The points of `link` whose estimate had a confidence under LOW_CONFIDENCE (p2p/estimator.py);
+    none for runs from before estimates carried one."""
+    pts = []
+    for r in run.rounds:
+        v = r.links.get(link, {})
+        conf, y = num(v.get("confidence")), num(v.get(key))
+        if r.t_end is not None and conf is not None and y is not None and conf < LOW_CONFIDENCE:
+            pts.append((r.t_end / div, y))
     return pts
 
 
@@ -77,6 +90,10 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
             ax.step([p[0] for p in c], [p[1] for p in c], where="pre", color="#333333", ls=(0, (4, 3)), lw=1.3,
                     label="configured", zorder=4, **({"marker": "_", "markersize": 28} if len(c) == 1 else {}))
         ax.plot([p[0] for p in m], [p[1] for p in m], color=color(0), lw=1.6, label="measured", **markers_for(len(m)))
+        low = _low_confidence(run, link, measured, div)
+        if low:
+            ax.plot([p[0] for p in low], [p[1] for p in low], ls="none", marker="o", markersize=6, color=color(0),
+                    markerfacecolor="none", markeredgewidth=1.3, label="low confidence", zorder=5)
         ax.set_title(link.replace("->", " → "), fontsize=9.5)
         ax.set_ylim(bottom=0, top=top if quantity == "rtt" else max([y for _, y in m + c] + [1e-9]) * 1.15)
         if i % ncols == 0:
@@ -91,6 +108,10 @@ def plot_link(run: Run, out: Path, quantity: str) -> Plot | None:
     name = f"links_{quantity}.png"
     save(fig, out, name)
     shown = "" if total == len(links) else f" Showing the {len(links)} of {total} links furthest from their configuration."
+    if any(_low_confidence(run, k, measured, div) for k in links):
+        shown += (f" Points drawn hollow: estimates of confidence under {LOW_CONFIDENCE} (older than the estimator's "
+                  "stale time, doubted by transfers the estimate cannot explain, or read on a busy host), "
+                  "not yet measured again; rounds.jsonl has each estimate's age_s and confidence.")
     return Plot(name, f"Per-link {what}", "Solid: what the link estimator measured; dashed: what the WAN "
                 "emulator was configured to give (only when emulated)."
                 + (" The panels share one y-axis." if quantity == "rtt" else " Each panel has its own y-axis.") + shown)
