@@ -114,14 +114,26 @@ def read_bounded(path: Path, *, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def load_verified(path: Path, *, max_bytes: int = MAX_CHECKPOINT_BYTES) -> Any:
+def checkpoint_cap() -> int:
+    """The largest checkpoint this host can load: half its memory (the file's bytes and the tensors
+    loaded from them are both held at once), at most MAX_CHECKPOINT_BYTES."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return MAX_CHECKPOINT_BYTES
+    return min(MAX_CHECKPOINT_BYTES, memory // 2)
+
+
+def load_verified(path: Path, *, max_bytes: int | None = None) -> Any:
     """Load a checkpoint after checking its magic and checksum; CheckpointError for any file that
     fails, and for one that is not a regular file (a FIFO would block, ``/dev/zero`` never ends: a
-    run directory can be someone else's) or is larger than `max_bytes`."""
+    run directory can be someone else's) or is larger than `max_bytes` (default checkpoint_cap())."""
     try:
-        data = read_bounded(Path(path), max_bytes=max_bytes)
+        data = read_bounded(Path(path), max_bytes=checkpoint_cap() if max_bytes is None else max_bytes)
     except InputFileError as exc:
         raise CheckpointError(f"{path}: {exc.reason}") from None
+    except MemoryError:
+        raise CheckpointError(f"{path}: too large to read into this host's memory") from None
     if len(data) < 36 or data[:4] != MAGIC:
         raise CheckpointError(f"{path}: not a geofed checkpoint (too short or bad magic)")
     digest, body = data[4:36], data[36:]

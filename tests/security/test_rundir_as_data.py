@@ -274,6 +274,21 @@ def test_export_refuses_a_checkpoint_linked_to_dev_zero(tmp_path):
     assert result["grew_mb"] < 200, result
 
 
+def test_export_refuses_a_checkpoint_larger_than_half_the_memory_before_reading_it(tmp_path):
+    """A sparse file costs no disk. Before: the cap was a flat 64 GiB, so a file past this host's
+    memory was read: MemoryError, a traceback (in a child capped at 2 GiB)."""
+    run_dir, _, _ = _run_dir(tmp_path)
+    with open(_ckpt(run_dir), "r+b") as f:
+        f.truncate(checkpoint.checkpoint_cap() + 1)
+    code = ("import contextlib, io\nfrom geofed.orchestrator.cli import main\nerr = io.StringIO()\n"
+            f"with contextlib.redirect_stderr(err):\n    result['rc'] = main(['export', {str(run_dir)!r}])\n"
+            "result['err'] = err.getvalue()\n")
+    result = child_peak(code, cwd=tmp_path, memory_cap=2 << 30)
+    assert result.get("rc") == 2, result
+    assert f"the limit is {checkpoint.checkpoint_cap()}" in result["err"] and result["err"].count("\n") == 1, result
+    assert result["grew_mb"] < 200, result
+
+
 def test_resume_skips_a_fifo_checkpoint_and_refuses_a_fifo_log(tmp_path):
     """Before: load_driver_checkpoint blocked on the FIFO checkpoint, then on rounds.jsonl."""
     run_dir, _, states = _run_dir(tmp_path)
