@@ -11,6 +11,8 @@ from geofed.p2p.wan.prices import EgressPricer, load_prices
 from ..config import RunConfig
 from .inputs import codec_facts, config_segments, file_segments, out_links, probe_task
 from .model import ROUND_OVERHEAD_ALONE_S, Candidate, Setup, predict, recommend
+from .probe import SharedStep, host_cpus, probe_shared_step
+from .steady import PolicyRange, policy_range, steady_decision
 
 DEFAULT_H = (20, 50, 100, 200, 400, 1000)
 DEFAULT_CODECS = ("fp16", "int8", "topk(fraction=0.01)")
@@ -22,12 +24,25 @@ def config_H(cfg: RunConfig) -> int:
     return int(getattr(p, "H", None) or getattr(p, "initial_H", 0) or 50)
 
 
-def candidate_codecs(cfg: RunConfig, codecs: Sequence[str] | None) -> list[CodecSpec]:
-    """The codecs to compare: the given ones, else the config's codec and ladder and the defaults."""
+def candidate_codecs(cfg: RunConfig, codecs: Sequence[str] | None, rng: PolicyRange | None = None) -> list[CodecSpec]:
+    """The codecs to compare: the given ones; else for an adaptive policy its ladder (what it may
+    choose), for a fixed one the config's codec and ladder and the defaults."""
     if codecs:
         return [CodecSpec.parse(c) for c in codecs]
+    if rng is not None and rng.kind != "fixed":
+        return [CodecSpec.parse(c) for c in rng.codecs]
     specs = [cfg.compression.codec, *cfg.compression.ladder, *(CodecSpec.parse(c) for c in DEFAULT_CODECS)]
     return list(dict.fromkeys(specs))
+
+
+def candidate_Hs(cfg: RunConfig, rng: PolicyRange) -> list[int]:
+    """The default H values: DEFAULT_H, the config's H and an adaptive policy's bounds, each clamped
+    into the policy's [H_min, H_max] (a fixed policy: the defaults and its H)."""
+    Hs = [*DEFAULT_H, config_H(cfg)]
+    if rng.kind == "fixed":
+        return Hs
+    ceiling = [rng.H_max] if rng.H_max <= 100_000 else []   # a bound far out is no candidate
+    return [rng.clamp(H) for H in (*Hs, rng.H_min, *ceiling)]
 
 
 def build_setup(cfg: RunConfig, *, regions: Sequence[str], step_s: float, links_path: str | None,
@@ -48,11 +63,14 @@ def build_setup(cfg: RunConfig, *, regions: Sequence[str], step_s: float, links_
 def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[int] | None = None,
          codecs: Sequence[str] | None = None, step_s: float | None = None, links_path: str | None = None,
          prices_path: str | None = None, utilization_floor: float = 0.9, budget_usd_per_hour: float | None = None,
-         overhead_s: float | None = None, contention: float = 1.0) -> dict[str, Any]:
-    """Every candidate's prediction and the recommendations, as `geofed plan --json` prints them.
+         overhead_s: float | None = None, contention: float | None = None) -> dict[str, Any]:
+    """Every candidate's prediction, the run's policy's steady pick and the recommendations, as
+    `geofed plan --json` prints them.
 
-    `contention`: the regions' step time over this machine's alone (>= 1; docs/plan.md); a probed
-    step time is multiplied by it, a given one (`step_s`) is taken as the regions will see it.
+    The step time (docs/plan.md, "The step time"): `step_s` when given (as the regions will see it);
+    else the probe alone times `contention` when that is given; else, for a local run (no
+    ray.address: every region on this host), the step timed in one process per region at once,
+    contention = that over the alone probe; for a cluster, the alone probe (a machine per region).
     """
     regions = list(regions or cfg.regions.names)
     if len(regions) < 2:
@@ -62,35 +80,65 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
         table = load_prices(prices_path).get(cfg.network.egress.provider)
     pricer = EgressPricer(cfg.network.egress, table) if prices_path else EgressPricer(cfg.network.egress)
     facts = probe_task(cfg, probe=step_s is None)
-    step = step_s if step_s is not None else facts.step_s * contention
+    step, contention, source, shared = step_time(cfg, facts, regions, step_s=step_s, contention=contention)
     setup, notes = build_setup(cfg, regions=regions, step_s=step, links_path=links_path, pricer=pricer,
                                overhead_s=overhead_s, contention=contention)
     in_peers = max(1, round(len(setup.out_links) / len(regions)))
-    H_max = getattr(cfg.sync.policy, "H_max", None)  # an adaptive policy's ceiling is a candidate too
-    extra = [H_max] if H_max and H_max <= 100_000 else []
-    Hs = sorted(set(Hs or (*DEFAULT_H, config_H(cfg), *extra)))
-    preds = []
-    for spec in candidate_codecs(cfg, codecs):
+    rng = policy_range(cfg)
+    steady = steady_decision(cfg, setup, facts.numel)
+    specs = candidate_codecs(cfg, codecs, rng)
+    Hs = sorted(set(Hs) if Hs else {*candidate_Hs(cfg, rng), steady["H"]})   # given ones: exactly those
+    preds, by_codec = [], {}
+    for spec in dict.fromkeys([*specs, CodecSpec.parse(steady["codec"])]):
         wire, codec_s = codec_facts(spec, facts.shapes, chunk_bytes=cfg.network.chunk_kb * 1024,
                                     sender=regions[0], in_peers=in_peers)
-        preds += [predict(setup, Candidate(H=H, codec=spec.key, wire_bytes=wire, codec_s=codec_s)) for H in Hs]
-    rec = recommend(preds, utilization_floor=utilization_floor, budget_usd_per_hour=budget_usd_per_hour)
+        by_codec[spec.key] = (wire, codec_s)
+        if spec in specs:
+            preds += [predict(setup, Candidate(H=H, codec=spec.key, wire_bytes=wire, codec_s=codec_s)) for H in Hs]
+    wire, codec_s = by_codec[steady["codec"]]
+    steady_pred = predict(setup, Candidate(H=steady["H"], codec=steady["codec"], wire_bytes=wire, codec_s=codec_s))
+    eligible = [p for p in preds if rng.admits(p.H, p.codec)]
+    outside = len(preds) - len(eligible)
+    if outside:
+        notes.append(f"{outside} candidate(s) lie outside what sync.policy ({rng.kind}) may choose (H in "
+                     f"[{rng.H_min}, {rng.H_max}], codecs {', '.join(rng.codecs or ['any'])}): shown, never recommended")
+    rec = recommend(eligible, utilization_floor=utilization_floor, budget_usd_per_hour=budget_usd_per_hour)
     late = [p for p in preds if p.sync_s > cfg.sync.deadline.min_s]
     if late:
         notes.append(f"{len(late)} candidate(s) need a sync longer than sync.deadline.min_s={cfg.sync.deadline.min_s:g} s "
                      "(up to {:.3g} s): an adaptive deadline fit to faster rounds may drop those updates (shorter "
                      "rounds, lost updates); raise min_s".format(max(p.sync_s for p in late)))
     return {
-        "regions": regions, "step_time_s": step, "step_time_source": "given" if step_s is not None else "probe",
+        "regions": regions, "step_time_s": step, "step_time_source": source, "step_probe": {
+            "alone_s": facts.step_s, "shared_s": None if shared is None else shared.step_s,
+            "copies": None if shared is None else shared.copies, "torch_threads": cfg.regions.torch_threads,
+            "host_cpus": host_cpus()},
         "model_numel": facts.numel, "overlap": setup.overlap, "rounds": cfg.run.rounds, "max_steps": cfg.run.max_steps,
         "round_overhead_s": setup.overhead_s * contention, "contention": contention, "rtt_factor": setup.rtt_factor,
         "egress_provider": cfg.network.egress.provider, "utilization_floor": utilization_floor,
         "budget_usd_per_hour": budget_usd_per_hour, "notes": notes,
-        "candidates": [p.to_json() for p in preds],
+        "candidates": [{**p.to_json(), "in_policy_range": rng.admits(p.H, p.codec)} for p in preds],
+        "policy": {**steady, "H_min": rng.H_min, "H_max": rng.H_max, "ladder": None if rng.codecs is None else list(rng.codecs),
+                   "prediction": steady_pred.to_json()},
         "recommended": {k: None if rec[k] is None else {"H": rec[k].H, "codec": rec[k].codec}
                         for k in ("cheapest_meeting_floor", "fastest_under_budget")},
         "recommendation": recommendation_json(rec["recommended"], rec["met_floor"], utilization_floor),
     }
+
+
+def step_time(cfg: RunConfig, facts, regions: Sequence[str], *, step_s: float | None,
+              contention: float | None) -> tuple[float, float, str, SharedStep | None]:
+    """(seconds per step as the regions see it, contention, its source, the shared probe or None)."""
+    if step_s is not None:
+        return step_s, 1.0 if contention is None else contention, "given", None
+    if contention is not None:
+        return facts.step_s * contention, contention, "probe x --contention", None
+    if cfg.ray.address is not None:  # a cluster: each region on its own node (docs/plan.md: --step-time there)
+        return facts.step_s, 1.0, "probe (alone: a node per region)", None
+    slowdown = max([1.0, *cfg.regions.emulation.slowdown.values()])
+    shared = probe_shared_step(cfg, copies=len(regions))
+    step = max(facts.step_s, shared.step_s * slowdown)
+    return step, step / facts.step_s, f"probe, {len(regions)} regions at once on {host_cpus()} cores", shared
 
 
 def recommendation_json(p, met_floor: bool, floor: float) -> dict[str, Any] | None:

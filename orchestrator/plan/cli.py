@@ -37,10 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prices", metavar="FILE", help="egress price file (default: the packaged p2p/wan/prices.yaml)")
     p.add_argument("--overhead", type=float, metavar="S",
                    help="control-plane CPU seconds per round on an uncontended core (default: the bench's calibration)")
-    p.add_argument("--contention", type=float, default=1.0, metavar="K",
-                   help="regions' step time over the step time alone here (>= 1; default 1: a machine per region). "
-                        "Regions sharing cores step K times slower and their codec and control-plane work "
-                        "stretch with them (docs/plan.md)")
+    p.add_argument("--contention", type=float, default=None, metavar="K",
+                   help="regions' step time over the step time alone here (>= 1). Default: measured for a local "
+                        "run (the step timed in one process per region at once on this host), 1 for a cluster "
+                        "(ray.address: a node per region). Regions sharing cores step K times slower and their "
+                        "codec and control-plane work stretch with them (docs/plan.md)")
     p.add_argument("--utilization-floor", dest="floor", type=float, default=0.9, metavar="X",
                    help="recommend the cheapest candidate with at least this compute utilisation (default 0.9); "
                         "when none has it, the fastest per step (docs/plan.md)")
@@ -63,6 +64,7 @@ def main(argv: Sequence[str]) -> int:
     from ..config import load_config
     from . import plan
     from .inputs import PlanInputError
+    from .probe import ProbeError
 
     if not 0 <= args.floor <= 1:
         print("geofed plan: --utilization-floor: must be in [0, 1]", file=sys.stderr)
@@ -75,6 +77,9 @@ def main(argv: Sequence[str]) -> int:
     except (PlanInputError, PriceError, ValueError) as exc:
         print(f"geofed plan: {exc}", file=sys.stderr)
         return 2
+    except ProbeError as exc:  # not the user's input: the machine could not run the step-time probe
+        print(f"geofed plan: {exc}", file=sys.stderr)
+        return 1
     doc["config"] = args.config
     if args.write_config:
         doc["written_config"] = write_config(args.config, args.overrides, doc, args.write_config)
@@ -132,6 +137,11 @@ def print_plan(console: Console, doc: dict) -> None:
                                                             else f" under ${doc['budget_usd_per_hour']:g}/hour"))):
         r = rec[key]
         console.print(f"{text}: " + ("none qualifies" if r is None else f"H={r['H']} codec {r['codec']}"))
+    pol = doc.get("policy")
+    if pol is not None and pol["kind"] != "fixed":
+        pp = pol["prediction"]
+        console.print(f"the run's policy ({pol['kind']}, H {pol['H_min']}..{pol['H_max']}) settles at H={pol['H']} "
+                      f"codec {pol['codec']}: predicted utilisation {pp['utilization']:.0%}, round {pp['round_s']:.3g} s")
     r = doc["recommendation"]
     if r is not None:
         console.print(f"recommended: H={r['H']} codec {r['codec']}: {r['why']}"

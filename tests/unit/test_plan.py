@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -13,6 +14,9 @@ from geofed.orchestrator.policies.types import LinkEstimate
 from geofed.p2p.wan.prices import GB
 
 MBIT = 1e6
+# multi-region.yaml's bandwidth policy admits H 50..1000 and int4 only: these tests of the arithmetic
+# and of the rule plan it as a fixed-H config, whose (H, codec) is what the plan is there to choose.
+FIXED = ("--set", "sync.policy.kind=fixed")
 
 
 def _links(bw_mbps: float, rtt_s: float, usd: float | None = 0.02) -> dict[str, Link]:
@@ -118,7 +122,7 @@ def test_recommend_cheapest_per_step_above_the_floor_and_fastest_under_the_budge
 
 
 def test_plan_cli_json_lists_candidates_with_the_issue_keys(capsys):
-    assert main(["plan", "configs/multi-region.yaml", "--H", "50,2000", "--codecs", "int8,fp16",
+    assert main(["plan", "configs/multi-region.yaml", *FIXED, "--H", "50,2000", "--codecs", "int8,fp16",
                  "--step-time", "0.01", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert len(doc["candidates"]) == 4 and doc["step_time_source"] == "given"
@@ -130,14 +134,14 @@ def test_plan_cli_json_lists_candidates_with_the_issue_keys(capsys):
 
 
 def test_plan_without_a_candidate_at_the_floor_recommends_the_fastest_and_says_so(capsys):
-    assert main(["plan", "configs/multi-region.yaml", "--H", "5,50", "--codecs", "fp16,int8", "--step-time", "0.001",
+    assert main(["plan", "configs/multi-region.yaml", *FIXED, "--H", "5,50", "--codecs", "fp16,int8", "--step-time", "0.001",
                  "--utilization-floor", "0.99", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["recommended"]["cheapest_meeting_floor"] is None
     rec, best = doc["recommendation"], max(doc["candidates"], key=lambda c: c["utilization"])
     assert (rec["H"], rec["codec"], rec["met_floor"], rec["rule"]) == (best["H"], best["codec"], False,
                                                                        "fastest_none_meets_floor")
-    assert main(["plan", "configs/multi-region.yaml", "--H", "5,50", "--codecs", "fp16,int8", "--step-time", "0.001",
+    assert main(["plan", "configs/multi-region.yaml", *FIXED, "--H", "5,50", "--codecs", "fp16,int8", "--step-time", "0.001",
                  "--utilization-floor", "0.99"]) == 0
     assert "no candidate reaches utilisation 0.99" in capsys.readouterr().out
 
@@ -154,7 +158,7 @@ def test_plan_contention_scales_the_round_overhead_and_slows_rounds(capsys):
 
 def test_plan_writes_a_config_that_loads(tmp_path, capsys):
     out = tmp_path / "chosen.yaml"
-    assert main(["plan", "configs/multi-region.yaml", "--H", "2000", "--codecs", "int8", "--step-time", "0.01",
+    assert main(["plan", "configs/multi-region.yaml", *FIXED, "--H", "2000", "--codecs", "int8", "--step-time", "0.01",
                  "--write-config", str(out)]) == 0
     assert main(["validate", str(out)]) == 0
     assert "H=2000 codec int8" in capsys.readouterr().out
@@ -168,7 +172,7 @@ def test_plan_writes_a_config_that_loads(tmp_path, capsys):
 def test_a_malformed_links_file_is_exit_2_naming_the_key(tmp_path, capsys, content, key):
     path = tmp_path / "links.json"
     path.write_text(json.dumps(content))
-    rc = main(["plan", "configs/multi-region.yaml", "--regions", "us-east-1,eu-west-1", "--step-time", "0.01",
+    rc = main(["plan", "configs/multi-region.yaml", *FIXED, "--regions", "us-east-1,eu-west-1", "--step-time", "0.01",
                "--links", str(path)])
     assert rc == 2 and f"{path}: {key}" in capsys.readouterr().err
 
@@ -177,5 +181,66 @@ def test_a_malformed_price_file_is_exit_2_naming_the_key(tmp_path, capsys):
     path = tmp_path / "prices.yaml"
     path.write_text("sources: {s: {url: 'https://x', as_of: '2024-01-01'}}\n"
                     "aws: {regions: {us-east-1: na}, rules: [{from: na, to: any, usd_per_gb: -1, source: s}]}\n")
-    rc = main(["plan", "configs/multi-region.yaml", "--step-time", "0.01", "--prices", str(path)])
+    rc = main(["plan", "configs/multi-region.yaml", *FIXED, "--step-time", "0.01", "--prices", str(path)])
     assert rc == 2 and f"{path}: aws.rules.0.usd_per_gb" in capsys.readouterr().err
+
+
+def test_an_adaptive_config_is_planned_inside_its_policys_range_and_ladder(capsys):
+    """Issue 37 item 2: the default config's bandwidth policy may use H 50..2000 and fp16 only.
+    Before, the plan recommended H=2000 top-k (a codec the run never uses) from candidates that
+    included H=20; this failed with `AssertionError: assert ('topk' == 'fp16'`."""
+    assert main(["plan", "configs/local-wan.yaml", "--step-time", "0.005", "--contention", "10", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    picks = [doc["recommendation"], *(r for r in doc["recommended"].values() if r is not None)]
+    for r in picks:
+        assert r["codec"] == "fp16" and 50 <= r["H"] <= 2000
+    assert {c["H"] for c in doc["candidates"]} >= {50, 2000} and min(c["H"] for c in doc["candidates"]) == 50
+    assert all(c["in_policy_range"] for c in doc["candidates"])
+    # Asked for explicitly, a pair outside the range is shown but never recommended.
+    assert main(["plan", "configs/local-wan.yaml", "--step-time", "0.005", "--contention", "10", "--H", "20,100",
+                 "--codecs", "fp16,int8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    outside = {(c["H"], c["codec"]) for c in doc["candidates"] if not c["in_policy_range"]}
+    assert outside == {(20, "fp16"), (20, "int8"), (100, "int8")}
+    assert (doc["recommendation"]["H"], doc["recommendation"]["codec"]) not in outside
+
+
+def test_the_plan_says_which_H_and_codec_the_runs_policy_settles_on(capsys):
+    """The run's bandwidth policy sizes H so that the control plane (0.006 s x contention 10) stays
+    under 10% of a round (H*step >= 9 x 0.06 s) and the exchange hides behind compute (H*step >=
+    1.5 x sync). Before, the plan had no `policy` in its document (KeyError) and predicted H=150 at
+    24% utilisation where the run's policy picked H 55-146 and had 96%."""
+    assert main(["plan", "configs/local-wan.yaml", "--step-time", "0.005", "--contention", "10", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    pol = doc["policy"]
+    sync = next(c["sync_s"] for c in doc["candidates"] if c["codec"] == "fp16")
+    want = max(math.ceil(9 * 0.06 / 0.005 - 1e-9), math.ceil(1.5 * sync / 0.005 - 1e-9))
+    assert (pol["kind"], pol["H"], pol["codec"], pol["H_min"], pol["H_max"]) == ("bandwidth", want, "fp16", 50, 2000)
+    assert pol["prediction"]["H"] == want and 0.85 <= pol["prediction"]["utilization"] <= 1.0
+    assert main(["plan", "configs/local-wan.yaml", "--step-time", "0.005", "--contention", "10"]) == 0
+    assert f"settles at H={want} codec fp16" in capsys.readouterr().out
+
+
+def test_a_local_plan_times_the_step_in_one_process_per_region_at_once():
+    """The contention of co-located regions is measured: one process per region, started together,
+    their timing windows overlapping; the plan's step is the slowest's mean and its contention that
+    over the alone probe. Before, the plan timed one step alone (0.41 ms where the default run's
+    regions stepped 2.5-6.6 ms) and took contention 1: ModuleNotFoundError (no plan.probe)."""
+    from geofed.orchestrator.config import load_config
+    from geofed.orchestrator.plan import plan
+    from geofed.orchestrator.plan.probe import probe_shared_step
+
+    cfg = load_config("configs/local-wan.yaml", ["regions.names=[us-east-1,eu-west-1]"])
+    shared = probe_shared_step(cfg, copies=2, seconds=0.3, min_steps=5)
+    a, b = shared.per_copy
+    assert a["start"] < b["end"] and b["start"] < a["end"]          # they stepped at the same time
+    assert shared.step_s == max(a["mean_s"], b["mean_s"]) and shared.threads == cfg.regions.torch_threads
+    doc = plan(cfg, Hs=[50])
+    probe = doc["step_probe"]
+    assert probe["copies"] == 2 and doc["step_time_s"] >= probe["alone_s"]
+    assert doc["contention"] == pytest.approx(doc["step_time_s"] / probe["alone_s"])
+    assert doc["round_overhead_s"] == pytest.approx(0.006 * doc["contention"])
+    # A cluster (ray.address): a node per region, nothing shared here to measure.
+    cluster = plan(load_config("configs/local-wan.yaml", ["ray.address=auto"]), Hs=[50])
+    assert cluster["contention"] == 1.0 and cluster["step_probe"]["copies"] is None
+    assert cluster["step_time_s"] == cluster["step_probe"]["alone_s"]
