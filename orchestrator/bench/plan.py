@@ -11,7 +11,8 @@ utilisation and bytes per round come from the planner (orchestrator/plan) given 
 measured step time, the spread of its rounds' compute and its contention (step time over the
 probe's alone), so the comparison tests the round and link model, not the step-time probe (whose
 error is reported on its own). The recommendation is checked with the planner's own rule.
-docs/plan.md has the measured table.
+Then the shipped configs (plan_shipped.py; `--matrix shipped` alone): `geofed plan CONFIG` against
+`geofed run CONFIG`, utilisation and H side by side. docs/plan.md has the measured tables.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON document on stdout")
     p.add_argument("--out", help="folder for the run directories (default runs/bench-plan-<UTC time>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
-    p.add_argument("--matrix", dest="matrices", action="append", choices=list(matrices(8)), metavar="NAME",
-                   help="run only this link matrix's cells (repeatable; default all four)")
+    p.add_argument("--matrix", dest="matrices", action="append", choices=[*matrices(8), "shipped"], metavar="NAME",
+                   help="run only this link matrix's cells, or `shipped`: only the shipped configs' rows, each planned "
+                        "as `geofed plan CONFIG` plans it and run as it ships (repeatable; default all four and shipped)")
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="N processes spinning on a core during the runs: a loaded machine, to check the "
                         "planner's contention model on rounds whose step time it did not see (docs/plan.md)")
@@ -144,14 +146,35 @@ def _killing(procs: list[subprocess.Popen]) -> Iterator[None]:
 def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console: Console | None = None,
               only: Sequence[str] | None = None, busy: int = 0) -> dict[str, Any]:
     """Run every cell (of the `only` matrices) once on one shared Ray, with `busy` spinning processes
-    started after the step-time probe; returns the JSON document (also out/bench.json)."""
-    from ..plan.inputs import probe_task
-    from .plan_results import document, measure, predict_cell
-    from .runs import bench_ray, run_to_end
+    started after the step-time probe, then the shipped configs (unless `only` leaves them out);
+    returns the JSON document (also out/bench.json)."""
+    from .plan_results import document
 
     console = console or Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells(rounds) if not only or c[0] in only]
+    rows = _run_cells(out, todo, rounds=rounds, overrides=overrides, console=console, busy=busy) if todo else []
+    shipped = []
+    if not only or "shipped" in only:
+        from .plan_shipped import run_shipped
+
+        console.rule("geofed bench plan: the shipped configs, planned then run as they ship")
+        shipped = run_shipped(out, overrides=overrides, console=console)
+    doc = (document(rows, probe_step_s=rows[0]["probe_step_s"], floor=FLOOR, targets=TARGETS, rounds=rounds) if rows
+           else {"rounds": rounds, "rows": []})
+    doc["busy"] = busy
+    doc["shipped"] = shipped
+    (out / "bench.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def _run_cells(out: Path, todo: Sequence[tuple[str, int, str]], *, rounds: int, overrides: Sequence[str],
+               console: Console, busy: int) -> list[dict[str, Any]]:
+    """The matrix cells' runs on one shared Ray, with `busy` spinning processes after the probe."""
+    from ..plan.inputs import probe_task
+    from .plan_results import measure, predict_cell
+    from .runs import bench_ray, run_to_end
+
     configs = {c: cell_config(*c, rounds=rounds, overrides=overrides) for c in todo}
     probe_step = probe_task(next(iter(configs.values()))).step_s
     rows: list[dict[str, Any]] = []
@@ -164,7 +187,7 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
             run_dir, _ = run_to_end(cfg, out / matrix / f"H{H}-{codec.split('(')[0]}", source="bench plan")
             measured = measure(run_dir)
             row = {"matrix": matrix, "H": H, "codec": cfg.compression.codec.key, "overlap": bool(cfg.sync.overlap),
-                   **measured,
+                   "probe_step_s": probe_step, **measured,
                    **predict_cell(cfg, measured["step_s"], measured["compute_spread"], alone_step_s=probe_step)}
             rows.append(row)
             with (out / "rows.jsonl").open("a") as f:  # a bench cut short keeps its rows
@@ -172,10 +195,7 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
             console.print(f"[{k + 1}/{len(todo)}] {matrix} H={H} {row['codec']}: round {row['round_s']:.3f} s "
                           f"(predicted {row['pred_round_s']:.3f}), bytes/round {row['bytes_per_round']} "
                           f"(predicted {row['pred_bytes_per_round']})")
-    doc = document(rows, probe_step_s=probe_step, floor=FLOOR, targets=TARGETS, rounds=rounds)
-    doc["busy"] = busy
-    (out / "bench.json").write_text(json.dumps(doc, indent=2))
-    return doc
+    return rows
 
 
 def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -183,6 +203,7 @@ def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
     from ..plan.inputs import probe_task
     from .plan_results import document, measure, predict_cell
 
+    # The shipped rows are not rescored: their prediction is `geofed plan`'s own probe, taken before the run.
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
     rounds = len(rows[0]["round_s_per_round"]) + 1
     # The probe taken when the runs ran (their contention is over it); a bench from before it was kept: probe now.
@@ -201,7 +222,14 @@ def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
 
 
 def print_table(console: Console, doc: dict[str, Any]) -> None:
-    """Predicted against measured, per run, and the summary errors against their targets."""
+    """Predicted against measured, per run, and the summary errors against their targets; then the
+    shipped configs' rows."""
+    if doc.get("shipped"):
+        from .plan_shipped import print_shipped
+
+        print_shipped(console, doc["shipped"])
+    if not doc["rows"]:
+        return
     t = Table(title=f"geofed bench plan ({doc['rounds']} rounds per run{', quick' if doc.get('quick') else ''})")
     for col in ("matrix", "H", "codec", "round s", "predicted", "err", "util", "predicted", "bytes/round", "predicted"):
         t.add_column(col, justify="left" if col in ("matrix", "codec") else "right")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from geofed.orchestrator.bench.plan import CODECS, EXTRA, HS, cell_config, cells, matrices
@@ -67,3 +69,40 @@ def test_the_bench_picks_by_the_plans_rule_cheapest_per_step_above_the_floor():
     m = doc["recommendation"]["m"]
     assert (m["recommended"], m["best"], m["rule_on_measured"]) == ("H=400 int8", "H=100 int8", "H=400 int8")
     assert m["ratio"] == pytest.approx(1.1)
+
+
+def _policy_run(tmp_path):
+    """A run directory as a 2-region adaptive run writes it: round 0 at initial_H, then the policy's H."""
+    rounds, metrics = [], []
+    for r, H in enumerate((200, 50, 70, 90)):
+        rounds.append({"round": r, "H": H, "codecs": {"a->b": "fp16", "b->a": "fp16"}, "t_start": 10.0 * r,
+                       "t_end": 10.0 * r + 1.0})
+        metrics += [{"round": r, "region": g, "steps": H, "compute_s": 0.9 if g == "a" else 0.5,
+                     "step_time_s": 0.9 / H, "bytes_sent": 1000} for g in ("a", "b")]
+    for name, recs in (("rounds.jsonl", rounds), ("metrics.jsonl", metrics)):
+        (tmp_path / name).write_text("".join(json.dumps(x) + "\n" for x in recs))
+    return tmp_path
+
+
+def test_a_shipped_configs_row_sets_the_plans_H_and_utilisation_beside_the_runs(tmp_path):
+    """Issue 37 item 2: `geofed bench plan` gains the shipped configs (the default one at least),
+    predicted against measured utilisation and H. Before, the bench had no such rows:
+    ModuleNotFoundError (no bench.plan_shipped) and `--matrix shipped` was exit 2."""
+    from geofed.orchestrator.bench.plan import _parser
+    from geofed.orchestrator.bench.plan_shipped import SHIPPED, measure_policy_run, shipped_config, shipped_row
+
+    assert "local-wan.yaml" in SHIPPED
+    cfg = shipped_config("local-wan.yaml")
+    assert cfg.sync.policy.kind == "bandwidth" and cfg.run.report is False and cfg.run.rounds == 30
+    assert _parser().parse_args(["--matrix", "shipped"]).matrices == ["shipped"]
+    m = measure_policy_run(_policy_run(tmp_path))
+    # Rounds 1..3 (round 0 runs initial_H before anything is measured): the slowest region's compute / wall.
+    assert (m["H_lo"], m["H_hi"], m["H_median"], m["codecs"]) == (50, 90, 70, "fp16".split())
+    assert m["utilization"] == pytest.approx(0.9)
+    pred = {"pred_H": 80, "pred_codec": "fp16", "pred_utilization": 0.81, "H_min": 50, "H_max": 2000}
+    row = shipped_row("local-wan.yaml", pred, m)
+    assert row["config"] == "configs/local-wan.yaml" and row["utilization_rel_err"] == pytest.approx(-0.1)
+    assert row["utilization_ok"] and row["pred_H_in_policy_range"] and row["pred_H_in_run_span"]
+    assert row["pred_codec_used"] and row["pred_H_over_run_median"] == pytest.approx(80 / 70)
+    far = shipped_row("local-wan.yaml", {**pred, "pred_H": 2500, "pred_utilization": 0.24}, m)
+    assert not (far["utilization_ok"] or far["pred_H_in_policy_range"] or far["pred_H_in_run_span"])
