@@ -97,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-s", type=float, default=20.0, help="how long the busy loops run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="more --set overrides for geofed run")
+    ap.add_argument("--keep", type=Path, help="keep the run directories under this folder (default: deleted)")
     args = ap.parse_args(argv)
     extra = [x for s in args.set for x in ("--set", s)]
     results = []
-    with tempfile.TemporaryDirectory(prefix="geofed-estload-") as tmp:
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="geofed-estload-", dir=args.keep) as tmp:
+        if args.keep:
+            tmp = tempfile.mkdtemp(prefix="runs-", dir=args.keep)
         for rep in range(args.reps):
             la0 = os.getloadavg()[0]
             res = one_run(args.rounds, args.load_after, args.load_s, Path(tmp) / f"run{rep}", extra)

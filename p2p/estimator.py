@@ -11,7 +11,9 @@ RTT, hence a long window.
 
 Bandwidth: ``rate = bits / (seconds - RTT)`` of sender-timed transfers (send start -> ack, which
 includes one RTT), the windowed maximum of the last ``window`` rates (BBR: noise only ever slows a
-transfer down). What is not a sample:
+transfer down). Five, not three: on a host loaded by others (load average 20-40 on 2 cores) the
+re-probes of the default run read 0.7-1.0 of their link at random, and the maximum of three ended
+at 0.68-0.79 of it on 3 of 24 links (benchmarks/estimator_load.py, 2026-12-06). What is not a sample:
 
 * a transfer on a *cold* connection (the first after a connect or a reconnect): it paid the TCP
   and TLS handshakes and slow start. On a real 4-node cluster at 80 ms RTT the first int8 push of a
@@ -83,7 +85,7 @@ class LinkEstimator:
     serialises the updates with its own lock.
     """
 
-    def __init__(self, *, window: int = 3, rtt_window: int = 30, min_exposed_fraction: float = 0.25,
+    def __init__(self, *, window: int = 5, rtt_window: int = 30, min_exposed_fraction: float = 0.25,
                  min_exposed_s: float = 0.05, min_bytes: int = 1024, raise_bytes: int = 256 << 10,
                  drop_ratio: float = 3.0, srtt_gain: float = 0.125, busy_factor: float = BUSY_FACTOR,
                  stale_s: float = STALE_S, clock: Callable[[], float] = time.monotonic):

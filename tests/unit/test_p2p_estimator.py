@@ -273,3 +273,14 @@ def test_an_estimate_carries_its_age_and_confidence_and_asks_for_a_probe_when_st
     again = LinkEstimator(clock=lambda: 7.0)
     again.load_state_dict(est.state_dict())
     assert again.age_s == pytest.approx(5.0) and again.bandwidth_bps == est.bandwidth_bps
+
+
+def test_the_window_outlasts_a_run_of_probes_slowed_by_a_loaded_host():
+    """Re-probes on a host loaded by others read 0.7-1.0 of the link at random (the default run at
+    load average 20-40). Before (a window of 3): three slow ones in a row ended the run at 0.75 of
+    the link (the best of the three)."""
+    est = LinkEstimator()
+    est.observe_rtt(0.08)
+    for share in (1.0, 0.7, 0.75, 0.72):
+        est.observe_transfer(2 << 20, _sent(2 << 20, 50e6 * share))
+    assert est.bandwidth_bps == pytest.approx(50e6)
