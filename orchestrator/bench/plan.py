@@ -113,6 +113,7 @@ def main(argv: Sequence[str]) -> int:
     out = Path(args.out or f"runs/bench-plan-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
     from ..driver.cluster import PlacementError
     from ..driver.recovery import RunFailed
+    from ..plan.probe import ProbeError
 
     try:
         if args.rescore:
@@ -120,7 +121,7 @@ def main(argv: Sequence[str]) -> int:
         else:
             doc = run_bench(out, rounds=5 if args.quick else 8, overrides=args.overrides, console=Console(stderr=True),
                             only=args.matrices, busy=args.busy)
-    except (PlacementError, RunFailed) as exc:
+    except (PlacementError, RunFailed, ProbeError) as exc:
         print(f"geofed bench plan: {exc} (run directories so far: {out})", file=sys.stderr)
         return 1
     doc["quick"] = args.quick

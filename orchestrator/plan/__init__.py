@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from geofed.compression import CodecSpec
@@ -61,13 +61,15 @@ def build_setup(cfg: RunConfig, *, regions: Sequence[str], step_s: float, links_
 
 
 def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[int] | None = None,
-         codecs: Sequence[str] | None = None, step_s: float | None = None, links_path: str | None = None,
+         codecs: Sequence[str] | None = None, step_s: float | Mapping[str, float] | None = None,
+         links_path: str | None = None,
          prices_path: str | None = None, utilization_floor: float = 0.9, budget_usd_per_hour: float | None = None,
          overhead_s: float | None = None, contention: float | None = None) -> dict[str, Any]:
     """Every candidate's prediction, the run's policy's steady pick and the recommendations, as
     `geofed plan --json` prints them.
 
-    The step time (docs/plan.md, "The step time"): `step_s` when given (as the regions will see it);
+    The step time (docs/plan.md, "The step time"): `step_s` when given (as the regions will see it;
+    a mapping region -> seconds, e.g. each node's own measurement: the slowest of the plan's regions);
     else the probe alone times `contention` when that is given; else, for a local run (no
     ray.address: every region on this host), the step timed in one process per region at once,
     contention = that over the alone probe; for a cluster, the alone probe (a machine per region).
@@ -79,6 +81,7 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
     if prices_path is not None and cfg.network.egress.provider != "none":
         table = load_prices(prices_path).get(cfg.network.egress.provider)
     pricer = EgressPricer(cfg.network.egress, table) if prices_path else EgressPricer(cfg.network.egress)
+    step_s = slowest_step(step_s, regions)
     facts = probe_task(cfg, probe=step_s is None)
     step, contention, source, shared = step_time(cfg, facts, regions, step_s=step_s, contention=contention)
     setup, notes = build_setup(cfg, regions=regions, step_s=step, links_path=links_path, pricer=pricer,
@@ -124,6 +127,20 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
                         for k in ("cheapest_meeting_floor", "fastest_under_budget")},
         "recommendation": recommendation_json(rec["recommended"], rec["met_floor"], utilization_floor),
     }
+
+
+def slowest_step(step_s: float | Mapping[str, float] | None, regions: Sequence[str]) -> float | None:
+    """One step time from a per-region mapping: the slowest region's (every round waits for it, and
+    the policy sizes H on it); ValueError naming a region it lacks or a region it names that is not planned."""
+    if step_s is None or not isinstance(step_s, Mapping):
+        return step_s
+    missing = [r for r in regions if r not in step_s]
+    unknown = sorted(set(step_s) - set(regions))
+    if missing or unknown:
+        raise ValueError("--step-time: " + "; ".join(
+            ([f"no step time for region(s) {', '.join(missing)}"] if missing else [])
+            + ([f"region(s) {', '.join(unknown)} not among the planned regions {', '.join(regions)}"] if unknown else [])))
+    return max(step_s[r] for r in regions)
 
 
 def step_time(cfg: RunConfig, facts, regions: Sequence[str], *, step_s: float | None,

@@ -20,6 +20,22 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _step_time(text: str) -> float | dict[str, float]:
+    """`S` or `REGION=S,REGION=S,...` (seconds per inner step, each > 0)."""
+    def seconds(v: str) -> float:
+        x = float(v)
+        if not x > 0 or x == float("inf"):
+            raise ValueError
+        return x
+
+    try:
+        if "=" not in text:
+            return seconds(text)
+        return {k.strip(): seconds(v) for k, v in (item.split("=", 1) for item in _csv(text))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or REGION=SECONDS,..., got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="geofed plan", description=USAGE)
     p.add_argument("config", help="YAML run config")
@@ -30,8 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--codecs", type=lambda s: s.split(";") if ";" in s else _csv(s), metavar="C,C,...",
                    help="candidate codecs (default: the config's codec and ladder, fp16, int8, topk 1%%); "
                         "separate with ';' when a codec key holds commas")
-    p.add_argument("--step-time", dest="step_time", type=float, metavar="S",
-                   help="seconds per inner step (e.g. measured on the target GPU); default: a short probe here")
+    p.add_argument("--step-time", dest="step_time", type=_step_time, metavar="S|REGION=S,...",
+                   help="seconds per inner step as the regions will see it (e.g. measured on the target GPU), or one "
+                        "per region for a cluster whose nodes differ (the slowest paces the rounds); default: a probe "
+                        "here, with one process per region at once for a local run (docs/plan.md)")
     p.add_argument("--links", metavar="FILE", help="link matrix: an earlier run's summary.json (its measured links) "
                    "or a YAML/JSON mapping 'a->b': {bandwidth_mbps, rtt_ms}; default: the config's emulation/preset")
     p.add_argument("--prices", metavar="FILE", help="egress price file (default: the packaged p2p/wan/prices.yaml)")

@@ -244,3 +244,19 @@ def test_a_local_plan_times_the_step_in_one_process_per_region_at_once():
     cluster = plan(load_config("configs/local-wan.yaml", ["ray.address=auto"]), Hs=[50])
     assert cluster["contention"] == 1.0 and cluster["step_probe"]["copies"] is None
     assert cluster["step_time_s"] == cluster["step_probe"]["alone_s"]
+
+
+def test_a_clusters_step_time_is_given_per_region_and_the_slowest_paces_the_plan(capsys):
+    """On a cluster each node measures its own step (docs/plan.md); the rounds wait for the slowest
+    region, so the plan takes the slowest. A region left out (or one not planned) is exit 2 naming
+    it. Before, --step-time took one number only: exit 2, "invalid float value"."""
+    base = ["plan", "configs/local-wan.yaml", "--contention", "1", "--json", "--step-time"]
+    per = "us-east-1=0.002,eu-west-1=0.004,ap-northeast-1=0.003,eu-central-1=0.002"
+    assert main([*base, per]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["step_time_s"] == 0.004 and doc["step_time_source"] == "given"
+    assert main([*base, "us-east-1=0.002,eu-west-1=0.004"]) == 2
+    assert "--step-time: no step time for region(s) ap-northeast-1, eu-central-1" in capsys.readouterr().err
+    assert main([*base, per + ",us-west-2=0.001"]) == 2
+    assert "us-west-2 not among the planned regions" in capsys.readouterr().err
+    assert main([*base, "us-east-1=fast"]) == 2
