@@ -454,3 +454,58 @@ def test_export_of_a_global_model_that_does_not_fit_the_model_is_exit_2(tmp_path
     assert main(["export", str(run_dir)]) == 2
     err = _one_line_error(capsys)
     assert str(_ckpt(run_dir)) in err and "global" in err
+
+
+# -- export's names without a model class -----------------------------------------------------------
+
+def _global_state(model: torch.nn.Module) -> dict:
+    """A checkpoint-like state of `model`: its state_dict, and a global model (parameters() order)
+    that differs from it, as DiLoCo's does after an outer step."""
+    return {"model": model.state_dict(), "algorithm": {"global": [p.detach() + 1 for p in model.parameters()]}}
+
+
+def test_named_result_puts_the_global_model_under_the_parameters_names():
+    from geofed.regions.export import named_result, trainable_names
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    state = _global_state(model)
+    out = named_result(state)
+    assert list(out) == list(model.state_dict())
+    for name, g in zip(trainable_names(model), state["algorithm"]["global"]):
+        assert torch.equal(out[name], g)
+
+
+def test_named_result_names_a_tied_weight_under_both_names():
+    from geofed.regions.export import named_result
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.mid = torch.nn.Linear(3, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    buf = io.BytesIO()
+    torch.save(_global_state(model), buf)  # what a checkpoint holds: torch.save keeps the sharing
+    state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    out = named_result(state)
+    glob = state["algorithm"]["global"]  # emb.weight, mid.weight, mid.bias: parameters() skips the tie
+    assert torch.equal(out["emb.weight"], glob[0]) and torch.equal(out["head.weight"], glob[0])
+    assert torch.equal(out["mid.weight"], glob[1]) and torch.equal(out["mid.bias"], glob[2])
+
+
+def test_named_result_refuses_to_guess_between_buffers_and_parameters():
+    """BatchNorm's running statistics have its parameters' shape: only the model class can tell
+    them apart, so the names come from the caller (export: a built-in task's model) or nowhere."""
+    from geofed.regions.export import named_result, trainable_names
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
+    state = _global_state(model)
+    with pytest.raises(ValueError, match="more than one way"):
+        named_result(state)
+    out = named_result(state, trainable_names(model))
+    assert torch.equal(out["1.weight"], state["algorithm"]["global"][2])
+    assert torch.equal(out["1.running_mean"], model.state_dict()["1.running_mean"])
