@@ -85,7 +85,7 @@ def run_shipped(out: Path, *, names: Sequence[str] = SHIPPED, overrides: Sequenc
         cfg = shipped_config(name, overrides)
         predicted = predict_shipped(cfg)
         with bench_ray(cfg):
-            run_dir, _ = run_to_end(cfg, out / "shipped", source=str(shipped_path(name)))
+            run_dir, _ = run_to_end(cfg, out / "shipped" / Path(name).stem, source=str(shipped_path(name)))
         row = shipped_row(name, predicted, measure_policy_run(Path(run_dir)))
         rows.append(row)
         with (out / "shipped.jsonl").open("a") as f:
