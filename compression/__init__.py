@@ -8,26 +8,42 @@
     payload = encode_update(codec, list(delta), state)
     tensors = decode_update(payload, max_bytes=4 * numel + (1 << 20))
 
-Imports only torch, numpy and the standard library (see docs/compression.md).
+Imports only torch, numpy and the standard library (see docs/compression.md), and torch only when
+something that needs it is first used: `CodecSpec`, `spec_key`, `codec_names` and the parameter
+classes (params.py) are torch-free, so the config loader and `geofed validate`/`-h` stay light;
+the rest is imported on first access (PEP 562).
 """
 
-from . import cast as _cast  # noqa: F401  (registers identity, fp16, bf16)
-from . import powersgd as _powersgd  # noqa: F401
-from . import quant as _quant  # noqa: F401
-from . import sparse as _sparse  # noqa: F401
-from . import sparseloco as _sparseloco  # noqa: F401
-from . import ternary as _ternary  # noqa: F401
-from .base import Codec, CodecError, Section, codec_names, make_codec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .params import param_kinds as codec_names
 from .spec import CodecSpec, spec_key
-from .state import CodecState
-from .update import (
-    choco_encode,
-    choco_update,
-    decode_update,
-    encode_and_decode,
-    encode_update,
-    inspect_update,
-)
+
+if TYPE_CHECKING:
+    from .base import Codec, CodecError, Section, make_codec
+    from .state import CodecState
+    from .update import (choco_encode, choco_update, decode_update, encode_and_decode, encode_update,
+                         inspect_update)
+
+# name -> the submodule that defines it (imported, with torch, on first access).
+_LAZY = {
+    "Codec": "base", "CodecError": "base", "Section": "base", "make_codec": "base", "CodecState": "state",
+    "choco_encode": "update", "choco_update": "update", "decode_update": "update", "encode_and_decode": "update",
+    "encode_update": "update", "inspect_update": "update",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Codec",

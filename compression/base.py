@@ -16,9 +16,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .params import PARAMS, CodecParams, build
+from .params import check_inner, check_int  # noqa: F401 - re-exported: the codec modules' checks
 
 if TYPE_CHECKING:
     from .spec import CodecSpec
@@ -53,30 +56,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 HEADER_ESTIMATE_BYTES = 160
 
 
-class Codec(ABC):
+class Codec(CodecParams, ABC):
     """Encode/decode one flat fp32 buffer into/from typed sections.
 
-    Subclasses are frozen keyword-only dataclasses registered with `@register`. Class flags:
-      linear      decode(encode(a)) + decode(encode(b)) == decode(encode(a + b)) (given the same
-                  shared randomness), so compressed updates may be summed before decoding;
-      contractive ||x - decode(encode(x))|| < ||x||: a biased but contracting codec, the kind
-                  error feedback is for (EF made unbiased, rescaled codecs diverge);
-      lossless    decoding returns exactly the input (no error to feed back);
-      elementwise works on a flat vector without shapes, so it can be another codec's `inner`.
+    Subclasses are frozen keyword-only dataclasses registered with `@register`, each a subclass of
+    its kind's parameter class (params.py: fields, defaults, range checks and the class flags
+    linear, lossless, elementwise, sparse and contractive, without torch), adding only the work.
     """
-
-    kind: ClassVar[str]
-    linear: ClassVar[bool] = False
-    lossless: ClassVar[bool] = False
-    elementwise: ClassVar[bool] = True
-
-    @property
-    def contractive(self) -> bool:
-        """Whether the codec is contractive (see the class flags), i.e. error feedback suits it.
-
-        A property, not a class flag, because it can depend on parameters (stochastic rounding, the inner codec).
-        """
-        return True
 
     # ---- description -------------------------------------------------------------------
     @property
@@ -142,7 +128,7 @@ class Codec(ABC):
     def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         """Decode validated `sections` into the flat fp32 `out` (every element written)."""
 
-    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:  # noqa: B027 - optional hook
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
         """Check section *contents* that could make decoding misbehave (indices, counts).
 
         Sizes and dtypes are already checked against `layout`; NaN/Inf are checked on the
@@ -173,14 +159,30 @@ _REGISTRY: dict[str, type[Codec]] = {}
 
 
 def register(cls: type[Codec]) -> type[Codec]:
-    """Class decorator adding a codec to the registry under its `kind`, which must be new."""
+    """Class decorator adding a codec to the registry under its `kind`, which must be new and have
+    its parameter class in params.py (which the codec subclasses: one declaration of the parameters)."""
     assert cls.kind not in _REGISTRY, cls.kind
+    assert issubclass(cls, PARAMS[cls.kind]), (cls, PARAMS[cls.kind])
     _REGISTRY[cls.kind] = cls
     return cls
 
 
+# The modules whose @register fills _REGISTRY: imported on the first make_codec/codec_names, so that
+# importing geofed.compression (or its torch-free spec) does not import every codec.
+CODEC_MODULES = ("cast", "powersgd", "quant", "sparse", "sparseloco", "ternary")
+
+
+def _load_codecs() -> None:
+    if len(_REGISTRY) < len(PARAMS):
+        import importlib
+
+        for name in CODEC_MODULES:
+            importlib.import_module(f"{__package__}.{name}")
+
+
 def codec_names() -> list[str]:
     """The registered codec kinds, sorted."""
+    _load_codecs()
     return sorted(_REGISTRY)
 
 
@@ -194,61 +196,10 @@ def make_codec(spec: str | Mapping[str, Any] | Codec | CodecSpec) -> Codec:
     """
     if isinstance(spec, Codec):
         return spec
+    _load_codecs()
     if not isinstance(spec, (str, Mapping)):
         from .spec import CodecSpec  # lazy: spec.py builds on this module
 
         if isinstance(spec, CodecSpec):
             spec = spec.to_data()
-    if isinstance(spec, str):
-        spec = {"kind": spec}
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"codec: expected a codec name or a mapping with 'kind', got {type(spec).__name__}")
-    params = dict(spec)
-    kind = params.pop("kind", None)
-    if not isinstance(kind, str):
-        raise ValueError("kind: missing (a codec spec needs kind: one of " + ", ".join(codec_names()) + ")")
-    cls = _REGISTRY.get(kind)
-    if cls is None:
-        raise ValueError(f"kind: unknown codec {kind!r} (known: {', '.join(codec_names())})")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in params.items():
-        if key not in known:
-            raise ValueError(f"{key}: unknown parameter of codec {kind!r} (known: {', '.join(known) or 'none'})")
-        params[key] = _coerce(kind, key, known[key].type, value)
-    return cls(**params)
-
-
-def _coerce(kind: str, key: str, annotation: Any, value: Any) -> Any:
-    """Type-check one parameter; YAML gives ints where floats are meant, accept those."""
-    ann = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    if ann == "bool":
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: must be true or false, got {value!r}")
-        return value
-    if ann == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key}: must be an integer, got {value!r}")
-        return value
-    if ann == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key}: must be a number, got {value!r}")
-        return float(value)
-    if ann == "Codec":
-        try:
-            inner = make_codec(value)
-        except ValueError as exc:
-            raise ValueError(f"{key}.{exc}") from None
-        return inner
-    raise AssertionError(f"{kind}.{key}: unhandled parameter type {ann}")
-
-
-def check_inner(owner: str, inner: Codec) -> None:
-    """An inner codec must work on a flat vector (no shapes) and not be sparse itself."""
-    if not inner.elementwise or getattr(inner, "sparse", False):
-        raise ValueError(f"inner: {inner.kind!r} cannot be the inner codec of {owner!r} (use identity, fp16, bf16, int8, int4, int3, ternary or sign)")
-
-
-def check_int(name: str, value: int, lo: int, hi: int) -> None:
-    """Raise ValueError("name: ...") unless lo <= value <= hi (for codec parameters in __post_init__)."""
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
+    return build(_REGISTRY, spec, make_codec)

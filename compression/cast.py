@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, Section, Shape, register, total_numel
+from .params import BF16Params, FP16Params, IdentityParams
 from .state import CodecState
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -47,33 +48,26 @@ class _Cast(Codec):
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Identity(_Cast):
+class Identity(IdentityParams, _Cast):
     """fp32 as is: 1x, exact. The baseline and the safe choice on a fast link."""
 
-    kind: ClassVar[str] = "identity"
-    linear: ClassVar[bool] = True
-    lossless: ClassVar[bool] = True
     dtype: ClassVar[torch.dtype] = torch.float32
     limit: ClassVar[float] = float("inf")
 
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class FP16(_Cast):
+class FP16(FP16Params, _Cast):
     """IEEE half: 2x, relative error <= 2^-11 per value; saturates at +-65504."""
 
-    kind: ClassVar[str] = "fp16"
-    linear: ClassVar[bool] = True
     dtype: ClassVar[torch.dtype] = torch.float16
     limit: ClassVar[float] = _FP16_MAX
 
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class BF16(_Cast):
+class BF16(BF16Params, _Cast):
     """bfloat16: 2x, relative error <= 2^-8 per value, fp32's range."""
 
-    kind: ClassVar[str] = "bf16"
-    linear: ClassVar[bool] = True
     dtype: ClassVar[torch.dtype] = torch.bfloat16
     limit: ClassVar[float] = _BF16_MAX

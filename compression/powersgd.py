@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from .base import Codec, CodecError, Section, Shape, check_int, register
+from .base import Codec, CodecError, Section, Shape, register
+from .params import PowerSGDParams
 
 _QINIT_SEED = 0x5EED
 
@@ -42,18 +42,8 @@ def _plan(shapes: Sequence[Shape], rank: int) -> list[tuple[int, int, int] | Non
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class PowerSGD(Codec):
+class PowerSGD(PowerSGDParams, Codec):
     """Rank-`rank` factors of every matrix, warm-started; ~125x for a 1000x1000 at rank 4."""
-
-    kind: ClassVar[str] = "powersgd"
-    linear: ClassVar[bool] = True  # for a shared Q
-    elementwise: ClassVar[bool] = False
-    rank: int = 4
-
-    def __post_init__(self):
-        # Decoding costs numel x rank multiply-adds whatever the payload's size: 64 bounds what a
-        # hostile payload can make a receiver compute (PowerSGD itself uses ranks 1-8).
-        check_int("rank", self.rank, 1, 64)
 
     def _default_shapes(self, numel: int) -> list[Shape]:
         a = math.isqrt(numel)

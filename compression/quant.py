@@ -16,7 +16,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import Codec, CodecError, Section, Shape, check_int, register, total_numel
+from .base import Codec, CodecError, Section, Shape, register, total_numel
+from .params import Int3Params, Int4Params, Int8Params, SignParams
 from .state import CodecState
 
 _BLOCK = 1 << 18  # elements per block: 1 MiB of fp32, inside L2 (measured best of 16K..256K)
@@ -103,16 +104,6 @@ def _scales(x: torch.Tensor, chunk: int, levels: int, scales_out: torch.Tensor) 
 class _ChunkedQuant(Codec):
     chunk: int
     levels: ClassVar[int]
-    per_pack: ClassVar[int] = 1   # values packed together: chunks hold whole packs
-
-    def __post_init__(self):
-        check_int("chunk", self.chunk, 1, 1 << 24)
-        if self.chunk % self.per_pack:
-            raise ValueError(f"chunk: {self._pack_rule}, got {self.chunk}")
-
-    @property
-    def contractive(self) -> bool:
-        return not getattr(self, "stochastic", False)
 
     def _generator(self, state: CodecState) -> torch.Generator | None:
         return state.generator if getattr(self, "stochastic", False) else None
@@ -120,16 +111,13 @@ class _ChunkedQuant(Codec):
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Int8(_ChunkedQuant):
+class Int8(Int8Params, _ChunkedQuant):
     """int8 with one fp32 scale per `chunk` values: ~3.99x; error <= scale/2 per value.
 
     stochastic: round up or down at random (unbiased; then not contractive, so no EF).
     """
 
-    kind: ClassVar[str] = "int8"
     levels: ClassVar[int] = 127
-    chunk: int = 4096
-    stochastic: bool = False
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -152,15 +140,10 @@ class Int8(_ChunkedQuant):
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Int4(_ChunkedQuant):
+class Int4(Int4Params, _ChunkedQuant):
     """4-bit signed levels -7..7, two per byte, one fp32 scale per `chunk`: ~7.75x at 1024."""
 
-    kind: ClassVar[str] = "int4"
     levels: ClassVar[int] = 7
-    per_pack: ClassVar[int] = 2
-    _pack_rule: ClassVar[str] = "must be even for int4 (two values per byte)"
-    chunk: int = 1024
-    stochastic: bool = False
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -204,7 +187,7 @@ class Int4(_ChunkedQuant):
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Int3(_ChunkedQuant):
+class Int3(Int3Params, _ChunkedQuant):
     """3-bit signed levels -3..3, eight per three bytes, one fp32 scale per `chunk`: ~10.2x at 256.
 
     The rung between int4 and top-k: a byte budget of 1000x takes H >= 127 with int4 and H >= 98
@@ -213,12 +196,7 @@ class Int3(_ChunkedQuant):
     (docs/bench-cluster.md).
     """
 
-    kind: ClassVar[str] = "int3"
     levels: ClassVar[int] = 3
-    per_pack: ClassVar[int] = 8
-    _pack_rule: ClassVar[str] = "must be a multiple of 8 for int3 (eight values per three bytes)"
-    chunk: int = 256
-    stochastic: bool = False
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -266,17 +244,12 @@ _INT3_SHIFTS = torch.arange(0, 24, 3, dtype=torch.int32)
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Sign(Codec):
+class Sign(SignParams, Codec):
     """One bit per value (x >= 0) and one fp32 scale, mean |x|, per `chunk`: ~31.75x at 4096.
 
     The scaled sign of EF-signSGD: contractive, so use it with error feedback.
     """
 
-    kind: ClassVar[str] = "sign"
-    chunk: int = 4096
-
-    def __post_init__(self):
-        check_int("chunk", self.chunk, 1, 1 << 24)
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)

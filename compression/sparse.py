@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 
-from .base import Codec, CodecError, Section, Shape, check_inner, register, total_numel
+from .base import Codec, CodecError, Section, Shape, register, total_numel
+from .params import RandomKParams, TopKParams, check_fraction as _check_fraction  # noqa: F401 - sparseloco's
 from .cast import FP16
 from .state import CodecState
 
@@ -30,11 +30,6 @@ _BLOCK = 1 << 16  # elements per threshold pass: 256 KiB of fp32, inside L2
 def _k(fraction: float, n: int) -> int:
     # The receiver recomputes k from the spec, so this must be a pure function of (fraction, n).
     return 0 if n == 0 else min(n, max(1, math.ceil(fraction * n - 1e-9)))
-
-
-def _check_fraction(fraction: float) -> None:
-    if not (0.0 < fraction <= 1.0) or math.isnan(fraction):
-        raise ValueError(f"fraction: must be in (0, 1], got {fraction}")
 
 
 def _select_sampled(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor | None:
@@ -110,25 +105,14 @@ def _nblocks(n: int) -> int:
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class TopK(Codec):
+class TopK(TopKParams, Codec):
     """The `fraction` largest |values| of the whole update (exact), values through `inner`.
 
     1% with fp16 values: ~99x; with int8 values: ~132x. Contractive: use with error feedback.
     """
 
-    kind: ClassVar[str] = "topk"
-    elementwise: ClassVar[bool] = False
-    sparse: ClassVar[bool] = True
     fraction: float = 0.01
-    inner: Codec = FP16()
-
-    def __post_init__(self):
-        _check_fraction(self.fraction)
-        check_inner(self.kind, self.inner)
-
-    @property
-    def contractive(self) -> bool:
-        return self.inner.contractive
+    inner: Codec = FP16()  # the torch codec; TopKParams checks it
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -206,25 +190,13 @@ def randomk_indices(seed: int, start: int, stop: int, n: int) -> torch.Tensor:
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class RandomK(Codec):
+class RandomK(RandomKParams, Codec):
     """`fraction` of the values at indices drawn (with replacement) from a seed sent on the
     wire, rescaled by n/k on decode: unbiased, linear for a shared seed, not contractive (no EF).
     """
 
-    kind: ClassVar[str] = "randomk"
-    linear: ClassVar[bool] = True
-    elementwise: ClassVar[bool] = False
-    sparse: ClassVar[bool] = True
     fraction: float = 0.01
-    inner: Codec = FP16()
-
-    def __post_init__(self):
-        _check_fraction(self.fraction)
-        check_inner(self.kind, self.inner)
-
-    @property
-    def contractive(self) -> bool:
-        return False
+    inner: Codec = FP16()  # the torch codec; RandomKParams checks it
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         k = _k(self.fraction, total_numel(shapes))

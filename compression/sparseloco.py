@@ -21,15 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 
 from .base import Codec, CodecError, Section, Shape, register, total_numel
-from .sparse import _check_fraction, _k
+from .params import SparseLoCoParams
+from .sparse import _k
 
-_MIN_BITS, _MAX_BITS = 4, 16
 _EXACT_BELOW = 1 << 18  # torch.topk per row is quick enough below; per-row thresholds above
 _STRIDE = 8  # the per-row threshold is estimated on every 8th value
 _ROWS_PER_PASS = 64  # rows per compare pass: 1 MiB of fp32 at chunk 4096, inside L2
@@ -85,21 +84,10 @@ def _unpack_bits(packed: torch.Tensor, count: int, bits: int, what: str) -> np.n
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class SparseLoCo(Codec):
+class SparseLoCo(SparseLoCoParams, Codec):
     """Top `fraction` of every `chunk` by |value|, 2-bit values (sign + one of two per-chunk
     magnitudes), bit-packed in-chunk indices: ~205x at 1%, chunk 4096. Use with error feedback.
     """
-
-    kind: ClassVar[str] = "sparseloco"
-    elementwise: ClassVar[bool] = False
-    sparse: ClassVar[bool] = True
-    fraction: float = 0.01
-    chunk: int = 4096
-
-    def __post_init__(self):
-        _check_fraction(self.fraction)
-        if not (1 << _MIN_BITS <= self.chunk <= 1 << _MAX_BITS) or self.chunk & (self.chunk - 1):
-            raise ValueError(f"chunk: must be a power of two in [{1 << _MIN_BITS}, {1 << _MAX_BITS}], got {self.chunk}")
 
     @property
     def _bits(self) -> int:

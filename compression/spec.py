@@ -12,6 +12,9 @@ parameter, sorted by name, inner codecs by their own key: "int8", "int4",
 "topk(fraction=0.01,inner=int8)", "int8(chunk=4096,stochastic=True)". Two spellings of one codec
 have one key and compare equal. The key is what rounds.jsonl, summary.json, the report and the
 error-feedback states of a checkpoint name a codec by, so it must not change between versions.
+
+Torch-free: a spec is checked against the parameter classes of params.py; only `spec.codec()`
+imports the codecs (and torch), so the config loader and `geofed validate` never do.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from .base import Codec, make_codec
+from .params import CodecParams, make_params
+
+if TYPE_CHECKING:
+    from .base import Codec
 
 Param = Union[bool, int, float, "CodecSpec"]
 MAX_KEY_CHARS = 1024
@@ -49,7 +55,7 @@ class CodecSpec:
         data = {k: v.to_data() if isinstance(v, CodecSpec) else v for k, v in pairs}
         if "kind" in data:
             raise ValueError("params: 'kind' is the spec's kind, not a parameter")
-        codec = make_codec({"kind": self.kind, **data})
+        codec = make_params({"kind": self.kind, **data})
         object.__setattr__(self, "params", _params_of(codec))
         object.__setattr__(self, "_default", _is_default(codec))
 
@@ -63,18 +69,20 @@ class CodecSpec:
             raise ValueError(f"a codec spec of {len(spec)} characters, at most {MAX_KEY_CHARS}")
         if isinstance(spec, str) and ("(" in spec or not spec.strip() or spec != spec.strip()):
             spec = parse_key(spec)
-        elif not isinstance(spec, (str, Mapping, Codec)):
+        elif not isinstance(spec, (str, Mapping, CodecParams)):
             raise ValueError(f"expected a codec name, a mapping with 'kind' or a key like "
                              f"topk(fraction=0.01,inner=int8), got {type(spec).__name__}")
-        return cls.of(make_codec(spec))
+        return cls.of(spec if isinstance(spec, CodecParams) else make_params(spec))
 
     @classmethod
-    def of(cls, codec: Codec) -> CodecSpec:
-        """The spec of a codec (`CodecSpec.of(c).codec() == c`)."""
+    def of(cls, codec: CodecParams) -> CodecSpec:
+        """The spec of a codec or of its parameters (`CodecSpec.of(c).codec() == c`)."""
         return cls(kind=codec.kind, params=_params_of(codec))
 
     def codec(self) -> Codec:
-        """The codec this spec names."""
+        """The codec this spec names (imports the codecs, and torch)."""
+        from .base import make_codec
+
         return make_codec(self.to_data())
 
     # ---- naming ------------------------------------------------------------------------
@@ -103,15 +111,15 @@ def spec_key(spec: Any) -> str:
     return CodecSpec.parse(spec).key
 
 
-def _params_of(codec: Codec) -> tuple[tuple[str, Param], ...]:
+def _params_of(codec: CodecParams) -> tuple[tuple[str, Param], ...]:
     out = []
     for f in dataclasses.fields(codec):
         value = getattr(codec, f.name)
-        out.append((f.name, CodecSpec.of(value) if isinstance(value, Codec) else value))
+        out.append((f.name, CodecSpec.of(value) if isinstance(value, CodecParams) else value))
     return tuple(sorted(out))
 
 
-def _is_default(codec: Codec) -> bool:
+def _is_default(codec: CodecParams) -> bool:
     try:
         return codec == type(codec)()
     except (TypeError, ValueError):  # a codec without defaults for every parameter

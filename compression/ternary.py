@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 
-from .base import Codec, CodecError, Section, check_int, register, total_numel
+from .base import Codec, CodecError, Section, register, total_numel
+from .params import TernaryParams
 
 _PER_BYTE = 5
 _MAX_BYTE = 3 ** _PER_BYTE - 1  # 242
@@ -65,18 +65,9 @@ def _words(buf: np.ndarray, count: int) -> np.ndarray:
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Ternary(Codec):
+class Ternary(TernaryParams, Codec):
     """sign(x) x L where |x| >= threshold x mean|x| of its chunk, else 0; L the chunk's least-squares
     level; five values a byte: ~19.6x at chunk 1024. Use with error feedback."""
-
-    kind: ClassVar[str] = "ternary"
-    chunk: int = 1024
-    threshold: float = 0.75
-
-    def __post_init__(self):
-        check_int("chunk", self.chunk, 1, 1 << 24)
-        if not 0.0 <= self.threshold <= 10.0:
-            raise ValueError(f"threshold: must be in [0, 10] (times the chunk's mean |x|), got {self.threshold}")
 
     def layout(self, shapes: Sequence[tuple[int, ...]]) -> list[Section]:
         n = total_numel(shapes)

@@ -10,8 +10,6 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .config.strict import ConfigError
-
 # `geofed bench NAME ...` forwards to NAME's module `main(argv) -> int` (imported lazily: each
 # pulls in torch, gRPC or Ray, which `geofed validate` should not pay for).
 BENCHES = {
@@ -142,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
             return int(exc.code or 0)
         return _dispatch(args)
-    except ConfigError as exc:
+    except _config_error() as exc:  # evaluated only when something raised: -h never imports the config package
         print(f"geofed: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -164,7 +162,15 @@ def _forward(command: str, name: str, rest: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
 
 
+def _config_error() -> type[Exception]:
+    from .config.errors import ConfigError
+
+    return ConfigError
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    from .config.errors import ConfigError
+
     if args.command == "validate":
         from .config import load_config
         from .config.devicecheck import local_device_problem

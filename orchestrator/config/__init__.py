@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from geofed.compression import CodecSpec
-from geofed.regions.tasks.base import PluginTaskConfig, load_task_factory, task_config_class
+from geofed.regions.tasks.configs import PluginTaskConfig, load_task_factory, task_config_class
 
 from . import paths, strict
 from ..launch.config import LaunchSection

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from geofed.regions.tasks.base import task_config_class, task_kinds
+from geofed.regions.tasks.configs import task_config_class, task_kinds
 
 from . import RunConfig
 from ..policies import policy_config_class, policy_kinds

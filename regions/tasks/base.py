@@ -15,18 +15,18 @@ importing anything (standard-library modules hold no task factories).
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import inspect
-import re
-import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+# The torch-free half (plug-in trust checks, config classes and their registry), re-exported here.
+from .configs import (ENTRY_POINT_GROUP, PluginTaskConfig, is_task_factory, load_task_factory,  # noqa: F401
+                      task_config_class, task_factory, task_kinds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,101 +85,14 @@ class Task(ABC):
         return {}
 
 
-@dataclass(frozen=True, kw_only=True)
-class PluginTaskConfig:
-    """``kind: python:package.module:function``; every other key goes to the function."""
-
-    kind: str
-    path: str | None = field(default=None, metadata={"path": "config", "doc": "folder put on sys.path before importing the module"})
-    options: Mapping[str, Any] = field(default_factory=dict, metadata={"doc": "keyword arguments for the factory"})
-
-    def __post_init__(self):
-        if not _PLUGIN_KIND.fullmatch(self.kind):
-            raise ValueError(f"kind: expected python:module:function (dotted Python names), got {self.kind!r}")
-
-
-_PLUGIN_KIND = re.compile(r"python:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
-ENTRY_POINT_GROUP = "geofed.tasks"
-# id -> the factory itself: a mark by identity, which no look-alike object (a proxy whose every
-# attribute is truthy, a module __getattr__) can fake. Holding the function keeps its id unique.
-_FACTORIES: dict[int, Callable[..., Any]] = {}
-
-
-def task_factory(fn: Callable[..., Task]) -> Callable[..., Task]:
-    """Mark `fn` as a geofed task factory: a config may then name it as
-    ``task.kind: python:module:function``; ``fn(**task.options)`` returns a Task.
-
-    A config can only make geofed call functions marked so (or declared as ``geofed.tasks``
-    entry points): naming any other callable, ``os:system`` say, is refused before a call.
-    """
-    if not callable(fn):
-        raise TypeError(f"task_factory: {fn!r} is not callable")
-    _FACTORIES[id(fn)] = fn
-    return fn
-
-
-def is_task_factory(fn: Any) -> bool:
-    """Whether `fn` was marked by @task_factory (by identity, which no look-alike object can fake)."""
-    return _FACTORIES.get(id(fn)) is fn
-
-
-def _declared_entry_point(module: str, attr: str) -> bool:
-    """Whether an installed distribution declares ``module:attr`` in the ``geofed.tasks`` entry
-    point group (read from metadata: nothing is imported)."""
-    from importlib.metadata import entry_points
-
-    return any(ep.module == module and ep.attr == attr for ep in entry_points(group=ENTRY_POINT_GROUP))
-
-
-def load_task_factory(config: PluginTaskConfig) -> Callable[..., Task]:
-    """The factory `config.kind` names, once it is known to be marked; ValueError('kind: ...')
-    otherwise. Importing the module runs its top-level code (see the module docstring)."""
-    _, module_name, fn_name = config.kind.split(":")
-    top = module_name.split(".")[0]
-    if top in sys.stdlib_module_names or top == "geofed":
-        raise ValueError(f"kind: {config.kind!r} names {top!r}, which holds no geofed task factory "
-                         f"(a plug-in task is a function in your own module, marked @task_factory)")
-    declared = _declared_entry_point(module_name, fn_name)
-    if config.path is not None and config.path not in sys.path:
-        sys.path.insert(0, config.path)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - the user's module: any error it raises, on one line
-        raise ValueError(f"kind: cannot import {module_name!r} for {config.kind!r}: {type(exc).__name__}: {exc} "
-                         f"(python -c 'import {module_name}' shows the traceback)") from None
-    fn = vars(module).get(fn_name)  # no module __getattr__: a plain lookup
-    if fn is None:
-        raise ValueError(f"kind: {config.kind!r}: module {module_name!r} has no {fn_name!r}")
-    if not (declared or is_task_factory(fn)):
-        raise ValueError(f"kind: {config.kind!r} is not a geofed task factory; mark it with "
-                         f"@geofed.regions.tasks.task_factory or declare it as a {ENTRY_POINT_GROUP!r} entry point "
-                         f"(a config may only name marked factories)")
-    return fn
-
-
 _REGISTRY: dict[str, tuple[type, Callable[..., Task]]] = {}
 
 
 def register_task(kind: str, config_cls: type, factory: Callable[..., Task]) -> None:
-    """`factory(config, *, batch_size, seed) -> Task`."""
-    assert dataclasses.is_dataclass(config_cls), config_cls
+    """`factory(config, *, batch_size, seed) -> Task`; `config_cls` is the one configs.py registers
+    for `kind` (one list of kinds: the config loader reads that one without torch)."""
+    assert task_config_class(kind) is config_cls, (kind, config_cls)
     _REGISTRY[kind] = (config_cls, factory)
-
-
-def task_kinds() -> list[str]:
-    """The registered (built-in) task kinds; plug-ins are named python:module:function instead."""
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def task_config_class(kind: str) -> type:
-    """Config class for `kind`; KeyError with the known names otherwise (used by the loader)."""
-    _load_builtin()
-    if kind.startswith("python:"):
-        return PluginTaskConfig
-    if kind not in _REGISTRY:
-        raise KeyError(f"unknown task {kind!r} (known: {', '.join(sorted(_REGISTRY))}, python:module:function)")
-    return _REGISTRY[kind][0]
 
 
 def make_task(config: Any, *, batch_size: int = 32, seed: int = 0, device: str = "cpu") -> Task:

@@ -3,57 +3,20 @@
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-from geofed.regions.datasets.cache import task_data_path
 from geofed.regions.inputfiles import InputFileError, open_regular
 
 from .base import EvalResult, Task, register_task
+from .configs import CharLMConfig
 from .sequences import WindowShard, heldout_loss, region_shard
 
-DEFAULT_DATASET = "tinyshakespeare"
 # Characters are classes of the model's output layer: a "text" of 10^5 distinct code points is
 # a file built to blow the model up, not prose (the largest scripts in use need ~20k).
 MAX_VOCAB = 65_536
-
-
-@dataclass(frozen=True, kw_only=True)
-class CharLMConfig:
-    """``task.kind: char-lm``: a character-level GRU language model trained on a text file."""
-
-    kind: Literal["char-lm"] = "char-lm"
-    dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
-        "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
-        "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
-    path: str = field(default="", metadata={"path": "config", "doc": (
-        "your own UTF-8 text file instead of dataset; a regular file of any "
-        "size, of which only the first max_chars characters are read")})
-    max_chars: int = field(default=300_000, metadata={"doc": (
-        "use at most this many characters from the start of the file (at most 4 bytes each are read)")})
-    seq_len: int = field(default=64, metadata={"doc": "characters per training sequence"})
-    embed: int = field(default=32, metadata={"doc": "character embedding size"})
-    hidden: int = field(default=128, metadata={"doc": "GRU hidden size"})
-    layers: int = field(default=1, metadata={"doc": "GRU layers"})
-    test_fraction: float = field(default=0.1, metadata={"doc": "the last fraction of the text is held out"})
-    partition: Literal["contiguous", "iid"] = field(
-        default="contiguous", metadata={"doc": "contiguous: each region a different stretch of text (non-IID); iid: windows from anywhere"})
-    eval_sequences: int = field(default=64, metadata={"doc": "held-out sequences scored at evaluation"})
-
-    def __post_init__(self):
-        if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)
-            object.__setattr__(self, "path", task_data_path(self.dataset, "char-lm"))
-        for key, lo, hi in (("max_chars", 1000, 10**9), ("seq_len", 2, 4096), ("embed", 1, 4096),
-                            ("hidden", 1, 8192), ("layers", 1, 16), ("eval_sequences", 1, 100_000)):
-            v = getattr(self, key)
-            if not lo <= v <= hi:
-                raise ValueError(f"{key}: must be in [{lo}, {hi}], got {v}")
-        if not 0.01 <= self.test_fraction <= 0.5:
-            raise ValueError(f"test_fraction: must be in [0.01, 0.5], got {self.test_fraction}")
 
 
 class CharGRU(nn.Module):

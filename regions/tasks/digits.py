@@ -2,42 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 
 from .base import EvalResult, Task, register_task
+from .configs import DigitsConfig
 from .digits_data import load_digits_arrays, stratified_split
 from .sharding import TensorShard, label_histogram, partition_indices
-
-
-@dataclass(frozen=True, kw_only=True)
-class DigitsConfig:
-    """``task.kind: mlp-digits``: an MLP on scikit-learn's bundled 8x8 digits (no download)."""
-
-    kind: Literal["mlp-digits"] = "mlp-digits"
-    hidden: int = field(default=64, metadata={"doc": "hidden units of each hidden layer of the MLP"})
-    layers: int = field(default=1, metadata={"doc": "hidden layers: 1 is 64-hidden-10, 2 is 64-hidden-hidden-10"})
-    activation: Literal["relu", "tanh"] = field(default="relu", metadata={"doc": (
-        "of the hidden layers; tanh (a tempered sigmoid: bounded, so clipped, noised DP-SGD gradients stay "
-        "smaller; Papernot et al. 2021) suits privacy.dp.mode record")})
-    test_fraction: float = field(default=0.25, metadata={"doc": "held-out fraction (stratified) for evaluation"})
-    partition: Literal["iid", "dirichlet"] = field(default="iid", metadata={"doc": "how training data is split across regions"})
-    alpha: float = field(default=0.5, metadata={"doc": "Dirichlet concentration for partition: dirichlet (small = skewed)"})
-    batch_size: int | None = field(default=None, metadata={"doc": "overrides sync.inner.batch_size for this task"})
-
-    def __post_init__(self):
-        if not 1 <= self.hidden <= 65536:
-            raise ValueError(f"hidden: must be in [1, 65536], got {self.hidden}")
-        if not 1 <= self.layers <= 8:
-            raise ValueError(f"layers: must be in [1, 8], got {self.layers}")
-        if not 0.05 <= self.test_fraction <= 0.9:
-            raise ValueError(f"test_fraction: must be in [0.05, 0.9], got {self.test_fraction}")
-        if not 0 < self.alpha <= 1e6:
-            raise ValueError(f"alpha: must be in (0, 1e6], got {self.alpha}")
 
 
 class DigitsTask(Task):

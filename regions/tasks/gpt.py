@@ -11,60 +11,17 @@ reports its perplexity.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from geofed.regions.datasets.cache import task_data_path
 
 from .base import EvalResult, Task, register_task
-from .charlm import DEFAULT_DATASET, read_text_prefix
+from .configs import GPTConfig
+from .charlm import read_text_prefix
 from .sequences import WindowShard, heldout_loss, region_shard
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """``task.kind: gpt``: a decoder-only transformer trained on a text file (byte tokens or BPE)."""
-
-    kind: Literal["gpt"] = "gpt"
-    dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
-        "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
-        "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
-    path: str = field(default="", metadata={"path": "config", "doc": (
-        "your own UTF-8 text file instead of dataset; only the first "
-        "max_chars characters are read")})
-    tokenizer: str | None = field(default=None, metadata={"path": "config", "doc": (
-        "a Hugging Face `tokenizers` JSON file (e.g. a trained BPE); null: byte-level tokens (vocabulary 256)")})
-    max_chars: int = field(default=1_000_000, metadata={"doc": "use at most this many characters from the start of the file"})
-    n_layer: int = field(default=5, metadata={"doc": "transformer blocks"})
-    n_head: int = field(default=4, metadata={"doc": "attention heads (d_model must divide by it)"})
-    d_model: int = field(default=128, metadata={"doc": "model width; the MLP is 4 x d_model"})
-    context: int = field(default=128, metadata={"doc": "tokens per training sequence (and positions the model knows)"})
-    dropout: float = field(default=0.0, metadata={"doc": "dropout on attention, residual and embeddings"})
-    tie_embeddings: bool = field(default=True, metadata={"doc": "the output layer shares the token embedding's weights"})
-    test_fraction: float = field(default=0.1, metadata={"doc": "the last fraction of the tokens is held out"})
-    partition: Literal["contiguous", "iid"] = field(
-        default="contiguous", metadata={"doc": "contiguous: each region a different stretch of text (non-IID); iid: windows from anywhere"})
-    eval_sequences: int = field(default=64, metadata={"doc": "held-out sequences scored at evaluation"})
-
-    def __post_init__(self):
-        if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)
-            object.__setattr__(self, "path", task_data_path(self.dataset, "gpt"))
-        for key, lo, hi in (("max_chars", 1000, 10**10), ("n_layer", 1, 128), ("n_head", 1, 256),
-                            ("d_model", 8, 16384), ("context", 2, 65_536), ("eval_sequences", 1, 100_000)):
-            v = getattr(self, key)
-            if not lo <= v <= hi:
-                raise ValueError(f"{key}: must be in [{lo}, {hi}], got {v}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"n_head: d_model {self.d_model} does not divide into {self.n_head} heads")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
-        if not 0.01 <= self.test_fraction <= 0.5:
-            raise ValueError(f"test_fraction: must be in [0.01, 0.5], got {self.test_fraction}")
 
 
 class CausalSelfAttention(nn.Module):

@@ -11,77 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from geofed.regions.datasets.cache import task_data_path
 from geofed.regions.graph.data import MAX_GRAPH_BYTES, GraphData, GraphView, build_view, full_view, load_graph_npz
 from geofed.regions.graph.models import accuracy, build_gnn, gnn_loss
 from geofed.regions.graph.partition import extract_subgraph, partition_nodes, partition_stats, train_flags
 
 from .base import EvalResult, Shard, Task, register_task
-
-DEFAULT_DATASET = "cora"
-
-
-def _doc(text: str) -> dict:
-    return {"doc": text}
-
-
-@dataclass(frozen=True, kw_only=True)
-class GcnPlanetoidConfig:
-    """``task.kind: gcn-planetoid``: node classification on a graph .npz, its nodes split across regions."""
-
-    kind: Literal["gcn-planetoid"] = "gcn-planetoid"
-    dataset: str = field(default=DEFAULT_DATASET, metadata=_doc(
-        "cora or citeseer, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
-        "`geofed data fetch NAME`, docs/data.md); resolved on the driver; ignored when path is set"))
-    path: str = field(default="", metadata={"path": "config", **_doc(
-        "your own graph .npz (x, y, edge_index, train/val/test masks; `geofed data convert-graph` writes one) "
-        "instead of dataset")})
-    model: Literal["gcn", "sage"] = field(default="gcn", metadata=_doc("gcn (Kipf & Welling) or sage (GraphSAGE-mean)"))
-    hidden: int = field(default=16, metadata=_doc("hidden units"))
-    dropout: float = field(default=0.5, metadata=_doc("dropout on input features and hidden layer"))
-    weight_decay: float = field(default=5e-4, metadata=_doc(
-        "L2 on the first layer, inside the loss (use an inner optimizer with weight_decay 0)"))
-    partition: Literal["louvain", "label-dirichlet", "random"] = field(
-        default="louvain", metadata=_doc("how nodes are split into regions"))
-    alpha: float = field(default=0.5, metadata=_doc("Dirichlet concentration for label-dirichlet (small: more skew)"))
-    partition_seed: int = field(default=0, metadata=_doc(
-        "seed of the partition; fixed apart from run.seed so seeds compare on the same split"))
-    loss_weighting: Literal["nodes", "regions"] = field(default="nodes", metadata=_doc(
-        "nodes: weight each region's loss by its train-node count, so the regions' average objective "
-        "is the centralized one; regions: each region's plain mean"))
-    halo: bool = field(default=False, metadata=_doc(
-        "keep 1-hop out-of-region neighbours' features (not labels); their one-time bytes are counted"))
-    max_mb: int = field(default=MAX_GRAPH_BYTES >> 20, metadata=_doc(
-        "largest graph accepted, MiB: the file on disk and its arrays uncompressed, checked before anything "
-        "is decompressed (the driver and every region load the whole graph; Cora is 4 MB)"))
-
-    def __post_init__(self):
-        if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)
-            object.__setattr__(self, "path", task_data_path(self.dataset, "gcn-planetoid"))
-        if not 1 <= self.hidden <= 65536:
-            raise ValueError(f"hidden: must be in [1, 65536], got {self.hidden}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
-        if not self.alpha > 0:
-            raise ValueError(f"alpha: must be > 0, got {self.alpha}")
-        if not 1 <= self.max_mb <= 1 << 20:
-            raise ValueError(f"max_mb: must be in [1, 1048576], got {self.max_mb}")
-
-    def check_data(self) -> None:
-        """Load the graph with the task's own checks and caps (`geofed validate` calls this), so a
-        file every region would refuse, or pay gigabytes for, is refused before anything starts;
-        ValueError starts with "task.path: " and names the file."""
-        load_task_graph(self.path, max_mb=self.max_mb)
-
+from .configs import GcnPlanetoidConfig
 
 class GraphShard(Shard):
     """A region's subgraph; every batch is the whole subgraph (full-batch training)."""

@@ -12,25 +12,20 @@ loss are those of the ``gpt`` task (regions/tasks/gpt.py).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from geofed.regions.datasets.cache import task_data_path
 
 from .base import EvalResult, Task, register_task
-from .charlm import DEFAULT_DATASET, read_text_prefix
+from .configs import INSTALL_HINT, HFCausalLMConfig, _config_file, _tokenizer_file  # noqa: F401 - INSTALL_HINT: importers of hf
+from .charlm import read_text_prefix
 from .gpt import tokenize
 from .sequences import WindowShard, heldout_loss, region_shard
 
-INSTALL_HINT = "pip install 'geofed[hf]'"
 
 
 def transformers_module():
@@ -41,79 +36,6 @@ def transformers_module():
 
     transformers.logging.set_verbosity_error()  # its warnings about unused generation tokens are noise here
     return transformers
-
-
-@dataclass(frozen=True, kw_only=True)
-class HFCausalLMConfig:
-    """``task.kind: hf-causal-lm``: a transformers causal LM (from a local config or a named
-    architecture) trained on a text file; needs ``pip install 'geofed[hf]'``."""
-
-    kind: Literal["hf-causal-lm"] = "hf-causal-lm"
-    config: str = field(default="", metadata={"path": "config", "doc": (
-        "a local transformers config.json, or a folder holding one (the model gets random weights); "
-        "empty: built from architecture and the sizes below")})
-    architecture: str = field(default="gpt2", metadata={"doc": (
-        "a transformers model type (gpt2, llama, qwen2, ...) built from n_layer/n_head/d_model/context; "
-        "ignored when config is set")})
-    n_layer: int = field(default=2, metadata={"doc": "transformer blocks (num_hidden_layers)"})
-    n_head: int = field(default=2, metadata={"doc": "attention heads (d_model must divide by it)"})
-    d_model: int = field(default=64, metadata={"doc": "model width (hidden_size); the MLP is 4 x d_model"})
-    vocab: int | None = field(default=None, metadata={"doc": (
-        "vocabulary size; null: the tokenizer's (256 for bytes); must hold every token id")})
-    extra: Mapping[str, Any] = field(default_factory=dict, metadata={"doc": (
-        "more transformers config keys, e.g. {num_key_value_heads: 1, rope_theta: 10000}")})
-    context: int = field(default=128, metadata={"doc": "tokens per training sequence (at most the model's positions)"})
-    dataset: str = field(default=DEFAULT_DATASET, metadata={"doc": (
-        "tinyshakespeare from the data cache (`geofed data fetch tinyshakespeare`); ignored when path is set")})
-    path: str = field(default="", metadata={"path": "config", "doc": "your own UTF-8 text file instead of dataset"})
-    tokenizer: str | None = field(default=None, metadata={"path": "config", "doc": (
-        "a local `tokenizers` JSON file, or a folder holding tokenizer.json; null: byte tokens (vocabulary 256)")})
-    max_chars: int = field(default=1_000_000, metadata={"doc": "use at most this many characters from the start of the file"})
-    test_fraction: float = field(default=0.1, metadata={"doc": "the last fraction of the tokens is held out"})
-    partition: Literal["contiguous", "iid"] = field(
-        default="contiguous", metadata={"doc": "contiguous: each region a different stretch of text (non-IID); iid: windows from anywhere"})
-    eval_sequences: int = field(default=64, metadata={"doc": "held-out sequences scored at evaluation"})
-
-    def __post_init__(self):
-        if importlib.util.find_spec("transformers") is None:
-            raise ValueError(f"kind: hf-causal-lm needs the transformers package, which is not installed: {INSTALL_HINT}")
-        if not self.path:
-            object.__setattr__(self, "path", task_data_path(self.dataset, "hf-causal-lm"))
-        for key, lo, hi in (("n_layer", 1, 256), ("n_head", 1, 256), ("d_model", 8, 65_536), ("context", 2, 1 << 20),
-                            ("max_chars", 1000, 10**10), ("eval_sequences", 1, 100_000)):
-            if not lo <= getattr(self, key) <= hi:
-                raise ValueError(f"{key}: must be in [{lo}, {hi}], got {getattr(self, key)}")
-        if self.vocab is not None and not 2 <= self.vocab <= 10**7:
-            raise ValueError(f"vocab: must be in [2, 10000000] or null, got {self.vocab}")
-        if not 0.01 <= self.test_fraction <= 0.5:
-            raise ValueError(f"test_fraction: must be in [0.01, 0.5], got {self.test_fraction}")
-        if self.config:
-            if not _config_file(self.config).is_file():
-                raise ValueError(f"config: no transformers config.json at {self.config!r} (a local file or folder; "
-                                 "nothing is downloaded)")
-        else:
-            if self.d_model % self.n_head:
-                raise ValueError(f"n_head: d_model {self.d_model} does not divide into {self.n_head} heads")
-            _check_architecture(self.architecture)
-        if self.tokenizer is not None and not _tokenizer_file(self.tokenizer).is_file():
-            raise ValueError(f"tokenizer: no tokenizers JSON at {self.tokenizer!r} (a file, or a folder with tokenizer.json)")
-
-
-def _config_file(path: str) -> Path:
-    p = Path(path)
-    return p / "config.json" if p.is_dir() else p
-
-
-def _tokenizer_file(path: str) -> Path:
-    p = Path(path)
-    return p / "tokenizer.json" if p.is_dir() else p
-
-
-def _check_architecture(name: str) -> None:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if name not in CONFIG_MAPPING:
-        raise ValueError(f"architecture: {name!r} is not a transformers model type (e.g. gpt2, llama, qwen2)")
 
 
 def build_hf_config(cfg: HFCausalLMConfig, vocab: int) -> Any:
