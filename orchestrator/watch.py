@@ -57,7 +57,7 @@ class JsonlTail:
         for line in data[:end].splitlines():
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # json.loads recurses: 100000 brackets are a RecursionError
                 continue  # a damaged line: the report names it; a live view skips it
             if isinstance(record, dict):
                 self.records.append(record)
@@ -119,6 +119,8 @@ class RunView:
                     summary = json.loads(f.read(MAX_SUMMARY_BYTES + 1))
             except InputFileError as exc:
                 raise ConfigError("", exc.reason, source=str(path)) from None
+            except RecursionError:
+                raise ConfigError("", "not JSON: nested too deep", source=str(path)) from None
             except ValueError:
                 return  # written atomically; a parse error means another writer: retry
             if not isinstance(summary, dict):

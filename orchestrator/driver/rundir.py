@@ -177,7 +177,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     for i, line in enumerate(read_run_file(path, limit=MAX_LOG_BYTES).splitlines(), start=1):
         try:
             record = json.loads(line)
-        except ValueError:  # JSON or UTF-8 (a multi-byte character cut in two)
+        except (ValueError, RecursionError):  # JSON, UTF-8 (a character cut in two), 100000 brackets
             break  # a torn last line from a crash; everything before it is good
         if not isinstance(record, dict):
             raise ConfigError("", f"line {i}: expected a JSON object, got {type(record).__name__}", source=str(path))
@@ -203,6 +203,8 @@ def read_json_file(path: Path, *, limit: int = 4 << 20) -> Any:
         raise ConfigError("", exc.reason, source=str(path)) from None
     except ValueError as exc:
         raise ConfigError("", f"not JSON: {exc}", source=str(path)) from None
+    except RecursionError:  # json.loads recurses: 100000 nested brackets
+        raise ConfigError("", "not JSON: nested too deep", source=str(path)) from None
 
 
 def run_dir_config(run_dir: Path) -> RunConfig:

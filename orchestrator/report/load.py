@@ -174,6 +174,8 @@ def _read_json(path: Path, name: str) -> dict[str, Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RunDirError(path, f"{name}: invalid JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses: 100000 nested brackets
+        raise RunDirError(path, f"{name}: invalid JSON: nested too deep") from None
     if not isinstance(data, dict):
         raise RunDirError(path, f"{name}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -192,7 +194,7 @@ def _read_jsonl(path: Path, name: str, required: tuple[str, ...], warnings: list
         try:
             if len(line) > MAX_LINE_BYTES:
                 raise ValueError(f"line is {len(line)} bytes, more than {MAX_LINE_BYTES}")
-            obj = json.loads(line)
+            obj = _loads(line)
         except (UnicodeDecodeError, ValueError) as exc:
             # The writer appends while the run goes on: a last line without its newline is a
             # record caught mid-write (or cut by a crash), not damage.
@@ -205,6 +207,14 @@ def _read_jsonl(path: Path, name: str, required: tuple[str, ...], warnings: list
         _check_keys(path, name, i, obj, required)
         out.append(obj)
     return out
+
+
+def _loads(line: bytes) -> Any:
+    """json.loads, with the RecursionError of deep nesting (100000 brackets) a ValueError like any damage."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
 
 
 def _check_keys(path: Path, name: str, line: int, obj: dict[str, Any], required: tuple[str, ...]) -> None:

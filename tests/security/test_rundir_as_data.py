@@ -509,3 +509,34 @@ def test_named_result_refuses_to_guess_between_buffers_and_parameters():
     out = named_result(state, trainable_names(model))
     assert torch.equal(out["1.weight"], state["algorithm"]["global"][2])
     assert torch.equal(out["1.running_mean"], model.state_dict()["1.running_mean"])
+
+
+@pytest.mark.parametrize("command", ["report", "watch"])
+@pytest.mark.parametrize("name", ["rounds.jsonl", "summary.json"])
+def test_deeply_nested_json_in_a_run_dir_is_one_line_not_a_recursion_error(tmp_path, capsys, command, name):
+    """Before: json.loads raised RecursionError on 100000 nested brackets (a traceback from report
+    and watch); a torn line is a ValueError, this was not."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"round": 0, "region": "a", "t_end": 1.0, "train_loss": 1.0}) + "\n")
+    deep = "[" * 100000 + "]" * 100000
+    (run_dir / name).write_text(deep + ("\n" if name.endswith(".jsonl") else ""))
+    argv = [command, str(run_dir)] + (["--once"] if command == "watch" else [])
+    rc = main(argv)
+    err = capsys.readouterr().err
+    if rc == 2:  # refused: one line naming the file
+        assert err.startswith("geofed: ") and err.count("\n") == 1 and name in err, err
+    else:  # a live view skips a damaged log line
+        assert rc == 0 and command == "watch" and name == "rounds.jsonl", err
+
+
+def test_resume_reads_a_deeply_nested_log_line_as_damage(tmp_path):
+    from geofed.orchestrator.driver.rundir import read_json_file, read_jsonl
+
+    path = tmp_path / "rounds.jsonl"
+    path.write_text(json.dumps({"round": 0}) + "\n" + "[" * 100000 + "]" * 100000 + "\n")
+    assert read_jsonl(path) == [{"round": 0}]  # as a torn line: the records before it stand
+    path = tmp_path / "driver.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ConfigError, match="driver.json: not JSON"):
+        read_json_file(path)
