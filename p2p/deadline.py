@@ -9,7 +9,9 @@ users asked for exactly this instead of hand-set timeouts, its issue #676). Befo
 - ``observe_miss()`` (a round ended with someone missing) multiplies the deadline by ``growth``
   for the next rounds, up to ``max_s``; the next complete round resets it. So a link that slowed
   down stretches the deadline within a few rounds, while a dead peer costs at most ``max_s``
-  per round and never enters the samples.
+  per round and never enters the samples. A peer whose update was refused (its content, not the
+  network: regions/exchange.py) is no miss, and a member that never pushes is muted by the driver
+  (orchestrator/driver/recovery.py, WithholdWatch): neither stretches the deadline (issue 36, N2).
 """
 
 from __future__ import annotations

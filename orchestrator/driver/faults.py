@@ -274,11 +274,38 @@ class FaultHandling:
             self._resync(r - 1, flushed)
         return [p for p in donors if p in self.alive]
 
+    # -- members whose updates never arrive (issue 36, N2) ---------------------------------------
+    def _muted_for(self, r: int) -> set[str]:
+        """The regions muted in round r (recovery.WithholdWatch). One whose time out ends now is
+        planned again; it first takes the model of a current region (it trained alone meanwhile:
+        its state may lie that many rounds from theirs)."""
+        for region in sorted(self.withhold.back(r) & set(self.alive)):
+            self._behind.add(region)
+            self._rounds_apart[region] = max(1, r - self.withhold.since.pop(region, r))
+            self._event("member_probation", region=region)
+        return self.withhold.muted(r) & set(self.alive)
+
+    def _watch_withholding(self, r: int, results: dict[str, dict[str, Any]], participants: list[str]) -> None:
+        """A region that reported the round but whose update most of its expecting peers missed
+        (withheld, or refused) for WithholdWatch.after rounds in a row is muted: left out of the plan
+        like a stalled region, so no deadline waits or widens for it."""
+        muted = self.withhold.muted(r)
+        expecting: dict[str, set[str]] = {}
+        for link in self.coordinator._round_links(r, [reg for reg in participants if reg not in muted]):
+            src, dst = link.split("->", 1)
+            expecting.setdefault(src, set()).add(dst)
+        for rec in self.withhold.observe(r, results, expecting):
+            self.faults["members_muted"] = self.faults.get("members_muted", 0) + 1
+            self._event("member_muted", **rec)
+            self._note(f"region {rec['region']}: its update missed by {len(rec['missed_by'])} of {len(rec['expected_by'])} "
+                       f"peers in round {r} (withheld or refused); left out of the next {rec['rounds_out']} rounds")
+
     def _resync(self, r: int, results: dict[str, dict[str, Any]]) -> None:
-        """Regions that missed an update this round take the model of one that did not."""
+        """Regions that missed an update this round take the model of one that did not (never of one
+        whose update they missed, nor of a muted member)."""
         if not self._resync_on:
             return
-        jobs = plan_resync(results, [reg for reg in self.regions if reg in self.alive])
+        jobs = plan_resync(results, [reg for reg in self.regions if reg in self.alive], left_out=self.withhold.muted(r))
         timeout = self.cfg.sync.deadline.max_s
         refs = {self.actors.handles[j.region].catch_up.remote(list(j.donors), timeout_s=timeout): j.region for j in jobs}
         try:

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from geofed.regions.emulation import absent_regions
 
-from .recovery import first_line
+from .recovery import WithholdWatch, first_line
 
 log = logging.getLogger("geofed.orchestrator.driver.runner")
 
@@ -39,6 +39,8 @@ class PacedRounds:
         self._current: set[str] = set(self.regions)       # reported the last round in time
         self._catch_ups: dict[Any, str] = {}              # catch_up refs, checked when they end
         self.pacing_stats = {"absent_region_rounds": 0, "late_rounds": 0, "catch_ups": 0}
+        self._rounds_apart: dict[str, int] = {}  # behind region -> rounds its state may lag (a muted member's time out)
+        self.withhold = WithholdWatch()
 
     @property
     def busy(self) -> set[str]:
@@ -67,12 +69,14 @@ class PacedRounds:
     def _dispatch(self, plans: dict) -> dict:
         """Start each planned region's round; one that missed an outer update first takes the model
         of a region that has it (queued ahead of its round on the same actor)."""
-        donors = [reg for reg in plans if reg not in self._behind and reg in self._current]
+        muted = self.withhold.muted(next(iter(plans.values())).round) if plans else set()  # they trained alone
+        donors = [reg for reg in plans if reg not in self._behind and reg in self._current and reg not in muted]
         refs = {}
         for region, plan in plans.items():
             handle = self.actors.handles[region]
             if region in self._behind and donors:
-                ref = handle.catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s, before_round=plan.round)
+                ref = handle.catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s, before_round=plan.round,
+                                             rounds_apart=self._rounds_apart.pop(region, None))
                 self._catch_ups[ref] = region
                 self.pacing_stats["catch_ups"] += 1
             self._behind.discard(region)
@@ -168,7 +172,8 @@ class PacedRounds:
 
     def _catch_up_behind(self) -> None:
         """Before the end of the run: every region that is behind takes the model of a current one."""
-        donors = [reg for reg in self.alive if reg in self._current and reg not in self._behind]
+        muted = self.withhold.muted(self.next_round - 1)
+        donors = [reg for reg in self.alive if reg in self._current and reg not in self._behind and reg not in muted]
         behind = [reg for reg in self.alive if reg in self._behind]
         if not behind or not donors:
             return

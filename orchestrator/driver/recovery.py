@@ -123,11 +123,12 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str], 
     first in `order`, is the donor and the others, suspects included, take its model: one model
     again, at the cost of one round of the others' local progress.
 
-    A region never takes state from a region whose update it missed or refused this round: a
+    A region does not take state from a region whose update it missed or refused this round: a
     member that withholds its update from a region must not then hand it a model. Among the
     others it tries first the donors whose update reached it this round: that proves the donor ->
-    region direction works. A region with no such donor stays on its own model. `left_out`
-    (regions muted for withholding: WithholdWatch) are neither donors nor resynced.
+    region direction works. Only a region that missed every donor takes theirs (its own network
+    failed; a suspect never is a donor). `left_out` (regions muted for withholding: WithholdWatch)
+    are neither donors nor resynced.
     """
     results = {r: m for r, m in results.items() if r not in left_out}
     missing = {r: set(m.get("peers_missing") or ()) for r, m in results.items()}
@@ -147,6 +148,11 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str], 
         heard = {t.get("peer") for t in results[r].get("transfers") or () if t.get("direction") == "recv"}
         eligible = [d for d in donors if d != r and d not in missing[r]]
         ranked = [d for d in eligible if d in heard] + [d for d in eligible if d not in heard]
+        if not ranked:
+            # It missed every donor: a network fault of its own (one member cannot make a region miss
+            # every other region), not a member that withheld from it, and those donors are no
+            # suspects. It takes their model, checked and combined, rather than drift for good.
+            ranked = [d for d in donors if d != r]
         if ranked:
             jobs.append(Resync(region=r, donors=tuple(ranked)))
     return jobs
@@ -173,6 +179,7 @@ class WithholdWatch:
         self.out_until: dict[str, int] = {}  # muted region -> first round it is tried again
         self.tries: Counter[str] = Counter()  # how many times it was muted without a good round since
         self.on_probation: set[str] = set()
+        self.since: dict[str, int] = {}  # muted region -> the round it was muted after
 
     def muted(self, round_: int) -> set[str]:
         """The regions left out of `round_`."""
@@ -208,19 +215,21 @@ class WithholdWatch:
                 self.streak[x] = 0
                 self.on_probation.discard(x)
                 self.out_until[x] = round_ + 1 + rounds_out
+                self.since[x] = round_
                 muted_now.append({"region": x, "rounds_out": rounds_out, "missed_by": sorted(missed),
                                   "expected_by": sorted(by)})
         return muted_now
 
     def state_dict(self) -> dict[str, Any]:
         return {"streak": dict(self.streak), "out_until": dict(self.out_until), "tries": dict(self.tries),
-                "on_probation": sorted(self.on_probation)}
+                "on_probation": sorted(self.on_probation), "since": dict(self.since)}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.streak = Counter({str(k): int(v) for k, v in (d.get("streak") or {}).items()})
         self.out_until = {str(k): int(v) for k, v in (d.get("out_until") or {}).items()}
         self.tries = Counter({str(k): int(v) for k, v in (d.get("tries") or {}).items()})
         self.on_probation = {str(r) for r in d.get("on_probation") or ()}
+        self.since = {str(k): int(v) for k, v in (d.get("since") or {}).items()}
 
 
 def schedule_after(schedule: Sequence[Any], *, next_round: int, elapsed_s: float) -> tuple:

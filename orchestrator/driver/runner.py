@@ -134,13 +134,15 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
             self.emulator.set_round(r)
         t_start = self.clock.now()
         participants, absent = self._participants(r)
-        plans = self._dp_plans(r, self.coordinator.plan(r, alive=participants, evaluate=evaluate))
+        muted = self._muted_for(r)  # members whose updates never arrive (issue 36, N2)
+        plans = self._dp_plans(r, self.coordinator.plan(r, alive=participants, evaluate=evaluate, muted=muted))
         if self.coordinator.at_eval_mark:
             self.evaluation.force(r)
         if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
             return
         results = self._run_round(r, plans)
         self._flush_for_resync(r, results)
+        self._watch_withholding(r, results, participants)
         t_end = self.clock.now()
         self.coordinator.observe(results)
         self._bytes_sent += sum(m["bytes_sent"] for m in results.values())
@@ -148,7 +150,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         extra = {**self.evaluation.of_round(r, results, self.alive, self._fetch_params, t_end=t_end),
                  **self._dp_spend(results)}
         self._log_round(r, results, t_start, t_end, extra={**extra, "participants": participants,
-                                                           "absent": sorted(absent), "in_flight": sorted(self.busy)})
+                                                           "absent": sorted(absent), "in_flight": sorted(self.busy),
+                                                           **({"muted": sorted(muted)} if muted else {})})
         if extra.get("eval_avg") and self.evaluation.check(extra):
             self._event("target_reached", **self.evaluation.hit)
         self.next_round = r + 1
@@ -215,7 +218,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         busy = self.busy
         self._call([reg for reg in self.alive if reg not in busy], "save_checkpoint", timeout=300)
         state = {"round": r, "clock": self.clock.now(), "coordinator": self.coordinator.state_dict(),
-                 "faults": dict(self.faults), "alive": list(self.alive), **self._dp_state()}
+                 "faults": dict(self.faults), "alive": list(self.alive), "withhold": self.withhold.state_dict(),
+                 **self._dp_state()}
         d = self.run_dir / "checkpoints" / "driver"
         checkpoint.save_atomic(checkpoint.checkpoint_path(d, r), state)
         checkpoint.prune(d, self.cfg.run.keep_checkpoints)
@@ -239,6 +243,7 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
             self._event("region_state_from_peer", region=reg, own_round=got[reg]["round"], donor=donor)
         self.coordinator.load_state_dict(state["coordinator"])
         self.faults.update(state["faults"])
+        self.withhold.load_state_dict(state.get("withhold") or {})  # muted members stay muted
         self._dp_restore(state)
         self.clock = Clock(offset=state["clock"])
         self.coordinator.clock = self.clock
@@ -273,9 +278,11 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
             avg_eval, consensus = evaluate_average(self.cfg, params)
         else:  # every region holds the synchronised model now: one evaluation, one model fetched (the export)
             sketches = self._call(self.alive, "sketch", timeout=600)
-            avg_eval = per_region.get(self.alive[0]) if self.alive else None
+            muted = self.withhold.muted(self.next_round - 1)  # a muted member trained alone: not the run's model
+            first = next((reg for reg in self.alive if reg not in muted), self.alive[0] if self.alive else None)
+            avg_eval = per_region.get(first) if first else None
             consensus = consensus_from_sketches([sketches[r] for r in self.alive if r in sketches])
-            states = self._call(self.alive[:1], "result_state", timeout=600)
+            states = self._call([first] if first else [], "result_state", timeout=600)
         summary = self._write_summary(avg_eval, per_region, consensus)
         self.outcome = "FINISHED"
         if states:

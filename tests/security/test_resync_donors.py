@@ -15,8 +15,11 @@ taken, so one donor among three cannot move it.
 from __future__ import annotations
 
 import io
+import sys
+from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from geofed.orchestrator.config import config_from_mapping
@@ -25,6 +28,9 @@ from geofed.p2p.admission import Refusal
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p.rejoin import check_state, combine_states, donor_order, flat_tensors
 from geofed.regions.worker import RegionWorker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from reliability_harness import BackgroundRun, events, small_config
 
 ORDER = ["a", "b", "c", "d"]
 
@@ -47,10 +53,20 @@ def test_a_member_that_withheld_its_update_is_nobodys_donor():
     assert [(j.region, j.donors) for j in jobs] == [("a", ("b",)), ("c", ("b",)), ("d", ("b",))]
 
 
-def test_a_region_never_takes_state_from_a_region_it_missed_or_refused():
-    """Before: "c" missed both "a" and "b" and was sent to them anyway (donors ('a', 'b'))."""
+def test_a_region_does_not_take_state_from_a_region_it_missed_while_another_donor_is_there():
+    """A guard (main passed it too, by its heard-from filter): the donor it missed is not among its donors."""
+    results = {"a": _m(heard="bcd"), "b": _m(heard="acd"), "c": _m(missing="a", heard="bd"), "d": _m(heard="abc")}
+    (job,) = plan_resync(results, ORDER)
+    assert job.region == "c" and job.donors == ("b", "d")
+
+
+def test_a_region_that_missed_every_donor_takes_theirs_but_never_a_suspects():
+    # Its own network failed (one member cannot make it miss every region): one model again.
     results = {"a": _m(heard="bc"), "b": _m(heard="ac"), "c": _m(missing="ab")}
-    assert plan_resync(results, ORDER[:3]) == []  # it stays on its own model
+    assert [(j.region, j.donors) for j in plan_resync(results, ORDER[:3])] == [("c", ("a", "b"))]
+    # Overlap's flush: "c" missed both others, "b" missed "a": "a" is a suspect (2 of 2 missed it).
+    results = {"a": _m(heard="bc"), "b": _m(missing="a", heard="c"), "c": _m(missing="ab")}
+    assert [(j.region, j.donors) for j in plan_resync(results, ORDER[:3])] == [("a", ("b",)), ("c", ("b",))]
 
 
 def test_donors_it_heard_from_come_first():
@@ -199,3 +215,55 @@ def test_one_poisoned_donor_of_three_cannot_move_the_median_even_unchecked(tmp_p
     finally:
         for w in workers.values():
             w.close()
+
+
+# -- live: a real run (Ray, mutual-TLS gRPC, digits) with a donor serving a poisoned state -------------
+LIVE_REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1", "sa-east-1"]
+POISONER, CUT_SRC, CUT_DST = "ap-northeast-1", "eu-west-1", "sa-east-1"
+LIVE_ROUNDS = 14
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+def test_honest_regions_refuse_a_poisoned_donor_state_count_it_and_keep_accuracy(tmp_path):
+    """A member that pushes honest updates (so it is a donor) but serves a random finite state on
+    FetchState, while the link eu-west-1 -> sa-east-1 is cut for three rounds, so that sa-east-1
+    resyncs after each. Before: sa-east-1 took whichever donor came first in its order, the
+    poisoner's state whole, and nothing was counted (the issue: 0.133 accuracy, 0 refusals)."""
+    run = BackgroundRun(small_config(regions=LIVE_REGIONS, rounds=LIVE_ROUNDS, H=10, run={"checkpoint_every": 0}),
+                        tmp_path).start()
+    run.wait_rounds(2, timeout_s=150)
+    cut = set(range(run.runner.next_round + 1, run.runner.next_round + 4))
+
+    def poison(worker):  # runs in the region's actor: its FetchState serves a random finite state
+        import torch as _torch
+        from geofed.regions.adversary import poisoned_state_bytes
+
+        gen = _torch.Generator().manual_seed(7)
+        worker.transport.set_state_provider(lambda: poisoned_state_bytes(worker.state_bytes(), gen))
+
+    def cut_link(worker, dst, rounds):  # runs in the sender's actor: its pushes of `rounds` to dst time out
+        from geofed.p2p.transport import TransportError
+
+        real = worker.transport.send
+
+        def send(peer, round_, payload, **kw):
+            if peer == dst and round_ in rounds:
+                raise TransportError(f"{worker.region} -> {peer}: timeout (link cut by the test)", peer=peer, reason="timeout")
+            return real(peer, round_, payload, **kw)
+        worker.transport.send = send
+
+    handles = run.runner.actors.handles
+    ray.get([handles[POISONER].__ray_call__.remote(poison),
+             handles[CUT_SRC].__ray_call__.remote(cut_link, CUT_DST, cut)], timeout=60)
+    summary = run.join(timeout_s=200)
+    assert run.error is None, run.error
+    assert summary["rounds"] == LIVE_ROUNDS
+    resyncs = [e for e in events(tmp_path, "resync") if e["region"] == CUT_DST]
+    assert resyncs, events(tmp_path)
+    assert all(e["donor"] not in (POISONER, CUT_SRC) for e in resyncs), resyncs  # never the poisoner's, never the cut sender's
+    assert not events(tmp_path, "resync_failed")
+    by_reason = summary["refusals"]["by_reason"]
+    assert by_reason.get("bad_state", 0) >= 1, by_reason  # refused and counted, in summary.json
+    assert summary["eval"]["value"] >= 0.85, summary["eval"]  # undisturbed runs of this config: 0.93-0.96
+    print(f"poisoned donor: {len(resyncs)} resyncs of {CUT_DST}, refusals {by_reason}, accuracy {summary['eval']['value']:.3f}")

