@@ -1,7 +1,12 @@
-"""Launch to round 0 on an existing Ray cluster: `geofed run` (RAY_ADDRESS set) of a few digits regions,
-timed from the command's process start to round 0 (the setup_done event's process_to_round0_s).
+"""Set-up time by phase: the default config as a user starts it, and launch to round 0 on an existing
+Ray cluster, read from each run's setup_done event (phases_s, setup_s, process_to_round0_s).
 
+    python benchmarks/startup.py --arms default [--reps 3] [--out DIR]
     python benchmarks/startup.py [--reps 3] [--regions 4] [--arms cold warm] [--out DIR]
+
+default: `geofed run --set run.rounds=1 --no-report --quiet` of the default config (configs/local-wan.yaml:
+4 regions, the proxy WAN emulator, mutual TLS, link probes), each run starting and stopping its own
+Ray as `geofed run` does; prints every run's phases, then the median of each phase with min - max.
 
 Starts one Ray head of its own (`ray start --head --temp-dir DIR`, so no other session joins it),
 runs the arms interleaved (cold: the default, every run starts its actors; warm: ray.warm_pool_s
@@ -93,14 +98,53 @@ def one_run(address: str, out: Path, regions: int, warm_s: float) -> dict:
             "total_s": round(total, 2), "pids": pids, "start": start}
 
 
+def default_run(out: Path) -> dict:
+    """One `geofed run` of the default config, one round: its own Ray, as a user's first command."""
+    cmd = [str(BIN / "geofed"), "run", "--out", str(out), "--quiet", "--no-report", "--set", "run.rounds=1"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"geofed run failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    done = next(e for e in ev if e["event"] == "setup_done")
+    return {"round0_s": done["process_to_round0_s"], "setup_s": done["setup_s"], "phases": done["phases_s"],
+            "total_s": round(time.monotonic() - t0, 2)}
+
+
+def phase_table(runs: list[dict]) -> None:
+    """Median and min - max of every phase, set-up and launch to round 0, over `runs`."""
+    rows = {name: [r["phases"].get(name, 0.0) for r in runs] for name in runs[0]["phases"]}
+    rows["set-up (setup_s)"] = [r["setup_s"] for r in runs]
+    rows["launch -> round 0"] = [r["round0_s"] for r in runs]
+    rows["whole command (1 round)"] = [r["total_s"] for r in runs]
+    print(f"\n{len(runs)} runs; load average (1/5/15 min) now {' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print("| phase | median | min - max |")
+    print("| --- | --- | --- |")
+    for name, ts in rows.items():
+        print(f"| {name} | {statistics.median(ts):.2f} s | {min(ts):.2f} - {max(ts):.2f} s |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--regions", type=int, default=4)
-    ap.add_argument("--arms", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    ap.add_argument("--arms", nargs="+", default=["cold", "warm"], choices=["default", "cold", "warm"],
+                    help="default: the default config on its own Ray (not with cold/warm); cold/warm: an existing cluster")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="geofed-startup-"))
+    if "default" in args.arms:
+        if len(args.arms) > 1:
+            ap.error("--arms: default runs alone (it starts its own Ray each run)")
+        runs = []
+        for rep in range(args.reps):
+            runs.append(default_run(out / f"default-{rep}"))
+            r = runs[-1]
+            print(f"default {rep}  set-up {r['setup_s']:.2f}s  launch->round0 {r['round0_s']:.2f}s  phases {r['phases']}",
+                  flush=True)
+        phase_table(runs)
+        return 0
     temp_dir = tempfile.mkdtemp(prefix="gfst", dir="/tmp")
     token = Path(temp_dir) / "auth_token"
     token.write_text(secrets.token_hex(24))

@@ -32,7 +32,6 @@ from .gapfill import GapFiller, pausing
 from .limits import wire_limits
 from .privacy.dp import dp_noise_seed, noise_generator
 from .rollback import RoundGuard
-from .secagg_round import make_secagg
 from .stepper import LocalSteps
 from .worker_state import RegionState
 from .tasks import make_task
@@ -158,9 +157,13 @@ class RegionWorker(LocalSteps, RegionState):
                                    deadline=AdaptiveDeadline(d.initial_s, d.min_s, d.max_s, d.k),
                                    send_timeout_s=d.max_s, max_peers=len(self.regions) - 1)
         self.exchanger.observe_own = self.admission.observe_own
-        self.secagg = make_secagg(cfg, self.region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
-                                  admission=self.admission,
-                                  max_message_bytes=self.limits.max_message_bytes)
+        self.secagg = None
+        if cfg.security.secure_aggregation:  # its modules (key agreement, cryptography) cost every actor's start ~0.3 s
+            from .secagg_round import make_secagg
+
+            self.secagg = make_secagg(cfg, self.region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
+                                      admission=self.admission,
+                                      max_message_bytes=self.limits.max_message_bytes)
 
     def _sync_context(self) -> SyncContext:
         """The algorithm's view of this region (bound methods: a subclass's overrides apply)."""
