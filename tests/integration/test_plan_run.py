@@ -41,3 +41,22 @@ def test_plan_predicts_a_two_region_emulated_run_and_summary_prices_its_bytes(tm
     assert out["egress_usd"] == pytest.approx(out["egress_bytes"] / GB * 0.5, abs=1e-9)  # summary rounds to 1e-9 USD
     assert out["egress_bytes"] >= out["bytes"] > 0                             # probes counted too
     assert summary["egress_usd"] == pytest.approx(out["egress_usd"] + back["egress_usd"])
+
+
+def test_the_plan_of_the_default_config_agrees_with_its_run(tmp_path):
+    """Issue 37 item 2 on the real stack: `geofed plan configs/local-wan.yaml` (co-located step probe,
+    the bandwidth policy run to its steady decision) against the default run, shortened to 12
+    rounds. Before, the plan predicted 24% utilisation at H 150 where the run had 96% at H 55-146,
+    and had no prediction of the run's policy at all: here ModuleNotFoundError (no bench.plan_shipped)."""
+    from geofed.orchestrator.bench.plan_shipped import measure_policy_run, predict_shipped, shipped_config, shipped_row
+
+    cfg = shipped_config("local-wan.yaml", ["run.rounds=12", "run.checkpoint_every=0"])
+    predicted = predict_shipped(cfg)
+    runner = Runner(cfg, tmp_path, show_progress=False)
+    try:
+        runner.run()
+    finally:
+        runner.shutdown()
+    row = shipped_row("local-wan.yaml", predicted, measure_policy_run(tmp_path))
+    assert row["pred_H_in_policy_range"] and row["pred_codec_used"], row
+    assert row["utilization_ok"], row          # within 15% of the run's (relative)
