@@ -108,7 +108,15 @@ def main(argv: list[str] | None = None) -> int:
             tmp = tempfile.mkdtemp(prefix="runs-", dir=args.keep)
         for rep in range(args.reps):
             la0 = os.getloadavg()[0]
-            res = one_run(args.rounds, args.load_after, args.load_s, Path(tmp) / f"run{rep}", extra)
+            for attempt in range(3):  # a run that fails to start on a shared, overloaded host is tried again
+                try:
+                    res = one_run(args.rounds, args.load_after, args.load_s, Path(tmp) / f"run{rep}-{attempt}", extra)
+                    break
+                except SystemExit as exc:
+                    print(f"rep {rep} attempt {attempt}: {str(exc)[-300:]}", file=sys.stderr)
+                    time.sleep(20)
+            else:
+                raise SystemExit(f"rep {rep}: every attempt failed")
             res["loadavg_start"], res["loadavg_end"] = round(la0, 2), round(os.getloadavg()[0], 2)
             results.append(res)
             if not args.json:
