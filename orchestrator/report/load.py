@@ -22,6 +22,17 @@ from geofed.regions.inputfiles import InputFileError
 from ..config.strict import ConfigError, parse_yaml_file
 
 RECORD_FILES = ("metrics.jsonl", "rounds.jsonl", "summary.json")
+# The containers the report walks (.items(), .get(), iteration), by file: a run directory can be
+# someone else's, and a list where a mapping belongs was an AttributeError traceback. null is
+# allowed (the report reads it as absent).
+SHAPES = {
+    "metrics.jsonl": {"codecs": dict, "eval": dict, "transfers": list, "links": dict, "refusals": dict},
+    "rounds.jsonl": {"codecs": dict, "links": dict, "eval_avg": dict, "evals_earlier": list, "alive": list},
+    "summary.json": {"config": dict, "eval": dict, "target": dict, "faults": dict, "refusals": dict, "links": dict,
+                     "utilization_per_region": dict, "eval_per_region": dict, "placement": dict, "egress": dict,
+                     "interrupted": dict},
+}
+_NESTED = {("refusals", "by_reason"): dict, ("refusals", "clipped"): dict}
 MAX_LINE_BYTES = 16 << 20  # one round of one region is a few KiB; a huge line is a damaged file
 MAX_LOG_BYTES = 1 << 30  # a log file: ~100k rounds of 4 regions (orchestrator/driver/rundir.py's cap)
 MAX_JSON_BYTES = 64 << 20  # summary.json: the run's totals, a few KiB to a few MiB with many links
@@ -178,7 +189,21 @@ def _read_json(path: Path, name: str) -> dict[str, Any]:
         raise RunDirError(path, f"{name}: invalid JSON: nested too deep") from None
     if not isinstance(data, dict):
         raise RunDirError(path, f"{name}: expected a JSON object, got {type(data).__name__}")
+    _check_shapes(path, name, data)
     return data
+
+
+def _check_shapes(path: Path, where: str, obj: dict[str, Any]) -> None:
+    """RunDirError naming the key when a container the report walks has another type."""
+    name = where.split(":")[0]
+    want = {(k,): t for k, t in SHAPES.get(name, {}).items()} | (_NESTED if name == "summary.json" else {})
+    for keys, tp in want.items():
+        value = obj.get(keys[0])
+        if len(keys) == 2:
+            value = value.get(keys[1]) if isinstance(value, dict) else None
+        if value is not None and not isinstance(value, tp):
+            kind = "a JSON object" if tp is dict else "a list"
+            raise RunDirError(path, f"{where}: {'.'.join(keys)}: expected {kind}, got {type(value).__name__}")
 
 
 def _read_jsonl(path: Path, name: str, required: tuple[str, ...], warnings: list[str]) -> list[dict[str, Any]]:
@@ -205,6 +230,7 @@ def _read_jsonl(path: Path, name: str, required: tuple[str, ...], warnings: list
         if not isinstance(obj, dict):
             raise RunDirError(path, f"{name}:{i}: expected a JSON object, got {type(obj).__name__}")
         _check_keys(path, name, i, obj, required)
+        _check_shapes(path, f"{name}:{i}", obj)
         out.append(obj)
     return out
 

@@ -540,3 +540,27 @@ def test_resume_reads_a_deeply_nested_log_line_as_damage(tmp_path):
     path.write_text("[" * 100000 + "]" * 100000)
     with pytest.raises(ConfigError, match="driver.json: not JSON"):
         read_json_file(path)
+
+
+METRIC = {"round": 0, "region": "a", "t_start": 0.0, "t_end": 1.0, "train_loss": 1.0, "H": 5, "bytes_sent": 10}
+
+
+@pytest.mark.parametrize("name, record, key", [
+    ("metrics.jsonl", dict(METRIC, codecs=["int8"]), "codecs"),
+    ("metrics.jsonl", dict(METRIC, eval="0.9"), "eval"),
+    ("metrics.jsonl", dict(METRIC, transfers={"peer": "b"}), "transfers"),
+    ("summary.json", {"utilization_per_region": ["a"]}, "utilization_per_region"),
+    ("summary.json", {"links": [1]}, "links"),
+    ("summary.json", {"refusals": {"by_reason": ["late"]}}, "refusals.by_reason"),
+])
+def test_report_names_a_container_of_the_wrong_type(tmp_path, capsys, name, record, key):
+    """Before: a list where the report walks a mapping (or a string where it reads one) was an
+    AttributeError traceback from `geofed report`; a mapping where it walks a list was read as
+    its keys (exit 0)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps(METRIC) + "\n")
+    (run_dir / name).write_text(json.dumps(record) + ("\n" if name.endswith(".jsonl") else ""))
+    assert main(["report", str(run_dir)]) == 2
+    err = _one_line_error(capsys)
+    assert name in err and f"{key}: expected" in err, err
