@@ -102,19 +102,27 @@ def default_run(out: Path) -> dict:
     """One `geofed run` of the default config, one round: its own Ray, as a user's first command."""
     cmd = [str(BIN / "geofed"), "run", "--out", str(out), "--quiet", "--no-report", "--set", "run.rounds=1"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    load = os.getloadavg()[0]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if proc.returncode:
         raise RuntimeError(f"geofed run failed ({proc.returncode}): {proc.stderr[-3000:]}")
     ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     done = next(e for e in ev if e["event"] == "setup_done")
+    # Where the actors phase goes, per actor: process start to __init__ (Python, Ray's worker, the
+    # imports: torch) and __init__ itself (task, model, optimizers: torch._dynamo, gRPC server).
+    starts = [r["start"] for r in next(e for e in ev if e["event"] == "started")["regions"].values() if r.get("start")]
     return {"round0_s": done["process_to_round0_s"], "setup_s": done["setup_s"], "phases": done["phases_s"],
-            "total_s": round(time.monotonic() - t0, 2)}
+            "total_s": round(time.monotonic() - t0, 2), "load": load,
+            "actor_process_s": statistics.median(s["process_s"] for s in starts if s.get("process_s") is not None),
+            "actor_init_s": statistics.median(s["init_s"] for s in starts)}
 
 
 def phase_table(runs: list[dict]) -> None:
     """Median and min - max of every phase, set-up and launch to round 0, over `runs`."""
     rows = {name: [r["phases"].get(name, 0.0) for r in runs] for name in runs[0]["phases"]}
+    rows["  of actors: an actor's process start -> __init__ (median of 4)"] = [r["actor_process_s"] for r in runs]
+    rows["  of actors: an actor's __init__ (median of 4)"] = [r["actor_init_s"] for r in runs]
     rows["set-up (setup_s)"] = [r["setup_s"] for r in runs]
     rows["launch -> round 0"] = [r["round0_s"] for r in runs]
     rows["whole command (1 round)"] = [r["total_s"] for r in runs]
@@ -141,8 +149,8 @@ def main() -> int:
         for rep in range(args.reps):
             runs.append(default_run(out / f"default-{rep}"))
             r = runs[-1]
-            print(f"default {rep}  set-up {r['setup_s']:.2f}s  launch->round0 {r['round0_s']:.2f}s  phases {r['phases']}",
-                  flush=True)
+            print(f"default {rep}  load {r['load']:.1f}  set-up {r['setup_s']:.2f}s  launch->round0 {r['round0_s']:.2f}s  "
+                  f"phases {r['phases']}  actor process {r['actor_process_s']:.2f}s init {r['actor_init_s']:.2f}s", flush=True)
         phase_table(runs)
         return 0
     temp_dir = tempfile.mkdtemp(prefix="gfst", dir="/tmp")
