@@ -115,6 +115,7 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
         "regions": regions, "step_time_s": step, "step_time_source": source, "step_probe": {
             "alone_s": facts.step_s, "shared_s": None if shared is None else shared.step_s,
             "copies": None if shared is None else shared.copies, "torch_threads": cfg.regions.torch_threads,
+            "per_copy": None if shared is None else list(shared.per_copy),
             "host_cpus": host_cpus()},
         "model_numel": facts.numel, "overlap": setup.overlap, "rounds": cfg.run.rounds, "max_steps": cfg.run.max_steps,
         "round_overhead_s": setup.overhead_s * contention, "contention": contention, "rtt_factor": setup.rtt_factor,

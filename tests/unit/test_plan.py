@@ -228,15 +228,13 @@ def test_a_local_plan_times_the_step_in_one_process_per_region_at_once():
     regions stepped 2.5-6.6 ms) and took contention 1: ModuleNotFoundError (no plan.probe)."""
     from geofed.orchestrator.config import load_config
     from geofed.orchestrator.plan import plan
-    from geofed.orchestrator.plan.probe import probe_shared_step
 
     cfg = load_config("configs/local-wan.yaml", ["regions.names=[us-east-1,eu-west-1]"])
-    shared = probe_shared_step(cfg, copies=2, seconds=0.3, min_steps=5)
-    a, b = shared.per_copy
-    assert a["start"] < b["end"] and b["start"] < a["end"]          # they stepped at the same time
-    assert shared.step_s == max(a["mean_s"], b["mean_s"]) and shared.threads == cfg.regions.torch_threads
     doc = plan(cfg, Hs=[50])
     probe = doc["step_probe"]
+    a, b = probe["per_copy"]
+    assert a["start"] < b["end"] and b["start"] < a["end"]          # they stepped at the same time
+    assert probe["shared_s"] == max(a["mean_s"], b["mean_s"]) and probe["torch_threads"] == cfg.regions.torch_threads
     assert probe["copies"] == 2 and doc["step_time_s"] >= probe["alone_s"]
     assert doc["contention"] == pytest.approx(doc["step_time_s"] / probe["alone_s"])
     assert doc["round_overhead_s"] == pytest.approx(0.006 * doc["contention"])
