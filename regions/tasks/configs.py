@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from geofed.regions.datasets.cache import task_data_path
-
 if TYPE_CHECKING:
     from .base import Task
 
@@ -36,6 +34,14 @@ INSTALL_HINT = "pip install 'geofed[hf]'"
 
 def _doc(text: str) -> dict:
     return {"doc": text}
+
+
+def task_data_path(dataset: str, kind: str) -> str:
+    """The dataset's file in this machine's data cache (regions/datasets/cache.py), imported only
+    when a config names a dataset: the datasets package brings the downloader (HTTP, TLS) with it."""
+    from geofed.regions.datasets.cache import task_data_path as cached_path
+
+    return cached_path(dataset, kind)
 
 
 _CONFIGS: dict[str, type] = {}
