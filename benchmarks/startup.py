@@ -147,10 +147,16 @@ def main() -> int:
             ap.error("--arms: default runs alone (it starts its own Ray each run)")
         runs = []
         for rep in range(args.reps):
-            runs.append(default_run(out / f"default-{rep}"))
-            r = runs[-1]
+            try:
+                r = default_run(out / f"default-{rep}")
+            except RuntimeError as exc:  # e.g. Ray's own start timing out on a starved host: say so, go on
+                print(f"default {rep}  failed: {str(exc).strip().splitlines()[-1]}", flush=True)
+                continue
+            runs.append(r)
             print(f"default {rep}  load {r['load']:.1f}  set-up {r['setup_s']:.2f}s  launch->round0 {r['round0_s']:.2f}s  "
                   f"phases {r['phases']}  actor process {r['actor_process_s']:.2f}s init {r['actor_init_s']:.2f}s", flush=True)
+        if not runs:
+            return 1
         phase_table(runs)
         return 0
     temp_dir = tempfile.mkdtemp(prefix="gfst", dir="/tmp")
