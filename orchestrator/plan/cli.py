@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="and the fastest candidate whose egress costs at most this per hour")
     p.add_argument("--write-config", dest="write_config", metavar="OUT",
                    help="write CONFIG with the recommendation applied (fixed H, its codec)")
+    p.add_argument("--address", metavar="ADDRESS",
+                   help="plan the run as `geofed run --address ADDRESS` makes it: on a Ray cluster, a node per "
+                        "region (this host's co-location is not measured; give --step-time as the nodes see it)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 
@@ -87,7 +90,9 @@ def main(argv: Sequence[str]) -> int:
     if not 0 <= args.floor <= 1:
         print("geofed plan: --utilization-floor: must be in [0, 1]", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, args.overrides)  # ConfigError: the CLI prints it, exit 2
+    # --address decides where the regions run, as it does for `geofed run`; a written config keeps the file's.
+    joined = [f"ray.address={json.dumps(args.address)}"] if args.address else []
+    cfg = load_config(args.config, [*args.overrides, *joined])  # ConfigError: the CLI prints it, exit 2
     try:
         doc = plan(cfg, regions=args.regions, Hs=args.Hs, codecs=args.codecs, step_s=args.step_time,
                    links_path=args.links, prices_path=args.prices, utilization_floor=args.floor,

@@ -258,3 +258,13 @@ def test_a_clusters_step_time_is_given_per_region_and_the_slowest_paces_the_plan
     assert main([*base, per + ",us-west-2=0.001"]) == 2
     assert "us-west-2 not among the planned regions" in capsys.readouterr().err
     assert main([*base, "us-east-1=fast"]) == 2
+
+
+def test_plan_address_plans_a_cluster_run_as_geofed_run_address_makes_it(capsys):
+    """multi-region.yaml leaves ray.address null and is run with `geofed run --address HEAD:6379`: a
+    node per region, nothing shared here to measure. Before, `geofed plan` had no --address (exit 2)
+    and, with the new co-located probe, would have timed its regions as if on this host."""
+    assert main(["plan", "configs/multi-region.yaml", "--address", "10.0.0.1:6379", "--H", "100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["contention"] == 1.0 and doc["step_probe"]["copies"] is None
+    assert doc["step_time_source"].startswith("probe (alone")
