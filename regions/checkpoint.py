@@ -24,8 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .inputfiles import InputFileError, open_regular
 
 MAGIC = b"GFCK"
@@ -45,6 +43,8 @@ class CheckpointError(ValueError):
 
 def save_atomic(path: Path, state: Any) -> None:
     """Write `state` as a checksummed checkpoint at `path`: whole or absent, readable by its owner only."""
+    import torch  # here, not at the top: the driver's run-directory readers need none of it
+
     buf = io.BytesIO()
     torch.save(state, buf)
     body = buf.getvalue()
@@ -147,6 +147,8 @@ def load_tensors(body: bytes, *, what: str) -> Any:
     state), with our own message on failure: torch's names the way to load the file anyway
     ("re-run torch.load with weights_only set to False"), which for a hostile file is the one
     thing never to do."""
+    import torch
+
     try:
         # Host memory first: a checkpoint written on a GPU loads on a node without one; the
         # loader copies each tensor into the model where it lives (regions.device).

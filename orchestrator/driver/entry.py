@@ -10,12 +10,10 @@ from pathlib import Path
 from ..config import RunConfig, load_config
 from ..config.devicecheck import local_device_problem
 from ..config.strict import ConfigError
-from .cluster import PlacementError
 from .progress import print_summary
 from .recovery import Interrupted, RunFailed
-from .resume import resume_config
-from .rundir import lock_run_dir, new_run_dir
-from .runner import Runner, prepare_task
+from .resume import finished_run, resume_config
+from .rundir import lock_run_dir, new_run_dir, release_run_dir
 from .trackers import check_trackers
 
 
@@ -27,6 +25,10 @@ def run_from_args(args) -> int:
         cfg, run_dir = resume_config(Path(args.resume), args.overrides, getattr(args, "allow_config_change", None) or (),
                                      config=args.config, trust_run_dir=bool(getattr(args, "trust_run_dir", False)))
         lock_run_dir(run_dir, key="--resume")  # at once: a run still going there is named before any work
+        if (line := finished_run(run_dir, cfg)) is not None:  # before Ray: nothing would run, summary.json stays
+            print(line)
+            release_run_dir(run_dir)
+            return 0
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = None
@@ -36,6 +38,10 @@ def run_from_args(args) -> int:
     if len(cfg.regions.names) == 1:
         print(f"geofed: warning: one region ({cfg.regions.names[0]}): nothing is exchanged, no link is measured; "
               "list two or more in regions.names to train across regions", file=sys.stderr)
+    # Ray and the regions: imported only once there is a run to drive (a finished run's resume never waits on them)
+    from .cluster import PlacementError
+    from .runner import Runner, prepare_task
+
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
     check_trackers(cfg, source=str(args.resume or args.config or "default config"))
     if run_dir is None:  # only once the config and its data are known to be good

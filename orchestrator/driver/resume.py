@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from geofed.regions import checkpoint
-from geofed.regions.tasks.base import PluginTaskConfig
+from geofed.regions.tasks.configs import PluginTaskConfig
 
 from ..config import RunConfig, config_from_mapping
 from .leftovers import reap_previous
 from .recovery import RunFailed, schedule_after
 from ..config.record import check_resume
-from .rundir import ensure_private_dir, read_jsonl, truncate_jsonl
+from .rundir import ensure_private_dir, read_json_file, read_jsonl, truncate_jsonl
 from ..config.strict import ConfigError, build
 from ..config.yamlconfig import apply_override, parse_yaml, parse_yaml_file, read_config_bytes
 
@@ -59,6 +59,40 @@ def resume_config(run_dir: Path, overrides, allow: Sequence[str] = (), *, config
         print(f"geofed: resuming with {key} changed: {old!r} -> {new!r} (--allow-config-change)", file=sys.stderr)
     ensure_private_dir(Path(run_dir))  # a run directory written before the modes were tightened
     return cfg, Path(run_dir)
+
+
+def finished_run(run_dir: Path, cfg: RunConfig) -> str | None:
+    """The line `--resume` prints for a run that already ended, or None while the run has work left.
+
+    Ended: summary.json was written by the run's end (not by a stop signal: ``interrupted`` is
+    null), no round was logged after it, and `cfg` (with any change --allow-config-change just
+    accepted) still ends the run there: run.rounds reached, run.max_steps spent, run.target
+    reached, or privacy.dp.target_epsilon reached. Reads only the run's small files (bounded), so
+    the answer comes before Ray, the regions or a checkpoint are touched."""
+    run_dir = Path(run_dir)
+    summary = read_json_file(run_dir / "summary.json")
+    if not isinstance(summary, dict) or summary.get("interrupted") is not None:
+        return None
+    done = summary.get("rounds")
+    if not isinstance(done, int) or isinstance(done, bool):
+        return None
+    rounds = read_jsonl(run_dir / "rounds.jsonl")
+    if max((r.get("round", -1) for r in rounds if isinstance(r.get("round"), int)), default=-1) + 1 != done:
+        return None  # rounds logged after the summary: a later resume that was killed before its end
+    steps = sum(r.get("H") or 0 for r in rounds if isinstance(r.get("H"), int))
+    if done >= cfg.run.rounds:
+        why = f"run.rounds={cfg.run.rounds}"
+    elif cfg.run.max_steps and steps >= cfg.run.max_steps:
+        why = f"run.max_steps={cfg.run.max_steps} spent ({steps} steps)"
+    elif cfg.run.target is not None and isinstance(summary.get("target"), dict) and summary["target"].get("reached"):
+        why = "run.target reached"
+    elif any(e.get("event") == "privacy_budget_reached" for e in read_jsonl(run_dir / "events.jsonl")):
+        why = "privacy.dp.target_epsilon reached"
+    else:
+        return None
+    return (f"geofed: run {run_dir.name} finished at round {done} of {cfg.run.rounds} ({why}); nothing to resume "
+            f"(summary.json left as it is). To train further, raise the bound: geofed run --resume {run_dir} "
+            "--set run.rounds=N --allow-config-change run.rounds")
 
 
 def _task_unimported(data: dict, overrides, source: str) -> Any:
