@@ -17,6 +17,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def _rounds(path: Path) -> list[dict]:
 
 
 def one_run(rounds: int, load_after: float, load_s: float, out: Path, extra: list[str]) -> dict:
-    cmd = ["geofed", "run", "--set", f"run.rounds={rounds}", "--out", str(out), "--no-report", "--quiet", *extra]
+    geofed = shutil.which("geofed") or str(Path(sys.executable).with_name("geofed"))
+    cmd = [geofed, "run", "--set", f"run.rounds={rounds}", "--out", str(out), "--no-report", "--quiet", *extra]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     load_start = load_end = None
