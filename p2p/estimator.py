@@ -56,7 +56,7 @@ it) is not a sample either, in either direction:
   rate it may still give a first estimate or raise one (never lower it), at low confidence.
 
 Each estimate has an age (seconds since its last sample) and a confidence in [0, 1]: 1 after a
-clean sample, halved by every ``stale_s`` of age, by every doubt, and once when it rests on a
+clean sample, halved by every ``stale_s`` of age, by every two doubts, and once when it rests on a
 busy reading. ``needs_probe()`` (confidence under one half) asks regions/link_probe.py's
 ``Reprober`` for a window-opening transfer, which is large enough to be a sample.
 
@@ -202,7 +202,7 @@ class LinkEstimator:
             # link: such a fall needs `window` readings in a row; any other, two.
             self._suspect.append(rate)
             if len(self._suspect) < (self.window if nbytes * 8.0 / best < self.min_exposed_s else 2):
-                self.doubts += 1
+                self.doubts += 2
                 return "suspect"
             self._rates.clear()  # a fall this large is the link, not noise
             self._rates.extend(self._suspect)
@@ -251,11 +251,14 @@ class LinkEstimator:
     @property
     def confidence(self) -> float:
         """In [0, 1]: 0 without an estimate; 1 after a clean sample, halved per `stale_s` of age, per
-        doubt since, and once when the estimate rests on a busy reading."""
+        two doubts since (a suspected fall counts two), and once when the estimate rests on a busy
+        reading."""
         age = self.age_s
         if age is None:
             return 0.0
-        return (0.5 if self._busy_based else 1.0) * 0.5 ** (age / self.stale_s + min(self.doubts, 30))
+        # Two doubts halve it: on a loaded host one update in a few stalls past the slack, and a
+        # re-probe per doubt cost 15-27x the default run's update bytes.
+        return (0.5 if self._busy_based else 1.0) * 0.5 ** (age / self.stale_s + min(self.doubts, 60) / 2)
 
     def needs_probe(self) -> bool:
         """Whether a window-opening probe should measure this link again: no estimate (once the RTT

@@ -73,7 +73,7 @@ PROBE_GROWTH = 4
 SHARE_SPREAD = 1.5          # concurrent probes within this ratio read as even shares of one egress
 REPROBE_EXPOSED_S = 0.2     # a re-probe's time at the estimate's rate: 4x the estimator's min_exposed_s
 REPROBE_BLIND_BYTES = 1 << 20  # a re-probe of a link without an estimate (its set-up probes failed)
-REPROBE_MIN_INTERVAL_S = 5.0   # per link between re-probes; doubled while they read busy
+REPROBE_MIN_INTERVAL_S = 10.0  # per link between re-probes; doubled while they read busy
 REPROBE_MAX_INTERVAL_S = 60.0
 REPROBE_MAX_NOISE_S = 0.05     # pings this far over the path: the hosts are busy, a probe would measure them
 
