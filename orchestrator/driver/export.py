@@ -13,15 +13,17 @@ from geofed.regions.tasks.base import PluginTaskConfig
 
 from ..config import RunConfig, to_mapping
 from ..config.strict import ConfigError
-from .rundir import output_dir, run_dir_config, utc_now, write_json
+from .rundir import output_dir, read_json_file, run_dir_config, utc_now, write_json
 
 SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 
 
 def write_model(path: Path, cfg: RunConfig, state: dict[str, torch.Tensor], *, fmt: str = "safetensors",
-                round_: int, regions: list[str], eval_: dict | None = None) -> Path:
+                round_: int, regions: list[str], eval_: dict | None = None, final: dict | None = None) -> Path:
     """Write `state` to `path` (0600, atomic) and its description next to it (same name, ``.json``):
-    the task, the whole config, the round, the regions averaged and the evaluation."""
+    the task, the whole config, the round, the regions averaged and the evaluation; and the model
+    card beside them (write_card). `final` is the run's summary.json when the model is not the
+    run's end (``geofed export``): the card's metric is its final one, said to be of that round."""
     meta = {"geofed_task": cfg.task.kind, "geofed_round": str(round_), "geofed_regions": ",".join(regions)}
     checkpoint.write_bytes_atomic(path, encode(state, fmt, meta if fmt == "safetensors" else None))
     write_json(path.with_suffix(".json"), {
@@ -29,7 +31,70 @@ def write_model(path: Path, cfg: RunConfig, state: dict[str, torch.Tensor], *, f
         "written": utc_now(), "task": to_mapping(cfg.task), "config": to_mapping(cfg),
         "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()},
     })
+    write_card(path, cfg, state, fmt=fmt, round_=round_, metric=_card_metric(eval_, round_, final))
     return path
+
+
+CARD_JSON, CARD_MD = "model-card.json", "MODEL_CARD.md"
+
+
+def _card_metric(eval_: dict | None, round_: int, final: dict | None) -> dict | None:
+    """The run's final metric: the one just evaluated at the end of a run, else summary.json's."""
+    if final is None:
+        return None if eval_ is None else {**eval_, "of_round": round_, "source": "final evaluation"}
+    got = final.get("eval")
+    rounds = final.get("rounds")
+    if not isinstance(got, dict) or not isinstance(rounds, int) or isinstance(rounds, bool):
+        return None  # an interrupted run, or a summary that does not say
+    return {**{k: got.get(k) for k in ("metric", "value", "higher_is_better")}, "of_round": rounds - 1,
+            "source": "summary.json"}
+
+
+def load_snippet(cfg: RunConfig, weights: str, fmt: str, meta: str) -> str:
+    """Python that builds the task's model and loads `weights` into it, run in their folder."""
+    load = (f"from safetensors.torch import load_file\nstate = load_file({weights!r})\n" if fmt == "safetensors"
+            else f"import torch\nstate = torch.load({weights!r}, weights_only=True)\n")
+    # The whole config is in the weights' .json: the same task and seed build the same model class.
+    return ("import json\n" + load
+            + "from geofed.orchestrator.config import config_from_mapping\n"
+            + "from geofed.regions.tasks import make_task\n"
+            + f"cfg = config_from_mapping(json.load(open({meta!r}))['config'])\n"
+            + "model = make_task(cfg.task, seed=cfg.run.seed).build_model(cfg.run.seed)\n"
+            + "model.load_state_dict(state)\nmodel.eval()\n")
+
+
+def write_card(path: Path, cfg: RunConfig, state: dict[str, torch.Tensor], *, fmt: str, round_: int,
+               metric: dict | None) -> None:
+    """model-card.json and MODEL_CARD.md beside `path`: the task, how its inputs are prepared (the
+    task config's own ``preprocessing()``; a plug-in's is its author's to say), the parameter
+    count, the metric and a load snippet (docs/export.md, "The model card")."""
+    prep = cfg.task.preprocessing() if callable(getattr(cfg.task, "preprocessing", None)) else None
+    card = {"weights": path.name, "format": fmt, "task": cfg.task.kind, "round": round_, "rounds_trained": round_ + 1,
+            "preprocessing": prep, "parameters": sum(t.numel() for t in state.values()),
+            "metric": metric, "load": load_snippet(cfg, path.name, fmt, path.with_suffix(".json").name)}
+    write_json(path.parent / CARD_JSON, card)
+    checkpoint.write_bytes_atomic(path.parent / CARD_MD, _card_markdown(card).encode())
+
+
+def _card_markdown(card: dict) -> str:
+    prep = card["preprocessing"]
+    if prep is None:
+        prep_lines = ["not declared: a plug-in task's inputs are its own code's to prepare"]
+    else:
+        prep_lines = [f"- {k}: `{v}`" if k == "transform" else f"- {k}: {v}" for k, v in prep.items()]
+    m = card["metric"]
+    metric = ("not recorded (the run was stopped before its final evaluation)" if m is None else
+              f"{m['metric']} {m['value']:.4g} (the run's final model, round {m['of_round']}, from {m['source']})"
+              if isinstance(m.get("value"), (int, float)) else f"{m.get('metric')}: not recorded")
+    return "\n".join([
+        f"# Model card: {card['weights']}", "",
+        f"- task: {card['task']}",
+        f"- round: {card['round']} ({card['rounds_trained']} rounds trained)",
+        f"- parameters: {card['parameters']:,} (every tensor in the file)",
+        f"- metric: {metric}", "",
+        "## Preprocessing (apply to inputs before the model)", "", *prep_lines, "",
+        "## Load", "", "Run in this folder, with geofed installed (it builds the model class):", "",
+        "```python", card["load"].rstrip("\n"), "```", ""])
 
 
 def params_by_region(cfg: RunConfig, states: dict[str, dict[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
@@ -128,5 +193,7 @@ def export_from_args(args) -> int:
         raise ConfigError("", str(exc), source=str(run_dir)) from None
     name = f"model-round{r}{SUFFIX[args.format]}"
     out = Path(args.out) if args.out else output_dir(run_dir, "export") / name
-    print(write_model(out, cfg, state, fmt=args.format, round_=r, regions=regions))
+    summary = read_json_file(run_dir / "summary.json")  # bounded; missing: a run stopped before its end
+    print(write_model(out, cfg, state, fmt=args.format, round_=r, regions=regions,
+                      final=summary if isinstance(summary, dict) else {}))
     return 0

@@ -144,12 +144,30 @@ def load_task_factory(config: PluginTaskConfig) -> Callable[..., Task]:
 
 
 # ---- the built-in tasks' configs -------------------------------------------------------------
+DIGITS_INPUT_SCALE = 16.0  # the 8x8 digits' pixels are 0..16; the MLP sees them in 0..1
+
+
+def _text_tokens(tokenizer: str | None, context: int) -> dict[str, Any]:
+    if tokenizer is None:
+        return {"input": f"token ids, up to {context} at a time", "transform": "UTF-8 bytes; token id = byte value "
+                "(vocabulary 256)", "tokenizer": "bytes", "output": "next-token logits"}
+    return {"input": f"token ids, up to {context} at a time", "transform": "the tokenizers file's encode(text).ids",
+            "tokenizer": tokenizer, "output": "next-token logits"}
+
+
 @register_task_config
 @dataclass(frozen=True, kw_only=True)
 class DigitsConfig:
     """``task.kind: mlp-digits``: an MLP on scikit-learn's bundled 8x8 digits (no download)."""
 
     kind: Literal["mlp-digits"] = "mlp-digits"
+
+    def preprocessing(self) -> dict[str, Any]:
+        """What the model's inputs are, as data (the export's model card says it; digits.py divides by it)."""
+        return {"input": "an 8x8 grey image as 64 float32 values, row by row, pixel values 0..16",
+                "transform": f"x / {DIGITS_INPUT_SCALE:g}", "scale": DIGITS_INPUT_SCALE,
+                "output": "10 logits, digits 0..9"}
+
     hidden: int = field(default=64, metadata={"doc": "hidden units of each hidden layer of the MLP"})
     layers: int = field(default=1, metadata={"doc": "hidden layers: 1 is 64-hidden-10, 2 is 64-hidden-hidden-10"})
     activation: Literal["relu", "tanh"] = field(default="relu", metadata={"doc": (
@@ -177,6 +195,14 @@ class CharLMConfig:
     """``task.kind: char-lm``: a character-level GRU language model trained on a text file."""
 
     kind: Literal["char-lm"] = "char-lm"
+
+    def preprocessing(self) -> dict[str, Any]:
+        """What the model's inputs are, as data (the export's model card says it)."""
+        return {"input": "character ids, seq_len at a time",
+                "transform": "each character -> its index in sorted(set(text)) of the first max_chars characters "
+                             "of the training file (the vocabulary is that file's; rebuild it from the same file)",
+                "path": self.path, "max_chars": self.max_chars, "output": "logits over that vocabulary"}
+
     dataset: str = field(default=TEXT_DEFAULT_DATASET, metadata={"doc": (
         "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
         "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
@@ -212,6 +238,11 @@ class GPTConfig:
     """``task.kind: gpt``: a decoder-only transformer trained on a text file (byte tokens or BPE)."""
 
     kind: Literal["gpt"] = "gpt"
+
+    def preprocessing(self) -> dict[str, Any]:
+        """What the model's inputs are, as data (the export's model card says it)."""
+        return _text_tokens(self.tokenizer, self.context)
+
     dataset: str = field(default=TEXT_DEFAULT_DATASET, metadata={"doc": (
         "tinyshakespeare, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
         "`geofed data fetch tinyshakespeare`, docs/data.md); resolved on the driver; ignored when path is set")})
@@ -254,6 +285,12 @@ class GcnPlanetoidConfig:
     """``task.kind: gcn-planetoid``: node classification on a graph .npz, its nodes split across regions."""
 
     kind: Literal["gcn-planetoid"] = "gcn-planetoid"
+
+    def preprocessing(self) -> dict[str, Any]:
+        """What the model's inputs are, as data (the export's model card says it)."""
+        return {"input": "the graph's node features x and edge_index, as stored in the .npz", "transform": "none",
+                "path": self.path, "output": "per-node class logits"}
+
     dataset: str = field(default=GRAPH_DEFAULT_DATASET, metadata=_doc(
         "cora or citeseer, read from the data cache ($GEOFED_DATA, default ~/.cache/geofed; fetch with "
         "`geofed data fetch NAME`, docs/data.md); resolved on the driver; ignored when path is set"))
@@ -309,6 +346,11 @@ class HFCausalLMConfig:
     architecture) trained on a text file; needs ``pip install 'geofed[hf]'``."""
 
     kind: Literal["hf-causal-lm"] = "hf-causal-lm"
+
+    def preprocessing(self) -> dict[str, Any]:
+        """What the model's inputs are, as data (the export's model card says it)."""
+        return _text_tokens(self.tokenizer, self.context)
+
     config: str = field(default="", metadata={"path": "config", "doc": (
         "a local transformers config.json, or a folder holding one (the model gets random weights); "
         "empty: built from architecture and the sizes below")})
