@@ -3,42 +3,63 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 
 class RunProgress:
     """Progress on stderr: a bar on a terminal; without one (a log file, nohup, CI) one plain line
-    per round (round_line); nothing when disabled (--quiet)."""
+    per round (round_line); nothing when disabled (--quiet).
 
-    def __init__(self, total_rounds: int, *, enabled: bool, start: int = 0, console: Console | None = None):
+    The ETA is from this process's pace to whichever ends the run first: run.rounds, or
+    run.max_steps (`max_steps`, with `start_steps` already done at `start`) when set."""
+
+    def __init__(self, total_rounds: int, *, enabled: bool, start: int = 0, console: Console | None = None,
+                 max_steps: int = 0, start_steps: int = 0, clock: Callable[[], float] = time.monotonic):
         self.console = console or Console(stderr=True)
         self.plain = enabled and not self.console.is_terminal
         self.enabled = enabled and not self.plain
-        self.total, self._start, self._t0 = total_rounds, start, time.monotonic()
+        self.total, self._start, self._clock = total_rounds, start, clock
+        self.max_steps, self._start_steps = max_steps, start_steps
+        self._t0 = clock()
+        self.eta_s: float | None = None
         self._progress = Progress(
             TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]}  H {task.fields[H]}  sent {task.fields[mb]} MB  {task.fields[note]}"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+            # Our own ETA, not rich's TimeRemainingColumn: that one counts rounds only, and a run
+            # that run.max_steps ends in 7 minutes read 6h17m.
+            TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"), console=self.console, transient=False,
             disable=not self.enabled)
-        self._task = self._progress.add_task("run", total=total_rounds, completed=start, loss="-", H="-", mb="0.0", note="")
+        self._task = self._progress.add_task("run", total=total_rounds, completed=start, loss="-", H="-", mb="0.0",
+                                             note="", eta="-")
         if self.enabled:
             self._progress.start()
 
     def update(self, *, round_: int, loss: float | None, H: int, mb_sent: float, note: str = "",
-               codec: str = "-", utilization: float | None = None, elapsed_s: float = 0.0) -> None:
-        """After round `round_`: the bar, or one line without a terminal."""
+               codec: str = "-", utilization: float | None = None, elapsed_s: float = 0.0,
+               steps_done: int | None = None) -> None:
+        """After round `round_` (`steps_done`: inner steps of the whole run so far): the bar, or one
+        line without a terminal."""
+        self.eta_s = eta = self._eta(round_, steps_done)
         self._progress.update(self._task, completed=round_ + 1, loss="-" if loss is None else f"{loss:.4f}",
-                              H=str(H), mb=f"{mb_sent:.1f}", note=note)
+                              H=str(H), mb=f"{mb_sent:.1f}", note=note, eta=_dur(eta))
         if self.plain:
-            done = round_ + 1 - self._start  # rounds this process ran (a resume starts later)
-            eta = (time.monotonic() - self._t0) / max(1, done) * max(0, self.total - round_ - 1)
             self.console.print(round_line(round_=round_, total=self.total, loss=loss, H=H, codec=codec, mb_sent=mb_sent,
                                           utilization=utilization, elapsed_s=elapsed_s, eta_s=eta, note=note),
                                highlight=False, markup=False, soft_wrap=True)
+
+    def _eta(self, round_: int, steps_done: int | None) -> float:
+        spent = self._clock() - self._t0
+        done = round_ + 1 - self._start  # rounds this process ran (a resume starts later)
+        eta = spent / max(1, done) * max(0, self.total - round_ - 1)
+        ran = (steps_done or 0) - self._start_steps
+        if self.max_steps and steps_done is not None and ran > 0:
+            eta = min(eta, spent / ran * max(0, self.max_steps - steps_done))
+        return eta
 
     def log(self, message: str) -> None:
         self.console.print(message)

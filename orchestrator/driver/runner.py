@@ -108,7 +108,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
                 print(f"geofed: setting up {len(self.regions)} regions (Ray, region actors, TLS, link probes); "
                       f"run directory {self.run_dir}", file=sys.stderr, flush=True)
             self.setup()
-            self.progress = RunProgress(self.cfg.run.rounds, enabled=self.show_progress, start=self.next_round)
+            self.progress = RunProgress(self.cfg.run.rounds, enabled=self.show_progress, start=self.next_round,
+                                        max_steps=self.cfg.run.max_steps, start_steps=self.coordinator.steps_done)
             try:
                 for r in range(self.next_round, self.cfg.run.rounds):
                     if self.stop.requested:
@@ -162,7 +163,7 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         self.progress.update(round_=r, loss=self.coordinator.loss, H=self.coordinator.last_H, mb_sent=self._bytes_sent / 1e6,
                              note=f"down: {','.join(sorted(self.dead))}" if self.dead else "", codec=",".join(codecs),
                              utilization=sum(m["utilization"] for m in results.values()) / max(1, len(results)),
-                             elapsed_s=t_end)
+                             elapsed_s=t_end, steps_done=self.coordinator.steps_done)
 
     def _run_round(self, r: int, plans) -> dict[str, dict[str, Any]]:
         refs = self._dispatch(plans)

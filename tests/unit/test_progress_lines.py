@@ -57,3 +57,30 @@ def test_summary_shows_the_regions_eval_range_when_their_models_differ(capsys):
     one = {r: {"value": 0.8889} for r in "abc"}
     print_summary({**base, "eval_per_region": one}, "runs/x")
     assert "(regions" not in capsys.readouterr().out
+
+
+def test_eta_counts_run_max_steps_when_that_ends_the_run():
+    """Issue 37, Why 8: a run of rounds: 1000 that max_steps: 100 ends after 10 rounds of H 10 read
+    eta 2h46m after its first 10 s round (it counted run.rounds; the real run: 7 minutes, eta 6h17m).
+    Before the fix RunProgress took no max_steps (TypeError), and its ETA counted the 999 rounds left."""
+    now = [0.0]
+    buf = io.StringIO()
+    p = RunProgress(1000, enabled=True, max_steps=100, console=Console(file=buf, force_terminal=False, width=200),
+                    clock=lambda: now[0])
+    for r in range(3):
+        now[0] += 10.0
+        p.update(round_=r, loss=1.0, H=10, steps_done=10 * (r + 1), mb_sent=0.1, elapsed_s=now[0])
+    lines = buf.getvalue().splitlines()
+    assert lines[0].endswith("eta 1m30s") and lines[2].endswith("eta 1m10s")  # 10 s per 10 steps, 90 then 70 left
+    # rounds end it first when they are fewer: the smaller of the two
+    q = RunProgress(5, enabled=True, max_steps=10_000, console=Console(file=io.StringIO(), force_terminal=False),
+                    clock=lambda: now[0])
+    now[0] += 10.0
+    q.update(round_=0, loss=1.0, H=10, steps_done=10, mb_sent=0.1)
+    assert q.eta_s == 40.0
+    # a resume: its pace is this process's steps, from the checkpoint's count on
+    r = RunProgress(1000, enabled=True, start=5, max_steps=100, start_steps=50,
+                    console=Console(file=io.StringIO(), force_terminal=False), clock=lambda: now[0])
+    now[0] += 5.0
+    r.update(round_=5, loss=1.0, H=10, steps_done=60, mb_sent=0.1)
+    assert r.eta_s == 20.0
