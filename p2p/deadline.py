@@ -9,7 +9,13 @@ users asked for exactly this instead of hand-set timeouts, its issue #676). Befo
 - ``observe_miss()`` (a round ended with someone missing) multiplies the deadline by ``growth``
   for the next rounds, up to ``max_s``; the next complete round resets it. So a link that slowed
   down stretches the deadline within a few rounds, while a dead peer costs at most ``max_s``
-  per round and never enters the samples. A peer whose update was refused (its content, not the
+  per round and never enters the samples.
+- The deadline widens on evidence of lateness, not on silence (issue 36, N2): a round whose only
+  absentees never arrived while every other in-neighbour came within ``SILENT_FRACTION`` of the
+  deadline does not widen it (``observe_incomplete``); an update that then arrives after its
+  round closed (the mailbox refuses it as ``late`` and times it) widens it to cover that arrival
+  and enters the samples (``observe_late``). Without another in-neighbour to compare with there
+  is no evidence either way, and a miss widens as before. A peer whose update was refused (its content, not the
   network: regions/exchange.py) is no miss, and a member that never pushes is muted by the driver
   (orchestrator/driver/recovery.py, WithholdWatch): neither stretches the deadline (issue 36, N2).
 """
@@ -18,6 +24,11 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
+
+# Arrivals within this share of the deadline are "well inside" it (observe_incomplete): a peer
+# missing beside them is silent, not slow.
+SILENT_FRACTION = 0.5
 
 
 class AdaptiveDeadline:
@@ -50,6 +61,25 @@ class AdaptiveDeadline:
     def observe_miss(self) -> None:
         """A round's deadline passed with a peer missing."""
         self._boost = min(self._boost * self.growth, self.max_s / self.min_s)
+
+    def observe_incomplete(self, others_s: Sequence[float], *, deadline_s: float) -> None:
+        """A round's deadline `deadline_s` passed with a peer missing; `others_s`: how long the
+        in-neighbours that did arrive took. All of them well inside the deadline is silence of the
+        absent peer, not a slow network: no widening (observe_late() widens if it was only late)."""
+        if others_s and max(others_s) <= SILENT_FRACTION * deadline_s:
+            return
+        self.observe_miss()
+
+    def observe_late(self, seconds: float) -> None:
+        """An update that arrived `seconds` after its round's receive began, after that round closed."""
+        if not seconds >= 0:
+            raise ValueError(f"seconds: must be >= 0, got {seconds}")
+        self._samples.append(float(seconds))
+        # Cover that arrival next round with the growth factor's margin (a late peer is seldom
+        # exactly as late twice); a complete round then resets the boost as after any miss.
+        base = max(self.base(), 1e-9)
+        need = seconds * self.growth / base
+        self._boost = min(max(self._boost * self.growth, need), max(self.max_s / self.min_s, self.max_s / base))
 
     def base(self) -> float:
         """median + k * MAD of the samples (MAD floored at 10% of the median); initial_s before min_samples."""

@@ -71,6 +71,7 @@ class Exchanger:
         # exchange, so a link that only got slow still teaches its estimator and the policy.
         self._late: list[tuple[str, int, Any]] = []
         self.quiet_late_upto = -1  # a peer refusing these rounds as `late` is expected (after a restore)
+        self._late_seen: set[tuple[int, str]] = set()  # late arrivals (round, sender) the deadline has learnt from
         self.reprober: Reprober | None = None  # re-probes stale links during the rounds (set by probe_links)
         # One push per peer plus one stalled push per peer never queue behind each other.
         self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
@@ -102,6 +103,8 @@ class Exchanger:
         payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec, stream)
         skipped = self._still_stalled()
         spread_s = min(max(0.0, spread_s), self.send_timeout_s / 2)
+        if quorum is None:
+            self._learn_late(spread_s)
         futures = {p: self._pool.submit(self._send, p, round_, payloads[p], spread_s)
                    for p in out_peers if p not in skipped}
         t0 = time.monotonic()
@@ -128,8 +131,11 @@ class Exchanger:
             # (a quorum round closes on purpose without the slowest, and is complete too)...
             self.deadline.observe(max(0.0, wait_s - spread_s))
         else:
-            # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline.
-            self.deadline.observe_miss()
+            # ...but a peer whose link slowed would otherwise be cut off forever: widen the deadline,
+            # unless the others all came well inside it (a silent peer; its late arrival, if any,
+            # widens it through _learn_late next round).
+            others = [max(0.0, inbox.waits.get(p, 0.0) - spread_s) for p in inbox.received]
+            self.deadline.observe_incomplete(others, deadline_s=deadline_s - spread_s)
         self._collect_sends(futures, round_, result, grace_s=max(1.0, deadline_s))
         pings = []
         if round_ % PING_EVERY == 0:
@@ -143,6 +149,23 @@ class Exchanger:
             result.bytes_received += nbytes
             result.transfers.append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
         return result
+
+    def _learn_late(self, spread_s: float) -> None:
+        """Updates the mailbox refused as `late` since the last exchange widen the deadline to
+        cover them: the evidence of a slow link that a silent round does not give."""
+        try:
+            lates = self.transport.stats().get("late_waits_s", [])
+        except Exception as exc:  # noqa: BLE001 -- a transport without counters teaches nothing
+            log.debug("no late waits: %s", exc)
+            return
+        keys = set()
+        for item in lates:
+            key = (item["round"], item["sender"])
+            keys.add(key)
+            if key in self._late_seen or item["round"] <= self.quiet_late_upto:
+                continue  # after a restore, late pushes of the rounds around it are expected
+            self.deadline.observe_late(max(0.0, item["seconds"] - spread_s))
+        self._late_seen = keys  # the mailbox keeps its last 32: what fell out of it cannot come back
 
     def _send(self, peer: str, round_: int, payload: bytes, spread_s: float = 0.0):
         with self._est_lock:  # a ping of the last round may still be adding to this estimator

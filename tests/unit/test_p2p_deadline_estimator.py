@@ -84,3 +84,31 @@ def test_small_transfers_measure_rtt_not_bandwidth():
     assert est.snapshot()["transfers"] == 2
     with pytest.raises(ValueError, match="seconds:"):
         est.observe_transfer(10, 0.0)
+
+
+def test_silence_does_not_widen_the_deadline_but_a_late_arrival_does():
+    """Issue 36 N2, gap 1a: a peer that never arrives while every other in-neighbour arrived well
+    inside the deadline is silence, not lateness. Before: observe_miss() widened x1.5 on every such
+    round (AttributeError here: there was no observe_incomplete/observe_late)."""
+    d = AdaptiveDeadline(5.0, 0.5, 10.0, 4.0)
+    d.observe_incomplete([0.2, 0.3], deadline_s=5.0)  # the others came in 0.3 s of 5 s
+    d.observe_incomplete([0.2, 0.3], deadline_s=5.0)
+    assert d.current() == 5.0
+    # Evidence of a slow network (the others came close to the deadline) still widens it.
+    d.observe_incomplete([4.5], deadline_s=5.0)
+    assert d.current() == pytest.approx(7.5)
+    # No other in-neighbour to compare with: no evidence either way, widen as before.
+    e = AdaptiveDeadline(5.0, 0.5, 10.0, 4.0)
+    e.observe_incomplete([], deadline_s=5.0)
+    assert e.current() == pytest.approx(7.5)
+    # An update that arrived 6.4 s after its round's receive began (refused late): the next
+    # round's deadline covers it, with the margin of the growth factor.
+    f = AdaptiveDeadline(5.0, 0.5, 10.0, 4.0)
+    for s in (0.3, 0.3, 0.3):
+        f.observe(s)
+    f.observe_late(6.4)
+    assert 6.4 < f.current() <= 10.0
+    f.observe_late(50.0)
+    assert f.current() == 10.0
+    with pytest.raises(ValueError, match="seconds:"):
+        f.observe_late(-1.0)
