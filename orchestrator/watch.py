@@ -157,7 +157,9 @@ class RunView:
         done = (_count(last.get("round")) if "round" in last else -1)
         done = None if done is None else done + 1
         total = _count(self.total)
-        t.add_row("round", "-" if done is None else f"{done} / {total}" if total else str(done))
+        # Rounds are numbered from 0 (files, checkpoints, export); the count of those done is apart.
+        t.add_row("rounds", "-" if done is None or done < 1 else
+                  (f"{done} / {total} done" if total else f"{done} done") + f" (last round {done - 1})")
         elapsed = _number(last.get("t_end"))
         if elapsed is not None and done:
             eta = elapsed / done * max(0, (total or done) - done)

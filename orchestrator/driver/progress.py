@@ -28,7 +28,7 @@ class RunProgress:
         self._t0 = clock()
         self.eta_s: float | None = None
         self._progress = Progress(
-            TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("[bold]rounds done"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]}  H {task.fields[H]}  sent {task.fields[mb]} MB  {task.fields[note]}"),
             # Our own ETA, not rich's TimeRemainingColumn: that one counts rounds only, and a run
             # that run.max_steps ends in 7 minutes read 6h17m.
@@ -71,10 +71,11 @@ class RunProgress:
 
 def round_line(*, round_: int, total: int, loss: float | None, H: int, codec: str, mb_sent: float,
                utilization: float | None, elapsed_s: float, eta_s: float, note: str = "") -> str:
-    """One round as one line, for logs: `round 3/30 loss 0.5123 H 20 codec int8 sent 1.2 MB util 0.81
-    elapsed 12.3s eta 1m40s` (MB sent so far; elapsed training time; ETA from this process's pace)."""
+    """One round as one line, for logs: `round 2 (3/30 done) loss 0.5123 H 20 codec int8 sent 1.2 MB
+    util 0.81 elapsed 12.3s eta 1m40s` (MB sent so far; elapsed training time; ETA from this process's pace)."""
     util = "-" if utilization is None else f"{utilization:.2f}"
-    line = (f"round {round_ + 1}/{total} loss {'-' if loss is None else f'{loss:.4f}'} H {H} codec {codec} "
+    # A round's number counts from 0, as in every file and checkpoint; how many are done is a count.
+    line = (f"round {round_} ({round_ + 1}/{total} done) loss {'-' if loss is None else f'{loss:.4f}'} H {H} codec {codec} "
             f"sent {mb_sent:.{2 if mb_sent < 10 else 1}f} MB util {util} elapsed {_dur(elapsed_s)} eta {_dur(eta_s)}")
     return f"{line} {note}" if note else line
 

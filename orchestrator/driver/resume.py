@@ -90,7 +90,8 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> str | None:
         why = "privacy.dp.target_epsilon reached"
     else:
         return None
-    return (f"geofed: run {run_dir.name} finished at round {done} of {cfg.run.rounds} ({why}); nothing to resume "
+    return (f"geofed: run {run_dir.name} finished after {done} of {cfg.run.rounds} rounds (last round {done - 1}, "
+            f"{why}); nothing to resume "
             f"(summary.json left as it is). To train further, raise the bound: geofed run --resume {run_dir} "
             "--set run.rounds=N --allow-config-change run.rounds")
 

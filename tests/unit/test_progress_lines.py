@@ -18,8 +18,8 @@ def test_without_a_terminal_one_line_per_round():
     p.stop()
     lines = buf.getvalue().splitlines()
     assert len(lines) == 3
-    assert lines[0].startswith("round 1/3 loss 2.0000 H 20 codec int8 sent 1.50 MB util 0.80 elapsed 1.0s eta ")
-    assert lines[2].startswith("round 3/3 loss 0.0000") and lines[2].endswith("eta 0.0s")
+    assert lines[0].startswith("round 0 (1/3 done) loss 2.0000 H 20 codec int8 sent 1.50 MB util 0.80 elapsed 1.0s eta ")
+    assert lines[2].startswith("round 2 (3/3 done) loss 0.0000") and lines[2].endswith("eta 0.0s")
 
 
 def test_quiet_prints_nothing():
@@ -33,7 +33,7 @@ def test_quiet_prints_nothing():
 def test_round_line_long_runs():
     line = round_line(round_=9, total=100, loss=None, H=400, codec="int8,topk", mb_sent=123.4, utilization=None,
                       elapsed_s=125, eta_s=4000, note="down: eu-west-1")
-    assert line == "round 10/100 loss - H 400 codec int8,topk sent 123.4 MB util - elapsed 2m05s eta 1h06m down: eu-west-1"
+    assert line == "round 9 (10/100 done) loss - H 400 codec int8,topk sent 123.4 MB util - elapsed 2m05s eta 1h06m down: eu-west-1"
 
 
 def test_summary_shows_set_up_and_training_apart(capsys):

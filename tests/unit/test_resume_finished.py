@@ -68,7 +68,7 @@ def test_resume_of_a_finished_run_exits_0_at_once_leaving_summary_alone(tmp_path
     out = capsys.readouterr()
     assert code == 0, out.err
     assert took < 2.0
-    assert f"run {run_dir.name} finished at round 2 of 2" in out.out and "nothing to resume" in out.out
+    assert f"run {run_dir.name} finished after 2 of 2 rounds (last round 1, run.rounds=2)" in out.out and "nothing to resume" in out.out
     assert path.read_bytes() == before and path.stat().st_mtime_ns == mtime
     release_run_dir(run_dir)
 
@@ -79,7 +79,7 @@ def test_a_run_ended_by_max_steps_is_finished_with_rounds_left(tmp_path):
     from geofed.orchestrator.driver.resume import finished_run
 
     line = finished_run(run_dir, cfg)
-    assert line is not None and "run.max_steps=20" in line and "finished at round 2 of 50" in line
+    assert line is not None and "run.max_steps=20" in line and "finished after 2 of 50 rounds (last round 1" in line
 
 
 @pytest.mark.parametrize("case", ["interrupted", "more_rounds", "logged_after_summary", "no_summary"])
