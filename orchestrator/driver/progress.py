@@ -99,11 +99,20 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
             (f"eval {ev.get('metric', '')}".strip(), _fmt(ev.get("value")) + _eval_spread(summary)),
             ("bytes sent", f"{summary.get('bytes_sent', 0) / 1e6:.2f} MB"),
             ("compute utilisation", _fmt(summary.get("compute_utilization"))),
-            ("region restarts / peers left out", f"{summary['faults']['region_restarts']} / {summary['faults']['peers_left_out']}"),
+            *_fault_rows(summary.get("faults") or {}),
             ("refused messages", str(summary["refusals"]["total"]))]
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+
+
+def _fault_rows(faults: dict[str, Any]) -> list[tuple[str, str]]:
+    """Stalled and failed regions apart from restarts, and the rounds they sat out apart from the
+    updates participants missed: a stalled region is left out of rounds, not missed in them."""
+    return [("region stalls / failures / restarts", f"{faults.get('region_stalls', 0)} / "
+             f"{faults.get('region_failures', 0)} / {faults.get('region_restarts', 0)}"),
+            ("region-rounds out / updates missed", f"{faults.get('region_rounds_out', 0)} / "
+             f"{faults.get('peers_left_out', 0)}")]
 
 
 def _eval_spread(summary: dict[str, Any]) -> str:

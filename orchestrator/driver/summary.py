@@ -68,13 +68,22 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
                                                   "device", "device_name", "precision")}
                       for reg, info in placement.items()},
         "transport": _transport(transport_stats),
-        "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values())},
+        "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values()),
+                   "region_rounds_out": _rounds_out(cfg, rounds)},
         "refusals": refusals,
         "config": {"task": cfg.task.kind, "algorithm": cfg.sync.algorithm, "policy": cfg.sync.policy.kind,
                    "codec": cfg.compression.codec.key, "topology": cfg.sync.topology,
                    "regions": len(cfg.regions.names), "emulation": cfg.network.emulation.mode,
                    "overlap": cfg.sync.overlap, "fragments": cfg.sync.fragments, "tls": cfg.security.tls},
     }
+
+
+def _rounds_out(cfg: RunConfig, rounds: list[dict]) -> int:
+    """Region-rounds a region was out of the run (failed or stalled: not in the round's ``alive``).
+    peers_left_out counts only updates a participant missed; a stalled region is no participant,
+    so a 10 s stall showed as nothing there."""
+    names = set(cfg.regions.names)
+    return sum(len(names - set(r["alive"])) for r in rounds if isinstance(r.get("alive"), list))
 
 
 def _utilization(metrics: list[dict]) -> dict[str, float]:

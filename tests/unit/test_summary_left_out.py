@@ -1,0 +1,44 @@
+"""Issue 37, Why 8: a region that stalled for 10 s sat out rounds, yet the final table read
+"region restarts / peers left out 0 / 0": peers_left_out counts only updates a participant
+missed, and a stalled region is no participant (the rounds go on without it), so nothing showed.
+
+Now summary.json's faults count the region-rounds each region was out (failed or stalled: not
+in the round's `alive`), and the table shows stalls, failures and restarts, and region-rounds out
+beside missed updates. Before the fix this failed: the table had no "region stalls" row and
+faults had no region_rounds_out (KeyError).
+"""
+
+from __future__ import annotations
+
+import json
+
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.progress import print_summary
+from geofed.orchestrator.driver.rundir import JsonlLog
+from geofed.orchestrator.driver.summary import build_summary
+
+REGIONS = ["us-east-1", "eu-west-1", "ap-south-1"]
+
+
+def test_a_stalled_region_shows_in_the_final_table(tmp_path, capsys):
+    cfg = config_from_mapping(json.loads(json.dumps({"regions": {"names": REGIONS}, "task": {"kind": "mlp-digits"},
+                                                      "network": {"emulation": {"mode": "none"}}})))
+    metrics, rounds = JsonlLog(tmp_path / "metrics.jsonl"), JsonlLog(tmp_path / "rounds.jsonl")
+    for r in range(4):
+        # ap-south-1 stalls in round 1 (the gather goes on without it) and rejoins in round 3
+        alive = REGIONS if r in (0, 3) else REGIONS[:2]
+        for region in alive:
+            metrics.write({"round": r, "region": region, "train_loss": 1.0, "compute_s": 0.1, "wall_s": 0.2,
+                           "bytes_sent": 10, "bytes_received": 10, "transfers": [], "peers_missing": []})
+        rounds.write({"round": r, "t_start": r, "t_end": r + 1, "H": 5, "alive": alive,
+                      "regions_reported": alive, "links": {}})
+    metrics.close()
+    rounds.close()
+    faults = {"region_restarts": 0, "region_failures": 0, "peers_left_out": 0, "late_dropped": 0, "region_stalls": 1}
+    summary = build_summary(cfg, tmp_path, eval_avg=None, eval_per_region=None, consensus=None, transport_stats={},
+                            faults=faults, placement={}, emulator=None, wall_s=4.0)
+    assert summary["faults"]["region_rounds_out"] == 2
+    print_summary(summary, str(tmp_path))
+    out = capsys.readouterr().out
+    assert "region stalls / failures / restarts" in out and "1 / 0 / 0" in out
+    assert "region-rounds out / updates missed" in out and "2 / 0" in out
