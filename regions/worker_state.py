@@ -95,7 +95,8 @@ class RegionState:
         (`bad_state`) and the next donor asked. Where regions share one model (DiLoCo, all-reduce)
         up to three donors are asked and their coordinate-wise median taken (the donor reported is
         the one closest to it). `rounds_apart`: how many rounds this region's state may lag the
-        donors' (default: the rounds between its completed round and theirs, at least 1).
+        donors' (default: the rounds between its completed round and theirs, at least 1); the
+        distance bound is the norm rule's x (rounds apart + 1 + resyncs failed since the last good one).
 
         The region's own inner optimizer, codec states and data position stay (they are its own,
         not the model's); the state is checked whole before any of it is loaded."""
@@ -105,9 +106,16 @@ class RegionState:
             mailbox.look_ahead(before_round)  # its peers push that round while this fetch runs
         own = self._shared_state()
         want = STATE_DONORS if self.cfg.sync.algorithm in ("diloco", "allreduce") else 1
-        got = fetch_checked_states(self.transport, peers, timeout_s=timeout_s, want=want,
-                                   check=lambda peer, data: self._checked_state(peer, data, own, rounds_apart),
-                                   on_refused=self._count_bad_state)
+        try:
+            got = fetch_checked_states(self.transport, peers, timeout_s=timeout_s, want=want,
+                                       check=lambda peer, data: self._checked_state(peer, data, own, rounds_apart),
+                                       on_refused=self._count_bad_state)
+        except ValueError:
+            # The region goes on drifting from the donors while its resyncs fail: the next check
+            # allows one round more per failure (reset by a resync that succeeds).
+            self._failed_resyncs = getattr(self, "_failed_resyncs", 0) + 1
+            raise
+        self._failed_resyncs = 0
         index, state = combine_states([s for _, s in got], own)
         peer = got[index][0]
         # An overlapped exchange from before (the round before an absence) must not be applied on
@@ -141,7 +149,11 @@ class RegionState:
         bound = self.admission.bound()
         apart = rounds_apart if rounds_apart is not None else donor_round - self.completed_round
         if bound is not None:
-            bound *= max(1, apart)
+            # An honest region that missed an update in the round it resyncs after drifted by that
+            # round's mix, and its outer step and momentum carry the difference on: one round more
+            # than the rounds it lags (x1 refused an honest donor at 1.31 x it in bench attack),
+            # and every resync that failed since the last good one a round more.
+            bound *= max(1, apart) + 1 + getattr(self, "_failed_resyncs", 0)
         check_state(state, own, max_value=self.cfg.security.max_update_value, bound=bound, donor=peer)
         return state
 
