@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, MaxNLocator
 
 from .facts import (
     Headline,
@@ -78,6 +81,17 @@ def _curve(run: Run):
 
 def plot_compare_loss(rows: Sequence[CompareRow], out: Path, target: float | None) -> Plot | None:
     """compare_loss.png: mean train loss against time and against bytes, per run; None when no run has a loss."""
+    fig = compare_loss_figure(rows, target)
+    if fig is None:
+        return None
+    save(fig, out, "compare_loss.png")
+    return Plot("compare_loss.png", "Runs compared: loss", "Mean train loss over regions for each run, against "
+                "the wall clock (left) and against the bytes all regions sent (right); a star marks where a run "
+                "first reached the target loss.")
+
+
+def compare_loss_figure(rows: Sequence[CompareRow], target: float | None) -> Figure | None:
+    """The figure of plot_compare_loss (tests read its axes)."""
     curves = [_curve(r.run) for r in rows]
     if not any(curves):
         return None
@@ -102,17 +116,20 @@ def plot_compare_loss(rows: Sequence[CompareRow], out: Path, target: float | Non
     if sent and max(sent) / min(sent) > 30:
         ax_b.set_xscale("log")
         readable_log(ax_b.xaxis, human_bytes)
+        # Labels like "20 MB" are wide: 1-2-5 ticks over two decades (9 labels) ran into each
+        # other on a half-width panel; past ~1.2 decades one tick a decade, at most six.
+        decades = math.log10(max(sent) / min(sent))
+        ax_b.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 1.2 else (1.0,),
+                                                numticks=6))
     else:
+        ax_b.xaxis.set_major_locator(MaxNLocator(nbins=4))  # "3.46 MB" labels: five fit, auto's eight do not
         ax_b.xaxis.set_major_formatter(bytes_formatter())
     ax_t.set(xlabel=tlabel.replace("wall-clock time", "time since round 0 started"), ylabel="mean train loss",
              title="Loss vs wall-clock time")
     ax_b.set(xlabel="cumulative bytes sent (all regions)", title="Loss vs bytes sent")
     # Below the panels: run labels are long and would sit on the curves.
     fig.legend(*ax_b.get_legend_handles_labels(), loc="outside lower center", ncols=min(4, len(rows) + 1))
-    save(fig, out, "compare_loss.png")
-    return Plot("compare_loss.png", "Runs compared: loss", "Mean train loss over regions for each run, against "
-                "the wall clock (left) and against the bytes all regions sent (right); a star marks where a run "
-                "first reached the target loss.")
+    return fig
 
 
 def plot_compare_sync(rows: Sequence[CompareRow], out: Path) -> Plot | None:

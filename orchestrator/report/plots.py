@@ -318,6 +318,20 @@ def plot_bytes_matrix(run: Run, out: Path) -> Plot | None:
 
 def plot_bytes_cumulative(run: Run, out: Path) -> Plot | None:
     """bytes_cumulative.png: bytes sent so far, all regions and per region, against time; None without traffic."""
+    fig = bytes_cumulative_figure(run)
+    if fig is None:
+        return None
+    save(fig, out, "bytes_cumulative.png")
+    return Plot("bytes_cumulative.png", "Cumulative bytes", "Bytes sent so far, all regions (black) and "
+                "per region, against the wall clock: a flatter line is a cheaper run.")
+
+
+REGION_DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)))
+REGION_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def bytes_cumulative_figure(run: Run):
+    """The figure of plot_bytes_cumulative (tests read its lines); None without traffic."""
     rows = [r for r in run.rounds if r.t_end is not None]
     if not rows or not any(r.bytes_sent for r in rows):
         return None
@@ -334,13 +348,15 @@ def plot_bytes_cumulative(run: Run, out: Path) -> Plot | None:
         if len(xs) > 1 and len(run.regions) > 1:
             style = region_style(i, len(run.regions), region)
             style["label"] = style["label"] and f"sent by {style['label']}"
-            ax.plot(xs, ys, lw=1.2, alpha=0.8, **style, **markers_for(len(xs)))
+            # Regions of a full topology send the same bytes: their lines coincide, so each
+            # has its own dash and marker, and the one drawn on top does not hide the others.
+            ax.plot(xs, ys, lw=1.2, alpha=0.8, **style, ls=REGION_DASHES[i % len(REGION_DASHES)],
+                    marker=REGION_MARKERS[i % len(REGION_MARKERS)], markersize=5 if len(xs) <= 30 else 0,
+                    markevery=max(1, len(xs) // 15), fillstyle="none")
     xs = [t0] + [r.t_end / div for r in rows]
     ys = np.cumsum([0.0] + [r.bytes_sent for r in rows])
     ax.plot(xs, ys, color=MEAN_COLOR, lw=2.4, label="all regions", **markers_for(len(xs)))
     ax.yaxis.set_major_formatter(bytes_formatter())
     ax.set(xlabel=tlabel, ylabel="cumulative bytes sent", title="Cumulative bytes sent")
     ax.legend(loc="upper left")
-    save(fig, out, "bytes_cumulative.png")
-    return Plot("bytes_cumulative.png", "Cumulative bytes", "Bytes sent so far, all regions (black) and "
-                "per region, against the wall clock: a flatter line is a cheaper run.")
+    return fig

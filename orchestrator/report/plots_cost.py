@@ -51,6 +51,18 @@ def cost_points(run: Run) -> list[tuple[float, float]]:
 
 def plot_egress_cumulative(run: Run, out: Path) -> Plot | None:
     """egress_cumulative.png: egress dollars so far against time; None when nothing was priced."""
+    fig = egress_cumulative_figure(run)
+    if fig is None:
+        return None
+    save(fig, out, "egress_cumulative.png")
+    provider = (run.summary.get("egress") or {}).get("provider", "?")
+    return Plot("egress_cumulative.png", "Cumulative egress cost",
+                f"Dollars for the bytes sent between regions so far, at {provider} list prices per directed link "
+                "(network.egress; the links table has $/GB and each link's total). The first point is the set-up probes.")
+
+
+def egress_cumulative_figure(run: Run):
+    """The figure of plot_egress_cumulative (tests read its axes); None when nothing was priced."""
     pts = cost_points(run)
     if len(pts) < 2 or pts[-1][1] <= 0:
         return None
@@ -60,8 +72,6 @@ def plot_egress_cumulative(run: Run, out: Path) -> Plot | None:
     xs = [t / div for t, _ in pts]
     ax.plot(xs, np.array([c for _, c in pts]), color=MEAN_COLOR, lw=2.2, **markers_for(len(xs)))
     ax.set(xlabel=tlabel, ylabel="cumulative egress (US$)", title="Cumulative egress cost")
-    save(fig, out, "egress_cumulative.png")
-    provider = (run.summary.get("egress") or {}).get("provider", "?")
-    return Plot("egress_cumulative.png", "Cumulative egress cost",
-                f"Dollars for the bytes sent between regions so far, at {provider} list prices per directed link "
-                "(network.egress; the links table has $/GB and each link's total). The first point is the set-up probes.")
+    # From $0: autoscale started at the set-up probes' cost, and the rounds' dollars looked like the bill.
+    ax.set_ylim(bottom=0.0)
+    return fig
