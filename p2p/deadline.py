@@ -12,7 +12,7 @@ users asked for exactly this instead of hand-set timeouts, its issue #676). Befo
   per round and never enters the samples.
 - The deadline widens on evidence of lateness, not on silence (issue 36, N2): a round whose only
   absentees never arrived while every other in-neighbour came within ``SILENT_FRACTION`` of the
-  deadline does not widen it (``observe_incomplete``); an update that then arrives after its
+  deadline does not widen it and samples the last arrival (``observe_incomplete``); an update that then arrives after its
   round closed (the mailbox refuses it as ``late`` and times it) widens it to cover that arrival
   and enters the samples (``observe_late``). Without another in-neighbour to compare with there
   is no evidence either way, and a miss widens as before. A peer whose update was refused (its content, not the
@@ -67,6 +67,10 @@ class AdaptiveDeadline:
         in-neighbours that did arrive took. All of them well inside the deadline is silence of the
         absent peer, not a slow network: no widening (observe_late() widens if it was only late)."""
         if others_s and max(others_s) <= SILENT_FRACTION * deadline_s:
+            # The last of those who came is what the round had to wait for: a sample like a
+            # complete round's (a silent member's first rounds then teach the deadline instead of
+            # leaving it at initial_s), the boost of an earlier miss kept.
+            self._samples.append(float(max(others_s)))
             return
         self.observe_miss()
 

@@ -164,17 +164,20 @@ class WithholdWatch:
 
     A region is *withheld* in a round when it reported the round and more than half of the (at
     least two) regions that expected its update missed it. After `after` such rounds in a row it
-    is muted: its in-neighbours stop waiting for it (so their receive deadlines never widen for
+    is muted (after `strong_after` rounds, default 1, when every region that expected it missed it and
+    each of those received all its other in-neighbours): its in-neighbours stop waiting for it (so their receive deadlines never widen for
     it) and it trains alone. After `first_out` rounds it is tried again (probation): it first takes
     the model of a current region, then is planned like any other; an update that arrives puts it
     back for good, one more withheld round mutes it again at once, for twice as long as the last
     time (at most `max_out` rounds). Its state is in the driver's checkpoint (`state_dict`).
     """
 
-    def __init__(self, *, after: int = 2, first_out: int = 2, max_out: int = 32):
-        if after < 1 or first_out < 1 or max_out < first_out:
-            raise ValueError(f"after, first_out: must be >= 1 and max_out >= first_out, got {after}, {first_out}, {max_out}")
+    def __init__(self, *, after: int = 2, first_out: int = 2, max_out: int = 32, strong_after: int = 1):
+        if after < 1 or first_out < 1 or max_out < first_out or not 1 <= strong_after <= after:
+            raise ValueError(f"after, first_out, strong_after: must be >= 1, max_out >= first_out and "
+                             f"strong_after <= after, got {after}, {first_out}, {max_out}, {strong_after}")
         self.after, self.first_out, self.max_out = after, first_out, max_out
+        self.strong_after = strong_after
         self.streak: Counter[str] = Counter()
         self.out_until: dict[str, int] = {}  # muted region -> first round it is tried again
         self.tries: Counter[str] = Counter()  # how many times it was muted without a good round since
@@ -209,7 +212,10 @@ class WithholdWatch:
                     self.tries[x] = 0
                 continue
             self.streak[x] += 1
-            if self.streak[x] >= self.after or x in self.on_probation:
+            # Strong evidence: every peer that expected x missed it, and each of them received all
+            # its other in-neighbours (no network trouble of theirs to blame): mute after strong_after.
+            strong = len(missed) == len(by) and all(set(results[r].get("peers_missing") or ()) <= {x} for r in by)
+            if self.streak[x] >= (self.strong_after if strong else self.after) or x in self.on_probation:
                 rounds_out = min(self.max_out, self.first_out * 2 ** self.tries[x])
                 self.tries[x] += 1
                 self.streak[x] = 0

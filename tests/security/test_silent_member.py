@@ -47,7 +47,7 @@ def _round(missing_x: bool, x: str = "a"):
 
 # -- the driver's watch ----------------------------------------------------------------------------
 def test_a_member_missed_by_most_peers_two_rounds_running_is_muted_then_tried_again():
-    w = WithholdWatch(after=2, first_out=2)
+    w = WithholdWatch(after=2, first_out=2, strong_after=2)  # the 2-round rule alone (strong evidence: below)
     assert w.observe(0, _round(True), EVERYONE) == []
     (rec,) = w.observe(1, _round(True), EVERYONE)
     assert rec["region"] == "a" and rec["rounds_out"] == 2 and rec["missed_by"] == ["b", "c", "d"]
@@ -65,6 +65,28 @@ def test_a_member_missed_by_most_peers_two_rounds_running_is_muted_then_tried_ag
     restored = WithholdWatch()
     restored.load_state_dict(w.state_dict())
     assert restored.muted(12) == {"a"}
+
+
+def test_strong_evidence_mutes_after_one_round_weak_evidence_after_two():
+    """Gap 1b of issue 36 (bench attack's withhold arms at 1.5-2.9x the undisturbed time): missed by
+    every peer that expected it while each of those received all its other in-neighbours, a member
+    is muted after one round (before: two, the second waited out to the deadline; this failed with
+    TypeError: no strong_after, and then with [] at round 0). Missed by most but not all, or beside
+    another absentee, it takes two rounds as before."""
+    w = WithholdWatch(after=2, first_out=2)
+    (rec,) = w.observe(0, _round(True), EVERYONE)
+    assert rec["region"] == "a" and w.muted(1) == {"a"}
+    weak = WithholdWatch(after=2, first_out=2)
+    most = {r: {"peers_missing": ["a"] if r in ("b", "c") else []} for r in REGIONS}  # d heard a
+    assert weak.observe(0, most, EVERYONE) == []
+    (rec,) = weak.observe(1, most, EVERYONE)
+    assert rec["region"] == "a" and rec["missed_by"] == ["b", "c"]
+    # a and b both silent: c and d missed two, so neither miss is strong evidence on its own.
+    both = {"a": {"peers_missing": ["b"]}, "b": {"peers_missing": ["a"]},
+            "c": {"peers_missing": ["a", "b"]}, "d": {"peers_missing": ["a", "b"]}}
+    two = WithholdWatch(after=2, first_out=2)
+    assert two.observe(0, both, EVERYONE) == []
+    assert sorted(rec["region"] for rec in two.observe(1, both, EVERYONE)) == ["a", "b"]
 
 
 def test_one_cut_link_or_a_two_region_run_mutes_nobody():

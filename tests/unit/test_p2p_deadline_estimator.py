@@ -94,6 +94,9 @@ def test_silence_does_not_widen_the_deadline_but_a_late_arrival_does():
     d.observe_incomplete([0.2, 0.3], deadline_s=5.0)  # the others came in 0.3 s of 5 s
     d.observe_incomplete([0.2, 0.3], deadline_s=5.0)
     assert d.current() == 5.0
+    d.observe_incomplete([0.3], deadline_s=5.0)  # the last arrivals are samples: 3 of them now
+    assert d.current() == pytest.approx(0.5)  # median 0.3 + 4 x MAD 0 (floored at 0.03), clamped at min_s
+    d = AdaptiveDeadline(5.0, 0.5, 10.0, 4.0)
     # Evidence of a slow network (the others came close to the deadline) still widens it.
     d.observe_incomplete([4.5], deadline_s=5.0)
     assert d.current() == pytest.approx(7.5)
