@@ -109,11 +109,26 @@ class RegionActor(RegionWorker):
                 "start": self.__dict__.get("_start")}
 
 
+GRPC_LOG_ENV = "GRPC_VERBOSITY"
+
+
+def grpc_log_env(*, verbose: bool = False) -> dict[str, str]:
+    """The environment a region process starts with for gRPC's C-core logging: the user's own
+    GRPC_VERBOSITY when the driver has one, else ERROR with --verbose and NONE without. Its lines
+    bypass Python logging and reached the console in Ray's actor prefix: one "Failed to add port
+    to server ... Address already in use" per busy port of network.port_range, which geofed skips
+    as it should. It must be set before the process imports grpc: hence Ray's runtime_env."""
+    mine = os.environ.get(GRPC_LOG_ENV)
+    return {GRPC_LOG_ENV: mine if mine else "ERROR" if verbose else "NONE"}
+
+
 def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: dict[str, str] | None = None,
                        num_gpus: float = 0.0):
     """A remote class with the region's resources; pinned to nodes whose labels match `label_selector`."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts,
                                "max_task_retries": 0,
+                               # merged by Ray with the job's env_vars (OMP_NUM_THREADS)
+                               "runtime_env": {"env_vars": grpc_log_env()},
                                # the default group keeps max_concurrency 1: region calls stay serial
                                "concurrency_groups": {HEALTH_GROUP: 1, POOL_GROUP: 1}}
     if label_selector:

@@ -55,6 +55,8 @@ def init_ray(cfg: RunConfig, *, verbose: bool = False) -> RayHandle:
     Ray's own start-up messages (its token-auth warning, "Started a local Ray instance") reach the
     terminal only when `verbose` (--verbose); its errors always do."""
     address = cfg.ray.address
+    if verbose:  # region processes then keep gRPC's C-core errors (regions/actor.py: grpc_log_env)
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if ray.is_initialized():
         _check_same_cluster(address)
         return RayHandle(started_here=False, address=None)
