@@ -16,6 +16,7 @@ twice as long).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -153,6 +154,51 @@ def test_a_refused_update_is_not_waited_for_and_does_not_widen_the_deadline():
             assert waited < 1.0, waited
             assert deadline.current() == 3.0  # not widened
         assert ts["a"].stats()["refused"] == {"outlier": 2}
+    finally:
+        for r in ex:
+            ex[r].close()
+            ts[r].close()
+
+
+def test_silence_beside_prompt_peers_keeps_the_deadline_and_a_late_push_widens_it():
+    """Issue 36 gap 1a, through the real exchanger and mailbox: round 0, b arrives at once and x is
+    silent for the 1 s deadline, then pushes 1.5 s in (refused `late`). Before, the silent round
+    widened the deadline x1.5 (this failed with 1.5 == 1.0) and nothing learnt from the late push,
+    so x pushing 1.8 s into round 1 missed it again. Now the deadline stays 1.0 s after the silent
+    round, and the late push widens round 1's to cover it: x arrives."""
+    hub = InMemoryHub()
+    ts = {r: InMemoryTransport(r, hub) for r in ("a", "b", "x")}
+    for t in ts.values():
+        t.start()
+        t.connect({r: f"inmem:{r}" for r in ts})
+    deadline = AdaptiveDeadline(1.0, 0.1, 4.0, 3.0)
+    ex = {r: Exchanger(t, error_feedback=False, deadline=deadline if r == "a" else AdaptiveDeadline(1, 0.1, 4, 3.0),
+                       send_timeout_s=5.0) for r, t in ts.items()}
+    spec = CodecSpec.parse("identity")
+
+    def push(sender, round_):
+        ts[sender].expect(round_, [])
+        try:
+            ex[sender].exchange(round_, [torch.ones(4)], out_peers=["a"], in_peers=[], codecs={}, default_codec=spec)
+        except Exception:  # noqa: BLE001 - a refused late push is what round 0 wants
+            pass
+
+    try:
+        push("b", 0)
+        late = threading.Timer(1.5, push, ("x", 0))
+        late.start()
+        res = ex["a"].exchange(0, [torch.ones(4)], out_peers=[], in_peers=["b", "x"], codecs={}, default_codec=spec)
+        assert res.missing == ["x"]
+        assert deadline.current() == 1.0  # silence beside a prompt b: not widened
+        late.join()
+        time.sleep(0.2)
+        assert ts["a"].stats()["refused"].get("late") == 1
+        push("b", 1)
+        slow = threading.Timer(1.8, push, ("x", 1))
+        slow.start()
+        res = ex["a"].exchange(1, [torch.ones(4)], out_peers=[], in_peers=["b", "x"], codecs={}, default_codec=spec)
+        slow.join()
+        assert res.missing == [] and set(res.received) == {"b", "x"}
     finally:
         for r in ex:
             ex[r].close()
