@@ -88,6 +88,11 @@ def _tiles(run: Run) -> str:
     if failed:
         tiles.append(("region failures", str(failed), True))
     tiles.append(("peers left out", str(left_out) if isinstance(left_out, int) else "—", bool(left_out)))
+    stalls, out = faults.get("region_stalls"), faults.get("region_rounds_out")
+    if (isinstance(stalls, int) and stalls) or (isinstance(out, int) and out):
+        # A stalled region is no participant: it is left out of rounds, not counted in peers left out.
+        tiles.append(("region stalls / rounds out", f"{stalls if isinstance(stalls, int) else 0} / "
+                      f"{out if isinstance(out, int) else 0}", True))
     tiles.append(("refusals", str(refusals) if isinstance(refusals, int) else "—", bool(refusals)))
     clipped = _clipped(run)
     if clipped:

@@ -42,3 +42,17 @@ def test_a_stalled_region_shows_in_the_final_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "region stalls / failures / restarts" in out and "1 / 0 / 0" in out
     assert "region-rounds out / updates missed" in out and "2 / 0" in out
+
+
+def test_the_report_shows_stalls_and_region_rounds_out(tmp_path):
+    """The report's tiles had only "peers left out" (1 here): a stall showed nowhere. Before the fix
+    this failed: no "region stalls" tile."""
+    from geofed.orchestrator.report import write_report
+    from test_report_fakerun import fake_run_dir
+
+    run_dir = fake_run_dir(tmp_path / "run")
+    s = json.loads((run_dir / "summary.json").read_text())
+    s["faults"].update(region_stalls=1, region_rounds_out=2)
+    (run_dir / "summary.json").write_text(json.dumps(s))
+    page = write_report(run_dir).read_text()
+    assert '<div class="k">region stalls / rounds out</div><div class="v">1 / 2</div>' in page
