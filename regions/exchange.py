@@ -143,6 +143,7 @@ class Exchanger:
                 if peer not in result.send_failures:
                     pings.append(self._pool.submit(self._probe_rtt, peer))  # off the critical path
         if self.reprober is not None:
+            self.reprober.count_updates(result.bytes_sent)  # what earns the re-probes' egress budget
             self.reprober.after_round([p for p in futures if p not in result.send_failures], pings)
             result.transfers.extend(self.reprober.take_records())
         for sender, (nbytes, seconds) in inbox.timings.items():  # payload bytes, receiver-timed
