@@ -56,8 +56,7 @@ import torch
 
 from .mailbox import Refusal
 
-__all__ = ["MODES", "AdmissionPerLayout", "UpdateAdmission", "coordinate_median", "direction_outliers", "fair_share_clip",
-           "l2_norm", "max_abs",
+__all__ = ["MODES", "AdmissionPerLayout", "UpdateAdmission", "coordinate_median", "fair_share_clip", "l2_norm", "max_abs",
            "robust_mix", "trim_count", "trimmed_mean"]
 
 log = logging.getLogger("geofed.p2p")
@@ -154,37 +153,6 @@ def fair_share_clip(own: Sequence[torch.Tensor], received: Mapping[str, Sequence
 
     out = {s: held(v, norms[s]) for s, v in received.items()}
     return held(own, own_norm), out, sorted(s for s in received if over(norms[s]))
-
-
-# The fewest updates in a round's mix for direction_outliers to judge (see there why not 3).
-MIN_DIRECTION_N = 4
-
-
-def direction_outliers(updates: Mapping[str, Sequence[torch.Tensor]]) -> list[str]:
-    """The updates of a round (n >= 4, the region's own among them) whose cosine with the
-    coordinate-wise median of the round's *other* updates is below 0: they pull the mean step
-    backwards. `clip` bounds a member's norm to the round's median, but a flip at that norm still
-    takes 1/n of the honest step away every round (2 points of final accuracy on digits, 4 regions:
-    docs/reliability.md); the median of the others is a direction no single member sets (f < n/2).
-    Every region of a full topology holds the same n updates, so each refuses the same ones.
-    Refuses nothing when n < 4 or when half or more would go (then there is no honest majority
-    direction to judge by, and refusing it would only split the model). n = 3 leaves two others,
-    whose "median" is their mean and one of them may be the hostile one: measured on digits (4
-    regions, one muted, so 3 in each round's mix) it refused an honest update in about 1 round of 3
-    late in training, where honest updates are nearly orthogonal; at n = 4, 0 of 80 (an undisturbed run)."""
-    names = sorted(updates)
-    if len(names) < MIN_DIRECTION_N:
-        return []
-    flat = {s: torch.cat([t.detach().flatten().double() for t in updates[s]]) for s in names}
-    out = []
-    for s in names:
-        others = torch.stack([flat[o] for o in names if o != s])
-        med = others.median(dim=0).values if len(others) % 2 else others.sort(dim=0).values[
-            len(others) // 2 - 1:len(others) // 2 + 1].mean(dim=0)
-        denom = float(flat[s].norm() * med.norm())
-        if denom > 0 and float(flat[s] @ med) / denom < 0:
-            out.append(s)
-    return out if 2 * len(out) < len(names) else []
 
 
 class UpdateAdmission:

@@ -18,8 +18,7 @@ import torch
 
 from geofed.compression import CodecError, CodecSpec, decode_update
 from geofed.p2p.deadline import AdaptiveDeadline
-from geofed.p2p.mailbox import Refusal
-from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, direction_outliers, fair_share_clip, robust_mix
+from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, fair_share_clip, robust_mix
 from geofed.p2p.topology import make_topology
 
 from .emulation import Slowdown
@@ -331,8 +330,6 @@ class RegionWorker(LocalSteps, RegionState):
             own, received, clipped = fair_share_clip(own, res.received, multiple=self.cfg.security.clip_multiple)
             self.admission.note_clipped(clipped)
             res = dataclasses.replace(res, received=received)
-            if self.cfg.sync.topology == "full" and (out := direction_outliers({self.region: own, **res.received})):
-                return self._mix_without(plan, own, res, out)  # issue 36 N4: a flip at the median norm
         if how in ("trimmed-mean", "median"):  # the config allows them for full-topology diloco/allreduce only
             return robust_mix(own, res.received, how=how, trim_fraction=self.cfg.security.trim_fraction)
         if self.cfg.sync.pacing.mode != "barrier":
@@ -349,19 +346,6 @@ class RegionWorker(LocalSteps, RegionState):
             total = self_w + sum(live.values())
             weights, self_w = {p: w / total for p, w in live.items()}, self_w / total
         return mix(own, res.received, weights, self_w)
-
-    def _mix_without(self, plan: RoundPlan, own, res, outliers: list[str]) -> list[torch.Tensor]:
-        """The mean of the round's updates less `outliers` (p2p/robust.py direction_outliers), each
-        refused and counted as `outlier`. Every region of the full topology drops the same ones, its
-        own too, and takes the same mean: the model stays one."""
-        for s in outliers:
-            if s != self.region:
-                self.transport.mailbox.count_refusal(Refusal("outlier", "its update points against the median of "
-                                                             "the round's others (cosine < 0)"), s, plan.round)
-        kept = [list(t) for p, t in res.received.items() if p not in outliers]
-        if self.region not in outliers:
-            kept.append(list(own))
-        return [sum(k[i] for k in kept) / len(kept) for i in range(len(own))]
 
     def _clips_at_mix(self) -> bool:
         """security.robust_aggregation clip with clip_multiple on: each round's mix scales every peer
