@@ -85,15 +85,16 @@ def one_run(rounds: int, load_after: float, load_s: float, out: Path, extra: lis
                        "ratio_configured": None if not (est and conf) else round(est / conf, 3),
                        "ratio_goodput": None if not (est and good) else round(est / good, 3),
                        "age_s": e.get("age_s"), "confidence": e.get("confidence")}
-    reprobe = update = 0
+    reprobe = update = reprobes = 0
     for line in (out / "metrics.jsonl").read_text().splitlines():
         for t in json.loads(line).get("transfers", []):
             if t["direction"] == "probe" and t.get("reprobe"):
                 reprobe += t["bytes"]
+                reprobes += bool(t.get("measured"))  # a re-probe is two probes; the measured one counts it
             elif t["direction"] == "send":
                 update += t["bytes"]
     return {"wall_s": round(time.monotonic() - t0, 1), "rounds": len(recs),
-            "reprobe_mb": round(reprobe / 1e6, 2), "update_mb": round(update / 1e6, 2),
+            "reprobe_mb": round(reprobe / 1e6, 2), "update_mb": round(update / 1e6, 2), "reprobes": reprobes,
             "load_rounds": [load_at_round, unload_at_round],
             "training_s": round(recs[-1]["t_end"] - recs[0]["t_start"], 1) if recs[0].get("t_start") is not None else None,
             "links": links}
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(f"rep {rep}: {res['rounds']} rounds, {res['training_s']} s training, load from round "
                       f"{res['load_rounds'][0]} to {res['load_rounds'][1]}, load average {res['loadavg_start']} -> "
-                      f"{res['loadavg_end']}; re-probes {res['reprobe_mb']} MB, updates {res['update_mb']} MB")
+                      f"{res['loadavg_end']}; re-probes {res['reprobe_mb']} MB ({res['reprobes']}), updates {res['update_mb']} MB")
                 print("| link | estimate Mbit/s | configured | goodput | est/configured | est/goodput | age s | confidence |")
                 print("|---|---|---|---|---|---|---|---|")
                 for link, e in res["links"].items():
