@@ -152,8 +152,11 @@ class RegionState:
             # An honest region that missed an update in the round it resyncs after drifted by that
             # round's mix, and its outer step and momentum carry the difference on: one round more
             # than the rounds it lags (x1 refused an honest donor at 1.31 x it in bench attack),
-            # and every resync that failed since the last good one a round more.
-            bound *= max(1, apart) + 1 + getattr(self, "_failed_resyncs", 0)
+            # and every resync that failed since the last good one a round more. Twice that: both
+            # sides move while they are apart (an outage, a round alone), so their honest distance is
+            # up to two updates a round (the short soak refused honest donors at 1.06x the one-sided
+            # bound and left a region on its own model); a random state still lies far beyond it.
+            bound *= 2 * (max(1, apart) + 1 + getattr(self, "_failed_resyncs", 0))
         check_state(state, own, max_value=self.cfg.security.max_update_value, bound=bound, donor=peer)
         return state
 

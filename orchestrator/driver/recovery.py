@@ -108,7 +108,11 @@ def suspects(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> 
     received everyone's, so by miss counts alone it would be everyone's donor (issue 36, N1)."""
     reporters = [r for r in order if r in results]
     missed_by = Counter(p for r in reporters for p in set(results[r].get("peers_missing") or ()))
-    return {d for d in reporters if 2 * missed_by[d] > len(reporters) - 1}
+    found = {d for d in reporters if 2 * missed_by[d] > len(reporters) - 1}
+    # Half the run or more at once is a network event (an outage of every link), not members
+    # withholding (n >= 2f + 1): suspecting them all left no donor, nobody resynced, and the short
+    # soak ended on four models (consensus distance 0.04).
+    return set() if 2 * len(found) >= len(reporters) else found
 
 
 def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str], *,
@@ -202,15 +206,28 @@ class WithholdWatch:
         Returns one record per region muted now ({"region", "rounds_out", "missed_by", "expected_by"})."""
         muted_now = []
         out = self.muted(round_)
+        heard_by = {r: {y for y, exp in expecting.items() if r in exp and y != r} for r in results}
+        withheld: dict[str, tuple[list[str], list[str]]] = {}
         for x in [x for x in results if x not in out]:
             by = [r for r in expecting.get(x, ()) if r in results and r != x]
-            missed = [r for r in by if x in set(results[r].get("peers_missing") or ())]
-            if len(by) < 2 or 2 * len(missed) <= len(by):
+            # A miss is evidence against x only from a region whose own network worked this round:
+            # it received most of its other in-neighbours. When everyone missed everyone (an outage,
+            # a stalled driver), nobody withheld anything (the short soak muted all four regions).
+            missed = [r for r in by if x in set(results[r].get("peers_missing") or ())
+                      and 2 * len(set(results[r].get("peers_missing") or ()) - {x}) < max(1, len(heard_by[r] - {x}))]
+            if len(by) >= 2 and 2 * len(missed) > len(by):
+                withheld[x] = (by, missed)
+        if 2 * len(withheld) >= len(results):
+            withheld = {}  # half the run or more at once is a network event, not members withholding
+        for x in [x for x in results if x not in out]:
+            if x not in withheld:
+                by = [r for r in expecting.get(x, ()) if r in results and r != x]
                 self.streak[x] = 0
                 if x in self.on_probation and len(by) >= 2:
                     self.on_probation.discard(x)  # an update that arrived: back for good
                     self.tries[x] = 0
                 continue
+            by, missed = withheld[x]
             self.streak[x] += 1
             # Strong evidence: every peer that expected x missed it, and each of them received all
             # its other in-neighbours (no network trouble of theirs to blame): mute after strong_after.
