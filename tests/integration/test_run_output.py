@@ -18,7 +18,8 @@ def test_a_run_without_a_terminal(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     rounds = [ln for ln in done.stderr.splitlines() if ln.startswith("round ")]
-    assert [ln.split()[1] for ln in rounds] == ["1/2", "2/2"], done.stderr
+    # Rounds are named 0-based as in the run directory, counts said as counts (docs/RUNDIR.md, "Rounds").
+    assert [ln.split()[1:3] for ln in rounds] == [["0", "(1/2"], ["1", "(2/2"]], done.stderr
     for ln in rounds:
         for field in (" loss ", " H ", " codec ", " sent ", " MB util ", " elapsed ", " eta "):
             assert field in ln, (field, ln)

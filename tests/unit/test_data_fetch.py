@@ -135,6 +135,7 @@ def test_every_registry_file_pins_its_size():
 DATASETS_DIR = DATASETS
 
 
+@needs_mirror
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["endless", "oversize"])
 def test_a_body_longer_than_the_pinned_size_is_cut_off_and_deleted(tmp_path, mode):
@@ -154,6 +155,7 @@ def test_a_body_longer_than_the_pinned_size_is_cut_off_and_deleted(tmp_path, mod
     assert list(tmp_path.iterdir()) == []
 
 
+@needs_mirror
 @pytest.mark.timeout(60)
 def test_a_dripping_server_is_stopped_by_the_total_deadline(tmp_path):
     """N7: one byte every 0.2 s never trips a 1 s per-read timeout; before the fix the fetch went on
@@ -239,6 +241,7 @@ def test_a_mirror_folder_file_over_the_pinned_size_is_refused(tmp_path):
     assert list(cache.iterdir()) == []
 
 
+@needs_mirror
 @pytest.mark.timeout(60)
 def test_geofed_data_fetch_takes_a_deadline(tmp_path, monkeypatch, capsys):
     """N7 through the CLI: --deadline ends a dripping fetch (exit 1, one line, no .part); a
