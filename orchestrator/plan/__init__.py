@@ -6,10 +6,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from geofed.compression import CodecSpec
-from geofed.p2p.wan.prices import EgressPricer, load_prices
+from geofed.p2p.wan.prices import EgressPricer
 
 from ..config import RunConfig
-from .inputs import codec_facts, config_segments, file_segments, out_links, probe_task
+from .inputs import codec_facts, config_segments, file_segments, out_links, price_file, probe_task
 from .model import ROUND_OVERHEAD_ALONE_S, Candidate, Setup, predict, recommend
 from .probe import SharedStep, host_cpus, probe_shared_step
 from .steady import PolicyRange, policy_range, steady_decision
@@ -79,7 +79,7 @@ def plan(cfg: RunConfig, *, regions: Sequence[str] | None = None, Hs: Sequence[i
         raise ValueError("regions: the plan needs at least 2 regions (one region sends nothing)")
     table = None
     if prices_path is not None and cfg.network.egress.provider != "none":
-        table = load_prices(prices_path).get(cfg.network.egress.provider)
+        table = price_file(prices_path).get(cfg.network.egress.provider)
     pricer = EgressPricer(cfg.network.egress, table) if prices_path else EgressPricer(cfg.network.egress)
     step_s = slowest_step(step_s, regions)
     facts = probe_task(cfg, probe=step_s is None)

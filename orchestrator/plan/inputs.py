@@ -184,6 +184,21 @@ def file_segments(path: str, regions: Sequence[str], pricer: EgressPricer) -> li
     return [Segment(start=0, links=out)]
 
 
+def price_file(path: str) -> dict:
+    """The provider tables of a user's egress price file (`geofed plan --prices`): read like a
+    config (a regular file, bounded, strict YAML: no aliases, no tags, no duplicate keys, nesting
+    capped), laid out as the packaged p2p/wan/prices.yaml. PriceError names the file and the key."""
+    from geofed.p2p.wan.prices import PriceError, parse_prices
+
+    from ..config.strict import ConfigError, parse_yaml_file
+
+    try:
+        data = parse_yaml_file(path)
+    except ConfigError as exc:
+        raise PriceError(str(exc)) from None
+    return parse_prices(data, path)
+
+
 def _file_link(path: str, key: str, row: Any, price) -> Link:
     if row is None:
         raise PlanInputError(f"{path}: {key}: missing (the plan needs every directed link between its regions)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -123,21 +122,12 @@ class EgressPricer:
         return None if p is None else nbytes / GB * p.usd_per_gb
 
 
-def load_prices(path: str | Path | None = None) -> dict[str, PriceTable]:
-    """Every provider's table from `path` (default: the packaged prices.yaml); PriceError names the key."""
-    if path is None:
-        name, text = PRICES_FILE, resources.files("geofed.p2p.wan").joinpath(PRICES_FILE).read_text(encoding="utf-8")
-    else:
-        name = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise PriceError(f"{name}: cannot read: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PriceError(f"{name}: not valid YAML: {exc}") from None
-    return parse_prices(data, name)
+def load_prices() -> dict[str, PriceTable]:
+    """Every provider's table from the packaged prices.yaml (a file of this package, trusted). A
+    user's price file is anyone's file: geofed.orchestrator.plan reads it with the strict, bounded
+    config reader and hands the parsed mapping to `parse_prices`."""
+    text = resources.files("geofed.p2p.wan").joinpath(PRICES_FILE).read_text(encoding="utf-8")
+    return parse_prices(yaml.safe_load(text), PRICES_FILE)
 
 
 def parse_prices(data: Any, name: str = PRICES_FILE) -> dict[str, PriceTable]:

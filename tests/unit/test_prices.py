@@ -8,6 +8,7 @@ import yaml
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.config.strict import ConfigError
 from geofed.orchestrator.driver.egress import add_egress
+from geofed.orchestrator.plan.inputs import price_file
 from geofed.p2p.wan.prices import GB, PROVIDERS, EgressConfig, EgressPricer, PriceError, load_prices, parse_prices
 from geofed.p2p.wan.presets import load_preset
 
@@ -62,7 +63,7 @@ def test_a_malformed_price_file_names_the_key(tmp_path, mutate, key):
     path = tmp_path / "prices.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(PriceError, match=f"{path}: {key}"):
-        load_prices(path)
+        price_file(str(path))
     with pytest.raises(PriceError, match="prices.yaml: sources"):
         parse_prices({"aws": {}}, "prices.yaml")
 
@@ -85,3 +86,28 @@ def test_summary_egress_prices_the_transport_counts_per_directed_link():
     assert "ap-southeast-2->us-east-1" not in links                      # carried no update: priced apart
     assert out["egress"]["other_links"]["ap-southeast-2->us-east-1"]["egress_usd"] == pytest.approx(0.098)
     assert out["egress_usd"] == pytest.approx(1.098) and out["egress"]["unpriced_links"] == []
+
+
+@pytest.mark.parametrize("text, words", [
+    ("a: &x [1, 2]\nb: [*x, *x, *x]\n", "aliases"),             # a billion-laughs bomb starts this way
+    ("aws: !!python/object/apply:os.system [true]\n", "tag"),
+    ("[" * 3000 + "]" * 3000, "nested deeper"),                     # was a RecursionError traceback
+    ("aws: {}\naws: {}\n", "duplicate key"),
+])
+def test_a_users_price_file_is_read_as_strictly_as_a_config(tmp_path, text, words):
+    """`geofed plan --prices FILE` read the file with yaml.safe_load (aliases, any depth, the last
+    duplicate key winning) and unbounded; it now goes through the config reader (issue 36: strict
+    YAML everywhere, with a recursion guard)."""
+    path = tmp_path / "prices.yaml"
+    path.write_text(text)
+    with pytest.raises(PriceError, match=words):
+        price_file(str(path))
+
+
+def test_a_price_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+
+    path = tmp_path / "prices.yaml"
+    os.mkfifo(path)
+    with pytest.raises(PriceError, match="regular file|not a file|FIFO|fifo"):
+        price_file(str(path))
