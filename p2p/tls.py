@@ -80,7 +80,9 @@ class Pki:
 
 def _write_private(path: Path, data: bytes) -> None:
     # Created 0600 from the start (not chmod'ed after), so the key is never readable by others.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_NOFOLLOW: a run directory is anyone's files; a symlink planted at tls/ca.pem must not
+    # turn a renewal into a write over the file it points at (issue 36, N13).
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.chmod(path, 0o600)  # O_CREAT does not change the mode of an existing file
@@ -177,10 +179,26 @@ def renew_expiring(directory: Path, regions: Sequence[str], *, within_days: floa
     return renewed
 
 
+MAX_PEM_BYTES = 1 << 20  # a key, a certificate or a chain of them is a few KiB
+
+
 def _read(path: Path) -> bytes:
-    if not path.is_file():
+    """A PEM file of a TLS folder: a regular file (symlinks to one are fine: mounted secrets are
+    links), at most MAX_PEM_BYTES. Opened non-blocking and checked on the descriptor, so a FIFO or
+    /dev/zero in a resumed run directory's tls/ is refused instead of hanging or filling memory."""
+    if not path.exists():
         raise FileNotFoundError(f"TLS file missing: {path}")
-    return path.read_bytes()
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file; a TLS file must be one")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file; a TLS file must be one")
+        data = f.read(MAX_PEM_BYTES + 1)
+    if len(data) > MAX_PEM_BYTES:
+        raise ValueError(f"{path}: over {MAX_PEM_BYTES} bytes; a TLS file is a few KiB of PEM")
+    return data
 
 
 def load_tls(directory: Path, region: str) -> TlsMaterial:

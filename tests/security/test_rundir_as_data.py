@@ -564,3 +564,41 @@ def test_report_names_a_container_of_the_wrong_type(tmp_path, capsys, name, reco
     assert main(["report", str(run_dir)]) == 2
     err = _one_line_error(capsys)
     assert name in err and f"{key}: expected" in err, err
+
+
+def test_a_resumed_run_directorys_tls_folder_is_read_bounded(tmp_path):
+    """N9 for tls/: a resumed run loads its regions' TLS material from the run directory, and read
+    each file whole: a 64 MiB file linked at tls/ca.pem was read into memory (any size would be).
+    Now at most 1 MiB is read, and a FIFO there is refused as not a regular file (it was reported
+    as "TLS file missing")."""
+    from geofed.p2p.tls import load_tls, make_pki
+
+    tls = tmp_path / "tls"
+    make_pki(tls, ["a", "b"])
+    (tls / "ca.pem").unlink()
+    os.mkfifo(tls / "ca.pem")
+    error = call_bounded(lambda: load_tls(tls, "a"), tls / "ca.pem", timeout_s=5.0)
+    assert isinstance(error, ValueError) and "ca.pem" in str(error) and "regular file" in str(error)
+    big = tmp_path / "big.pem"
+    with open(big, "wb") as f:
+        f.truncate(64 << 20)  # sparse: 64 MiB of zeros the old read took whole
+    (tls / "ca.pem").unlink()
+    (tls / "ca.pem").symlink_to(big)
+    with pytest.raises(ValueError, match="over .* bytes"):
+        load_tls(tls, "a")
+
+
+def test_renewing_certificates_never_writes_through_a_planted_symlink(tmp_path):
+    """N13 for tls/: renewing an expiring certificate on --resume wrote tls/<region>.pem through a
+    symbolic link planted there, overwriting the file it pointed at."""
+    from geofed.p2p.tls import make_pki, renew_expiring
+
+    tls = tmp_path / "tls"
+    make_pki(tls, ["a"], valid_days=1)  # expires within the 7-day renewal window: renewed on resume
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tls / "a.key").unlink()
+    (tls / "a.key").symlink_to(victim)
+    with pytest.raises(OSError):
+        renew_expiring(tls, ["a"])
+    assert victim.read_text() == "keep me"
