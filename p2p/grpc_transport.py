@@ -290,9 +290,10 @@ class GrpcTransport(Transport):
         """The mailbox's (the rules every transport shares)."""
         self.mailbox.expect(round, senders)
 
-    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
+    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
+                optional: Collection[str] = ()) -> Inbox:
         """The mailbox's (the rules every transport shares)."""
-        return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s)
+        return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s, optional=optional)
 
     def set_state_provider(self, fn: Callable[[], bytes]) -> None:
         """Read per FetchState call by the servicer; None (not yet set) is refused ``no_state``."""

@@ -8,6 +8,16 @@ Rounds: ``expect(r, senders)`` opens round r; pushes for rounds up to the newest
 + ``round_window`` are accepted early (a fast peer may push round r+1 before this region has
 opened it; the sender check then runs when it is opened). ``receive(r, deadline_s)`` closes
 every round <= r: anything arriving for them later is dropped as late.
+
+Two kinds of in-neighbour need not be waited for to the deadline (issue 36, N2):
+
+- *optional* ones (``receive(..., optional=)``: a member back on probation after withholding):
+  their update is taken if it is in by the time the required ones are, or within
+  ``OPTIONAL_GRACE_S`` after them; nobody waits longer for it.
+- senders *done* with the round (``senders_done``: the driver saw the sender report the round, and
+  the sender says its push here was delivered or never made): a push is acknowledged only after it
+  is filed here, so one still absent ``DONE_GRACE_S`` after the notice is not coming. A push of
+  theirs that is still being received is never cut.
 """
 
 from __future__ import annotations
@@ -19,13 +29,40 @@ from typing import Any
 from .admission import Admission, Refusal, Ticket, held_bytes
 from .transport import Inbox, Validator
 
-__all__ = ["Mailbox", "Refusal", "Ticket", "held_bytes"]
+__all__ = ["DONE_GRACE_S", "OPTIONAL_GRACE_S", "Mailbox", "Refusal", "Ticket", "held_bytes"]
+
+# How long past the required in-neighbours a receive waits for an optional one. Its update, when it
+# comes, comes with theirs (it trained the same H steps): this is scheduling slack, not a deadline.
+OPTIONAL_GRACE_S = 0.25
+# How long a "senders done" notice waits for an update its sender claims it delivered. An
+# acknowledged push is filed before its ack leaves (tests/integration/test_p2p_optional_grpc.py
+# measures the order over real gRPC): the grace only covers the notice overtaking a filing thread.
+DONE_GRACE_S = 0.1
+# Rounds of notices kept ahead of the newest expected round (a notice for a round this region has not
+# opened yet is kept for it; a run far ahead of it is no notice of anything).
+_DONE_ROUNDS_AHEAD = 8
 
 
 class Mailbox(Admission):
     """The receive side of one region (see the module docstring): admits, validates and files pushes
     by (sender, round) and hands a round's updates to receive(). Thread-safe.
     """
+
+    def __init__(self, region: str, **kwargs: Any):
+        super().__init__(region, **kwargs)
+        self._done: dict[int, dict[str, float]] = {}  # round -> sender -> when it was said to be done
+
+    def senders_done(self, round: int, senders: Collection[str]) -> None:
+        """`senders` have finished `round` and will push nothing more for it here (see the module
+        docstring): a receive of it stops waiting for them DONE_GRACE_S after this call."""
+        now = time.monotonic()
+        with self._cond:
+            if round <= self._closed_upto or round > max(self._newest, self._closed_upto) + _DONE_ROUNDS_AHEAD:
+                return  # closed already, or no round of this region's near future
+            marks = self._done.setdefault(round, {})
+            for s in senders:
+                marks.setdefault(s, now)
+            self._cond.notify_all()
 
     # -- configuration -------------------------------------------------------------------
     def add_known(self, senders: Collection[str]) -> None:
@@ -75,10 +112,12 @@ class Mailbox(Admission):
 
     # -- the owner's side ----------------------------------------------------------------
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
-                until: Collection[str] | None = None) -> Inbox:
+                until: Collection[str] | None = None, optional: Collection[str] = ()) -> Inbox:
         """Wait for the expected senders of `round` (all, or with `quorum` that many and then at
         most `grace_s` for the rest; or only those of them in `until`, the others taken if they
-        are in by then) for at most `deadline_s`, then close every round <= it."""
+        are in by then) for at most `deadline_s`, then close every round <= it. `optional` senders
+        are taken if they come by OPTIONAL_GRACE_S after the others; senders done with the round
+        (senders_done) are waited for DONE_GRACE_S after the notice, unless their push is arriving."""
         if not deadline_s >= 0:
             raise ValueError(f"deadline_s: must be >= 0, got {deadline_s}")
         start = time.monotonic()
@@ -87,19 +126,29 @@ class Mailbox(Admission):
             if round not in self._expected:
                 raise ValueError(f"round: expect({round}, ...) was not called (or the round is closed)")
             expected = self._expected[round]
-            wanted = expected if until is None else expected & frozenset(until)
+            optional = expected & frozenset(optional)
+            wanted = (expected if until is None else expected & frozenset(until)) - optional
             self._receive_started[round] = start
-            while not wanted <= (self._arrived.get(round, {}).keys() | self._void.get(round, set())
-                                 | self._refused_in.get(round, set())):
+            cut: frozenset[str] = frozenset()
+            while True:
+                now = time.monotonic()
+                settled = self._arrived.get(round, {}).keys() | self._void.get(round, set()) | self._refused_in.get(round, set())
+                cut, next_cut = self._cut(round, expected - settled, now)
+                if wanted <= settled | cut:
+                    if not optional or optional <= settled | cut:
+                        break
+                    end = min(end, now + OPTIONAL_GRACE_S)  # the required ones are in: a short grace for the rest
+                    wanted = wanted | optional
                 if quorum is not None and len(expected & self._arrived.get(round, {}).keys()) >= quorum:
-                    end = min(end, time.monotonic() + grace_s)  # the quorum is in: a grace for the rest
+                    end = min(end, now + grace_s)  # the quorum is in: a grace for the rest
                     quorum = None
-                remaining = end - time.monotonic()
-                if remaining <= 0:
+                remaining = min(end, next_cut) - now
+                if end - now <= 0:
                     break
-                self._cond.wait(remaining)
+                self._cond.wait(max(remaining, 0.001))
             got = self._arrived.pop(round, {})
             refused = frozenset((self._void.get(round, set()) | self._refused_in.get(round, set())) & (expected - got.keys()))
+            cut = cut - got.keys()
             for sender, entry in got.items():
                 self._refund(sender, entry.held)
             if self.stale_window:
@@ -116,7 +165,26 @@ class Mailbox(Admission):
             waits={s: max(0.0, e.arrival.arrived_at - start) for s, e in got.items()},
             waited_s=waited,
             refused=refused,
+            cut=cut,
         )
+
+    def _cut(self, round: int, absent: frozenset[str], now: float) -> tuple[frozenset[str], float]:
+        """Of `absent`, the senders done with `round` whose grace is over and whose push is not being
+        received now; and when the next grace of the others ends (inf: none pending)."""
+        cut, next_cut = set(), float("inf")
+        for sender, at in self._done.get(round, {}).items():
+            if sender not in absent:
+                continue
+            if self._inflight[(sender, round)]:
+                # Arriving: a push that is streaming in is never cut. A push that aborts is released
+                # without a notify, so look again soon.
+                next_cut = min(next_cut, now + 0.05)
+                continue
+            if now >= at + DONE_GRACE_S:
+                cut.add(sender)
+            else:
+                next_cut = min(next_cut, at + DONE_GRACE_S)
+        return frozenset(cut), next_cut
 
     def _close_upto(self, round: int) -> None:
         self._closed_upto = round
@@ -130,6 +198,8 @@ class Mailbox(Admission):
             del self._void[r]
         for r in [r for r in self._refused_in if r <= round]:
             del self._refused_in[r]
+        for r in [r for r in self._done if r <= round]:
+            del self._done[r]
         for r in [r for r in self._expected if r <= round]:
             del self._expected[r]
         for r in [r for r in self._receive_started if r < round - 8]:

@@ -146,8 +146,9 @@ class InMemoryTransport(Transport):
                              seconds=seconds, receiver_seconds=time.monotonic() - t0, chunks=chunks,
                              spread_s=max(0.0, spread_s))
 
-    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
-        return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s)
+    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
+                optional: Collection[str] = ()) -> Inbox:
+        return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s, optional=optional)
 
     def ping(self, peer: str, *, timeout_s: float) -> float:
         start = time.monotonic()

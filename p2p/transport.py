@@ -118,6 +118,9 @@ class Inbox(Mapping[str, Any]):
     # Expected senders whose update was refused for its content (or equivocated): missing, but not
     # a miss of the network (no deadline waits for or widens on them; issue 36, N2).
     refused: frozenset[str] = frozenset()
+    # Expected senders done with the round (Transport.senders_done) whose update never came: missing,
+    # and no miss of the network either (their push here was delivered elsewhere or never made).
+    cut: frozenset[str] = frozenset()
 
     def __getitem__(self, sender: str) -> Any:
         return self.received[sender]
@@ -167,10 +170,19 @@ class Transport(ABC):
         self.spreading.hurry()
 
     @abstractmethod
-    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0) -> Inbox:
+    def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
+                optional: Collection[str] = ()) -> Inbox:
         """Wait at most `deadline_s` seconds for the expected senders of `round` (with `quorum`:
         for that many, then at most `grace_s` for the rest), then close the round: later messages
-        for it are dropped and counted as late, unless accept_stale() keeps them."""
+        for it are dropped and counted as late, unless accept_stale() keeps them. `optional`
+        senders are taken only if they come with the others (p2p/mailbox.py, OPTIONAL_GRACE_S), and
+        senders said done with the round (senders_done) are not waited for past DONE_GRACE_S."""
+
+    def senders_done(self, round: int, senders: Collection[str]) -> None:
+        """`senders` finished `round` and push nothing more for it here (the driver saw them report
+        it; each said its push here was delivered or never made): a receive of `round` stops
+        waiting for those still absent after a short grace. Thread-safe; callable mid-receive."""
+        self.mailbox.senders_done(round, senders)
 
     def accept_stale(self, window: int) -> None:
         """Keep late updates of senders that missed a closed round, up to `window` rounds back

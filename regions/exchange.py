@@ -43,6 +43,13 @@ class ExchangeResult:
     wait_s: float = 0.0
     stale: list[tuple[str, int, list[torch.Tensor]]] = field(default_factory=list)  # (sender, its round, tensors): quorum rounds' late updates
 
+    def finished_pushes(self, out_neighbours: Sequence[str]) -> list[str]:
+        """Of the peers this region was to push to this round, those that will get nothing more of it:
+        pushes delivered (acknowledged only once the peer filed them) and pushes never made. A push
+        that failed or is still in flight is not finished: its peer may be about to receive it, so
+        the driver's "senders done" notice (Transport.senders_done) must not cut it."""
+        return sorted(p for p in out_neighbours if p not in self.send_failures)
+
 
 class Exchanger:
     """Codec state per (out-link codec), link estimators per out-link, the adaptive deadline.
@@ -87,14 +94,15 @@ class Exchanger:
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
                  in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec,
                  quorum: int | None = None, grace_s: float = 0.0, stream: str = "",
-                 spread_s: float = 0.0, window_s: float = 0.0) -> ExchangeResult:
+                 spread_s: float = 0.0, window_s: float = 0.0, optional: Sequence[str] = ()) -> ExchangeResult:
         """Push `tensors` to `out_peers` (each with its link's codec) and collect from `in_peers`
         (all of them by the deadline, or with `quorum` that many and a grace for the rest). `stream`
         names a codec stream of its own (sync.fragments: one per fragment, each with its own layout
         and error-feedback residual). `spread_s`: pace each push over that many seconds (an overlapped
         exchange with sync.spread_sends; at most half the send timeout). `window_s`: the compute an
         overlapped exchange hides behind; the receive deadline is at least that long, since a peer
-        arriving within it costs nothing to wait for (regions/sync/common.py, OverlapWindow)."""
+        arriving within it costs nothing to wait for (regions/sync/common.py, OverlapWindow).
+        `optional` in-peers (a member on probation) are taken only if they come with the others."""
         self.transport.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
             self.observe_own(tensors)
@@ -112,10 +120,12 @@ class Exchanger:
         # count from where the spread ends, so a pace neither eats the slack for a slow peer nor
         # teaches the deadline a wait that is only the pace's.
         deadline_s = max(self.deadline.current(), min(window_s, self.deadline.max_s)) + spread_s
+        optional = [p for p in optional if p in in_peers]
+        extra = {"optional": optional} if optional else {}
         if quorum is None:
-            inbox = self.transport.receive(round_, deadline_s)
+            inbox = self.transport.receive(round_, deadline_s, **extra)
         else:
-            inbox = self.transport.receive(round_, deadline_s, quorum=quorum, grace_s=grace_s)
+            inbox = self.transport.receive(round_, deadline_s, quorum=quorum, grace_s=grace_s, **extra)
         wait_s = time.monotonic() - t0
         result = ExchangeResult(received=dict(inbox.received), own_decoded=own_decoded,
                                 missing=sorted(inbox.missing), wait_s=wait_s)
@@ -126,7 +136,13 @@ class Exchanger:
                 result.send_failures[peer] = f"skipped: its push of round {skipped[peer]} is still in flight"
         self._report_late(result)
         # A refused update is the sender's doing, not the network's: it does not widen the deadline.
-        if not (inbox.missing - inbox.refused) or quorum is not None:
+        # Neither does an optional peer's absence nor a sender done with the round (it said its push
+        # here was made or never would be): the last of the others is what the round waited for.
+        excused = inbox.refused | inbox.cut | frozenset(optional)
+        if inbox.missing & (inbox.cut | frozenset(optional)) and not inbox.missing - excused and quorum is None:
+            if inbox.received:
+                self.deadline.observe(max(0.0, max(inbox.waits.get(p, 0.0) for p in inbox.received) - spread_s))
+        elif not (inbox.missing - inbox.refused) or quorum is not None:
             # Only complete rounds teach the deadline samples: a dead peer must not skew them
             # (a quorum round closes on purpose without the slowest, and is complete too)...
             self.deadline.observe(max(0.0, wait_s - spread_s))
