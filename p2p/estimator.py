@@ -53,7 +53,15 @@ it) is not a sample either, in either direction:
   median of the last pings over the windowed-minimum RTT (pings carry no bytes, so whatever they
   take past the path is the hosts' scheduling). A loaded host's pings read 2-4x the path, and a
   transfer that such stalls could account for measures the CPU. As a lower bound of the link's
-  rate it may still give a first estimate or raise one (never lower it), at low confidence.
+  rate it may still give a first estimate or raise one (never lower it), at low confidence;
+* a transfer during which the sender's own threads waited to run (for a core or the GIL) for over
+  ``STALL_SHARE`` of its exposed time (``stall_s``, read by a ``StallMeter`` beside it): its time
+  was the sender's CPU, not the link. The pings do not show that: a ping is one message, a few ms
+  of waiting, while a probe's stream waits at every step. On the default run under load the
+  evaluating region's probes read 0.3-0.6 of its links with its pings within 50 ms of the path;
+  two threads busy beside an in-process probe of a 40 Mbit/s link read 15-17 Mbit/s with the
+  meter's thread late for 0.5 s of the probe's 0.55 (quiet ones: 0.01-0.07 s of 0.26-0.29). Treated
+  like the noise above: a lower bound at most.
 
 Each estimate has an age (seconds since its last sample) and a confidence in [0, 1]: 1 after a
 clean sample, halved by every ``stale_s`` of age, by every two doubts, and once when it rests on a
@@ -70,6 +78,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,6 +88,51 @@ STALE_S = 15.0       # an estimate this old has confidence 1/2 and is re-probed
 BUSY_FACTOR = 4.0    # exposed time under this many times the hosts' scheduling noise is the CPU's
 NOISE_PINGS = 3      # the noise is the median excess of this many latest pings
 DOUBT_RATIO = 3.0    # an under-BDP transfer this far off the estimate (beyond the noise) doubts it
+STALL_SHARE = 0.5    # the sender's threads waited to run for over this share of a transfer: the CPU's reading
+STALL_TICK_S = 0.002  # the StallMeter's sleep: the GIL's switch interval is 5 ms, a stalled wake shows
+
+
+class StallMeter:
+    """How long this process's threads waited to run while something else ran: a thread that
+    sleeps STALL_TICK_S at a time and sums how late it woke (waiting for a core or for the GIL).
+    ``with StallMeter() as m: transfer()`` then ``m.stall_s``, ``m.elapsed_s``, ``m.share``.
+
+    Why a thread and not the pings: a transfer's stream needs its sender's threads at every write
+    and window update, a ping once; and why not process CPU time: a region computes beside its
+    sends all the time (overlap), which costs a transfer nothing while torch holds no GIL.
+    """
+
+    def __init__(self, *, tick_s: float = STALL_TICK_S):
+        if not tick_s > 0:
+            raise ValueError(f"tick_s: must be > 0, got {tick_s}")
+        self.tick_s = tick_s
+        self.stall_s = self.elapsed_s = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            time.sleep(self.tick_s)
+            self.stall_s += max(0.0, time.monotonic() - t - self.tick_s)
+
+    def __enter__(self) -> StallMeter:
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="geofed-stall-meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.elapsed_s = time.monotonic() - self._t0
+
+    @property
+    def share(self) -> float:
+        """The part of the metered time this process's threads spent waiting to run."""
+        return self.stall_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 class LinkEstimator:
@@ -133,15 +187,18 @@ class LinkEstimator:
         self.srtt_s = seconds if self.srtt_s is None else (1 - self.srtt_gain) * self.srtt_s + self.srtt_gain * seconds
 
     def observe_transfer(self, nbytes: int, seconds: float, *, includes_rtt: bool = True, cold: bool = False,
-                         concurrent: int = 1, spread_s: float = 0.0) -> str:
+                         concurrent: int = 1, spread_s: float = 0.0, stall_s: float = 0.0) -> str:
         """One transfer of `nbytes` that took `seconds`: sender-timed (send -> ack, includes one
         RTT) by default, or receiver-timed (first -> last byte) with includes_rtt=False. `cold`:
         the first on its connection; `concurrent`: the sender's pushes in flight with it (itself
-        included); `spread_s`: the sender paced it over that long (p2p/spread.py). Returns what it
+        included); `spread_s`: the sender paced it over that long (p2p/spread.py); `stall_s`: how
+        long the sender's threads waited to run meanwhile (a StallMeter's reading). Returns what it
         was taken for: "sample", "busy" (a lower bound taken), or why it was no sample: "cold",
         "spread", "small", "under-bdp", "latency-bound", "busy-ignored", "burst", "suspect"."""
         if nbytes < 0 or not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds: need nbytes >= 0 and a finite seconds > 0, got {nbytes}, {seconds}")
+        if not (stall_s >= 0 and math.isfinite(stall_s)):
+            raise ValueError(f"stall_s: must be a finite number >= 0, got {stall_s}")
         self.transfers += 1
         if cold:
             self.cold_transfers += 1
@@ -159,7 +216,7 @@ class LinkEstimator:
             return "small"
         exposed = seconds - rtt if includes_rtt else seconds
         best = self.bandwidth_bps
-        verdict = self._verdict(nbytes, exposed, rtt, includes_rtt, best)
+        verdict = self._verdict(nbytes, exposed, rtt, includes_rtt, best, stall_s)
         if verdict is None:
             return self._add_rate(nbytes * 8.0 / max(exposed, 1e-9), nbytes, concurrent)
         if verdict == "busy" and (best is None or (nbytes * 8.0 / exposed > best and nbytes >= self.raise_bytes)):
@@ -172,14 +229,14 @@ class LinkEstimator:
         return "busy-ignored" if verdict == "busy" else verdict
 
     def _verdict(self, nbytes: int, exposed: float, rtt: float | None, includes_rtt: bool,
-                 best: float | None) -> str | None:
+                 best: float | None, stall_s: float = 0.0) -> str | None:
         """Why a transfer is no clean bandwidth sample, or None when it is one."""
         if best is not None and rtt and nbytes * 8.0 < best * rtt:
             self.under_bdp_transfers += 1
             return "under-bdp"  # the link carries it within one RTT: latency and scheduling set its time
         if includes_rtt and exposed < max(self.min_exposed_fraction * rtt, self.min_exposed_s):
             return "latency-bound"  # says little about the bandwidth
-        if exposed < self.busy_factor * self.noise_s:
+        if exposed < self.busy_factor * self.noise_s or stall_s > STALL_SHARE * exposed:
             self.busy_transfers += 1
             return "busy"
         return None

@@ -263,13 +263,13 @@ class Exchanger:
                                  "seconds": round(stats.seconds, 6), "concurrent": concurrent,
                                  "t_end": round(time.time(), 4), **extra})
 
-    def _observe(self, peer: str, stats, concurrent: int) -> None:
+    def _observe(self, peer: str, stats, concurrent: int, stall_s: float = 0.0) -> None:
         with self._est_lock:
             # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
             # probes. Receiver timing was tried: it starts at the header, after the shaper's
             # burst has already let the first chunks through, and overestimates by 5-15%.
             self.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold, concurrent=concurrent,
-                                                  spread_s=stats.spread_s)
+                                                  spread_s=stats.spread_s, stall_s=stall_s)
 
     def probe_links(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
         """Warm every connection to `peers` and measure it before the first round

@@ -60,6 +60,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
+from geofed.p2p.estimator import StallMeter
 from geofed.p2p.transport import TransportError
 
 if TYPE_CHECKING:
@@ -79,6 +80,10 @@ REPROBE_MAX_NOISE_S = 0.05     # pings this far over the path: the hosts are bus
 # A region's re-probe bytes past each link's first re-probe: at most this share of the update bytes it
 # has sent (the default run's re-probes cost 32-73 MB against 3.4 MB of updates, paid per GB of egress).
 REPROBE_BUDGET_FRACTION = 0.1
+# Re-probes that read the sender's CPU (busy) do not use up a link's first, free re-probe, this many
+# times: the default run's load came and went within 20 s, and a link whose one re-probe read busy
+# kept its set-up reading to the end (eu-west-1->us-east-1 at 0.61 of its link, 39 s old).
+REPROBE_BUSY_REFUNDS = 2
 
 
 class LinkProber:
@@ -116,21 +121,25 @@ class LinkProber:
         for fut in [self.ex._pool.submit(self.ex._probe_rtt, p, warm_up=not measured) for p in peers]:
             fut.result(timeout=timeout_s + 15.0)
         start = threading.Barrier(len(peers)) if peers else None
-        futures = {p: self.ex._pool.submit(self._probe_one, p, sizes[p], timeout_s, start) for p in peers}
         done, spans = {}, {}
-        for peer, fut in futures.items():
-            try:
-                done[peer], spans[peer] = fut.result(timeout=timeout_s + 15.0)
-            except (TransportError, TimeoutError, threading.BrokenBarrierError) as exc:
-                log.warning("probe of the link to %s failed: %s", peer, exc)
+        # A region's set-up can be busy (the default run's us-east-1 read 4 Mbit/s on all three of
+        # its 26-52 Mbit/s links): the probes' time is the sender's CPU for the share its threads
+        # waited to run, which makes such a reading a lower bound (p2p/estimator.py).
+        with StallMeter() as meter:
+            futures = {p: self.ex._pool.submit(self._probe_one, p, sizes[p], timeout_s, start) for p in peers}
+            for peer, fut in futures.items():
+                try:
+                    done[peer], spans[peer] = fut.result(timeout=timeout_s + 15.0)
+                except (TransportError, TimeoutError, threading.BrokenBarrierError) as exc:
+                    log.warning("probe of the link to %s failed: %s", peer, exc)
         for peer, stats in done.items():
             if measured:
-                self.ex._observe(peer, stats, len(futures))
+                self.ex._observe(peer, stats, len(futures), stall_s=meter.share * stats.seconds)
             else:
                 self.first_probe[peer] = stats.seconds
             records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
                             "seconds": round(stats.seconds, 6), "concurrent": len(futures), "cold": stats.cold,
-                            "measured": measured})
+                            "measured": measured, "stall_s": round(meter.share * stats.seconds, 4)})
         self._spans = spans
         return done
 
@@ -205,6 +214,7 @@ class Reprober:
         self._free_bytes = 0      # the first re-probe of each link: outside the fraction
         self._checked: set[str] = set()  # links that had their first re-probe
         self.put_off = 0          # due re-probes the budget did not allow
+        self._busy_refunds: dict[str, int] = {}  # peer -> busy readings that left its free re-probe unused
 
     def count_updates(self, nbytes: int) -> None:
         """Update bytes this region sent: they earn the re-probes' budget."""
@@ -251,9 +261,11 @@ class Reprober:
             # what they needed (its BDP estimator), and a lone probe spent most of its time opening it
             # again (the default run: 0.46-0.66 of a 51 Mbit/s link, 0.3-0.8 MB probes, quiet pings).
             sent = nbytes  # a probe that fails may have sent its bytes: it is charged as sent
-            first = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
+            with StallMeter() as m1:
+                first = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
             sent = first.bytes + nbytes
-            second = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
+            with StallMeter() as m2:
+                second = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
             sent = first.bytes + second.bytes
         except TransportError as exc:
             log.info("re-probe of the link to %s failed: %s", peer, exc)
@@ -264,17 +276,26 @@ class Reprober:
                 self._free_bytes += sent
         # The faster of the two is the reading: a closed window and a stalled thread only slow a
         # transfer (at load average 30 the second of a pair took 0.54 s where the first took 0.29).
-        opener, stats = (first, second) if second.seconds <= first.seconds or first.cold else (second, first)
+        second_read = second.seconds <= first.seconds or first.cold
+        (opener, stats), stall_s = ((first, second), m2.stall_s) if second_read else ((second, first), m1.stall_s)
         with self.ex._est_lock:
-            verdict = self.ex.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold)
+            verdict = self.ex.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold,
+                                                               stall_s=stall_s)
         interval = self._interval.get(peer, REPROBE_MIN_INTERVAL_S)
-        self._interval[peer] = (REPROBE_MIN_INTERVAL_S if verdict == "sample"
+        refund = free and verdict in ("busy", "busy-ignored") and self._busy_refunds.get(peer, 0) < REPROBE_BUSY_REFUNDS
+        if refund:
+            # The CPU's reading, not the link's: the link keeps its free re-probe for a calmer moment,
+            # at the usual interval (a doubled one outlasted the default run's load).
+            self._busy_refunds[peer] = self._busy_refunds.get(peer, 0) + 1
+            self._checked.discard(peer)
+        self._interval[peer] = (REPROBE_MIN_INTERVAL_S if verdict == "sample" or refund
                                 else min(REPROBE_MAX_INTERVAL_S, 2 * interval))
         self._records.append({"peer": peer, "direction": "probe", "bytes": opener.bytes, "seconds": round(opener.seconds, 6),
                               "concurrent": 1, "cold": opener.cold, "measured": False, "reprobe": True})
         self._records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
                               "seconds": round(stats.seconds, 6), "concurrent": 1, "cold": stats.cold,
-                              "measured": True, "reprobe": True, "verdict": verdict, "t_end": round(time.time(), 4)})
+                              "measured": True, "reprobe": True, "verdict": verdict, "stall_s": round(stall_s, 4),
+                              "t_end": round(time.time(), 4)})
         return verdict
 
     def take_records(self) -> list[dict]:
