@@ -301,7 +301,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
                                 refusals_since_last_round=tail)
         summary.update(self.evaluation.summary_fields())
         summary["setup_s"] = None if self.setup_s is None else round(self.setup_s, 3)
-        summary["startup"] = {"process_to_round0_s": self.startup_s, "phases_s": self.setup_phases}
+        summary["startup"] = {"process_to_round0_s": self.startup_s, "phases_s": self.setup_phases,
+                              "phases_cpu_s": getattr(self, "setup_phases_cpu", None)}
         summary["interrupted"] = interrupted
         summary["pacing"] = {"mode": self.pacing.mode, **self.pacing_stats}
         summary["privacy"] = self._dp_summary()

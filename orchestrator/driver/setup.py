@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import ray
@@ -81,7 +82,10 @@ class SetUp:
         mark("probes")
         self.setup_s = self.clock.now() if restored is None else None
         self.startup_s = process_age_s()  # from `geofed run` (this process) to round 0
-        self._event("setup_done", setup_s=self.setup_s, process_to_round0_s=self.startup_s, phases_s=self.setup_phases)
+        # CPU seconds beside wall seconds: on a shared host wall time says how busy the others were,
+        # CPU time what set-up itself costs (this driver's; each actor's is in `started`'s start.cpu_s).
+        self._event("setup_done", setup_s=self.setup_s, process_to_round0_s=self.startup_s, phases_s=self.setup_phases,
+                    phases_cpu_s=self.setup_phases_cpu, process_cpu_s=round(time.process_time(), 3))
         if restored is None:
             # Wall time counts training; set-up (Ray, actors, TLS, warming the links) is setup_s.
             self.clock = Clock()
@@ -90,12 +94,14 @@ class SetUp:
     def _phase_marker(self):
         """Seconds each set-up phase took, for the setup_done event (where start-up time goes)."""
         self.setup_phases: dict[str, float] = {}
-        last = [self.clock.now()]
+        self.setup_phases_cpu: dict[str, float] = {}  # this process's CPU seconds in each phase
+        last = [self.clock.now(), time.process_time()]
 
         def mark(name: str) -> None:
-            now = self.clock.now()
+            now, cpu = self.clock.now(), time.process_time()
             self.setup_phases[name] = round(now - last[0], 3)
-            last[0] = now
+            self.setup_phases_cpu[name] = round(cpu - last[1], 3)
+            last[:] = [now, cpu]
         return mark
 
     def _make_tls(self) -> None:
