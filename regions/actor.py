@@ -37,6 +37,8 @@ def advertised_host(cfg: Any) -> str | None:
 HEALTH_GROUP = "health"
 # A warm pool's claim from the next run is answered at once too, whatever the actor is doing.
 POOL_GROUP = "pool"
+# The driver's "senders done" notices reach a region while its round is waiting on its peers.
+NOTICE_GROUP = "notice"
 
 
 class RegionActor(RegionWorker):
@@ -95,6 +97,13 @@ class RegionActor(RegionWorker):
         if self._pool is not None:
             self._pool.release(idle_s)
 
+    @ray.method(concurrency_group=NOTICE_GROUP)
+    def senders_done(self, round_: int, senders: list[str]) -> None:
+        """RegionWorker.senders_done, on a thread of its own: the round it cuts short is running."""
+        transport = self.__dict__.get("transport")
+        if transport is not None:  # a pooled actor between runs has none
+            transport.senders_done(round_, senders)
+
     @ray.method(concurrency_group=HEALTH_GROUP)
     def heartbeat(self) -> dict[str, Any]:
         """Answers at once, whatever the region's main call is doing (reads two plain values)."""
@@ -134,7 +143,7 @@ def region_actor_class(*, num_cpus: float, max_restarts: int, label_selector: di
                                # merged by Ray with the job's env_vars (OMP_NUM_THREADS)
                                "runtime_env": {"env_vars": grpc_log_env()},
                                # the default group keeps max_concurrency 1: region calls stay serial
-                               "concurrency_groups": {HEALTH_GROUP: 1, POOL_GROUP: 1}}
+                               "concurrency_groups": {HEALTH_GROUP: 1, POOL_GROUP: 1, NOTICE_GROUP: 1}}
     if label_selector:
         options["label_selector"] = label_selector
     return ray.remote(**options)(RegionActor)

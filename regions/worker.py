@@ -29,6 +29,7 @@ from .sync.protocol import SyncAlgorithm, SyncContext
 from .adversary import attach
 from .exchange import Exchanger
 from .gapfill import GapFiller, pausing
+from .gauntlet import Gauntlet, harmful_refusals
 from .limits import wire_limits
 from .privacy.dp import dp_noise_seed, noise_generator
 from .rollback import RoundGuard
@@ -70,6 +71,9 @@ class RoundPlan:
     dp_noise: float | None = None
     # sync.pacing.fill_gaps (regions/gapfill.py): after returning, step until the next call arrives.
     fill: bool = False
+    # In-neighbours on probation (a member muted for withholding, tried again: recovery.WithholdWatch):
+    # their update is taken if it comes with the others, and nobody waits for it (p2p/mailbox.py).
+    optional: tuple[str, ...] = ()
 
 
 @pausing
@@ -97,6 +101,7 @@ class RegionWorker(LocalSteps, RegionState):
                                        norm_multiple=sec.norm_multiple, clip=not self._clips_at_mix())
         self._open_transport(transport, tls=tls, advertised_host=advertised_host)
         self._make_exchanger()
+        self.gauntlet = Gauntlet.for_worker(self)  # security.score_updates: None where it does not apply
         self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
         self.guard = RoundGuard(self) if sec.rollback_on_nonfinite else None
         self.completed_round = -1
@@ -171,7 +176,8 @@ class RegionWorker(LocalSteps, RegionState):
                            settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
                            evaluate=self.evaluate_params, secagg=self.secagg, hurry=lambda: self.exchanger.hurry(),
-                           dp_noise_seed=dp_noise_seed(self.cfg))
+                           dp_noise_seed=dp_noise_seed(self.cfg),
+                           screen=None if self.gauntlet is None else self.gauntlet.screen)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
@@ -240,6 +246,7 @@ class RegionWorker(LocalSteps, RegionState):
         if plan.sketch:
             metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
         fill = plan.fill and not plan.final
+        harmful = self.gauntlet.take() if self.gauntlet is not None else {}
         wall = time.time() - t_start
         metrics.update({"round": plan.round, "region": self.region, "H": plan.H,
                         "codecs": {p: plan.codecs.get(p, self.cfg.compression.codec).key
@@ -247,10 +254,14 @@ class RegionWorker(LocalSteps, RegionState):
                         "wall_s": wall, "utilization": min(1.0, metrics.get("compute_s", 0.0) / wall) if wall > 0 else 0.0,
                         "links": self.exchanger.link_estimates(self.region),
                         "refused": self.transport.stats().get("refused_total", 0),
-                        "refusals": _summed(self.take_refusals(), metrics.get("refusals")),
+                        "refusals": _summed(self.take_refusals(), metrics.get("refusals"), harmful_refusals(harmful)),
+                        "harmful": harmful,
                         "clipped": self.admission.take_clipped(), "rss_mb": rss_mb()})
         if self.hostile is not None:
             metrics["hostile"] = self.hostile.take_acts()
+        done = self.__dict__.get("_pushes_done")
+        if done is not None and done[0] == plan.round:
+            metrics["pushes_done"] = {"round": done[0], "peers": done[1]}
         if fill:  # last: any call into the worker (even its own) stops the filler
             # At most a nominal round's steps: a long gap (a peer back from an absence fetching the
             # model) must not turn into several rounds of unsynchronised drift.
@@ -314,7 +325,11 @@ class RegionWorker(LocalSteps, RegionState):
         res = self.exchanger.exchange(plan.round, tensors, out_peers=out_peers, in_peers=in_peers,
                                       codecs=codecs, default_codec=self.cfg.compression.codec,
                                       quorum=quorum, grace_s=plan.grace_s, stream=stream, spread_s=spread_s,
-                                      window_s=window_s)
+                                      window_s=window_s, optional=plan.optional)
+        # What the driver tells peers still waiting once this region reported the round (senders_done):
+        # the pushes it made that were delivered, and those it never made.
+        self._pushes_done = (plan.round, res.finished_pushes(
+            [self.regions[j] for j in self.topology.out_neighbours(self.index, plan.round)]))
         res.received = move_received(res.received, self.device)
         if res.stale:
             moved = move_received({f"{s}@{r}": t for s, r, t in res.stale}, self.device)
@@ -364,6 +379,11 @@ class RegionWorker(LocalSteps, RegionState):
         except CodecError as exc:
             raise ValueError(f"undecodable update from {sender}: {exc}") from None
         return self.admission.admit(sender, tensors)
+
+    def senders_done(self, round_: int, senders: list[str]) -> None:
+        """The driver's notice, mid-round: `senders` reported `round_` and push nothing more of it here
+        (Transport.senders_done); a receive waiting for them stops after a short grace."""
+        self.transport.senders_done(round_, senders)
 
     def transport_stats(self) -> dict[str, Any]:
         """The transport's counters (see Transport.stats)."""

@@ -98,10 +98,12 @@ class Coordinator:
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    def plan(self, round_: int, *, alive: list[str], evaluate: bool, muted: Collection[str] = ()) -> dict[str, RoundPlan]:
+    def plan(self, round_: int, *, alive: list[str], evaluate: bool, muted: Collection[str] = (),
+             optional: Collection[str] = ()) -> dict[str, RoundPlan]:
         """One RoundPlan per alive region (codecs differ per region: they are per out-link). `muted`
         regions (members whose updates never arrive: recovery.WithholdWatch) run the round alone:
-        the others neither send to them nor wait for them, and none of them evaluates."""
+        the others neither send to them nor wait for them, and none of them evaluates. `optional`
+        regions (such a member back on probation) take part, but nobody waits for their update."""
         self._note_overhead()
         links = self._round_links(round_, alive)
         if self.cfg.sync.algorithm == "allreduce":
@@ -150,7 +152,8 @@ class Coordinator:
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
             plans[region] = RoundPlan(round=round_, H=steps.get(region, H), codecs=mine, lr_scale=scale, evaluate=region in evaluators,
-                                      alive=(region,) if region in muted else tuple(heard), final=final, sketch=sketch, fill=fill, **paced)
+                                      alive=(region,) if region in muted else tuple(heard), final=final, sketch=sketch, fill=fill,
+                                      optional=tuple(sorted(set(optional) & set(heard) - {region})), **paced)
         self._plan_t = self.clock.now()
         return plans
 

@@ -68,12 +68,13 @@ class FaultHandling:
     survive dead, hung and stalled ones, revivals and resyncs (see the module docstring).
     """
 
-    def _gather(self, refs: dict, what: str, *, timeout: float) -> dict[str, Any]:
+    def _gather(self, refs: dict, what: str, *, timeout: float, on_result=None) -> dict[str, Any]:
         """region -> result of one call per region. A region whose actor died, or that did not
         answer within `timeout` (then it is killed for Ray to restart), is failed; one that stops
         answering the liveness probe for regions.heartbeat_timeout_s is stalled: the gather goes
         on without it. Elastic runs carry on without either, fail-fast runs stop. An exception
-        inside the call stops the run."""
+        inside the call stops the run. `on_result(region, result, still_waiting)` sees each result as it
+        comes (the runner's senders-done notices), not a probe period later."""
         if not refs:
             return {}
         pending, out = dict(refs), {}
@@ -81,10 +82,14 @@ class FaultHandling:
         t0 = t_last = time.monotonic()
         noted: set[str] = set()
         while pending and (left := timeout - (time.monotonic() - t0)) > 0:
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, probe.every_s))
+            ready, _ = ray.wait(list(pending), num_returns=1 if on_result else len(pending),
+                                timeout=min(left, probe.every_s))
             for ref in ready:
-                self._collect(ref, pending.pop(ref), what, out)
+                region = pending.pop(ref)
+                self._collect(ref, region, what, out)
                 t_last = time.monotonic()
+                if on_result is not None and region in out:
+                    on_result(region, out[region], set(pending.values()))
             if not pending:
                 break
             silent = probe.silent(pending.values())

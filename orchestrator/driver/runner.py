@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import ray
@@ -136,7 +137,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         t_start = self.clock.now()
         participants, absent = self._participants(r)
         muted = self._muted_for(r)  # members whose updates never arrive (issue 36, N2)
-        plans = self._dp_plans(r, self.coordinator.plan(r, alive=participants, evaluate=evaluate, muted=muted))
+        plans = self._dp_plans(r, self.coordinator.plan(r, alive=participants, evaluate=evaluate, muted=muted,
+                                                         optional=self.withhold.on_probation))
         if self.coordinator.at_eval_mark:
             self.evaluation.force(r)
         if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
@@ -171,7 +173,8 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
         if self.pacing.mode == "quorum":
             results = self._gather_quorum(refs, r, timeout=timeout)
         else:
-            results = self._gather(refs, f"round {r}", timeout=timeout)
+            results = self._gather(refs, f"round {r}", timeout=timeout,
+                                   on_result=lambda region, m, waiting: self._notice_done(r, region, m, waiting))
             self._current = set(results)
         now = round(self.clock.now(), 4)
         for region, m in results.items():
@@ -183,6 +186,17 @@ class Runner(SetUp, FaultHandling, PacedRounds, DpAccounting):
                 self.faults["rollbacks"] = self.faults.get("rollbacks", 0) + 1
                 self._event("rolled_back", region=region, **m["rolled_back"])
         return results
+
+    def _notice_done(self, r: int, region: str, m: dict[str, Any], waiting: Collection[str]) -> None:
+        """`region` reported round r: the regions still in it whose receive may wait for its update
+        learn that it is done (regions/worker.py, senders_done): a member that withholds costs them a
+        short grace, not a deadline (issue 36, N2). Only pushes it says were delivered or never made
+        count: one still in flight (a slow link) is not cut."""
+        done = m.get("pushes_done") or {}
+        if done.get("round") != r:
+            return  # an overlapped round reports an earlier exchange
+        for peer in sorted(set(done.get("peers") or ()) & set(waiting)):
+            self.actors.handles[peer].senders_done.remote(r, [region])  # not waited for: the notice races the round
 
     def _fetch_params(self) -> dict[str, Any]:
         return self._call(self.alive, "get_params", timeout=600)
