@@ -1,6 +1,6 @@
 """Secure aggregation with keys per run, for geofed's peer-to-peer round (docs/privacy.md,
-"In the round"). The per-round protocol of p2p/secagg.py deals fresh keys and Shamir shares every
-round (~1.9 KB per link and round with its certificate); here the key material crosses each link
+"In the round"). A per-round protocol (fresh keys and Shamir shares every round, deleted in issue
+40) cost ~1.9 KB per link and round with its certificate; here the key material crosses each link
 once per run, and a round costs two small messages per link besides the masked update.
 
 * **Keys, once**: each region's X25519 key and a 32-byte self secret, its `KeyAdvert` (no share

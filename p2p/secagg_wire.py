@@ -1,6 +1,7 @@
-"""The bytes of secure aggregation's messages (p2p/secagg.py): key adverts, share bundles, share
-reveals and masked updates. Decoding is strict and bounded (a peer's bytes are hostile until
-checked): every malformed message is a SecAggError("malformed"), never another exception.
+"""The bytes of secure aggregation's messages: key adverts and masked updates (p2p/secagg_run.py
+adds its reveal and recovery messages on the same layout). Decoding is strict and bounded (a
+peer's bytes are hostile until checked): every malformed message is a SecAggError("malformed"),
+never another exception.
 
 Layout: magic b"GSA1", one type byte, then fields, each a 4-byte big-endian length and its bytes.
 """
@@ -10,14 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import secmask
-from .secagg import KINDS, KeyAdvert, SecAggError, ShareBundle
-from .shamir import SHARE_BYTES, Share
+from .secagg import KeyAdvert, SecAggError
 
 MAGIC = b"GSA1"
-ADVERT, BUNDLE, REVEAL, MASKED = 1, 2, 3, 4
+ADVERT = 1  # types 2 and 3 were the per-round protocol's share bundle and reveal; 5 and 6 are secagg_run's
 MAX_FIELD = 1 << 16  # every field but a masked vector is small
 MAX_FIELDS = 2 * 256 + 16  # an advert for 256 regions
-_SHARE_LEN = 2 + SHARE_BYTES
 
 
 def _pack(kind: int, fields: list[bytes]) -> bytes:
@@ -56,13 +55,6 @@ def _int(b: bytes) -> int:
     return int.from_bytes(b, "big")
 
 
-def _share(b: bytes) -> Share:
-    try:
-        return Share.from_bytes(b)
-    except ValueError as exc:
-        raise SecAggError("malformed", str(exc)) from None
-
-
 def encode_advert(a: KeyAdvert, cert_pem: bytes = b"") -> bytes:
     """A KeyAdvert and the signer's certificate (PEM, checked against the run's CA by the
     receiver; empty without TLS): run, round, region, key, signature, certificate, n, then the key
@@ -73,7 +65,7 @@ def encode_advert(a: KeyAdvert, cert_pem: bytes = b"") -> bytes:
 
 
 def decode_advert(data: bytes | memoryview) -> tuple[KeyAdvert, bytes]:
-    """The advert in `data` and the certificate it came with (`verify_advert` checks both)."""
+    """The advert in `data` and the certificate it came with (`secagg_run.verify_run_advert` checks both)."""
     f = _unpack(data, ADVERT)
     if len(f) < 7:
         raise SecAggError("malformed", "an advert needs at least 7 fields")
@@ -83,43 +75,6 @@ def decode_advert(data: bytes | memoryview) -> tuple[KeyAdvert, bytes]:
     advert = KeyAdvert(run_id=_text(f[0]), round=_int(f[1]), region=_text(f[2]), public_key=f[3], signature=f[4],
                        commitments=(tuple(f[7:7 + n]), tuple(f[7 + n:])))
     return advert, f[5]
-
-
-def encode_bundle(b: ShareBundle) -> bytes:
-    """A ShareBundle: run, round, dealer, holder, then the key and the seed share."""
-    return _pack(BUNDLE, [b.run_id.encode(), b.round.to_bytes(8, "big"), b.dealer.encode(), b.holder.encode(),
-                          *(s.to_bytes() for s in b.shares)])
-
-
-def decode_bundle(data: bytes | memoryview) -> ShareBundle:
-    """The bundle in `data` (its commitments are `ShareHolder.receive`'s to check)."""
-    f = _unpack(data, BUNDLE)
-    if len(f) != 6:
-        raise SecAggError("malformed", f"a share bundle has 6 fields, got {len(f)}")
-    return ShareBundle(run_id=_text(f[0]), round=_int(f[1]), dealer=_text(f[2]), holder=_text(f[3]),
-                       shares=(_share(f[4]), _share(f[5])))
-
-
-def encode_reveal(run_id: str, round: int, holder: str, revealed: dict[tuple[str, str], Share]) -> bytes:
-    """A holder's revealed shares: (dealer, kind) -> share, as `ShareHolder.reveal` returns them."""
-    fields = [run_id.encode(), round.to_bytes(8, "big"), holder.encode()]
-    for (dealer, kind), share in sorted(revealed.items()):
-        fields += [dealer.encode(), kind.encode(), share.to_bytes()]
-    return _pack(REVEAL, fields)
-
-
-def decode_reveal(data: bytes | memoryview) -> tuple[str, int, str, dict[tuple[str, str], Share]]:
-    """(run id, round, holder, {(dealer, kind): share})."""
-    f = _unpack(data, REVEAL)
-    if len(f) < 3 or (len(f) - 3) % 3:
-        raise SecAggError("malformed", "a reveal is run, round, holder, then (dealer, kind, share) triples")
-    out = {}
-    for i in range(3, len(f), 3):
-        dealer, kind = _text(f[i]), _text(f[i + 1])
-        if kind not in KINDS or (dealer, kind) in out:
-            raise SecAggError("malformed", f"a reveal names kind {kind!r} or {dealer!r} twice")
-        out[(dealer, kind)] = _share(f[i + 2])
-    return _text(f[0]), _int(f[1]), _text(f[2]), out
 
 
 def encode_masked(masked: np.ndarray) -> bytes:
