@@ -130,3 +130,31 @@ def test_a_cut_or_optional_sender_does_not_widen_the_deadline(trio):
 
 def _payload() -> bytes:
     return b"u" * 16
+
+
+def test_only_delivered_or_never_made_pushes_are_reported_finished():
+    """What a region reports for the driver's notices (regions/worker.py, `pushes_done`), from a real
+    exchange: a push delivered (b) and one never made (d, not an out-peer this round) are finished;
+    one that failed (c is gone) and one still in flight past the sender's wait (a, its link 1.6 s
+    slow) are not, so the driver never tells a or c to stop waiting for this sender. Written with
+    ExchangeResult.finished_pushes (before: no such method, AttributeError)."""
+    hub = InMemoryHub()
+    ts = {r: InMemoryTransport(r, hub) for r in ("x", "a", "b", "c", "d")}
+    for t in ts.values():
+        t.start()
+        t.connect({r: f"inmem:{r}" for r in ts})
+    hub.set_link("x", "a", delay_s=1.6)
+    ex = Exchanger(ts["x"], error_feedback=False, deadline=AdaptiveDeadline(0.2, 0.1, 1.0, 3.0), send_timeout_s=4.0)
+    try:
+        for r in ("a", "b"):
+            ts[r].expect(0, ["x"])
+        ts["c"].close()  # its push fails at once: unavailable
+        res = ex.exchange(0, [torch.ones(2)], out_peers=["a", "b", "c"], in_peers=[], codecs={},
+                          default_codec=CodecSpec.parse("identity"))
+        assert "a" in res.send_failures and "in flight" in res.send_failures["a"]
+        assert "c" in res.send_failures
+        assert res.finished_pushes(["a", "b", "c", "d"]) == ["b", "d"]
+    finally:
+        ex.close()
+        for t in ts.values():
+            t.close()
