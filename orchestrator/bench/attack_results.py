@@ -8,7 +8,9 @@ Accounting. The hostile region counts its own acts (metrics.jsonl `hostile`: pus
 flipped or scaled, one per peer; FetchState answers poisoned; masked contributions scaled, one per
 peer). The honest regions count what they refused or clipped: their `refusals` by reason and the
 whole run's (summary.json, whatever reasons the run knows), their `clipped` updates from the
-hostile member, secure aggregation's `secagg_refused` by reason (shown as `secagg_<reason>`; where
+hostile member, their updates refused as `harmful` (regions/gauntlet.py) by sender: the member's
+count, an honest sender's are listed as `harmful_other` and not counted, secure aggregation's
+`secagg_refused` by reason (shown as `secagg_<reason>`; where
 the transport counted the same refusal under `<reason>`, it is one), and (for withheld pushes only, at
 most one per act) the rounds where they recorded the hostile member missing. Refusals are counted
 by the refusing region, not by sender; reasons a network fault alone gives (late, aborted, ...)
@@ -38,6 +40,8 @@ MAX_TIME_RATIO = 1.5
 # Refusal reasons a network fault gives without any member lying: shown, never taken as catching one.
 BENIGN_REASONS = frozenset({"late", "aborted", "truncated", "busy", "no_deadline", "tls_handshake", "unknown_sender",
                             "not_neighbour", "future_round", "replayed", "no_state", "missed"})
+# Listed, never taken as catching the member: the above, and honest updates refused as harmful.
+NOT_CAUGHT = BENIGN_REASONS | {"harmful_other"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +156,11 @@ def account(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any] | N
                 acts[kind] = acts.get(kind, 0) + int(n)
             continue
         for reason, n in (m.get("refusals") or {}).items():
-            refusals[reason] = refusals.get(reason, 0) + int(n)
+            if reason != "harmful":  # counted by sender below: an honest update refused is no catch
+                refusals[reason] = refusals.get(reason, 0) + int(n)
+        for sender, n in (m.get("harmful") or {}).items():
+            key = "harmful" if sender == attacker else "harmful_other"
+            refusals[key] = refusals.get(key, 0) + int(n)
         clipped = int((m.get("clipped") or {}).get(attacker, 0))
         if clipped:
             refusals["clipped"] = refusals.get("clipped", 0) + clipped
@@ -168,10 +176,12 @@ def account(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any] | N
     by_region = ((summary or {}).get("refusals") or {}).get("by_region") or {}
     if attacker not in by_region or not by_region.get(attacker):
         for reason, n in (((summary or {}).get("refusals") or {}).get("by_reason") or {}).items():
-            refusals[reason] = max(refusals.get(reason, 0), int(n))
+            if reason != "harmful":  # the run's total of every sender's; the rounds' say whose
+                refusals[reason] = max(refusals.get(reason, 0), int(n))
     if missed:
         refusals["missed"] = missed
-    caught = sum(n for reason, n in refusals.items() if reason not in BENIGN_REASONS and reason not in secagg_reasons(refusals))
+    caught = sum(n for reason, n in refusals.items()
+                 if reason not in NOT_CAUGHT and reason not in secagg_reasons(refusals))
     # A secure-aggregation refusal the transport counted too (under its plain reason) is one refusal.
     caught += sum(max(0, n - refusals.get(reason[len("secagg_"):], 0)) for reason, n in refusals.items()
                   if reason in secagg_reasons(refusals))

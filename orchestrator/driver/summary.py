@@ -141,18 +141,19 @@ def _refusals(metrics: list[dict], tail: dict[str, dict[str, int]]) -> dict[str,
             by_reason[reason] = by_reason.get(reason, 0) + n
             by_region[region] = by_region.get(region, 0) + n
     return {"total": sum(by_reason.values()), "by_reason": by_reason, "by_region": by_region,
-            "clipped": _clipped(metrics)}
+            "clipped": _clipped(metrics), "harmful": _clipped(metrics, key="harmful")}
 
 
-def _clipped(metrics: list[dict]) -> dict[str, Any]:
+def _clipped(metrics: list[dict], *, key: str = "clipped") -> dict[str, Any]:
     """Updates scaled down rather than refused (security.robust_aggregation clip: at the mix to the
     round's median norm, honest ones above it too; secure aggregation's mean as `secagg-mean`): by
     the region that clipped them and by sender. A hostile member shows as one sender clipped by
-    every region, round after round."""
+    every region, round after round. key="harmful": updates refused by the gauntlet (regions/gauntlet.py),
+    by region and by sender the same way (by_reason has their total, every sender's)."""
     by_region: dict[str, int] = {}
     by_sender: dict[str, int] = {}
     for m in metrics:
-        for sender, n in (m.get("clipped") or {}).items():
+        for sender, n in (m.get(key) or {}).items():
             by_region[m.get("region")] = by_region.get(m.get("region"), 0) + n
             by_sender[sender] = by_sender.get(sender, 0) + n
     return {"total": sum(by_region.values()), "by_region": by_region, "by_sender": by_sender}

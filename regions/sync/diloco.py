@@ -98,7 +98,7 @@ class DilocoSync:
             self._load_global()
             metrics.update(secagg_metrics)
         elif not self.overlap:
-            res = ctx.exchange(plan, sent)
+            res = self._screened(plan, ctx.exchange(plan, sent))
             mixed = ctx.mix(plan, sent, res)
             if res.stale:
                 mixed, weights = mix_stale(mixed, [(r, t) for _, r, t in res.stale], round_=plan.round,
@@ -142,7 +142,7 @@ class DilocoSync:
         return metrics
 
     def _exchange_and_mix(self, plan, delta, window_s: float = 0.0, spread_s: float = 0.0):
-        res = self.ctx.exchange(plan, delta, spread_s=spread_s, window_s=window_s)
+        res = self._screened(plan, self.ctx.exchange(plan, delta, spread_s=spread_s, window_s=window_s))
         mixed = self.ctx.mix(plan, delta, res)
         # The synchronised model of this round exists now, a round before it is applied: an eval
         # round evaluates it here, off the training thread, so time to target counts from when it
@@ -152,6 +152,14 @@ class DilocoSync:
             ev = {**self.ctx.evaluate(self._preview_outer_step(mixed), restore_rng=False),
                   "round": plan.round, "t_done": time.monotonic()}
         return res, mixed, ev
+
+    def _screened(self, plan, res):
+        """`res` less the updates the gauntlet refuses (security.score_updates), each scored against
+        the global model this exchange's outer step starts from: with overlap the previous step is
+        applied before this exchange is handed to the thread, and the next waits for it."""
+        if self.ctx.screen is None:
+            return res
+        return self.ctx.screen(plan, self.global_params, res)
 
     def _preview_outer_step(self, mixed: list[torch.Tensor]) -> list[torch.Tensor]:
         """What _outer_step will make of the global model, computed on copies: torch's SGD update

@@ -66,6 +66,9 @@ class SyncContext:
     # DiLoCo then exchanges through it instead of `exchange` and `mix`.
     secagg: Any = None
     dp_noise_seed: int | None = None  # privacy.dp.seeded_noise: run.seed, else None (the OS's randomness)
+    # screen(plan, theta, result) -> result without the updates refused as harmful (regions/gauntlet.py):
+    # security.score_updates scores each received update against theta, the model its outer step starts from.
+    screen: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], ExchangeResult] | None = None
 
 
 class SyncAlgorithm(Protocol):

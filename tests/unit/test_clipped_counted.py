@@ -51,3 +51,23 @@ def test_the_report_shows_clipped_updates(tmp_path):
     html = write_report(run_dir).read_text()
     assert "clipped updates" in html
     assert f"clipped from {REGIONS[3]}" in html
+
+
+def test_summary_counts_harmful_refusals_by_sender(tmp_path):
+    """Updates the gauntlet refused (regions/gauntlet.py) are refusals by reason (`harmful`) and, as
+    clipped ones are, by region and by sender, so an honest sender refused shows apart from the member.
+    Before: summary.json had no `harmful` by sender (KeyError)."""
+    run_dir = fake_run_dir(tmp_path / "run", rounds=4, regions=REGIONS[:4])
+    path = run_dir / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in recs:
+        r["harmful"] = {} if r["region"] == REGIONS[3] else {REGIONS[3]: 1}
+        r["refusals"] = {} if r["region"] == REGIONS[3] else {"harmful": 1}
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits", "hidden": 16}, "regions": {"names": REGIONS[:4]},
+                               "network": {"emulation": {"mode": "none"}}})
+    s = build_summary(cfg, run_dir, eval_avg=None, eval_per_region={}, consensus=None, transport_stats={},
+                      faults={}, placement={}, emulator=None, wall_s=1.0)
+    assert s["refusals"]["by_reason"] == {"harmful": 12}
+    assert s["refusals"]["harmful"]["by_sender"] == {REGIONS[3]: 12}
+    assert s["refusals"]["harmful"]["by_region"] == {REGIONS[0]: 4, REGIONS[1]: 4, REGIONS[2]: 4}
