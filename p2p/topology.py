@@ -40,10 +40,6 @@ class Topology(ABC):
     def out_neighbours(self, i: int, round: int) -> list[int]:
         """Regions that region i sends its value to in `round` (sorted)."""
 
-    def in_neighbours(self, i: int, round: int) -> list[int]:
-        """Regions whose values region i receives and mixes in `round` (sorted)."""
-        return sorted(self.in_weights(i, round))
-
     def self_weight(self, i: int, round: int) -> float:
         """The weight region i keeps for its own value: what its in-weights leave of 1."""
         return 1.0 - math.fsum(self.in_weights(i, round).values())

@@ -180,6 +180,3 @@ class RegionNet:
             raise RuntimeError(f"tc: no tbf counters on {self.names[region]}/{DEVICE}: {text.strip()}")
         sent, pkts, dropped, over = (int(g) for g in m.groups())
         return {"bytes": sent, "packets": pkts, "dropped": dropped, "overlimits": over}
-
-    def sysctl(self, region: str, name: str) -> str:
-        return _run("ip", "netns", "exec", self.names[region], "sysctl", "-n", name).strip()

@@ -217,6 +217,3 @@ class PacketRouter:
                     self.delivered += 1
                 except (BlockingIOError, InterruptedError):
                     self.dropped += 1   # the receiving device's queue is full: a router drop
-
-    def queued(self) -> int:
-        return sum(len(q) for q in self._queues.values())
