@@ -106,7 +106,7 @@ class Codec(CodecParams, ABC):
 
         return encode_update(self, tensors, state)
 
-    def decode(self, payload, *, max_bytes: int, expected_shapes: Sequence[Shape] | None = None) -> list[torch.Tensor]:
+    def decode(self, payload: bytes | bytearray | memoryview, *, max_bytes: int, expected_shapes: Sequence[Shape] | None = None) -> list[torch.Tensor]:
         """`decode_update`, refusing a payload made by another codec (CodecError)."""
         from .update import decode_update, inspect_update
 

@@ -70,7 +70,8 @@ def _int8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _jobs(spec: Any, x: torch.Tensor, ef_state: CodecState, buf: torch.Tensor):
+def _jobs(spec: Any, x: torch.Tensor, ef_state: CodecState,
+          buf: torch.Tensor) -> tuple[dict[str, Callable[[], object]], dict[str, Any]]:
     """The timed jobs of one codec, and what is measured once (ratio, error).
 
     Plain encodes get a state of their own, as a stream on one codec has (exchange.py keeps
@@ -83,15 +84,16 @@ def _jobs(spec: Any, x: torch.Tensor, ef_state: CodecState, buf: torch.Tensor):
     state = CodecState(error_feedback=False, seed=1)
     payload = encode_update(codec, [x], state)
     max_bytes = 4 * x.numel() + (1 << 20)
-    jobs = {"encode": lambda: encode_update(codec, [x], state),
-            "decode": lambda: decode_update(payload, max_bytes=max_bytes),
-            "decode_buf": lambda: decode_update(payload, max_bytes=max_bytes, out=buf)}
+    jobs: dict[str, Callable[[], object]] = {
+        "encode": lambda: encode_update(codec, [x], state),
+        "decode": lambda: decode_update(payload, max_bytes=max_bytes),
+        "decode_buf": lambda: decode_update(payload, max_bytes=max_bytes, out=buf)}
     if codec.contractive and not codec.lossless:
         jobs["encode_ef"] = lambda: encode_update(codec, [x], ef_state)
     (out,) = decode_update(payload, max_bytes=max_bytes)
     rel = float(torch.linalg.vector_norm(out - x) / torch.linalg.vector_norm(x)) if x.numel() else 0.0
-    row = {"codec": codec.name, "kind": codec.kind, "spec": codec.spec(), "numel": x.numel(),
-           "ratio": 4 * x.numel() / len(payload), "rel_error": rel}
+    row: dict[str, Any] = {"codec": codec.name, "kind": codec.kind, "spec": codec.spec(), "numel": x.numel(),
+                           "ratio": 4 * x.numel() / len(payload), "rel_error": rel}
     return jobs, row
 
 
@@ -139,7 +141,7 @@ def _codec_targets(r: dict, ref: dict[str, float]) -> list[tuple[str, float, flo
 
 
 def _targets(results: list[dict], refs: dict[int, dict[str, float]], powersgd_ratio: float) -> list[dict]:
-    out = [{"target": "powersgd rank 4 ratio on a 1000x1000 matrix >= 100", "numel": 1_000_000,
+    out: list[dict[str, Any]] = [{"target": "powersgd rank 4 ratio on a 1000x1000 matrix >= 100", "numel": 1_000_000,
             "value": powersgd_ratio, "threshold": 100.0, "applies": True}]
     for r in results:
         for text, value, threshold, always in _codec_targets(r, refs[r["numel"]]):

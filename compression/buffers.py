@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -80,6 +81,7 @@ def _refs(items: list, i: int) -> int:
 
 def _forget_hash(buf: bytes) -> None:
     # bytes caches its hash; a reused object must not answer with its previous contents' hash.
+    assert _HASH_OFFSET is not None  # called only where _REUSABLE holds
     _ctypes.c_ssize_t.from_address(id(buf) + _HASH_OFFSET).value = -1
 
 
@@ -100,6 +102,7 @@ def _calibrate() -> tuple[int, int | None]:
     return alone, (offset if hash(probe[0]) == h else None)
 
 
+_PyBytes_FromStringAndSize: Callable[[None, int], bytes] | None
 try:
     import ctypes as _ctypes
 

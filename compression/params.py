@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 
 class CodecParams:
@@ -27,6 +27,9 @@ class CodecParams:
       elementwise works on a flat vector without shapes, so it can be another codec's `inner`;
       sparse      sends a subset of the values (never another sparse codec's `inner`).
     """
+
+    if TYPE_CHECKING:  # what @dataclass gives every subclass: lets dataclasses.fields take a CodecParams
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     kind: ClassVar[str]
     linear: ClassVar[bool] = False
@@ -161,7 +164,7 @@ class _ChunkedQuantParams(CodecParams):
     per_pack: ClassVar[int] = 1   # values packed together: chunks hold whole packs
     _pack_rule: ClassVar[str] = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, 1 << 24)
         if self.chunk % self.per_pack:
             raise ValueError(f"chunk: {self._pack_rule}, got {self.chunk}")
@@ -213,7 +216,7 @@ class SignParams(CodecParams):
     kind: ClassVar[str] = "sign"
     chunk: int = 4096
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, 1 << 24)
 
 
@@ -226,7 +229,7 @@ class TernaryParams(CodecParams):
     chunk: int = 1024
     threshold: float = 0.75
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, 1 << 24)
         if not 0.0 <= self.threshold <= 10.0:
             raise ValueError(f"threshold: must be in [0, 10] (times the chunk's mean |x|), got {self.threshold}")
@@ -243,7 +246,7 @@ class TopKParams(CodecParams):
     fraction: float = 0.01
     inner: CodecParams = FP16Params()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_fraction(self.fraction)
         check_inner(self.kind, self.inner)
 
@@ -264,7 +267,7 @@ class RandomKParams(CodecParams):
     fraction: float = 0.01
     inner: CodecParams = FP16Params()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_fraction(self.fraction)
         check_inner(self.kind, self.inner)
 
@@ -283,7 +286,7 @@ class PowerSGDParams(CodecParams):
     elementwise: ClassVar[bool] = False
     rank: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Decoding costs numel x rank multiply-adds whatever the payload's size: 64 bounds what a
         # hostile payload can make a receiver compute (PowerSGD itself uses ranks 1-8).
         check_int("rank", self.rank, 1, 64)
@@ -303,7 +306,7 @@ class SparseLoCoParams(CodecParams):
     fraction: float = 0.01
     chunk: int = 4096
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_fraction(self.fraction)
         lo, hi = 1 << SPARSELOCO_MIN_BITS, 1 << SPARSELOCO_MAX_BITS
         if not (lo <= self.chunk <= hi) or self.chunk & (self.chunk - 1):

@@ -22,6 +22,7 @@ import torch
 
 from .base import Codec, CodecError, Section, Shape, register
 from .params import PowerSGDParams
+from .state import CodecState
 
 _QINIT_SEED = 0x5EED
 
@@ -62,7 +63,7 @@ class PowerSGD(PowerSGDParams, Codec):
                 q += m * r
         return [Section(torch.float32, p), Section(torch.float32, q), Section(torch.float32, rest)]
 
-    def encode_into(self, x, shapes, out, state) -> None:
+    def encode_into(self, x: torch.Tensor, shapes: Sequence[Shape], out: list[torch.Tensor], state: CodecState) -> None:
         p_sec, q_sec, rest_sec = out
         warm = state.store.setdefault("powersgd.q", {})
         off = po = qo = ro = 0
@@ -91,7 +92,7 @@ class PowerSGD(PowerSGDParams, Codec):
                 raise CodecError(f"powersgd: tensor {i} overflows fp32 in its factors (values up to {M.abs().max():.3g})")
             warm[(i, m, r)] = Qt.clone()
 
-    def decode_into(self, sections, shapes, out) -> None:
+    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         p_sec, q_sec, rest_sec = sections
         off = po = qo = ro = 0
         for s, pl in zip(shapes, _plan(shapes, self.rank)):

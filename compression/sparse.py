@@ -119,7 +119,7 @@ class TopK(TopKParams, Codec):
         k = _k(self.fraction, n)
         return [Section(torch.int32, _nblocks(n)), Section(torch.uint16, k)] + self.inner.layout([(k,)])
 
-    def encode_into(self, x, shapes, out, state) -> None:
+    def encode_into(self, x: torch.Tensor, shapes: Sequence[Shape], out: list[torch.Tensor], state: CodecState) -> None:
         counts, low = out[0], out[1]
         n = x.numel()
         k = _k(self.fraction, n)
@@ -135,7 +135,7 @@ class TopK(TopKParams, Codec):
         base = torch.arange(counts.numel(), dtype=torch.int64) << _LOW_BITS
         return torch.repeat_interleave(base, counts.to(torch.int64), output_size=low.numel()) + low.to(torch.int64)
 
-    def validate(self, sections, shapes) -> None:
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
         counts, low = sections[0], sections[1]
         n = total_numel(shapes)
         if counts.numel() and (counts.min().item() < 0 or counts.to(torch.int64).sum().item() != low.numel()):
@@ -155,12 +155,13 @@ class TopK(TopKParams, Codec):
         self.inner.decode_into(sections[2:], [(k,)], vals)
         return vals
 
-    def decode_into(self, sections, shapes, out) -> None:
+    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         out.zero_()
         if sections[1].numel():
             out.index_copy_(0, self._indices(sections, out.numel()), self._values(sections))
 
-    def subtract_decoded(self, residual, sections, shapes, scratch) -> None:
+    def subtract_decoded(self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape],
+                         scratch: torch.Tensor) -> None:
         if sections[1].numel():
             residual.index_add_(0, self._indices(sections, residual.numel()), self._values(sections), alpha=-1)
 
@@ -202,7 +203,7 @@ class RandomK(RandomKParams, Codec):
         k = _k(self.fraction, total_numel(shapes))
         return [Section(torch.int64, 1)] + self.inner.layout([(k,)])
 
-    def encode_into(self, x, shapes, out, state) -> None:
+    def encode_into(self, x: torch.Tensor, shapes: Sequence[Shape], out: list[torch.Tensor], state: CodecState) -> None:
         n = x.numel()
         k = _k(self.fraction, n)
         seed = _mix64(torch.tensor([state.seed ^ state.counter], dtype=torch.int64))
@@ -210,7 +211,7 @@ class RandomK(RandomKParams, Codec):
         if k:
             self.inner.encode_into(x.index_select(0, randomk_indices(int(seed.item()), 0, k, n)), [(k,)], out[1:], state)
 
-    def decode_into(self, sections, shapes, out) -> None:
+    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         out.zero_()
         n = out.numel()
         k = _k(self.fraction, n)
@@ -223,6 +224,6 @@ class RandomK(RandomKParams, Codec):
                 e = min(k, s + _BLOCK)
                 out.index_add_(0, randomk_indices(seed, s, e, n), vals[s:e], alpha=n / k)
 
-    def validate(self, sections, shapes) -> None:
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
         k = _k(self.fraction, total_numel(shapes))
         self.inner.validate(sections[1:], [(k,)])

@@ -27,6 +27,7 @@ import torch
 
 from .base import Codec, CodecError, Section, Shape, register, total_numel
 from .params import SparseLoCoParams
+from .state import CodecState
 from .sparse import _k
 
 _EXACT_BELOW = 1 << 18  # torch.topk per row is quick enough below; per-row thresholds above
@@ -99,7 +100,7 @@ class SparseLoCo(SparseLoCoParams, Codec):
         return [Section(torch.uint8, (k * self._bits + 7) // 8), Section(torch.uint8, (2 * k + 7) // 8),
                 Section(torch.float32, 2 * _nchunks(n, self.chunk))]
 
-    def encode_into(self, x, shapes, out, state) -> None:
+    def encode_into(self, x: torch.Tensor, shapes: Sequence[Shape], out: list[torch.Tensor], state: CodecState) -> None:
         packed_idx, packed_codes, mags = out
         local, codes = [], []
         c0 = 0
@@ -147,16 +148,17 @@ class SparseLoCo(SparseLoCoParams, Codec):
         vals = m[which, c & 1] * (1 - 2 * (c >> 1)).float()
         return torch.from_numpy(np.concatenate(idx_parts)), vals
 
-    def validate(self, sections, shapes) -> None:
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
         self._decoded(sections, total_numel(shapes))
 
-    def decode_into(self, sections, shapes, out) -> None:
+    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         out.zero_()
         idx, vals = self._decoded(sections, out.numel())
         if idx.numel():
             out.index_copy_(0, idx, vals)
 
-    def subtract_decoded(self, residual, sections, shapes, scratch) -> None:
+    def subtract_decoded(self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape],
+                         scratch: torch.Tensor) -> None:
         idx, vals = self._decoded(sections, residual.numel())
         if idx.numel():
             residual.index_add_(0, idx, vals, alpha=-1)

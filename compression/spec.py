@@ -48,7 +48,7 @@ class CodecSpec:
     kind: str
     params: tuple[tuple[str, Param], ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.params, (tuple, list, Mapping)):
             raise ValueError(f"params: expected (name, value) pairs, got {type(self.params).__name__}")
         pairs = self.params.items() if isinstance(self.params, Mapping) else self.params
@@ -152,7 +152,8 @@ def parse_key(text: str) -> str | dict[str, Any]:
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:
-    out, pos = [], 0
+    out: list[tuple[str, str]] = []
+    pos = 0
     while pos < len(text):
         if text[pos:].strip() == "":
             break
@@ -161,6 +162,7 @@ def _tokens(text: str) -> list[tuple[str, str]]:
             raise ValueError(f"cannot read {text!r} at character {pos + 1} "
                              f"(a key is kind or kind(name=value,...))")
         kind = m.lastgroup
+        assert kind is not None  # every alternative of _TOKEN is a named group
         out.append((kind, m.group(kind)))
         pos = m.end()
     return out
@@ -201,7 +203,8 @@ def _value_at(tokens: list[tuple[str, str]], pos: int, text: str, *, depth: int)
     return _spec_at(tokens, pos, text, depth=depth + 1)
 
 
-def _expect(tokens, pos, text, kind, what, *, value=None) -> tuple[str, int]:
+def _expect(tokens: list[tuple[str, str]], pos: int, text: str, kind: str, what: str, *,
+            value: str | None = None) -> tuple[str, int]:
     if pos >= len(tokens):
         raise ValueError(f"cannot read {text!r}: expected {what} at the end")
     k, tok = tokens[pos]

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Codec, CodecError, Section, register, total_numel
+from .base import Codec, CodecError, Section, Shape, register, total_numel
 from .params import TernaryParams
+from .state import CodecState
 
 _PER_BYTE = 5
 _MAX_BYTE = 3 ** _PER_BYTE - 1  # 242
@@ -77,7 +78,7 @@ class Ternary(TernaryParams, Codec):
         unit = self.chunk * _PER_BYTE // math.gcd(self.chunk, _PER_BYTE)
         return max(1, _BLOCK // unit) * unit
 
-    def encode_into(self, x, shapes, out, state) -> None:
+    def encode_into(self, x: torch.Tensor, shapes: Sequence[Shape], out: list[torch.Tensor], state: CodecState) -> None:
         trits, levels = out
         n, c, step, t = x.numel(), self.chunk, self._step(), self.threshold
         m = min(n, step)
@@ -110,7 +111,7 @@ class Ternary(TernaryParams, Codec):
         # a chunk holding NaN keeps nothing but its masked sum is NaN: its level is 0
         torch.nan_to_num(sums.div_(kept.clamp_(min=1)).float().view(-1), nan=0.0, posinf=math.inf, out=levels)
 
-    def validate(self, sections, shapes) -> None:
+    def validate(self, sections: list[torch.Tensor], shapes: Sequence[Shape]) -> None:
         trits, levels = sections
         n = total_numel(shapes)
         if trits.numel():
@@ -123,7 +124,7 @@ class Ternary(TernaryParams, Codec):
         if levels.numel() and not (bool(torch.isfinite(levels).all()) and float(levels.min()) >= 0):
             raise CodecError("ternary: chunk levels must be finite and >= 0")
 
-    def decode_into(self, sections, shapes, out) -> None:
+    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
         trits, levels = sections
         n, c, step = out.numel(), self.chunk, self._step()
         g = _nbytes(min(n, step))

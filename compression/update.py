@@ -120,7 +120,8 @@ def choco_update(x_hat: Sequence[torch.Tensor], q: Sequence[torch.Tensor]) -> No
 
 
 # ---- internals -------------------------------------------------------------------------
-def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | None, *, want_decoded: bool):
+def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | None, *,
+            want_decoded: bool) -> tuple[bytes, list[torch.Tensor] | None]:
     tensors, absmax = _check_inputs(tensors)
     shapes = [tuple(t.shape) for t in tensors]
     dtypes = [t.dtype for t in tensors]
@@ -228,7 +229,7 @@ def _check_max_bytes(max_bytes: int) -> None:
         raise ValueError(f"max_bytes: must be a positive integer, got {max_bytes!r}")
 
 
-def _as_bytes_view(payload) -> memoryview:
+def _as_bytes_view(payload: object) -> memoryview:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"payload: expected bytes, bytearray or memoryview, got {type(payload).__name__}")
     mv = memoryview(payload)

@@ -123,7 +123,7 @@ def seal(buf: bytes) -> None:
     writable(buf)[8:12] = torch.frombuffer(bytearray(crc), dtype=torch.uint8)
 
 
-def section_views(buf, header: Header) -> list[torch.Tensor]:
+def section_views(buf: bytes | memoryview, header: Header) -> list[torch.Tensor]:
     """Zero-copy tensors over each section of `buf` (bytes views are never written)."""
     views = []
     with warnings.catch_warnings():

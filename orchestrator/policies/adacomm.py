@@ -63,14 +63,13 @@ class AdacommPolicy:
 
     def _update(self, m: Measurements) -> str:
         """Start a new interval when the last one has run out; returns the event name."""
-        loss = m.loss
-        usable = loss is not None and math.isfinite(loss) and loss > 0
+        loss = m.loss if m.loss is not None and math.isfinite(m.loss) and m.loss > 0 else None  # None: unusable
         if self._F0 is None:
-            if not usable:
+            if loss is None:
                 return "initial"
             self._F0, self._loss_ratio, self._start_round, self._start_s = loss, 1.0, m.round, m.now_s
             return "interval"
-        if not self._interval_over(m) or not usable:
+        if not self._interval_over(m) or loss is None:
             return "steady"
         self._loss_ratio = loss / self._F0
         factor = math.sqrt(self._loss_ratio)
@@ -82,8 +81,11 @@ class AdacommPolicy:
         return "interval"
 
     def _interval_over(self, m: Measurements) -> bool:
+        # Asked only once F0 is set, and the interval's start is set with it.
         if self.cfg.interval_s is not None:
+            assert self._start_s is not None
             return m.now_s - self._start_s >= self.cfg.interval_s
+        assert self._start_round is not None
         return m.round - self._start_round >= self.cfg.interval_rounds
 
     def state_dict(self) -> dict[str, Any]:

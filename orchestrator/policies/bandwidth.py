@@ -31,7 +31,7 @@ from . import cost
 from .config import BandwidthPolicyConfig
 from .explain import describe_link
 from .registry import PolicyContext, register_policy
-from .types import Decision, Measurements
+from .types import Decision, LinkEstimate, Measurements, measured_step_s
 
 
 class BandwidthPolicy:
@@ -90,11 +90,13 @@ class BandwidthPolicy:
         codecs = self._codec_map(m, chosen, rungs)
         decision = self._explain(m, measured, costs, chosen, rungs, codecs, H=H, H_prev=H_prev, H_want=H_want,
                                  H_raw=H_raw, need_link=need_link, event=event)
-        decision.details["hold_skipped"] = urgent
+        details = decision.details
+        assert isinstance(details, dict)  # _explain's own dict: these keys complete the same record
+        details["hold_skipped"] = urgent
         if self.cfg.min_compression > 1:
-            decision.details["H_bytes"] = round(H_bytes, 3)
+            details["H_bytes"] = round(H_bytes, 3)
             if H_bytes >= H_raw * (1 - 1e-9):
-                decision.details["bound_by"] = "bytes"
+                details["bound_by"] = "bytes"
             decision = dataclasses.replace(
                 decision, reason=f"{decision.reason}; byte budget {self.cfg.min_compression:g}x needs H>={cost.ceil_H(H_bytes)}")
         return decision
@@ -111,7 +113,7 @@ class BandwidthPolicy:
         pick = {n: self._fit(cs, c.target_H, m, current.get(n)) for n, cs in costs.items()}
         D_of = {n: costs[n][i] for n, i in pick.items()}
         link = max(D_of, key=lambda n: (D_of[n], n))
-        H_sync = cost.H_for_sync(D_of[link], m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
+        H_sync = cost.H_for_sync(D_of[link], measured_step_s(m), overlap=m.overlap, comm_fraction=c.target_comm_fraction,
                                  margin=c.overlap_margin, overhead=overhead)
         H_bytes = max(c.min_compression / self._rungs[i].ratio for i in pick.values())
         return max(H_sync, H_bytes), link, H_bytes
@@ -131,7 +133,7 @@ class BandwidthPolicy:
     def _over_budget(self, costs: Mapping[str, list[float]], current: Mapping[str, int | None], m: Measurements) -> bool:
         """Some link's current codec no longer fits the current H's budget (by more than the band)."""
         c = self.cfg
-        budget = cost.budget_for_H(self._H, m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
+        budget = cost.budget_for_H(self._H, measured_step_s(m), overlap=m.overlap, comm_fraction=c.target_comm_fraction,
                                    margin=c.overlap_margin, overhead=m.round_overhead_s or 0.0)
         return any(i is not None and i < len(costs[n]) - 1
                    and self._within_bytes(costs[n], self._H)[i] > budget * (1 + c.hysteresis)
@@ -143,7 +145,7 @@ class BandwidthPolicy:
     def _fit(self, costs: Sequence[float], H: int, m: Measurements, current: int | None) -> int:
         """The codec (ladder index) of one link for a round of H steps, with hysteresis (step 3)."""
         c = self.cfg
-        budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap, comm_fraction=c.target_comm_fraction,
+        budget = cost.budget_for_H(H, measured_step_s(m), overlap=m.overlap, comm_fraction=c.target_comm_fraction,
                                    margin=c.overlap_margin, overhead=m.round_overhead_s or 0.0)
         costs = self._within_bytes(costs, H)
         fresh = cost.least_fitting(costs, budget)
@@ -191,7 +193,9 @@ class BandwidthPolicy:
                 return g.spec, H
         return rungs[-1].spec, min(self.cfg.H_max, max(H, cost.ceil_H(need / rungs[-1].ratio)))
 
-    def _explain(self, m, measured, costs, chosen, rungs, codecs, *, H, H_prev, H_want, H_raw, need_link, event) -> Decision:
+    def _explain(self, m: Measurements, measured: Mapping[str, LinkEstimate], costs: Mapping[str, list[float]],
+                 chosen: Mapping[str, int], rungs: Sequence[cost.Rung], codecs: Mapping[str, CodecSpec], *, H: int,
+                 H_prev: int, H_want: int, H_raw: float, need_link: str, event: str) -> Decision:
         from .explain import explain_bandwidth
 
         D_of = {n: costs[n][chosen[n]] for n in chosen}

@@ -13,7 +13,7 @@ from typing import Any, Literal
 H_LIMIT = 1_000_000
 
 
-def _doc(text: str, **kw) -> dict:
+def _doc(text: str, **kw: Any) -> dict[str, Any]:
     return {"doc": text, **kw}
 
 
@@ -24,7 +24,7 @@ class FixedPolicyConfig:
     kind: Literal["fixed"] = "fixed"
     H: int = field(default=20, metadata=_doc("local steps between syncs"))
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not 1 <= self.H <= H_LIMIT:
             raise ValueError(f"H: must be in [1, {H_LIMIT}], got {self.H}")
 
@@ -54,7 +54,7 @@ class BandwidthPolicyConfig:
             "a byte budget: H x codec ratio >= this on every link, i.e. a region sends at most 1/min_compression "
             "of the bytes per inner step that per-step fp32 sync would (egress cost); 1: no budget"))
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not 1 <= self.min_compression <= 1e9:
             raise ValueError(f"min_compression: must be in [1, 1e9], got {self.min_compression}")
         if not 1 <= self.H_min <= self.H_max <= H_LIMIT:
@@ -99,7 +99,7 @@ class AdacommPolicyConfig:
     H_min: int = field(default=1, metadata=_doc("smallest H after the factor"))
     H_max: int = field(default=10_000, metadata=_doc("largest H after the factor"))
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.base, (FixedPolicyConfig, BandwidthPolicyConfig)):
             raise ValueError(f"base: must be a fixed or bandwidth policy, got {type(self.base).__name__}")
         if not 1 <= self.interval_rounds <= 1_000_000:

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import cost
 from .config import BandwidthPolicyConfig
-from .types import LinkEstimate, Measurements
+from .types import LinkEstimate, Measurements, measured_step_s
 
 
 def mbps(bps: float | None) -> float | None:
@@ -52,11 +52,12 @@ def explain_bandwidth(cfg: BandwidthPolicyConfig, m: Measurements, measured: Map
                       event: str, last_pred: float | None, since_change: int | None) -> tuple[dict, str]:
     """The bandwidth policy's decision details and its one-line reason."""
     D = D_of[bottleneck]
+    step_s = measured_step_s(m)
     overhead = m.round_overhead_s or 0.0
-    budget = cost.budget_for_H(H, m.step_time_s, overlap=m.overlap, comm_fraction=cfg.target_comm_fraction,
+    budget = cost.budget_for_H(H, step_s, overlap=m.overlap, comm_fraction=cfg.target_comm_fraction,
                                margin=cfg.overlap_margin, overhead=overhead)
     # Which constraint set H_raw: hiding the sync, or (overlap) keeping the control plane's share small.
-    H_overhead = cost.compute_for_overhead(overhead, cfg.target_comm_fraction) / m.step_time_s
+    H_overhead = cost.compute_for_overhead(overhead, cfg.target_comm_fraction) / step_s
     by_overhead = m.overlap and overhead > 0 and H_overhead >= H_raw * (1 - 1e-9)
     links = {n: describe_link(e, rungs[chosen[n]], m.model_numel, D_of[n]) if n in chosen else describe_link(e)
              for n, e in m.links.items()}
@@ -64,7 +65,7 @@ def explain_bandwidth(cfg: BandwidthPolicyConfig, m: Measurements, measured: Map
         "kind": "bandwidth", "event": event, "mode": "overlap" if m.overlap else "serial",
         "H": H, "H_prev": H_prev, "H_wanted": H_want, "H_raw": round(H_raw, 3), "need_link": need_link,
         "step_time_s": m.step_time_s, "bottleneck": bottleneck, "sync_s": round(D, 6), "budget_s": round(budget, 6),
-        "comm_fraction": round(exposed_fraction(D, H, m.step_time_s, m.overlap), 6),
+        "comm_fraction": round(exposed_fraction(D, H, step_s, m.overlap), 6),
         "round_overhead_s": m.round_overhead_s, "bound_by": "overhead" if by_overhead else "sync",
         "rounds_since_change": since_change, "unmeasured": sorted(set(m.links) - set(measured)),
         "rtt_only": sorted(n for n, e in measured.items() if e.bandwidth_bps is None),
@@ -73,7 +74,8 @@ def explain_bandwidth(cfg: BandwidthPolicyConfig, m: Measurements, measured: Map
     return details, _reason(cfg, m, measured, rungs, chosen, D, details)
 
 
-def _reason(cfg, m, measured, rungs, chosen, D, d) -> str:
+def _reason(cfg: BandwidthPolicyConfig, m: Measurements, measured: Mapping[str, LinkEstimate],
+            rungs: Sequence[cost.Rung], chosen: Mapping[str, int], D: float, d: Mapping[str, Any]) -> str:
     H, H_prev, H_want = d["H"], d["H_prev"], d["H_wanted"]
     if d["event"] == "changed":
         head = f"H {H_prev}->{H}" if H != H_prev else f"H stays {H}, codecs changed"
@@ -83,17 +85,18 @@ def _reason(cfg, m, measured, rungs, chosen, D, d) -> str:
         head = f"H stays {H} (wants {H_want}, within {cfg.hysteresis:.0%})"
     else:
         head = f"H stays {H}"
+    step_s = measured_step_s(m)
     b = d["bottleneck"]
     est = measured[b]
     bw = "bandwidth unknown" if est.bandwidth_bps is None else f"{_g(est.bandwidth_bps / 1e6)} Mbit/s"
     link = f"bottleneck {b} {bw}, {_g((est.rtt_s or 0) * 1e3)} ms RTT, {rungs[chosen[b]].spec.key}: sync {_g(D)} s"
     if m.overlap and d["bound_by"] == "overhead":
-        need = (f"control plane {_g(m.round_overhead_s * 1e3)} ms/round <= {cfg.target_comm_fraction:.0%} at "
-                f"{_g(m.step_time_s * 1e3)} ms/step needs H>={cost.ceil_H(d['H_raw'])}")
+        need = (f"control plane {_g((m.round_overhead_s or 0.0) * 1e3)} ms/round <= {cfg.target_comm_fraction:.0%} at "
+                f"{_g(step_s * 1e3)} ms/step needs H>={cost.ceil_H(d['H_raw'])}")
     elif m.overlap:
-        need = f"hiding it ({cfg.overlap_margin:g}x) behind {_g(m.step_time_s * 1e3)} ms steps needs H>={cost.ceil_H(d['H_raw'])}"
+        need = f"hiding it ({cfg.overlap_margin:g}x) behind {_g(step_s * 1e3)} ms steps needs H>={cost.ceil_H(d['H_raw'])}"
     else:
-        need = (f"comm <= {cfg.target_comm_fraction:.0%} at {_g(m.step_time_s * 1e3)} ms/step "
+        need = (f"comm <= {cfg.target_comm_fraction:.0%} at {_g(step_s * 1e3)} ms/step "
                 f"needs H>={cost.ceil_H(d['H_raw'])}")
     if d["H_raw"] > cfg.H_max and H == cfg.H_max:
         need += f", capped at H_max={cfg.H_max}"

@@ -19,7 +19,7 @@ class LinkView:
     reported, so a link that did not report this round keeps its last known figures.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._links: dict[str, dict[str, Any]] = {}
 
     def observe(self, link: str, snapshot: Mapping[str, Any]) -> None:

@@ -106,7 +106,8 @@ def make_policy(cfg: Any, *, codec: SpecLike, ladder: Sequence[SpecLike] = (), r
 
 
 def _build(cfg: Any, ctx: PolicyContext) -> Policy:
-    entry = _POLICIES.get(getattr(cfg, "kind", None))
+    kind = getattr(cfg, "kind", None)
+    entry = _POLICIES.get(kind) if isinstance(kind, str) else None
     if entry is None or not isinstance(cfg, entry.config):
         raise TypeError(f"no policy for config {type(cfg).__name__} (known kinds: {', '.join(policy_kinds())})")
     policy = entry.factory(cfg, ctx)

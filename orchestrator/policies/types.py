@@ -28,7 +28,7 @@ class LinkEstimate:
     rtt_s: float | None = None
     concurrent: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.bandwidth_bps is not None and not (self.bandwidth_bps > 0 and math.isfinite(self.bandwidth_bps)):
             raise ValueError(f"bandwidth_bps: must be a positive finite number or None, got {self.bandwidth_bps}")
         if self.rtt_s is not None and not (self.rtt_s >= 0 and math.isfinite(self.rtt_s)):
@@ -58,7 +58,7 @@ class Measurements:
     # the control plane (plan, dispatch, collect, log, checkpoint). None: not measured.
     round_overhead_s: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.model_numel < 1:
             raise ValueError(f"model_numel: must be >= 1, got {self.model_numel}")
         if self.round < 0:
@@ -68,6 +68,14 @@ class Measurements:
         for name in self.links:
             if "->" not in name:
                 raise ValueError(f"links: link names are 'src->dst', got {name!r}")
+
+
+def measured_step_s(m: Measurements) -> float:
+    """``m.step_time_s`` for code that runs only once it is measured (a policy answers an unmeasured
+    step time, None or <= 0, before it gets there): anything else is our bug, not the user's."""
+    step = m.step_time_s
+    assert step is not None and step > 0, step
+    return step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +94,7 @@ class Decision:
     default_codec: CodecSpec | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         assert isinstance(self.H, int) and self.H >= 1, self.H
         assert "\n" not in self.reason, "reason is one line"
 
