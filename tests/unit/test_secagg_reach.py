@@ -4,13 +4,15 @@ them is imported (transitively, lazy imports included) from the CLI entry point
 reaches, or by a live name of its own module. Tests do not count: a name only tests use would be
 code in users' installs that nothing runs (DESIGN.md: code only tests use lives under tests/).
 
-Before the deletion this failed with: p2p/secagg_session.py and p2p/shamir.py not reached from the
-CLI, and p2p/secagg.py's RoundContext, RoundSecrets, ShareHolder, ShareBundle, verify_advert,
-recover_secret, mask_update, unmask_sum, default_threshold, KINDS (the superseded per-round
-protocol) and p2p/secagg_wire.py's encode/decode_bundle, encode/decode_reveal, BUNDLE, REVEAL
-used by nothing the CLI reaches.
+Before the deletion this failed with: p2p/secagg_session.py not reached from the CLI, and
+p2p/secagg.py's RoundContext, RoundSecrets, ShareHolder, verify_advert, recover_secret,
+mask_update, unmask_sum, default_threshold, _commitment, _check_share, _public (the superseded
+per-round protocol) and p2p/secagg_wire.py's encode/decode_bundle, encode/decode_reveal, _share,
+_SHARE_LEN used by nothing the CLI reaches.
 
-Read from the source with ast, the way tests/unit/test_layering.py reads imports."""
+Read from the source with ast, the way tests/unit/test_layering.py reads imports. A name another
+module mentions counts as used by it (coarse: ShareBundle, KINDS and the BUNDLE/REVEAL type
+numbers were only found dead once their users above were gone)."""
 
 from __future__ import annotations
 
