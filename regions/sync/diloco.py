@@ -30,6 +30,7 @@ blocked on it, and `sync_s` everything between the end of its compute and the en
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -98,7 +99,7 @@ class DilocoSync:
             self._load_global()
             metrics.update(secagg_metrics)
         elif not self.overlap:
-            res = self._screened(plan, ctx.exchange(plan, sent))
+            plan, res = self._screened(plan, ctx.exchange(plan, sent))
             mixed = ctx.mix(plan, sent, res)
             if res.stale:
                 mixed, weights = mix_stale(mixed, [(r, t) for _, r, t in res.stale], round_=plan.round,
@@ -142,7 +143,7 @@ class DilocoSync:
         return metrics
 
     def _exchange_and_mix(self, plan, delta, window_s: float = 0.0, spread_s: float = 0.0):
-        res = self._screened(plan, self.ctx.exchange(plan, delta, spread_s=spread_s, window_s=window_s))
+        plan, res = self._screened(plan, self.ctx.exchange(plan, delta, spread_s=spread_s, window_s=window_s))
         mixed = self.ctx.mix(plan, delta, res)
         # The synchronised model of this round exists now, a round before it is applied: an eval
         # round evaluates it here, off the training thread, so time to target counts from when it
@@ -154,12 +155,21 @@ class DilocoSync:
         return res, mixed, ev
 
     def _screened(self, plan, res):
-        """`res` less the updates the gauntlet refuses (security.score_updates), each scored against
-        the global model this exchange's outer step starts from: with overlap the previous step is
-        applied before this exchange is handed to the thread, and the next waits for it."""
-        if self.ctx.screen is None:
-            return res
-        return self.ctx.screen(plan, self.global_params, res)
+        """(plan, res) less the updates the gauntlet refuses (security.score_updates), each scored
+        against the global model this exchange's outer step starts from (with overlap the previous
+        step is applied before this exchange is handed to the thread, and the next waits for it). A
+        refused sender is left out of the plan's `alive` for the mix, as a region left out of the
+        round is: a full topology's mix then gives its weight to every region alike, and regions that
+        refused the same update keep one model (folded into each one's own weight, as a network miss
+        is, the bench's honest regions drifted apart: resync donors 15-26 apart, refused)."""
+        if self.ctx.screen is None or not res.received:
+            return plan, res
+        screened = self.ctx.screen(plan, self.global_params, res)
+        refused = set(res.received) - set(screened.received)
+        if not refused:
+            return plan, screened
+        alive = plan.alive if plan.alive is not None else (self.ctx.region, *self.ctx.in_weights(plan.round))
+        return dataclasses.replace(plan, alive=tuple(r for r in alive if r not in refused)), screened
 
     def _preview_outer_step(self, mixed: list[torch.Tensor]) -> list[torch.Tensor]:
         """What _outer_step will make of the global model, computed on copies: torch's SGD update
