@@ -46,7 +46,10 @@ wait for it. While the link's pings run REPROBE_MAX_NOISE_S over the path the ho
 it is not probed (at load average 47 a probe sized past 200 ms of ping noise was 8 MiB and still
 read the CPU); a probe the hosts' CPU slowed anyway is no sample, and that link's next re-probe
 waits twice as long (REPROBE_MIN_INTERVAL_S up to REPROBE_MAX_INTERVAL_S), so a busy host costs
-few bytes. Its
+few bytes; except a link's first, free re-probe: when it reads busy (the pings' noise, or the
+sender's own threads stalled beside it, which a StallMeter reads) it stays free for
+REPROBE_BUSY_REFUNDS more tries at REPROBE_MIN_INTERVAL_S, so a load that comes and goes within
+the run does not leave the link on a reading made under it. Its
 bytes are counted with the set-up probes' (`probe_bytes_sent`, egress) and its record goes into
 the next round's transfers (`"direction": "probe", "reprobe": true`).
 """
@@ -80,9 +83,11 @@ REPROBE_MAX_NOISE_S = 0.05     # pings this far over the path: the hosts are bus
 # A region's re-probe bytes past each link's first re-probe: at most this share of the update bytes it
 # has sent (the default run's re-probes cost 32-73 MB against 3.4 MB of updates, paid per GB of egress).
 REPROBE_BUDGET_FRACTION = 0.1
-# Re-probes that read the sender's CPU (busy) do not use up a link's first, free re-probe, this many
-# times: the default run's load came and went within 20 s, and a link whose one re-probe read busy
-# kept its set-up reading to the end (eu-west-1->us-east-1 at 0.61 of its link, 39 s old).
+# Re-probes that read busy do not use up a link's first, free re-probe, this many times: the default
+# run's load came and went within 20 s, and a link whose one re-probe read busy kept its set-up
+# reading to the end (eu-west-1->us-east-1 at 0.61 of its link, 39 s old). Two cost 39-61 MB of
+# re-probes per default run (3 runs), one 38-41 MB (2 runs), against 3.45 MB of updates; the one
+# free re-probe alone cost 23 MB, with a link left on a reading made under the load.
 REPROBE_BUSY_REFUNDS = 2
 
 
