@@ -7,10 +7,10 @@ running beside a region's sends is to them: threads waiting for the GIL and a co
 set-up probes and the first BUSY_S seconds of rounds, then stop. The pings stay within the path
 (a ping is one message: a few ms of waiting), so nothing but the transfers themselves showed it.
 
-Before (HEAD 59d752a): the set-up probes read 0.4-0.5 of the link as clean samples (confidence 1),
-the link's one free re-probe went out while the threads still ran and read as low, and the budget
-(10% of 10 kB updates) never paid for another: the estimates ended at 0.4-0.6 of the link, as the
-default run's out-links of us-east-1 did (0.42-0.66).
+Before (59d752a, without the StallMeter and the busy refunds): the set-up probes' low readings were
+clean samples (confidence 1), the link's one free re-probe went out while the threads still ran,
+and the budget (10% of 10 kB updates) never paid for another: the estimates ended at 0.453 and
+0.418 of the link, as the default run's out-links of us-east-1 did (0.42-0.66).
 """
 
 from __future__ import annotations
