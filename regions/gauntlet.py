@@ -27,6 +27,11 @@ Under the bar with score_margin 0.5 and SPREAD_MULTIPLE 8, no honest update of t
 refused (0 of 180 IID, 0 of 180 non-IID undisturbed; 4: 3 of 180 non-IID), every bound flip and x+9
 was (60 of 60 each), x-9 57 of 60 (IID) and 39 of 60 (non-IID; the others were the ~0 updates).
 
+What does not hold (bench attack, docs/reliability.md): once the loss on the region's own shard is
+about 0 (digits memorised by round 5 at H 300) the readings lose their power and later flips fall
+back to the clip; each region judges alone, so a borderline update refused by some regions and
+admitted by others sets their models apart.
+
 Where it applies: DiLoCo (overlap modes included), unless security.robust_aggregation is ``none``
 (admission off: the value bound only) or secure aggregation is on (whose sum hides
 each update) and without fragments (a fragment's update says nothing about the loss alone).

@@ -8,9 +8,8 @@ Accounting. The hostile region counts its own acts (metrics.jsonl `hostile`: pus
 flipped or scaled, one per peer; FetchState answers poisoned; masked contributions scaled, one per
 peer). The honest regions count what they refused or clipped: their `refusals` by reason and the
 whole run's (summary.json, whatever reasons the run knows), their `clipped` updates from the
-hostile member, their updates refused as `harmful` (regions/gauntlet.py) by sender: the member's
-count, an honest sender's are listed as `harmful_other` and not counted, secure aggregation's
-`secagg_refused` by reason (shown as `secagg_<reason>`; where
+hostile member, the member's updates they refused as `harmful` (regions/gauntlet.py; honest
+senders' are listed as `harmful_other` and not counted), secure aggregation's `secagg_refused` by reason (shown as `secagg_<reason>`; where
 the transport counted the same refusal under `<reason>`, it is one), and (for withheld pushes only, at
 most one per act) the rounds where they recorded the hostile member missing. Refusals are counted
 by the refusing region, not by sender; reasons a network fault alone gives (late, aborted, ...)
