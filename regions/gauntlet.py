@@ -37,6 +37,15 @@ Where it applies: DiLoCo (overlap modes included), unless security.robust_aggreg
 each update) and without fragments (a fragment's update says nothing about the loss alone).
 Stale updates of quorum rounds (sync.pacing late_updates apply) are not scored.
 
+Quarantine: a sender refused as harmful in ``QUARANTINE_AFTER`` of its last ``QUARANTINE_WINDOW``
+scored rounds at this region is quarantined there for ``QUARANTINE_ROUNDS`` rounds (doubled at each
+new quarantine, at most ``QUARANTINE_MAX``): its updates are refused whatever they score, counted as
+``quarantined``. A member that has shown itself hostile is then not trusted with the rounds where its
+attack is too small to read (bench attack's x-9 of a member whose own update had shrunk to ~0: 21 of
+60 acts passed the score unread, and uncounted). Honest updates were refused at most 3 times in a
+run and never twice in 3 rounds from one sender (module docstring's readings, bench attack). The
+quarantine is this region's alone, like every refusal, and not kept across a resume.
+
 Cost: one forward pass of ``score_batches`` batches at theta and one per received update, per
 round; no backward pass, no draw from the training data stream (the batches are drawn once, at
 start, with a generator of their own), and the training model is untouched (a scratch copy).
@@ -51,7 +60,7 @@ import math
 import statistics
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +75,9 @@ _SEED_OFFSET = 7_919  # the scoring batches' generator is not any stream the reg
 # The bar's multiple of the round's median increase: 4 refused 3 of 180 honest non-IID updates, 6 one,
 # 8 none (module docstring); one hostile update among three received moves that median by one position.
 SPREAD_MULTIPLE = 8.0
+# Quarantine (module docstring): 2 harmful refusals within a sender's last 3 scored rounds.
+QUARANTINE_AFTER, QUARANTINE_WINDOW = 2, 3
+QUARANTINE_ROUNDS, QUARANTINE_MAX = 4, 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +118,10 @@ class Gauntlet:
         self.margin, self.step = float(margin), float(step)
         self._lock = threading.Lock()
         self._harmful: Counter[str] = Counter()
+        self._quarantined: Counter[str] = Counter()
+        self._history: dict[str, deque[bool]] = {}  # sender -> harmful? in its last scored rounds
+        self._out_until: dict[str, int] = {}  # quarantined sender -> first round it is scored again
+        self._quarantines: Counter[str] = Counter()  # how often each sender was quarantined
         self.last: list[Score] = []  # the last screen's readings (tests and benchmarks read them)
         self.seconds = 0.0  # time spent scoring, over the run
 
@@ -165,18 +181,43 @@ class Gauntlet:
         scores = [self.score(s, plan.round, theta, u, before=before) for s, u in res.received.items()]
         bar = self.bar(scores)
         refused = [sc for sc in scores if self.harmful(sc, bar)]
+        held = [sc.sender for sc in scores if sc not in refused and self.in_quarantine(sc.sender, plan.round)]
         with self._lock:
             self._harmful.update(sc.sender for sc in refused)
+            self._quarantined.update(held)
             self.last = scores
             self.seconds += time.monotonic() - t0
         for sc in refused:
             log.warning("refused the update of %s for round %d: harmful: it raises this region's loss on its own "
                         "data from %.4g to %.4g (bar +%.3g, security.score_margin %g; spread %.2g)", sc.sender,
                         sc.round, sc.loss_before, sc.loss_after, bar, self.margin, sc.spread)
-        if not refused:
+        for sender in held:
+            log.warning("refused the update of %s for round %d: quarantined until round %d (harmful before)",
+                        sender, plan.round, self._out_until[sender])
+        self.record(plan.round, scores, {sc.sender for sc in refused})
+        if not refused and not held:
             return res
-        out = {s: u for s, u in res.received.items() if s not in {sc.sender for sc in refused}}
+        out = {s: u for s, u in res.received.items() if s not in {sc.sender for sc in refused} | set(held)}
         return dataclasses.replace(res, received=out)
+
+    def in_quarantine(self, sender: str, round_: int) -> bool:
+        """Whether `sender`'s updates of `round_` are refused whatever they score."""
+        return round_ < self._out_until.get(sender, -1)
+
+    def record(self, round_: int, scores: Sequence[Score], refused: set[str]) -> None:
+        """Fold a screen's verdicts into each sender's history; quarantine a repeat offender."""
+        for sc in scores:
+            if self.in_quarantine(sc.sender, round_):
+                continue
+            history = self._history.setdefault(sc.sender, deque(maxlen=QUARANTINE_WINDOW))
+            history.append(sc.sender in refused)
+            if sum(history) >= QUARANTINE_AFTER:
+                rounds = min(QUARANTINE_MAX, QUARANTINE_ROUNDS * 2 ** self._quarantines[sc.sender])
+                self._quarantines[sc.sender] += 1
+                self._out_until[sc.sender] = round_ + 1 + rounds
+                history.clear()
+                log.warning("quarantined %s for %d rounds: %d of its last %d updates were harmful", sc.sender,
+                            rounds, QUARANTINE_AFTER, QUARANTINE_WINDOW)
 
     def take(self) -> dict[str, int]:
         """Updates refused as harmful, by sender, since the last call."""
@@ -184,11 +225,19 @@ class Gauntlet:
             out, self._harmful = dict(self._harmful), Counter()
         return out
 
+    def take_quarantined(self) -> dict[str, int]:
+        """Updates refused because their sender was quarantined (and not harmful by their own
+        score: those are counted as harmful), by sender, since the last call."""
+        with self._lock:
+            out, self._quarantined = dict(self._quarantined), Counter()
+        return out
 
-def harmful_refusals(by_sender: Mapping[str, int]) -> dict[str, int] | None:
-    """The refusals-by-reason record of a round's harmful updates (None when there were none)."""
-    total = sum(by_sender.values())
-    return {"harmful": total} if total else None
+
+def harmful_refusals(by_sender: Mapping[str, int], quarantined: Mapping[str, int] | None = None) -> dict[str, int] | None:
+    """The refusals-by-reason record of a round's harmful and quarantined updates (None when there were none)."""
+    out = {reason: sum(counts.values()) for reason, counts in (("harmful", by_sender), ("quarantined", quarantined or {}))}
+    out = {reason: n for reason, n in out.items() if n}
+    return out or None
 
 
 __all__ = ["Gauntlet", "Score", "harmful_refusals"]

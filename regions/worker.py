@@ -247,6 +247,7 @@ class RegionWorker(LocalSteps, RegionState):
             metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
         fill = plan.fill and not plan.final
         harmful = self.gauntlet.take() if self.gauntlet is not None else {}
+        quarantined = self.gauntlet.take_quarantined() if self.gauntlet is not None else {}
         wall = time.time() - t_start
         metrics.update({"round": plan.round, "region": self.region, "H": plan.H,
                         "codecs": {p: plan.codecs.get(p, self.cfg.compression.codec).key
@@ -254,8 +255,8 @@ class RegionWorker(LocalSteps, RegionState):
                         "wall_s": wall, "utilization": min(1.0, metrics.get("compute_s", 0.0) / wall) if wall > 0 else 0.0,
                         "links": self.exchanger.link_estimates(self.region),
                         "refused": self.transport.stats().get("refused_total", 0),
-                        "refusals": _summed(self.take_refusals(), metrics.get("refusals"), harmful_refusals(harmful)),
-                        "harmful": harmful,
+                        "refusals": _summed(self.take_refusals(), metrics.get("refusals"), harmful_refusals(harmful, quarantined)),
+                        "harmful": harmful, "quarantined": quarantined,
                         "clipped": self.admission.take_clipped(), "rss_mb": rss_mb()})
         if self.hostile is not None:
             metrics["hostile"] = self.hostile.take_acts()

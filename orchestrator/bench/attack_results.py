@@ -8,8 +8,8 @@ Accounting. The hostile region counts its own acts (metrics.jsonl `hostile`: pus
 flipped or scaled, one per peer; FetchState answers poisoned; masked contributions scaled, one per
 peer). The honest regions count what they refused or clipped: their `refusals` by reason and the
 whole run's (summary.json, whatever reasons the run knows), their `clipped` updates from the
-hostile member, the member's updates they refused as `harmful` (regions/gauntlet.py; honest
-senders' are listed as `harmful_other` and not counted), secure aggregation's `secagg_refused` by reason (shown as `secagg_<reason>`; where
+hostile member, the member's updates they refused as `harmful` or `quarantined` (regions/gauntlet.py; honest
+senders' are listed as `harmful_other`, `quarantined_other` and not counted), secure aggregation's `secagg_refused` by reason (shown as `secagg_<reason>`; where
 the transport counted the same refusal under `<reason>`, it is one), and (for withheld pushes only, at
 most one per act) the rounds where they recorded the hostile member missing. Refusals are counted
 by the refusing region, not by sender; reasons a network fault alone gives (late, aborted, ...)
@@ -40,7 +40,9 @@ MAX_TIME_RATIO = 1.5
 BENIGN_REASONS = frozenset({"late", "aborted", "truncated", "busy", "no_deadline", "tls_handshake", "unknown_sender",
                             "not_neighbour", "future_round", "replayed", "no_state", "missed"})
 # Listed, never taken as catching the member: the above, and honest updates refused as harmful.
-NOT_CAUGHT = BENIGN_REASONS | {"harmful_other"}
+NOT_CAUGHT = BENIGN_REASONS | {"harmful_other", "quarantined_other"}
+# The gauntlet's refusals (regions/gauntlet.py), each round's by sender: only the member's catch it.
+BY_SENDER = ("harmful", "quarantined")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,11 +157,12 @@ def account(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any] | N
                 acts[kind] = acts.get(kind, 0) + int(n)
             continue
         for reason, n in (m.get("refusals") or {}).items():
-            if reason != "harmful":  # counted by sender below: an honest update refused is no catch
+            if reason not in BY_SENDER:  # counted by sender below: an honest update refused is no catch
                 refusals[reason] = refusals.get(reason, 0) + int(n)
-        for sender, n in (m.get("harmful") or {}).items():
-            key = "harmful" if sender == attacker else "harmful_other"
-            refusals[key] = refusals.get(key, 0) + int(n)
+        for reason in BY_SENDER:
+            for sender, n in (m.get(reason) or {}).items():
+                key = reason if sender == attacker else f"{reason}_other"
+                refusals[key] = refusals.get(key, 0) + int(n)
         clipped = int((m.get("clipped") or {}).get(attacker, 0))
         if clipped:
             refusals["clipped"] = refusals.get("clipped", 0) + clipped
@@ -175,7 +178,7 @@ def account(metrics: Sequence[Mapping[str, Any]], summary: Mapping[str, Any] | N
     by_region = ((summary or {}).get("refusals") or {}).get("by_region") or {}
     if attacker not in by_region or not by_region.get(attacker):
         for reason, n in (((summary or {}).get("refusals") or {}).get("by_reason") or {}).items():
-            if reason != "harmful":  # the run's total of every sender's; the rounds' say whose
+            if reason not in BY_SENDER:  # the run's total of every sender's; the rounds' say whose
                 refusals[reason] = max(refusals.get(reason, 0), int(n))
     if missed:
         refusals["missed"] = missed

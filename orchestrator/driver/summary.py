@@ -141,7 +141,8 @@ def _refusals(metrics: list[dict], tail: dict[str, dict[str, int]]) -> dict[str,
             by_reason[reason] = by_reason.get(reason, 0) + n
             by_region[region] = by_region.get(region, 0) + n
     return {"total": sum(by_reason.values()), "by_reason": by_reason, "by_region": by_region,
-            "clipped": _clipped(metrics), "harmful": _clipped(metrics, key="harmful")}
+            "clipped": _clipped(metrics), "harmful": _clipped(metrics, key="harmful"),
+            "quarantined": _clipped(metrics, key="quarantined")}
 
 
 def _clipped(metrics: list[dict], *, key: str = "clipped") -> dict[str, Any]:

@@ -39,8 +39,9 @@ def _cfg(**security):
     })
 
 
-def _run(tmp_path, adversary, rounds=3, **security):
-    """Each round's metrics of every region (region -> list of records)."""
+def _run(tmp_path, adversary, rounds=3, *, turn=None, **security):
+    """Each round's metrics of every region (region -> list of records). `turn`: (round, Adversary):
+    from that round on the member lies that way instead."""
     cfg = _cfg(**security)
     hub = InMemoryHub()
     workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
@@ -53,6 +54,8 @@ def _run(tmp_path, adversary, rounds=3, **security):
             w.connect({r: "inmem" for r in FOUR})
         with ThreadPoolExecutor(len(FOUR)) as pool:
             for r in range(rounds):
+                if turn is not None and r == turn[0]:
+                    workers["d"].exchanger.hostile.spec = turn[1]
                 plan = RoundPlan(round=r, H=60)
                 for reg, m in zip(FOUR, pool.map(lambda reg, p=plan: workers[reg].run_round(p), FOUR)):
                     out[reg].append(m)
@@ -186,3 +189,42 @@ def test_bench_accounting_counts_only_the_members_harmful_refusals():
     assert acts == {"flipped": 3}
     assert refusals["harmful"] == 2 and refusals["harmful_other"] == 1 and refusals["clipped"] == 1
     assert counted == 3
+
+
+def test_a_member_refused_as_harmful_twice_is_quarantined_and_every_later_act_counted(tmp_path):
+    """A member's x-9 is caught by its score only while its own update is large; once its update
+    shrinks (bench attack: the member's loss reached 0 by round 5), x-9 of ~0 reads harmless, passes,
+    and was not counted (flip_x-9: 21 of 60 acts). Here d flips x-9 in rounds 0-1, then sends x+0.01
+    (a lie too small to read): every honest region quarantined d after its two harmful rounds and
+    refused rounds 2-4 as `quarantined`, counted by sender. Before: rounds 2-4 were admitted
+    (KeyError 'quarantined'; nothing was counted)."""
+    out = _run(tmp_path, Adversary(kind="scale", factor=-9.0), rounds=5,
+               turn=(2, Adversary(kind="scale", factor=0.01)))
+    for reg in "abc":
+        for m in out[reg][:2]:
+            assert m["harmful"] == {"d": 1}, (reg, m["round"], m["harmful"])
+        for m in out[reg][2:]:
+            assert m["harmful"] == {} and m["quarantined"] == {"d": 1}, (reg, m["round"], m["harmful"], m["quarantined"])
+            assert m["refusals"].get("quarantined") == 1 and "d" not in m["peers_missing"]
+    acts = sum(sum(m["hostile"].values()) for m in out["d"])
+    metrics = [m for reg in FOUR for m in out[reg]]
+    refusals, _, counted = account(metrics, None, attacker="d")
+    assert acts == 15 and counted == 15 and refusals["quarantined"] == 9, (acts, counted, refusals)
+
+
+def test_an_honest_sender_refused_once_is_not_quarantined():
+    """One harmful reading of an honest sender (borderline, non-IID) must not shut it out."""
+    import torch
+
+    from geofed.regions.gauntlet import Gauntlet, Score
+
+    model = torch.nn.Linear(2, 1)
+    g = Gauntlet(model=model, loss=lambda m, b: m(b).pow(2).mean(), batches=[torch.ones(4, 2)], margin=0.5)
+    g.record(0, [Score(sender="b", round=0, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
+    for r in (1, 2, 3):
+        g.record(r, [Score(sender="b", round=r, loss_before=1.0, loss_after=1.0, spread=0.0)], set())
+        assert not g.in_quarantine("b", r + 1)
+    g.record(4, [Score(sender="b", round=4, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
+    assert not g.in_quarantine("b", 5)  # rounds 2-4: one harmful of three
+    g.record(5, [Score(sender="b", round=5, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
+    assert g.in_quarantine("b", 6) and g.in_quarantine("b", 9) and not g.in_quarantine("b", 10)
