@@ -72,10 +72,13 @@ _NOT_PER_EXAMPLE = ("gcn-planetoid",)
 def check_privacy_rules(cfg: Any) -> None:
     """Cross-section rules of secure aggregation and DP; ValueError("dotted.key: ...") names the key."""
     sec, dp = cfg.security, cfg.privacy.dp
+    if sec.secagg_threshold is not None:
+        # Refused, not ignored: a config that sets it expects it to do something, and it no longer can.
+        raise ValueError("security.secagg_threshold: retired: the per-round Shamir protocol it configured was removed; "
+                         "secure aggregation recovers a dropped region from the survivors' own seeds (docs/privacy.md). "
+                         "Remove the key")
     if sec.secure_aggregation:
         _check_secure_aggregation(cfg)
-    elif sec.secagg_threshold is not None:
-        raise ValueError("security.secagg_threshold: only means something with security.secure_aggregation: true")
     elif cfg.regions.emulation.availability.mid_round:
         raise ValueError("regions.emulation.availability.mid_round: a mid-round drop is emulated by secure "
                          "aggregation's exchange only; set security.secure_aggregation: true or drop the key")
@@ -107,9 +110,6 @@ def _check_secure_aggregation(cfg: Any) -> None:
     if n < 3:
         raise ValueError(f"security.secure_aggregation: needs >= 3 regions (with {n}, a region's own update and the "
                          "sum give the other's)")
-    if sec_threshold_bad(cfg.security.secagg_threshold, n):
-        raise ValueError(f"security.secagg_threshold: must be in [2, {n - 1}] for {n} regions, "
-                         f"got {cfg.security.secagg_threshold}")
     if not cfg.security.tls:
         raise ValueError("security.secure_aggregation: needs security.tls: the round keys are signed by the regions' "
                          "TLS identities; without them anyone on the path can swap a key")
@@ -123,7 +123,3 @@ def _check_secure_aggregation(cfg: Any) -> None:
         raise ValueError(f"security.robust_aggregation: {cfg.security.robust_aggregation} needs each peer's update, "
                          "which security.secure_aggregation hides; use clip (it acts on the unmasked sum) or none")
 
-
-def sec_threshold_bad(threshold: int | None, regions: int) -> bool:
-    """Whether a configured recovery threshold is out of [2, regions - 1] (null picks a majority)."""
-    return threshold is not None and not 2 <= threshold <= regions - 1

@@ -75,9 +75,8 @@ class SecuritySection:
         "only the sum of the others' updates; full-topology diloco, >= 3 regions, TLS, and a codec that sums as "
         "integers (int8, int4, randomk; topk, sign and powersgd are refused). docs/privacy.md"))
     secagg_threshold: int | None = field(default=None, metadata=_doc(
-        "Shamir threshold t of the per-round protocol's recovery (p2p/secagg.py; null: a majority, max(2, n // 2 + "
-        "1), at most n - 1); the round loop's per-run-key protocol recovers from the survivors' own seeds and does "
-        "not use it (docs/privacy.md)"))
+        "retired: the per-round Shamir protocol it configured is gone; secure aggregation recovers from the "
+        "survivors' own seeds (docs/privacy.md). Only null is accepted; a value is refused, naming this key"))
     secagg_bits: Literal[8, 16, 32] = field(default=32, metadata=_doc(
         "the mask ring Z_2^bits: a masked value costs bits on the wire (32: 4x an int8 update); 8 keeps int8's "
         "bytes but leaves each region 127 // n levels so that the sum cannot wrap"))
