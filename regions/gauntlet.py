@@ -38,13 +38,17 @@ each update) and without fragments (a fragment's update says nothing about the l
 Stale updates of quorum rounds (sync.pacing late_updates apply) are not scored.
 
 Quarantine: a sender refused as harmful in ``QUARANTINE_AFTER`` of its last ``QUARANTINE_WINDOW``
-scored rounds at this region is quarantined there for ``QUARANTINE_ROUNDS`` rounds (doubled at each
-new quarantine, at most ``QUARANTINE_MAX``): its updates are refused whatever they score, counted as
-``quarantined``. A member that has shown itself hostile is then not trusted with the rounds where its
-attack is too small to read (bench attack's x-9 of a member whose own update had shrunk to ~0: 21 of
-60 acts passed the score unread, and uncounted). Honest updates were refused at most 3 times in a
-run and never twice in 3 rounds from one sender (module docstring's readings, bench attack). The
-quarantine is this region's alone, like every refusal, and not kept across a resume.
+scored rounds at this region is quarantined there: its updates are still scored but refused whatever
+they score, counted as ``quarantined`` (or ``harmful``, when they are), until it has sent
+``RELEASE_AFTER`` harmless updates in a row (doubled at each new quarantine, at most
+``RELEASE_MAX``). Release asks for good behaviour, not for time: a member that has shown itself
+hostile is not trusted again by waiting out rounds where its lie is too small to read (bench
+attack's x-9 of a member whose own update had shrunk to ~0: 21 of 60 acts passed the score unread,
+and uncounted; with a quarantine of 4 rounds, 6-12 still did). The quarantine is this region's
+alone, like every refusal, and is not kept across a resume. Its cost is the false one: bench attack's
+undisturbed runs refused an honest sender as harmful 2-3 times late in a run (each region's loss on
+its own batches is then about 0 and a rise of 0.5 is a single batch), enough once to quarantine it at
+one receiver.
 
 Cost: one forward pass of ``score_batches`` batches at theta and one per received update, per
 round; no backward pass, no draw from the training data stream (the batches are drawn once, at
@@ -77,7 +81,7 @@ _SEED_OFFSET = 7_919  # the scoring batches' generator is not any stream the reg
 SPREAD_MULTIPLE = 8.0
 # Quarantine (module docstring): 2 harmful refusals within a sender's last 3 scored rounds.
 QUARANTINE_AFTER, QUARANTINE_WINDOW = 2, 3
-QUARANTINE_ROUNDS, QUARANTINE_MAX = 4, 32
+RELEASE_AFTER, RELEASE_MAX = 8, 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +124,7 @@ class Gauntlet:
         self._harmful: Counter[str] = Counter()
         self._quarantined: Counter[str] = Counter()
         self._history: dict[str, deque[bool]] = {}  # sender -> harmful? in its last scored rounds
-        self._out_until: dict[str, int] = {}  # quarantined sender -> first round it is scored again
+        self._clean: dict[str, int] = {}  # quarantined sender -> harmless updates in a row since
         self._quarantines: Counter[str] = Counter()  # how often each sender was quarantined
         self.last: list[Score] = []  # the last screen's readings (tests and benchmarks read them)
         self.seconds = 0.0  # time spent scoring, over the run
@@ -192,32 +196,45 @@ class Gauntlet:
                         "data from %.4g to %.4g (bar +%.3g, security.score_margin %g; spread %.2g)", sc.sender,
                         sc.round, sc.loss_before, sc.loss_after, bar, self.margin, sc.spread)
         for sender in held:
-            log.warning("refused the update of %s for round %d: quarantined until round %d (harmful before)",
-                        sender, plan.round, self._out_until[sender])
+            log.warning("refused the update of %s for round %d: quarantined (harmful before); %d more harmless "
+                        "updates in a row release it",
+                        sender, plan.round, self.release_after(sender) - self._clean[sender])
         self.record(plan.round, scores, {sc.sender for sc in refused})
         if not refused and not held:
             return res
         out = {s: u for s, u in res.received.items() if s not in {sc.sender for sc in refused} | set(held)}
         return dataclasses.replace(res, received=out)
 
-    def in_quarantine(self, sender: str, round_: int) -> bool:
-        """Whether `sender`'s updates of `round_` are refused whatever they score."""
-        return round_ < self._out_until.get(sender, -1)
+    def in_quarantine(self, sender: str, round_: int | None = None) -> bool:
+        """Whether `sender`'s updates are refused whatever they score (round_: kept for callers that
+        ask about a round; a quarantine ends on behaviour, not on a round)."""
+        return sender in self._clean
+
+    def release_after(self, sender: str) -> int:
+        """Harmless updates in a row that end `sender`'s current quarantine."""
+        return min(RELEASE_MAX, RELEASE_AFTER * 2 ** max(0, self._quarantines[sender] - 1))
 
     def record(self, round_: int, scores: Sequence[Score], refused: set[str]) -> None:
-        """Fold a screen's verdicts into each sender's history; quarantine a repeat offender."""
+        """Fold a screen's verdicts into each sender's history: quarantine a repeat offender,
+        release a quarantined one after enough harmless updates in a row."""
         for sc in scores:
-            if self.in_quarantine(sc.sender, round_):
+            harmful = sc.sender in refused
+            if sc.sender in self._clean:
+                self._clean[sc.sender] = 0 if harmful else self._clean[sc.sender] + 1
+                if self._clean[sc.sender] >= self.release_after(sc.sender):
+                    del self._clean[sc.sender]
+                    log.warning("released %s from quarantine after %d harmless updates in a row", sc.sender,
+                                self.release_after(sc.sender))
                 continue
             history = self._history.setdefault(sc.sender, deque(maxlen=QUARANTINE_WINDOW))
-            history.append(sc.sender in refused)
+            history.append(harmful)
             if sum(history) >= QUARANTINE_AFTER:
-                rounds = min(QUARANTINE_MAX, QUARANTINE_ROUNDS * 2 ** self._quarantines[sc.sender])
                 self._quarantines[sc.sender] += 1
-                self._out_until[sc.sender] = round_ + 1 + rounds
+                self._clean[sc.sender] = 0
                 history.clear()
-                log.warning("quarantined %s for %d rounds: %d of its last %d updates were harmful", sc.sender,
-                            rounds, QUARANTINE_AFTER, QUARANTINE_WINDOW)
+                log.warning("quarantined %s at round %d: %d of its last %d updates were harmful; %d harmless ones in "
+                            "a row release it", sc.sender, round_, QUARANTINE_AFTER, QUARANTINE_WINDOW,
+                            self.release_after(sc.sender))
 
     def take(self) -> dict[str, int]:
         """Updates refused as harmful, by sender, since the last call."""

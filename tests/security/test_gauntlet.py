@@ -212,8 +212,9 @@ def test_a_member_refused_as_harmful_twice_is_quarantined_and_every_later_act_co
     assert acts == 15 and counted == 15 and refusals["quarantined"] == 9, (acts, counted, refusals)
 
 
-def test_an_honest_sender_refused_once_is_not_quarantined():
-    """One harmful reading of an honest sender (borderline, non-IID) must not shut it out."""
+def test_an_honest_sender_refused_once_is_not_quarantined_and_release_asks_for_harmless_updates():
+    """One harmful reading of an honest sender (borderline, non-IID) must not shut it out; two in
+    three rounds do, until 8 harmless ones in a row (16 the second time)."""
     import torch
 
     from geofed.regions.gauntlet import Gauntlet, Score
@@ -227,4 +228,16 @@ def test_an_honest_sender_refused_once_is_not_quarantined():
     g.record(4, [Score(sender="b", round=4, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
     assert not g.in_quarantine("b", 5)  # rounds 2-4: one harmful of three
     g.record(5, [Score(sender="b", round=5, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
-    assert g.in_quarantine("b", 6) and g.in_quarantine("b", 9) and not g.in_quarantine("b", 10)
+    assert g.in_quarantine("b")  # rounds 4-5: two of three
+    harmless = [Score(sender="b", round=0, loss_before=1.0, loss_after=1.0, spread=0.0)]
+    for r in range(6, 13):
+        g.record(r, harmless, set())
+    g.record(13, [Score(sender="b", round=13, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
+    for r in range(14, 21):  # a harmful one restarts the count: 7 harmless are not yet 8
+        g.record(r, harmless, set())
+        assert g.in_quarantine("b"), r
+    g.record(21, harmless, set())
+    assert not g.in_quarantine("b")
+    for r, refused in ((22, {"b"}), (23, {"b"})):  # a second quarantine asks for twice as long
+        g.record(r, [Score(sender="b", round=r, loss_before=1.0, loss_after=3.0, spread=0.0)], refused)
+    assert g.in_quarantine("b") and g.release_after("b") == 16
