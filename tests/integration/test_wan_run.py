@@ -25,7 +25,7 @@ def test_run_over_the_preset_measures_every_link_near_its_configured_bandwidth(t
     links = summary["links"]
     assert len(links) == 12
     ratios = {name: link["bandwidth_mbps"] / link["configured_bandwidth_mbps"] for name, link in links.items()}
-    # On a quiet machine every link lands within 4% (README table). Under heavy CPU load the
+    # On a quiet machine every link lands within 4% (docs/results.md, "WAN emulation"). Under heavy CPU load the
     # sender's clock starts late now and then and one windowed-max sample reads high, so the
     # test holds every link to 15% and the typical link to 10%.
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
