@@ -18,8 +18,8 @@ import time
 
 import pytest
 import torch
+from exchange_rounds import run_rounds
 
-from geofed.compression import CodecSpec
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.tls import load_tls, make_pki
@@ -37,32 +37,6 @@ BEFORE_S, LOAD_S, AFTER_S = 4.0, 12.0, 18.0  # the re-probes of stale links need
 def _spin() -> None:
     while True:
         pass
-
-
-def _rounds(exchangers: dict[str, Exchanger], tensors, r0: int, until: float) -> int:
-    """Rounds of every region at once (each pushes to and waits for the others) until `until`."""
-    r = r0
-    fp16 = CodecSpec.parse("fp16")
-    errors: list[Exception] = []
-
-    def one(region: str, rnd: int) -> None:
-        try:
-            peers = [p for p in REGIONS if p != region]
-            exchangers[region].exchange(rnd, tensors, out_peers=peers, in_peers=peers, codecs={},
-                                        default_codec=fp16)
-        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
-            errors.append(exc)
-
-    while time.monotonic() < until:
-        threads = [threading.Thread(target=one, args=(g, r)) for g in REGIONS]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        r += 1
-        time.sleep(0.15)  # the round's compute
-    return r
 
 
 def test_estimates_end_within_25_percent_of_each_link_after_a_busy_cpu(tmp_path):
@@ -92,16 +66,16 @@ def test_estimates_end_within_25_percent_of_each_link_after_a_busy_cpu(tmp_path)
             for t in probes:
                 t.join()
             tensors = [torch.randn(5000)]  # fp16: 10 kB, the default run's update
-            r = _rounds(exchangers, tensors, 0, time.monotonic() + BEFORE_S)
+            r = run_rounds(exchangers, tensors, 0, time.monotonic() + BEFORE_S)
             spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 2)]
             for s in spinners:
                 s.start()
-            r = _rounds(exchangers, tensors, r, time.monotonic() + LOAD_S)
+            r = run_rounds(exchangers, tensors, r, time.monotonic() + LOAD_S)
             for s in spinners:
                 s.kill()  # ours, by pid
                 s.join()
             spinners = []
-            _rounds(exchangers, tensors, r, time.monotonic() + AFTER_S)
+            run_rounds(exchangers, tensors, r, time.monotonic() + AFTER_S)
             for ex in exchangers.values():
                 if getattr(ex, "reprober", None) is not None:  # (absent before: the failure is the ratios below)
                     ex.reprober.wait(30.0)

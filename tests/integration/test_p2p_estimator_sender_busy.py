@@ -20,8 +20,8 @@ import time
 
 import pytest
 import torch
+from exchange_rounds import run_rounds
 
-from geofed.compression import CodecSpec
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.grpc_transport import GrpcTransport
@@ -43,28 +43,6 @@ def _hog(stop: threading.Event) -> None:
     while not stop.is_set():
         for i in range(10_000):  # pure Python: holds the GIL for its switch interval at a time
             x += i
-
-
-def _rounds(exchangers: dict[str, Exchanger], tensors, r0: int, until: float) -> int:
-    r, fp16, errors = r0, CodecSpec.parse("fp16"), []
-
-    def one(region: str, rnd: int) -> None:
-        try:
-            peers = [p for p in REGIONS if p != region]
-            exchangers[region].exchange(rnd, tensors, out_peers=peers, in_peers=peers, codecs={}, default_codec=fp16)
-        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
-            errors.append(exc)
-
-    while time.monotonic() < until:
-        threads = [threading.Thread(target=one, args=(g, r)) for g in REGIONS]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        r += 1
-        time.sleep(0.15)  # the round's compute (the busy threads, while they run, are the rest of it)
-    return r
 
 
 def test_busy_sender_readings_neither_set_the_estimate_nor_outlast_the_load(tmp_path):
@@ -98,11 +76,11 @@ def test_busy_sender_readings_neither_set_the_estimate_nor_outlast_the_load(tmp_
             for t in probes:
                 t.join()
             tensors = [torch.randn(5000)]  # fp16: 10 kB, the default run's update
-            r = _rounds(exchangers, tensors, 0, time.monotonic() + BUSY_S)
+            r = run_rounds(exchangers, tensors, 0, time.monotonic() + BUSY_S)
             stop.set()
             for h in hogs:
                 h.join()
-            _rounds(exchangers, tensors, r, time.monotonic() + CALM_S)
+            run_rounds(exchangers, tensors, r, time.monotonic() + CALM_S)
             for ex in exchangers.values():
                 ex.reprober.wait(30.0)
             stats = emu.link_stats()
