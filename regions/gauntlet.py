@@ -185,7 +185,7 @@ class Gauntlet:
         scores = [self.score(s, plan.round, theta, u, before=before) for s, u in res.received.items()]
         bar = self.bar(scores)
         refused = [sc for sc in scores if self.harmful(sc, bar)]
-        held = [sc.sender for sc in scores if sc not in refused and self.in_quarantine(sc.sender, plan.round)]
+        held = [sc.sender for sc in scores if sc not in refused and self.in_quarantine(sc.sender)]
         with self._lock:
             self._harmful.update(sc.sender for sc in refused)
             self._quarantined.update(held)
@@ -205,9 +205,8 @@ class Gauntlet:
         out = {s: u for s, u in res.received.items() if s not in {sc.sender for sc in refused} | set(held)}
         return dataclasses.replace(res, received=out)
 
-    def in_quarantine(self, sender: str, round_: int | None = None) -> bool:
-        """Whether `sender`'s updates are refused whatever they score (round_: kept for callers that
-        ask about a round; a quarantine ends on behaviour, not on a round)."""
+    def in_quarantine(self, sender: str) -> bool:
+        """Whether `sender`'s updates are refused whatever they score (until release_after harmless ones)."""
         return sender in self._clean
 
     def release_after(self, sender: str) -> int:

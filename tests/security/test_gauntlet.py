@@ -224,9 +224,9 @@ def test_an_honest_sender_refused_once_is_not_quarantined_and_release_asks_for_h
     g.record(0, [Score(sender="b", round=0, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
     for r in (1, 2, 3):
         g.record(r, [Score(sender="b", round=r, loss_before=1.0, loss_after=1.0, spread=0.0)], set())
-        assert not g.in_quarantine("b", r + 1)
+        assert not g.in_quarantine("b")
     g.record(4, [Score(sender="b", round=4, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
-    assert not g.in_quarantine("b", 5)  # rounds 2-4: one harmful of three
+    assert not g.in_quarantine("b")  # rounds 2-4: one harmful of three
     g.record(5, [Score(sender="b", round=5, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
     assert g.in_quarantine("b")  # rounds 4-5: two of three
     harmless = [Score(sender="b", round=0, loss_before=1.0, loss_after=1.0, spread=0.0)]
