@@ -218,7 +218,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return export_from_args(args)
     if args.command == "launch":
-        from .launch.plan import plan_from_args
+        from .launch.render import plan_from_args
 
         return plan_from_args(args)
     raise AssertionError(args.command)

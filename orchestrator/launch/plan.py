@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from geofed.p2p.wan.links import LinkTable
 from geofed.p2p.wan.presets import load_preset
 
-from ..config import RunConfig, load_config
+from ..config import RunConfig
 from ..config.strict import ConfigError
 
 REGION_LABEL = "ray.io/availability-region"   # what RAY_NODE_REGION sets
@@ -85,18 +84,6 @@ class LaunchPlan:
         data["nodes"] = [NodePlan(**n) for n in data["nodes"]]
         return cls(**data)
 
-
-def plan_from_args(args) -> int:
-    """The CLI's `geofed launch plan`: ConfigError (exit 2) for a config that cannot run multi-region."""
-    from .render import write_plan
-
-    cfg = load_config(args.config, args.overrides)
-    plan = build_plan(cfg, config_path=str(Path(args.config).resolve()))
-    out = write_plan(plan, Path(args.out))
-    for w in plan.warnings:
-        print(f"warning: {w}")
-    print(f"launch plan for {len(plan.regions)} regions (head: {plan.head_region}) written to {out}; start with {out / 'README.md'}")
-    return 0
 
 
 def build_plan(cfg: RunConfig, *, config_path: str = "CONFIG") -> LaunchPlan:

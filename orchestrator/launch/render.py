@@ -6,7 +6,8 @@ import os
 import shlex
 from pathlib import Path
 
-from .plan import LaunchPlan, NodePlan, ray_start_argv
+from ..config import load_config
+from .plan import LaunchPlan, NodePlan, build_plan, ray_start_argv
 
 
 def write_plan(plan: LaunchPlan, out: Path) -> Path:
@@ -384,3 +385,14 @@ def _install_section(plan: LaunchPlan) -> list[str]:
     if s["extra_commands"]:
         out += ["Then, on every node, `launch.setup.extra_commands`:", "", "```sh", *s["extra_commands"], "```", ""]
     return out
+
+
+def plan_from_args(args) -> int:
+    """The CLI's `geofed launch plan`: ConfigError (exit 2) for a config that cannot run multi-region."""
+    cfg = load_config(args.config, args.overrides)
+    plan = build_plan(cfg, config_path=str(Path(args.config).resolve()))
+    out = write_plan(plan, Path(args.out))
+    for w in plan.warnings:
+        print(f"warning: {w}")
+    print(f"launch plan for {len(plan.regions)} regions (head: {plan.head_region}) written to {out}; start with {out / 'README.md'}")
+    return 0
