@@ -18,6 +18,8 @@ import torch
 from .buffers import PayloadPool
 
 Shape = tuple[int, ...]
+# Scratch buffers whose contents are garbage between encodes: not worth a checkpoint's bytes.
+_SCRATCH_KEYS = ("scratch", "topk.mask")
 
 
 class CodecState:
@@ -75,6 +77,29 @@ class CodecState:
         self.shapes = None
         self.store.clear()
         self.payloads.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a restored stream needs to encode exactly as this one would have: the seed, the
+        residual and warm starts, the bound layout, the counters and the generator's state.
+        Scratch buffers (garbage between encodes) and the payload pool are left out."""
+        return {"seed": self.seed, "residual": self.residual, "shapes": self.shapes, "ef_applied": self.ef_applied,
+                "counter": self.counter, "bytes_raw": self.bytes_raw, "bytes_wire": self.bytes_wire,
+                "store": {k: v for k, v in self.store.items() if k not in _SCRATCH_KEYS},
+                "generator": None if self._generator is None else self._generator.get_state()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore `state_dict()` into this state (its error_feedback setting is kept)."""
+        self.seed = int(d["seed"])
+        self.residual = None if d["residual"] is None else d["residual"].clone()
+        self.shapes = None if d["shapes"] is None else tuple(tuple(s) for s in d["shapes"])
+        self.ef_applied, self.counter = bool(d["ef_applied"]), int(d["counter"])
+        self.bytes_raw, self.bytes_wire = int(d["bytes_raw"]), int(d["bytes_wire"])
+        self.store.clear()
+        self.store.update(d["store"])
+        self.payloads.clear()
+        self._generator = None
+        if d["generator"] is not None:
+            self.generator.set_state(d["generator"])
 
     def residual_buffer(self, numel: int) -> torch.Tensor:
         if self.residual is None:

@@ -303,7 +303,7 @@ class Exchanger:
         with self._est_lock:
             links = {peer: est.state_dict() for peer, est in self.estimators.items()}
         return {"deadline": self.deadline.state_dict(), "links": links,
-                "codecs": {key: _codec_state_dict(st) for key, st in self.states.items()}}
+                "codecs": {key: st.state_dict() for key, st in self.states.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore `state_dict()`: the deadline's samples, every codec stream's state and the link estimates."""
@@ -312,30 +312,10 @@ class Exchanger:
         for key, sd in d.get("codecs", {}).items():
             # By key; an older checkpoint's key (the spec as written) maps to today's.
             spec, at, stream = key.partition("@")  # a stream of its own (a fragment's) keeps its name
-            self.states[spec_key(spec) + at + stream] = _codec_state_from_dict(sd, error_feedback=self.error_feedback)
+            state = CodecState(error_feedback=self.error_feedback)
+            state.load_state_dict(sd)
+            self.states[spec_key(spec) + at + stream] = state
         with self._est_lock:
             for peer, sd in d.get("links", {}).items():
                 self.estimator(peer).load_state_dict(sd)
 
-
-# Scratch buffers whose contents are garbage between encodes: not worth a checkpoint's bytes.
-_SCRATCH_KEYS = ("scratch", "topk.mask")
-
-
-def _codec_state_dict(st: CodecState) -> dict:
-    return {"seed": st.seed, "residual": st.residual, "shapes": st.shapes, "ef_applied": st.ef_applied,
-            "counter": st.counter, "bytes_raw": st.bytes_raw, "bytes_wire": st.bytes_wire,
-            "store": {k: v for k, v in st.store.items() if k not in _SCRATCH_KEYS},
-            "generator": None if st._generator is None else st._generator.get_state()}
-
-
-def _codec_state_from_dict(d: dict, *, error_feedback: bool) -> CodecState:
-    st = CodecState(error_feedback=error_feedback, seed=d["seed"])
-    st.residual = None if d["residual"] is None else d["residual"].clone()
-    st.shapes = None if d["shapes"] is None else tuple(tuple(s) for s in d["shapes"])
-    st.ef_applied, st.counter = bool(d["ef_applied"]), int(d["counter"])
-    st.bytes_raw, st.bytes_wire = int(d["bytes_raw"]), int(d["bytes_wire"])
-    st.store.update(d["store"])
-    if d["generator"] is not None:
-        st.generator.set_state(d["generator"])
-    return st
