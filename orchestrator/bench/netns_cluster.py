@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from geofed.p2p.wan.hub import RegionLinks, RegionNet
-from geofed.p2p.wan.kernel import _run as _ip
+from geofed.p2p.wan.kernel import run_tool
 
 from ..launch.plan import LaunchPlan
 from ..launch.local import LocalCluster, LocalNode, _signal_pid
@@ -72,7 +72,7 @@ class NetnsCluster(LocalCluster):
         out: set[int] = set()
         for ns in self.net.names.values():
             try:
-                out |= {int(p) for p in _ip("ip", "netns", "pids", ns).split()}
+                out |= {int(p) for p in run_tool("ip", "netns", "pids", ns).split()}
             except RuntimeError:
                 continue  # the namespace is gone already
         out.discard(os.getpid())

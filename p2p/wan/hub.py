@@ -28,7 +28,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .kernel import TBF_BURST_S, _open_tun, _run, in_namespace, kernel_unavailable
+from .kernel import TBF_BURST_S, in_namespace, kernel_unavailable, open_tun, run_tool
 from .router import PacketRouter
 
 log = logging.getLogger(__name__)
@@ -117,18 +117,18 @@ class RegionNet:
 
     def _namespace(self, region: str) -> None:
         ns = self.names[region]
-        _run("ip", "netns", "add", ns)
+        run_tool("ip", "netns", "add", ns)
         self._made.append(ns)
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        run_tool("ip", "-n", ns, "link", "set", "lo", "up")
         # IPv4 only: no IPv6 link-local chatter (router solicitations) on the device or in the counts.
-        _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
+        run_tool("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
              "net.ipv6.conf.default.disable_ipv6=1")
-        self._fds[region] = in_namespace(ns, lambda: _open_tun(DEVICE))
-        _run("ip", "-n", ns, "addr", "add", f"{self.addresses[region]}/24", "dev", DEVICE)
-        _run("ip", "-n", ns, "link", "set", DEVICE, "mtu", str(self.mtu), "txqueuelen", "1000", "up")
+        self._fds[region] = in_namespace(ns, lambda: open_tun(DEVICE))
+        run_tool("ip", "-n", ns, "addr", "add", f"{self.addresses[region]}/24", "dev", DEVICE)
+        run_tool("ip", "-n", ns, "link", "set", DEVICE, "mtu", str(self.mtu), "txqueuelen", "1000", "up")
         # Anything not on the subnet goes to the router too, which drops it (no_route): nothing
         # leaves the namespaces, and software that looks for a default route finds one.
-        _run("ip", "-n", ns, "route", "add", "default", "dev", DEVICE)
+        run_tool("ip", "-n", ns, "route", "add", "default", "dev", DEVICE)
         self.set_egress(region, self.links.egress_mbps[region])
 
     def set_egress(self, region: str, mbps: float) -> None:
@@ -136,7 +136,7 @@ class RegionNet:
         bps = mbps * 1e6
         burst = max(MIN_BURST, int(bps / 8 * TBF_BURST_S))
         limit = max(4 * burst, int(bps / 8 * 0.05))   # ~50 ms of queue, as a NIC's ring plus qdisc
-        _run("tc", "-n", self.names[region], "qdisc", "replace", "dev", DEVICE, "root", "tbf",
+        run_tool("tc", "-n", self.names[region], "qdisc", "replace", "dev", DEVICE, "root", "tbf",
              "rate", f"{int(bps)}bit", "burst", str(burst), "limit", str(limit))
 
     def down(self) -> None:
@@ -151,7 +151,7 @@ class RegionNet:
         self._fds = {}
         for ns in self._made:
             try:
-                _run("ip", "netns", "delete", ns)
+                run_tool("ip", "netns", "delete", ns)
             except RuntimeError as exc:
                 if "No such file" not in str(exc):
                     log.warning("%s", exc)
@@ -167,14 +167,14 @@ class RegionNet:
     # -- what the kernel counted ---------------------------------------------------------------
     def nic(self, region: str) -> dict[str, int]:
         """The region's TUN device counters (the kernel's): tx = what it sent, rx = what it got."""
-        data = json.loads(_run("ip", "-n", self.names[region], "-s", "-j", "link", "show", "dev", DEVICE))[0]
+        data = json.loads(run_tool("ip", "-n", self.names[region], "-s", "-j", "link", "show", "dev", DEVICE))[0]
         st = data["stats64"]
         return {"tx_bytes": st["tx"]["bytes"], "tx_packets": st["tx"]["packets"], "tx_dropped": st["tx"]["dropped"],
                 "rx_bytes": st["rx"]["bytes"], "rx_packets": st["rx"]["packets"], "rx_dropped": st["rx"]["dropped"]}
 
     def qdisc(self, region: str) -> dict[str, int]:
         """tbf's counters on the region's egress: bytes and packets it sent, drops, overlimits."""
-        text = _run("tc", "-n", self.names[region], "-s", "qdisc", "show", "dev", DEVICE)
+        text = run_tool("tc", "-n", self.names[region], "-s", "qdisc", "show", "dev", DEVICE)
         m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", text)
         if not m:
             raise RuntimeError(f"tc: no tbf counters on {self.names[region]}/{DEVICE}: {text.strip()}")

@@ -49,7 +49,8 @@ def kernel_unavailable() -> str | None:
     return None
 
 
-def _run(*args: str) -> str:
+def run_tool(*args: str) -> str:
+    """Run `ip` or `tc` (`args` is its argv) and return its stdout; RuntimeError naming the command when it fails."""
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=TC_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -61,7 +62,7 @@ def _run(*args: str) -> str:
 
 def list_namespaces(prefix: str) -> list[str]:
     """Network namespaces whose name starts with `prefix`, sorted (runs `ip netns list`)."""
-    names = [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+    names = [line.split()[0] for line in run_tool("ip", "netns", "list").splitlines() if line.strip()]
     return sorted(n for n in names if n.startswith(prefix))
 
 
@@ -73,12 +74,12 @@ def cleanup(prefix: str = "gfw") -> list[str]:
     removed = []
     for name in list_namespaces(prefix):
         try:
-            for pid in _run("ip", "netns", "pids", name).split():
+            for pid in run_tool("ip", "netns", "pids", name).split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            _run("ip", "netns", "delete", name)
+            run_tool("ip", "netns", "delete", name)
             removed.append(name)
         except RuntimeError as exc:
             log.warning("%s", exc)
@@ -153,7 +154,7 @@ def socket_in_namespace(name: str, family: int = socket.AF_INET, kind: int = soc
     return in_namespace(name, lambda: socket.socket(family, kind, proto))
 
 
-def _open_tun(device: str) -> int:
+def open_tun(device: str) -> int:
     """A non-blocking TUN device (IP packets, no header) made in the calling thread's namespace."""
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     try:
@@ -207,9 +208,9 @@ class KernelNet:
         atexit.register(self.down)
         try:
             for r in self.regions:
-                _run("ip", "netns", "add", self.names[r])
+                run_tool("ip", "netns", "add", self.names[r])
                 self._made.append(self.names[r])
-                _run("ip", "-n", self.names[r], "link", "set", "lo", "up")
+                run_tool("ip", "-n", self.names[r], "link", "set", "lo", "up")
             for a in self.regions:
                 for b in self.regions:
                     if self.index[a] < self.index[b]:
@@ -222,13 +223,13 @@ class KernelNet:
         ns_a, dev_a, ip_a = self._end(a, b)
         ns_b, dev_b, ip_b = self._end(b, a)
         if self.tun:
-            self.tun_fds[(a, b)] = in_namespace(ns_a, lambda: _open_tun(dev_a))
-            self.tun_fds[(b, a)] = in_namespace(ns_b, lambda: _open_tun(dev_b))
+            self.tun_fds[(a, b)] = in_namespace(ns_a, lambda: open_tun(dev_a))
+            self.tun_fds[(b, a)] = in_namespace(ns_b, lambda: open_tun(dev_b))
         else:
-            _run("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
+            run_tool("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
         for ns, dev, ip in ((ns_a, dev_a, ip_a), (ns_b, dev_b, ip_b)):
-            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu), "up")
+            run_tool("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            run_tool("ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu), "up")
         self.set_rate((a, b), rates_bps[(a, b)])
         self.set_rate((b, a), rates_bps[(b, a)])
 
@@ -242,12 +243,12 @@ class KernelNet:
         burst = max(self._burst.get(pair, 0), self.min_burst, int(wire_bps * TBF_BURST_S), self.mtu + 64)
         self._burst[pair] = burst
         limit = max(4 * burst, int(wire_bps * TBF_QUEUE_S))
-        _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+        run_tool("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
              "rate", f"{max(8000, int(wire_bps * 8))}bit", "burst", str(burst), "limit", str(limit))
 
     def qdisc(self, pair: tuple[str, str]) -> str:
         ns, dev, _ = self._end(*pair)
-        return _run("tc", "-n", ns, "-s", "qdisc", "show", "dev", dev)
+        return run_tool("tc", "-n", ns, "-s", "qdisc", "show", "dev", dev)
 
     def socket_in(self, region: str, family: int = socket.AF_INET) -> socket.socket:
         return socket_in_namespace(self.names[region], family)
@@ -259,7 +260,7 @@ class KernelNet:
         self.tun_fds = {}
         for name in self._made:
             try:
-                _run("ip", "netns", "delete", name)
+                run_tool("ip", "netns", "delete", name)
             except RuntimeError as exc:
                 if "No such file" not in str(exc):
                     log.warning("%s", exc)
