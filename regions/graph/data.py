@@ -319,3 +319,18 @@ def full_view(data: GraphData, *, adjacency: str) -> GraphView:
     """The whole graph as one view: a single region's shard, and what evaluation runs on."""
     nodes = np.arange(data.num_nodes)
     return build_view(data, nodes, data.edge_index, adjacency=adjacency)
+
+
+def load_task_graph(path: str, *, max_mb: int = MAX_GRAPH_BYTES >> 20) -> GraphData:
+    """Load the task's graph, within `max_mb` MiB; errors name task.path and where it was resolved."""
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise ValueError(
+            f"task.path: no graph file at {str(resolved)!r} (resolved from the working directory "
+            f"{str(Path.cwd())!r}); point task.path at a .npz in the documented graph format, or use task.dataset "
+            "(docs/data.md)")
+    try:
+        return load_graph_npz(resolved, max_bytes=max_mb << 20)
+    except ValueError as exc:
+        raise ValueError(f"task.path: {exc} (task.max_mb: {max_mb})" if "limit is" in str(exc)
+                         else f"task.path: {exc}") from None

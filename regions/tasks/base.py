@@ -15,6 +15,7 @@ importing anything (standard-library modules hold no task factories).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -100,7 +101,7 @@ def make_task(config: Any, *, batch_size: int = 32, seed: int = 0, device: str =
     `device` is where the region trains (a plug-in may put its data there). A plug-in factory gets
     each of the three it names in its signature (or takes through **kwargs), unless its options
     already set it."""
-    _load_builtin()
+    load_builtin_tasks()
     if isinstance(config, PluginTaskConfig):
         fn = load_task_factory(config)
         options = {**_run_facts(fn, batch_size=batch_size, seed=seed, device=device), **dict(config.options)}
@@ -128,6 +129,13 @@ def _run_facts(fn: Callable[..., Any], **facts: Any) -> dict[str, Any]:
     return {k: v for k, v in facts.items() if k in params and params[k].kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
-def _load_builtin() -> None:
-    # Importing the modules registers them; done lazily so `geofed validate` stays fast.
-    from . import builtin  # noqa: F401
+# The built-in task modules, imported by name the way plug-ins are: importing one registers its
+# kind (register_task), and this module never depends on them, so they may all import it.
+BUILTIN_MODULES = ("charlm", "digits", "gpt", "hf", "graph")
+
+
+def load_builtin_tasks() -> None:
+    """Register the built-in task kinds (make_task does it on first use; lazily, so `geofed
+    validate` stays fast)."""
+    for name in BUILTIN_MODULES:
+        importlib.import_module(f"{__package__}.{name}")

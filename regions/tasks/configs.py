@@ -20,10 +20,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from .base import Task
+from typing import Any, Literal
 
 TEXT_DEFAULT_DATASET = "tinyshakespeare"
 GRAPH_DEFAULT_DATASET = "cora"
@@ -91,7 +88,7 @@ ENTRY_POINT_GROUP = "geofed.tasks"
 _FACTORIES: dict[int, Callable[..., Any]] = {}
 
 
-def task_factory(fn: Callable[..., Task]) -> Callable[..., Task]:
+def task_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark `fn` as a geofed task factory: a config may then name it as
     ``task.kind: python:module:function``; ``fn(**task.options)`` returns a Task.
 
@@ -117,7 +114,7 @@ def _declared_entry_point(module: str, attr: str) -> bool:
     return any(ep.module == module and ep.attr == attr for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
-def load_task_factory(config: PluginTaskConfig) -> Callable[..., Task]:
+def load_task_factory(config: PluginTaskConfig) -> Callable[..., Any]:
     """The factory `config.kind` names, once it is known to be marked; ValueError('kind: ...')
     otherwise. Importing the module runs its top-level code (see the module docstring)."""
     _, module_name, fn_name = config.kind.split(":")
@@ -334,7 +331,7 @@ class GcnPlanetoidConfig:
         """Load the graph with the task's own checks and caps (`geofed validate` calls this), so a
         file every region would refuse, or pay gigabytes for, is refused before anything starts;
         ValueError starts with "task.path: " and names the file."""
-        from .graph import load_task_graph  # torch and the loader: only when a graph is read
+        from geofed.regions.graph.data import load_task_graph  # torch and the loader: only when a graph is read
 
         load_task_graph(self.path, max_mb=self.max_mb)
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from geofed.regions.graph.data import MAX_GRAPH_BYTES, GraphData, GraphView, build_view, full_view, load_graph_npz
+from geofed.regions.graph.data import GraphView, build_view, full_view, load_task_graph
 from geofed.regions.graph.models import accuracy, build_gnn, gnn_loss
 from geofed.regions.graph.partition import extract_subgraph, partition_nodes, partition_stats, train_flags
 
@@ -115,21 +114,6 @@ class GcnPlanetoidTask(Task):
         if self._last_regions and self._last_regions > 1:
             out["regions"] = self.partition_stats(self._last_regions)
         return out
-
-
-def load_task_graph(path: str, *, max_mb: int = MAX_GRAPH_BYTES >> 20) -> GraphData:
-    """Load the task's graph, within `max_mb` MiB; errors name task.path and where it was resolved."""
-    resolved = Path(path).expanduser()
-    if not resolved.exists():
-        raise ValueError(
-            f"task.path: no graph file at {str(resolved)!r} (resolved from the working directory "
-            f"{str(Path.cwd())!r}); point task.path at a .npz in the documented graph format, or use task.dataset "
-            "(docs/data.md)")
-    try:
-        return load_graph_npz(resolved, max_bytes=max_mb << 20)
-    except ValueError as exc:
-        raise ValueError(f"task.path: {exc} (task.max_mb: {max_mb})" if "limit is" in str(exc)
-                         else f"task.path: {exc}") from None
 
 
 register_task("gcn-planetoid", GcnPlanetoidConfig, lambda cfg, **kw: GcnPlanetoidTask(cfg, **kw))

@@ -107,7 +107,8 @@ def child_peak(code: str, *, cwd: Path, memory_cap: int = 6 * GIB, timeout_s: fl
     script = (
         "import json, resource, sys\n"
         f"resource.setrlimit(resource.RLIMIT_AS, ({memory_cap}, {memory_cap}))\n"
-        "import numpy, torch, geofed.regions.tasks.builtin\n"
+        "import numpy, torch, geofed.regions.tasks.base\n"
+        "geofed.regions.tasks.base.load_builtin_tasks()\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "result = {}\n"
         "try:\n" + "".join(f"    {line}\n" for line in code.splitlines()) +

@@ -117,7 +117,7 @@ def test_torch_free_params_and_torch_codecs_are_one_registry():
                 assert (got.kind, got.spec()) == (want.kind, dataclasses.asdict(want) | {"kind": want.kind}), (kind, f.name)
             else:
                 assert got == want, (kind, f.name)
-    task_base._load_builtin()
+    task_base.load_builtin_tasks()
     assert sorted(task_base._REGISTRY) == task_configs.task_kinds()
     assert task_configs.GRAPH_MAX_MB == MAX_GRAPH_BYTES >> 20
 
