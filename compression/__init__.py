@@ -1,9 +1,9 @@
 """geofed.compression: codecs for model updates, error feedback, and their wire format.
 
-    from geofed.compression import CodecSpec, CodecState, encode_update, decode_update
+    from geofed.compression import CodecSpec, CodecState, decode_update, encode_update, make_codec
     spec = CodecSpec.parse({"kind": "topk", "fraction": 0.01, "inner": "int8"})
     spec.key                                          # "topk(fraction=0.01,inner=int8)"
-    codec = spec.codec()
+    codec = make_codec(spec)
     state = CodecState(error_feedback=True)          # one per peer link
     payload = encode_update(codec, list(delta), state)
     tensors = decode_update(payload, max_bytes=4 * numel + (1 << 20))

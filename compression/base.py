@@ -16,16 +16,15 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .params import PARAMS, CodecParams, build
 from .params import check_inner, check_int  # noqa: F401 - re-exported: the codec modules' checks
+from .spec import CodecSpec
+from .state import CodecState
 
-if TYPE_CHECKING:
-    from .spec import CodecSpec
-    from .state import CodecState
 
 Shape = tuple[int, ...]
 
@@ -68,8 +67,6 @@ class Codec(CodecParams, ABC):
     @property
     def name(self) -> str:
         """The canonical key of this codec's spec (`CodecSpec.key`): "int8", "topk(fraction=0.01,inner=int8)"."""
-        from .spec import CodecSpec  # lazy: spec.py builds on this module
-
         return CodecSpec.of(self).key
 
     def spec(self) -> dict[str, Any]:
@@ -98,22 +95,6 @@ class Codec(CodecParams, ABC):
 
     def _default_shapes(self, numel: int) -> list[Shape]:
         return [(numel,)]
-
-    # ---- whole updates (the seam other layers call; see update.py) -----------------------
-    def encode(self, tensors: Sequence[torch.Tensor], state: CodecState | None = None) -> bytes:
-        """`encode_update(self, tensors, state)`."""
-        from .update import encode_update
-
-        return encode_update(self, tensors, state)
-
-    def decode(self, payload: bytes | bytearray | memoryview, *, max_bytes: int, expected_shapes: Sequence[Shape] | None = None) -> list[torch.Tensor]:
-        """`decode_update`, refusing a payload made by another codec (CodecError)."""
-        from .update import decode_update, inspect_update
-
-        made_by = inspect_update(payload, max_bytes=max_bytes).codec
-        if made_by != self:
-            raise CodecError(f"codec: payload was encoded with {made_by.name}, not {self.name}")
-        return decode_update(payload, max_bytes=max_bytes, expected_shapes=expected_shapes)
 
     # ---- the work ----------------------------------------------------------------------
     @abstractmethod
@@ -197,9 +178,6 @@ def make_codec(spec: str | Mapping[str, Any] | Codec | CodecSpec) -> Codec:
     if isinstance(spec, Codec):
         return spec
     _load_codecs()
-    if not isinstance(spec, (str, Mapping)):
-        from .spec import CodecSpec  # lazy: spec.py builds on this module
-
-        if isinstance(spec, CodecSpec):
-            spec = spec.to_data()
+    if isinstance(spec, CodecSpec):
+        spec = spec.to_data()
     return build(_REGISTRY, spec, make_codec)

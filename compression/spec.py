@@ -1,6 +1,6 @@
 """`CodecSpec`: which codec with which parameters, as one typed value with one canonical key.
 
-Configs, policies, round plans, checkpoints and reports pass a spec around; `spec.codec()`
+Configs, policies, round plans, checkpoints and reports pass a spec around; `make_codec(spec)`
 builds the codec. Three spellings parse to the same spec (`CodecSpec.parse`):
 
     int8                                        a kind: every parameter at its default
@@ -13,8 +13,8 @@ parameter, sorted by name, inner codecs by their own key: "int8", "int4",
 have one key and compare equal. The key is what rounds.jsonl, summary.json, the report and the
 error-feedback states of a checkpoint name a codec by, so it must not change between versions.
 
-Torch-free: a spec is checked against the parameter classes of params.py; only `spec.codec()`
-imports the codecs (and torch), so the config loader and `geofed validate` never do.
+Torch-free: a spec is checked against the parameter classes of params.py; only `make_codec(spec)`
+(base.py) imports the codecs (and torch), so the config loader and `geofed validate` never do.
 """
 
 from __future__ import annotations
@@ -23,12 +23,9 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 from .params import CodecParams, make_params
-
-if TYPE_CHECKING:
-    from .base import Codec
 
 Param = Union[bool, int, float, "CodecSpec"]
 MAX_KEY_CHARS = 1024
@@ -76,14 +73,13 @@ class CodecSpec:
 
     @classmethod
     def of(cls, codec: CodecParams) -> CodecSpec:
-        """The spec of a codec or of its parameters (`CodecSpec.of(c).codec() == c`)."""
+        """The spec of a codec or of its parameters (`make_codec(CodecSpec.of(c)) == c`)."""
         return cls(kind=codec.kind, params=_params_of(codec))
 
-    def codec(self) -> Codec:
-        """The codec this spec names (imports the codecs, and torch)."""
-        from .base import make_codec
-
-        return make_codec(self.to_data())
+    def parameters(self) -> CodecParams:
+        """The codec's parameters and class flags (contractive, linear, ...), without torch;
+        `make_codec(spec)` builds the codec itself."""
+        return make_params(self.to_data())
 
     # ---- naming ------------------------------------------------------------------------
     @property

@@ -90,7 +90,7 @@ def _check_choco_compression(c: CompressionSection) -> None:
         raise ValueError("compression.error_feedback: must be false with CHOCO gossip (sync.gossip.choco): "
                          "the difference to the public copy already carries what the codec dropped")
     for key, spec in [("codec", c.codec)] + [(f"ladder.{i}", s) for i, s in enumerate(c.ladder)]:
-        if not spec.codec().contractive:
+        if not spec.parameters().contractive:
             raise ValueError(f"compression.{key}: CHOCO gossip needs a contractive codec, {spec.key} is not")
 
 

@@ -75,20 +75,20 @@ def codec_facts(spec: CodecSpec, shapes: Sequence[tuple[int, ...]], *, chunk_byt
     """(wire bytes of one update on one link, seconds to encode one and decode `in_peers`), by
     encoding a random update of the model's shapes: the transport's framing (header message,
     chunk messages) counted as p2p's gRPC transport counts it."""
-    from geofed.compression import CodecState
+    from geofed.compression import CodecState, decode_update, encode_update, make_codec
     from geofed.p2p.proto import gossip_pb2
     from geofed.p2p.service import encode_chunk
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
-    codec = spec.codec()
+    codec = make_codec(spec)
     enc, dec, payload = [], [], b""
     for _ in range(reps):
         t = time.perf_counter()
-        payload = codec.encode(tensors, CodecState())
+        payload = encode_update(codec, tensors, CodecState())
         enc.append(time.perf_counter() - t)
         t = time.perf_counter()
-        codec.decode(payload, max_bytes=8 * sum(t.numel() for t in tensors) + (1 << 20), expected_shapes=list(shapes))
+        decode_update(payload, max_bytes=8 * sum(t.numel() for t in tensors) + (1 << 20), expected_shapes=list(shapes))
         dec.append(time.perf_counter() - t)
     n = len(payload)
     header = gossip_pb2.PushMessage(header=gossip_pb2.PushHeader(sender=sender, round=1, total_bytes=n)).SerializeToString()

@@ -32,7 +32,9 @@ RatioFn = Callable[[CodecSpec, int], float]
 
 def compression_ratio(spec: CodecSpec, numel: int) -> float:
     """fp32 bytes / wire bytes of ``spec`` for an update of ``numel`` floats (compression library)."""
-    return float(spec.codec().estimate_ratio(numel))
+    from geofed.compression import make_codec  # torch: only when a ratio is estimated
+
+    return float(make_codec(spec).estimate_ratio(numel))
 
 
 @dataclass(frozen=True)

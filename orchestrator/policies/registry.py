@@ -98,7 +98,7 @@ def make_policy(cfg: Any, *, codec: SpecLike, ladder: Sequence[SpecLike] = (), r
     (CodecSpecs, or any spelling ``CodecSpec.parse`` takes).
 
     ``ratio(spec, numel) -> float`` estimates a codec's compression; by default it asks
-    ``spec.codec().estimate_ratio(numel)`` (tests inject their own).
+    ``make_codec(spec).estimate_ratio(numel)`` (tests inject their own).
     """
     ctx = PolicyContext(codec=CodecSpec.parse(codec), ladder=tuple(CodecSpec.parse(s) for s in ladder),
                         ratio=ratio or compression_ratio)

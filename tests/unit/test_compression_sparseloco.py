@@ -64,7 +64,7 @@ def test_bytes_per_element_beat_topk_by_about_two():
     x = randn(n)
     bpe = {}
     for spec in ["sparseloco", "topk(fraction=0.01)", "topk(fraction=0.01,inner=int8)"]:
-        codec = CodecSpec.parse(spec).codec()
+        codec = make_codec(CodecSpec.parse(spec))
         payload = encode_update(codec, [x])
         bpe[spec] = len(payload) / n
         assert codec.estimate_ratio(n) == pytest.approx(4 * n / len(payload), rel=0.01)
