@@ -17,7 +17,7 @@ from pathlib import Path
 from geofed.orchestrator.cli import main as geofed
 from geofed.orchestrator.config import load_config
 from geofed.regions.tasks import make_task
-from geofed.regions.tasks.central import train_centrally
+from geofed.bench.central import train_centrally
 
 
 def main() -> None:

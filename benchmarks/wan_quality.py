@@ -58,7 +58,7 @@ ONE_RUN = r'''
 import json, sys, tempfile
 import torch
 torch.set_num_threads(1)
-from geofed.orchestrator.bench.wan_arms import base_mapping
+from geofed.bench.wan_arms import base_mapping
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.worker import RoundPlan

@@ -6,24 +6,15 @@ Exit codes: 0 success, 1 run failed, 2 bad input (config, arguments), 130 interr
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
-# `geofed bench NAME ...` forwards to NAME's module `main(argv) -> int` (imported lazily: each
-# pulls in torch, gRPC or Ray, which `geofed validate` should not pay for).
-BENCHES = {
-    "codecs": ("geofed.orchestrator.bench.codecs", "codec speed, ratio and error against the memory-bandwidth ceiling"),
-    "link": ("geofed.orchestrator.bench.link", "gRPC transfer rate on loopback and over an emulated WAN link"),
-    "wan": ("geofed.orchestrator.bench.wan", "per-step sync vs fixed H vs adaptive over the emulated WAN"),
-    "dfgl": ("geofed.orchestrator.bench.dfgl", "decentralized federated graph learning against centralized"),
-    "cluster": ("geofed.orchestrator.bench.cluster", "time to target on a multi-node Ray cluster over shaped links (root)"),
-    "hetero": ("geofed.orchestrator.bench.hetero", "barrier vs time-budget vs quorum rounds with a slow or flaky region"),
-    "soak": ("geofed.orchestrator.bench.soak", "a run under a hostile peer for N minutes: refusals and memory slope"),
-    "privacy": ("geofed.orchestrator.bench.privacy", "plain vs record-level DP at epsilon 1, 4, 8 on digits (accuracy, epsilon)"),
-    "plan": ("geofed.orchestrator.bench.plan", "geofed plan's predicted vs measured round time, utilisation and bytes"),
-    "attack": ("geofed.orchestrator.bench.attack", "one member of 4 turns hostile (withhold, poisoned state, flips, secagg x1e30) vs undisturbed"),
-}
+# `geofed bench ...` lives in a distribution of its own (geofed-bench, benchmarks/ in a clone) so that
+# users' wheels do not carry it; it registers its `main(argv) -> int` under this entry point, and the
+# core never imports it.
+BENCH_ENTRY_POINT = ("geofed.commands", "bench")
+BENCH_MISSING = ("geofed bench: the benchmarks are not installed (a distribution of their own, not in geofed's "
+                 "wheel): from a clone of geofed, pip install -e ./benchmarks")
 
 
 # config_record.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
@@ -78,12 +69,9 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("config-docs", help="print the table of every config key (docs/CONFIG.md)")
 
-    bench = sub.add_parser("bench", help="benchmarks that print comparison tables",
-                           description="Benchmarks that print comparison tables; `geofed bench NAME -h` for NAME's options.")
-    bsub = bench.add_subparsers(dest="name", required=True, metavar="NAME")
-    for name, (_, text) in sorted(BENCHES.items()):
-        # Each bench parses its own options (main() hands them over before argparse sees them).
-        bsub.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+    # Its own parser lists the benches (`geofed bench -h`); main() hands everything after `bench` over.
+    sub.add_parser("bench", help="benchmarks that print comparison tables (pip install -e ./benchmarks)",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
 
     rep = sub.add_parser("report", help="write report.html and plots for a run directory")
     rep.add_argument("run_dir")
@@ -132,9 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .plan.cli import main as plan_main
 
             return plan_main(argv[1:])
+        if argv[:1] == ["bench"]:  # the bench distribution's parser, -h and NAME -h included
+            return _bench(argv[1:])
         if len(argv) >= 2 and (argv[0], argv[1]) in _FORWARDED:
-            # `geofed bench NAME ...` and `geofed net cleanup ...` parse their own options, -h included.
-            return _forward(argv[0], argv[1], argv[2:])
+            # `geofed net cleanup ...` parses its own options, -h included.
+            return _forward(argv[2:])
         try:
             args = _parser().parse_args(argv)
         except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
@@ -148,18 +138,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-_FORWARDED = {("bench", name) for name in BENCHES} | {("net", "cleanup")}
+_FORWARDED = {("net", "cleanup")}
 
 
-def _forward(command: str, name: str, rest: list[str]) -> int:
+def _forward(rest: list[str]) -> int:
+    from geofed.p2p.wan.kernel import cleanup_main
+
     try:
-        if command == "net":
-            from geofed.p2p.wan.kernel import cleanup_main
-
-            return cleanup_main(rest)
-        return int(importlib.import_module(BENCHES[name][0]).main(rest))
-    except SystemExit as exc:  # their argparse: 0 after -h, 2 on bad arguments
+        return cleanup_main(rest)
+    except SystemExit as exc:  # its argparse: 0 after -h, 2 on bad arguments
         return exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+
+
+def _bench(rest: list[str]) -> int:
+    from importlib.metadata import entry_points
+
+    group, name = BENCH_ENTRY_POINT
+    found = list(entry_points(group=group, name=name))
+    try:
+        bench_main = found[0].load() if found else None
+    except ModuleNotFoundError as exc:
+        # Its metadata without its code (a venv that sees another's site-packages: CI's wheel check);
+        # a module missing under it is its own failure, told as is.
+        if not (exc.name and (found[0].module + ".").startswith(exc.name + ".")):
+            raise
+        bench_main = None
+    if bench_main is None:
+        print(BENCH_MISSING, file=sys.stderr)
+        return 2
+    return int(bench_main(rest))
 
 
 def _config_error() -> type[Exception]:
@@ -193,8 +200,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(config_docs_markdown(), end="")
         return 0
-    if args.command in ("bench", "net"):
-        return _forward(args.command, args.name if args.command == "bench" else args.net_command, args.rest)
+    if args.command == "net":
+        return _forward(args.rest)
     if args.command == "run":
         if args.allow_config_change and not args.resume:
             raise ConfigError("", "only with --resume RUN_DIR (a new run takes any config)", source="--allow-config-change")

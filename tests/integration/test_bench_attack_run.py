@@ -7,7 +7,7 @@ the honest regions' counts: on today's code (clip at 10x the median norm) the fl
 clipped and counted under `clipped`, though they still cost accuracy (issue 36's N4). Round 0 may
 escape: no region judges a norm before it knows 3 (geofed.p2p.robust.UpdateAdmission.min_samples).
 
-New code: this failed with ModuleNotFoundError (geofed.orchestrator.bench.attack) before it.
+New code: this failed with ModuleNotFoundError (geofed.bench.attack) before it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from geofed.orchestrator.bench.attack import QUICK, main
+from geofed.bench.attack import QUICK, main
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow, pytest.mark.timeout(600)]
 

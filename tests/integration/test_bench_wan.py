@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from geofed.orchestrator.bench import wan as bench_wan
-from geofed.orchestrator.bench.wan_arms import Scenario, base_mapping, build_arms
-from geofed.orchestrator.bench.wan_results import best_before_drop, measure
+from geofed.bench import wan as bench_wan
+from geofed.bench.wan_arms import Scenario, base_mapping, build_arms
+from geofed.bench.wan_results import best_before_drop, measure
 from geofed.orchestrator.driver.runner import prepare_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -3,10 +3,10 @@
 Four Ray nodes, each in its own network namespace: one tbf-shaped egress per region (50 Mbit/s of
 IP bytes, shared by all the region's flows, like a cloud VM's NIC) and 40 ms one way on every
 path through a user-space router that delays every packet (handshakes, ACKs) and counts every
-flow (p2p/wan/hub.py, orchestrator/bench/netns_cluster.py). `geofed run --address` runs from the
+flow (benchmarks/bench/hub.py, benchmarks/bench/netns_cluster.py). `geofed run --address` runs from the
 head's namespace with configs/multi-region.yaml's settings (bandwidth policy, int8, regions
 pinned by label, no emulation) on issue 14's digits MLP 64-256-256-10, a few rounds. Then, on
-every link (orchestrator/bench/cluster_checks.py says how each number is computed):
+every link (benchmarks/bench/cluster_checks.py says how each number is computed):
 
 (a) by the end of round 1 the bandwidth estimate is within 10% of the rate the link can get: its
     region's egress x 1448/1500 (TCP/IP headers) / the pushes sharing it (3);
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from geofed.orchestrator.bench.cluster import ClusterSpec, link_report, link_truth, probe_links, start_cluster
-from geofed.orchestrator.bench.cluster_arms import common_mapping, write_config
+from geofed.bench.cluster import ClusterSpec, link_report, link_truth, probe_links, start_cluster
+from geofed.bench.cluster_arms import common_mapping, write_config
 from geofed.p2p.wan.kernel import kernel_unavailable, list_namespaces
 
 REASON = kernel_unavailable()

@@ -9,7 +9,7 @@ import pytest
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import load_config
 from geofed.regions.tasks import make_task
-from geofed.regions.tasks.central import train_centrally
+from geofed.bench.central import train_centrally
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -10,7 +10,7 @@ import torch
 from geofed.compression import encode_update
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.summary import evaluate_average
-from geofed.regions.graph.baselines import local_only
+from geofed.bench.dfgl_baselines import local_only
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks import make_task
 from geofed.regions.worker import RoundPlan

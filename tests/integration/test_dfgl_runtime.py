@@ -14,7 +14,7 @@ import torch
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.regions.checkpoint import load_latest
-from geofed.regions.graph.baselines import local_only
+from geofed.bench.dfgl_baselines import local_only
 from geofed.regions.tasks.graph import GcnPlanetoidConfig, GcnPlanetoidTask
 
 pytestmark = pytest.mark.usefixtures("ray_session")

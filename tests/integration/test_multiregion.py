@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from geofed.orchestrator.config import load_config
 from geofed.orchestrator.launch.plan import build_plan
-from geofed.orchestrator.launch.local import LocalCluster
+from geofed.bench.local_cluster import LocalCluster
 from geofed.orchestrator.driver.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +118,7 @@ def test_a_region_without_a_node_fails_fast_naming_it_and_the_labels_seen(cluste
 
 def test_an_address_where_no_head_answers_fails_within_init_timeout(tmp_path):
     """No cluster needed: nothing listens on the port, the driver gives up after ray.init_timeout_s."""
-    from geofed.orchestrator.launch.local import free_ports
+    from geofed.bench.local_cluster import free_ports
 
     port = free_ports("127.0.0.1", 1)[0]
     t0 = time.monotonic()

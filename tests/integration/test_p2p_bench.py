@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from geofed.orchestrator.bench import link as bench
+from geofed.bench import link as bench
 
 pytestmark = pytest.mark.timeout(120)
 

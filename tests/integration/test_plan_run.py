@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from geofed.orchestrator.bench.plan_results import measure, predict_cell
+from geofed.bench.plan_results import measure, predict_cell
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.runner import Runner
 from geofed.orchestrator.plan.inputs import probe_task
@@ -48,7 +48,7 @@ def test_the_plan_of_the_default_config_agrees_with_its_run(tmp_path):
     the bandwidth policy run to its steady decision) against the default run, shortened to 12
     rounds. Before, the plan predicted 24% utilisation at H 150 where the run had 96% at H 55-146,
     and had no prediction of the run's policy at all: here ModuleNotFoundError (no bench.plan_shipped)."""
-    from geofed.orchestrator.bench.plan_shipped import measure_policy_run, predict_shipped, shipped_config, shipped_row
+    from geofed.bench.plan_shipped import measure_policy_run, predict_shipped, shipped_config, shipped_row
 
     cfg = shipped_config("local-wan.yaml", ["run.rounds=12", "run.checkpoint_every=0"])
     predicted = predict_shipped(cfg)

@@ -13,8 +13,8 @@ import statistics
 import pytest
 
 from geofed.p2p.wan import kernel as kmod
-from geofed.p2p.wan.hub import RegionLinks, RegionNet
-from geofed.p2p.wan.hub_probe import probe
+from geofed.bench.hub import RegionLinks, RegionNet
+from geofed.bench.hub_probe import probe
 
 REASON = kmod.kernel_unavailable()
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180),

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from geofed.orchestrator.bench.attack_results import account
+from geofed.bench.attack_results import account
 from geofed.orchestrator.config import ConfigError, config_from_mapping, load_config
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.adversary import Adversary

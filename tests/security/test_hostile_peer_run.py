@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from geofed.compression import encode_update
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.p2p.adversary import HostilePeer
+from geofed.bench.hostile_peer import HostilePeer
 from reliability_harness import BackgroundRun, events
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]

@@ -15,7 +15,7 @@ import torch
 
 from geofed.compression import encode_update
 from geofed.orchestrator.config import config_from_mapping
-from geofed.p2p.adversary import huge_update
+from geofed.bench.hostile_peer import huge_update
 from geofed.p2p.mailbox import Refusal
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.exchange import ExchangeResult

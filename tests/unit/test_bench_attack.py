@@ -1,9 +1,9 @@
 """`geofed bench attack` (issue 36, item 7): the hostile member's hooks (regions/adversary.py) on real
 workers over the in-memory transport, and the bench's arms, order, accounting, medians and targets
-(orchestrator/bench/attack_results.py) on synthetic run directories.
+(benchmarks/bench/attack_results.py) on synthetic run directories.
 
 New code: none of these existed before (each test failed with ModuleNotFoundError on
-geofed.regions.adversary / geofed.orchestrator.bench.attack_results).
+geofed.regions.adversary / geofed.bench.attack_results).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from geofed.orchestrator.bench import attack_results as ar
-from geofed.orchestrator.bench.attack import arm_config, main
+from geofed.bench import attack_results as ar
+from geofed.bench.attack import arm_config, main
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.adversary import Adversary, HostileMember, attach, poisoned_state_bytes
 from geofed.regions.inprocess import InProcessRegions

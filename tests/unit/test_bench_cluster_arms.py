@@ -7,7 +7,7 @@ import json
 import pytest
 
 from geofed.compression import CodecSpec
-from geofed.orchestrator.bench.cluster_arms import (
+from geofed.bench.cluster_arms import (
     ARMS,
     Target,
     arm_mapping,
@@ -17,7 +17,7 @@ from geofed.orchestrator.bench.cluster_arms import (
     target_supported,
     write_config,
 )
-from geofed.orchestrator.bench.wan_arms import base_mapping
+from geofed.bench.wan_arms import base_mapping
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import load_config
 from geofed.orchestrator.launch.plan import build_plan

@@ -1,6 +1,6 @@
 """The DFGL bench's runtime arms: equal epochs whatever the geofed arm's sync policy."""
 
-from geofed.orchestrator.bench.dfgl import arm_config, base_config, nominal_H
+from geofed.bench.dfgl import arm_config, base_config, nominal_H
 
 
 def test_the_geofed_arm_keeps_its_adaptive_policy_and_stops_after_the_epochs():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from geofed.orchestrator.bench.hetero import ARMS, SCENARIOS, TARGETS, arm_config, cells, interleaved
-from geofed.orchestrator.bench.hetero_results import document
+from geofed.bench.hetero import ARMS, SCENARIOS, TARGETS, arm_config, cells, interleaved
+from geofed.bench.hetero_results import document
 
 
 def test_interleaving_rotates_the_start_and_runs_every_cell_once_per_rep():
@@ -63,7 +63,7 @@ def test_an_arm_that_never_reaches_the_target_is_not_the_best():
 
 
 def test_a_loss_base_reaches_its_target_from_above_and_its_delta_is_relative():
-    from geofed.orchestrator.bench.hetero import BASES
+    from geofed.bench.hetero import BASES
 
     lm = BASES["char-lm"]
     assert not lm.higher_is_better and lm.targets()["slow_best_metric_delta"] == -0.02
@@ -79,7 +79,7 @@ def test_a_loss_base_reaches_its_target_from_above_and_its_delta_is_relative():
 def test_measure_reads_a_loss_target_from_above(tmp_path):
     import json
 
-    from geofed.orchestrator.bench.hetero_results import measure
+    from geofed.bench.hetero_results import measure
 
     (tmp_path / "summary.json").write_text(json.dumps({"wall_s": 4.0, "eval": {"value": 1.9}, "bytes_sent": 10}))
     rounds = [{"round": r, "t_end": 1.0 + r, "eval_avg": {"value": v}} for r, v in enumerate((3.0, 2.1, 2.0, 1.9))]

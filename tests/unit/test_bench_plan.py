@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from geofed.orchestrator.bench.plan import CODECS, EXTRA, HS, cell_config, cells, matrices
-from geofed.orchestrator.bench.plan_results import document, predict_cell
+from geofed.bench.plan import CODECS, EXTRA, HS, cell_config, cells, matrices
+from geofed.bench.plan_results import document, predict_cell
 
 
 def test_sixteen_cells_every_H_meets_every_codec_and_every_config_loads():
@@ -88,8 +88,8 @@ def test_a_shipped_configs_row_sets_the_plans_H_and_utilisation_beside_the_runs(
     """Issue 37 item 2: `geofed bench plan` gains the shipped configs (the default one at least),
     predicted against measured utilisation and H. Before, the bench had no such rows:
     ModuleNotFoundError (no bench.plan_shipped) and `--matrix shipped` was exit 2."""
-    from geofed.orchestrator.bench.plan import _parser
-    from geofed.orchestrator.bench.plan_shipped import SHIPPED, measure_policy_run, shipped_config, shipped_row
+    from geofed.bench.plan import _parser
+    from geofed.bench.plan_shipped import SHIPPED, measure_policy_run, shipped_config, shipped_row
 
     assert "local-wan.yaml" in SHIPPED
     cfg = shipped_config("local-wan.yaml")

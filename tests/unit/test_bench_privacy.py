@@ -3,7 +3,7 @@ is tests/integration/test_privacy_rounds.py)."""
 
 from __future__ import annotations
 
-from geofed.orchestrator.bench.privacy import ARMS, DROPPER, arm_config, main, median_row, ratios, row
+from geofed.bench.privacy import ARMS, DROPPER, arm_config, main, median_row, ratios, row
 
 
 def test_arms_are_plain_int8_secagg_a_dropout_and_record_level_dp_at_three_epsilons():

@@ -4,15 +4,15 @@ per-repetition ratios, on synthetic ArmResult rows (no Ray, no run directories).
 from __future__ import annotations
 
 import pytest
-from geofed.orchestrator.bench import wan as bench_wan
-from geofed.orchestrator.bench.wan_reps import (
+from geofed.bench import wan as bench_wan
+from geofed.bench.wan_reps import (
     combine,
     interleaved_schedule,
     median_reached,
     median_spread,
     representative,
 )
-from geofed.orchestrator.bench.wan_results import ArmResult
+from geofed.bench.wan_results import ArmResult
 
 RATIO_KEYS = {"time_vs_allreduce", "bytes_vs_allreduce", "loss_vs_allreduce", "time_vs_best_fixed",
               "time_vs_best_fixed_before_drop"}
@@ -110,7 +110,7 @@ def test_reps_flag_is_checked_before_anything_runs(capsys):
 
 
 def test_target_lines_say_the_median_and_spread_or_that_quick_has_none():
-    from geofed.orchestrator.bench.wan_arms import SCENARIOS
+    from geofed.bench.wan_arms import SCENARIOS
 
     out = combine(_reps(), "steady")
     doc = {"scenario": "steady", "arms": out["arms"], "ratios": out["ratios"], "reps": 3, "spread": out["spread"]}
@@ -121,7 +121,7 @@ def test_target_lines_say_the_median_and_spread_or_that_quick_has_none():
 
 
 def test_the_table_shows_medians_and_names_the_repetitions():
-    from geofed.orchestrator.bench.wan_arms import SCENARIOS
+    from geofed.bench.wan_arms import SCENARIOS
     from rich.console import Console
 
     reps = _reps()
@@ -137,8 +137,8 @@ def test_the_table_shows_medians_and_names_the_repetitions():
 
 
 def test_frontier_arms_get_their_own_ratios_and_the_best_arm_its_peak_to_mean():
-    from geofed.orchestrator.bench.wan import best_arm_peak
-    from geofed.orchestrator.bench.wan_arms import SCENARIOS, build_arms
+    from geofed.bench.wan import best_arm_peak
+    from geofed.bench.wan_arms import SCENARIOS, build_arms
 
     arms = {a.name: a for a in build_arms(SCENARIOS["steady"])}
     assert list(arms)[-6:] == ["adaptive", "adaptive-eager", "adaptive-frag-eager", "adaptive-frag-eager-spread",
@@ -174,7 +174,7 @@ def _write_run(tmp_path, rounds, metrics):
 
 
 def test_held_out_target_and_equal_examples_come_from_the_synchronised_models_evaluations(tmp_path):
-    from geofed.orchestrator.bench.wan_results import eval_at_steps, eval_to_target, loss_ratio
+    from geofed.bench.wan_results import eval_at_steps, eval_to_target, loss_ratio
     from geofed.orchestrator.report.load import load_run
 
     # Overlap: round r's exchange is reported by round r + 1 (exchange_round), and so is the evaluation
@@ -206,7 +206,7 @@ def test_held_out_target_and_equal_examples_come_from_the_synchronised_models_ev
 
 
 def test_a_flush_reports_two_evaluations_and_both_count(tmp_path):
-    from geofed.orchestrator.bench.wan_results import eval_at_steps, eval_to_target
+    from geofed.bench.wan_results import eval_at_steps, eval_to_target
     from geofed.orchestrator.report.load import load_run
     from geofed.regions.sync.common import merge_exchange_metrics
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from geofed.orchestrator.bench.wan_arms import base_mapping
+from geofed.bench.wan_arms import base_mapping
 
-from geofed.orchestrator.bench.cluster_arms import common_mapping, write_config
-from geofed.orchestrator.bench.cluster_checks import (
+from geofed.bench.cluster_arms import common_mapping, write_config
+from geofed.bench.cluster_checks import (
     LinkTruth,
     estimator_check,
     flow_class,
@@ -19,7 +19,7 @@ from geofed.orchestrator.bench.cluster_checks import (
 )
 from geofed.orchestrator.config import load_config
 from geofed.orchestrator.launch.plan import build_plan
-from geofed.orchestrator.bench.netns_cluster import DriverRun, Snapshot
+from geofed.bench.netns_cluster import DriverRun, Snapshot
 
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1", "eu-central-1"]
 ADDR = {r: f"10.7.0.{i + 1}" for i, r in enumerate(REGIONS)}
@@ -38,7 +38,7 @@ def test_the_true_rate_is_the_egress_after_headers_shared_by_concurrent_pushes()
 
 
 def test_flows_are_geofeds_by_its_grpc_ports_and_rays_by_the_plans(plan):
-    from geofed.orchestrator.bench.cluster_checks import ray_ports
+    from geofed.bench.cluster_checks import ray_ports
 
     named, workers = ray_ports(plan)
     g = tuple(plan.ports["between_nodes"]["geofed_grpc"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from geofed.compression import codec_names
-from geofed.orchestrator.bench import codecs as bench
+from geofed.bench import codecs as bench
 
 
 def test_json_document_has_every_codec_both_references_and_the_targets(capsys):

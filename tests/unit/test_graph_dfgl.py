@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from geofed.orchestrator.bench.dfgl import arm_config, base_config, run_bench, run_in_process
+from geofed.bench.dfgl import arm_config, base_config, run_bench, run_in_process
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.driver.summary import evaluate_average
-from geofed.regions.graph.baselines import centralized, local_only
+from geofed.bench.dfgl_baselines import centralized, local_only
 from geofed.regions.graph.tracking import GradientTracker, flat_grad, flat_params, load_flat_params
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks import make_task

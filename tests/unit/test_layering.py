@@ -1,4 +1,5 @@
-"""Imports flow one way: orchestrator -> regions -> p2p -> compression (docs/architecture.md).
+"""Imports flow one way: bench -> orchestrator -> regions -> p2p -> compression (docs/architecture.md).
+The bench (benchmarks/bench, distribution geofed-bench) is not in geofed's wheel: no core room may import it.
 
 Read from the source with ast (every import statement, including ones inside functions), so a
 lazy import that goes the wrong way is caught too."""
@@ -12,14 +13,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ["orchestrator", "regions", "p2p", "compression"]  # each may import only those after it
+ORDER = ["bench", "orchestrator", "regions", "p2p", "compression"]  # each may import only those after it
+FOLDERS = {"bench": "benchmarks/bench", "orchestrator": "orchestrator", "regions": "regions", "p2p": "p2p",
+           "compression": "compression"}
+CORE = ORDER[1:]  # geofed's wheel
+DOC_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 THIRD_PARTY_OK_IN_COMPRESSION = {"torch", "numpy"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file, relative ones resolved."""
     rel = path.relative_to(ROOT).with_suffix("")
-    package = ["geofed", *rel.parts][:-1]  # a module's package; an __init__'s is its own folder
+    room = next(r for r, folder in FOLDERS.items() if rel.is_relative_to(folder))
+    package = ["geofed", room, *rel.relative_to(FOLDERS[room]).parts][:-1]  # an __init__'s is its own folder
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -43,13 +49,27 @@ def _room(module: str) -> str | None:
 def test_no_room_imports_a_room_above_it(room):
     allowed = set(ORDER[ORDER.index(room):])
     bad = []
-    for path in sorted((ROOT / room).rglob("*.py")):
+    for path in sorted((ROOT / FOLDERS[room]).rglob("*.py")):
         if "_pb2" in path.name:
             continue
         for line, module in _imports(path):
             target = _room(module)
             if target is not None and target not in allowed:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_core_room_names_the_bench():
+    # An import by name (importlib, an entry point's target) escapes the import check above; the CLI
+    # reaches the bench only through the `geofed.commands` entry point the bench registers.
+    bad = []
+    for room in CORE:
+        for path in sorted((ROOT / FOLDERS[room]).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, DOC_OWNERS) and ast.get_docstring(n)}
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} names {node.value!r}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and "geofed.bench" in node.value and id(node) not in docs]
     assert not bad, "\n".join(bad)
 
 
@@ -63,6 +83,17 @@ def test_compression_needs_only_torch_and_numpy():
                 continue
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_a_core_room_importing_the_bench(monkeypatch):
+    fake = ROOT / "orchestrator" / "_layering_probe.py"
+    monkeypatch.setattr(Path, "rglob", lambda self, pat: iter([fake]) if self == ROOT / "orchestrator" else iter([]))
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "import importlib\nimportlib.import_module('geofed.bench.wan')\n")
+    with pytest.raises(AssertionError, match="names 'geofed.bench.wan'"):
+        test_no_core_room_names_the_bench()
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "from geofed.bench import cli\n")
+    with pytest.raises(AssertionError, match="imports geofed.bench"):
+        test_no_room_imports_a_room_above_it("orchestrator")
 
 
 def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):

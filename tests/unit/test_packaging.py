@@ -41,3 +41,14 @@ def test_every_listed_package_exists_and_data_files_are_declared():
         for suffix in suffixes - {".md"}:
             assert any(pattern.endswith(suffix) for pattern in data.get(pkg, [])), (
                 f"{folder}/*{suffix} would be left out of the wheel: add it to [tool.setuptools.package-data]")
+
+
+def test_the_bench_is_a_distribution_of_its_own_and_not_in_geofeds_wheel():
+    bench = tomllib.loads((ROOT / "benchmarks" / "pyproject.toml").read_text())
+    st = bench["tool"]["setuptools"]
+    assert not [p for p in _setuptools()["packages"] if "bench" in p]
+    found = {"geofed." + ".".join(py.parent.relative_to(ROOT / "benchmarks").parts)
+             for py in (ROOT / "benchmarks" / "bench").rglob("*.py") if "__pycache__" not in py.parts}
+    assert found == set(st["packages"]) == {"geofed.bench"}
+    assert st["package-dir"] == {"geofed.bench": "bench"}
+    assert bench["project"]["entry-points"]["geofed.commands"] == {"bench": "geofed.bench.cli:main"}

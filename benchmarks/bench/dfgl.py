@@ -35,8 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig, config_from_mapping, load_config, to_mapping
-from ..config.strict import ConfigError
+from geofed.orchestrator.config import RunConfig, config_from_mapping, load_config, to_mapping
+from geofed.orchestrator.config.strict import ConfigError
 
 ARMS = ("centralized", "local_only", "gossip_uncompressed", "geofed")
 RUNTIME_ARMS = ("gossip_uncompressed", "geofed")
@@ -155,10 +155,10 @@ def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: 
     """(the issue's document, per-run records by arm). `in_process`: the gossip arms on the
     in-memory transport in this process (run_in_process) instead of Ray and gRPC (run_once)."""
     import torch
-    from geofed.regions.graph.baselines import centralized, local_only
+    from .dfgl_baselines import centralized, local_only
     from geofed.regions.tasks import make_task
 
-    from ..driver.runner import prepare_task
+    from geofed.orchestrator.driver.runner import prepare_task
 
     base = prepare_task(base, source="geofed bench dfgl")
     torch.set_num_threads(1)
@@ -220,9 +220,9 @@ def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
 
     from geofed.regions.inprocess import InProcessRegions
 
-    from ..driver.coordinator import Coordinator
-    from ..driver.rundir import Clock
-    from ..driver.summary import evaluate_average
+    from geofed.orchestrator.driver.coordinator import Coordinator
+    from geofed.orchestrator.driver.rundir import Clock
+    from geofed.orchestrator.driver.summary import evaluate_average
 
     with tempfile.TemporaryDirectory(prefix="geofed-dfgl-") as tmp, InProcessRegions(cfg, tmp, task=task) as group:
         params = sum(p.numel() for p in group.workers[group.regions[0]].params)
@@ -250,7 +250,7 @@ def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
 
 def run_once(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """One `geofed run` (no report, no progress bar); the record the bench keeps of it."""
-    from ..driver.rundir import read_jsonl
+    from geofed.orchestrator.driver.rundir import read_jsonl
     from .runs import run_to_end
 
     run_dir, summary = run_to_end(cfg, run_dir)
@@ -276,7 +276,7 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, float]:
 
 def write_report(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path | None:
     """Comparison report of the runtime arms (every seed's run), for issue 10's bench reports."""
-    from ..report import write_comparison
+    from geofed.orchestrator.report import write_comparison
 
     dirs, labels = [], []
     for arm in RUNTIME_ARMS:

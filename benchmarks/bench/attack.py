@@ -18,10 +18,10 @@ carried to its actor at creation (Runner's `hostile` argument; no config key can
 
 Each repetition runs the undisturbed run (and, for the secagg arm, the undisturbed run under
 secure aggregation) and every arm, round-robin, the order rotated by one each repetition
-(orchestrator/bench/wan_reps.py); repetition k runs at run.seed k. Per arm, against the same
+(benchmarks/bench/wan_reps.py); repetition k runs at run.seed k. Per arm, against the same
 repetition's undisturbed run: the honest regions' final accuracy delta in points, the wall-time
 ratio (training, set-up excluded), whether the run died, refusals by reason, the member's acts
-and how many of them the honest regions counted (orchestrator/bench/attack_results.py); medians
+and how many of them the honest regions counted (benchmarks/bench/attack_results.py); medians
 over the repetitions, their min/max under "spread", and whether issue 36's targets hold.
 
 A run still training after --max-run-s is ended at its next round boundary as a finished run
@@ -40,7 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..config import config_from_mapping
+from geofed.orchestrator.config import config_from_mapping
 from .attack_results import ATTACKER, REGIONS, Arm, RunResult, arm_rows, combine, from_run_dir, run_order, select_arms, table
 
 QUICK = {"rounds": 6, "H": 20}
@@ -70,7 +70,7 @@ def run_arm(arm: Arm, rep: int, parent: Path, *, rounds: int, H: int, max_run_s:
             deadline_max_s: float = 10.0) -> RunResult:
     """One run of `arm` (repetition `rep`, seed rep) in a run directory under `parent`; a run that
     raises is a run that died (its directory still says how far it got)."""
-    from ..driver.rundir import new_run_dir
+    from geofed.orchestrator.driver.rundir import new_run_dir
 
     cfg = arm_config(arm, rounds=rounds, H=H, seed=rep, deadline_max_s=deadline_max_s)
     run_dir = new_run_dir(cfg, str(parent / f"{arm.name}-rep{rep + 1}"))
@@ -97,7 +97,7 @@ def _capped_runner(cfg: Any, run_dir: Path, *, hostile: dict | None, seconds: fl
     """A Runner that ends the run normally (final evaluation, summary) once `seconds` of training
     have passed, marking itself `cut`. Built on first use: Ray and torch load only for a run."""
     if not _RUNNER:
-        from ..driver.runner import Runner
+        from geofed.orchestrator.driver.runner import Runner
 
         class CappedRunner(Runner):
             def __init__(self, *args, seconds: float, **kw):

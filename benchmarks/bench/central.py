@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import EvalResult, Task
+from geofed.regions.tasks.base import EvalResult, Task
 
 
 def train_centrally(task: Task, *, steps: int, lr: float, weight_decay: float = 0.0, seed: int = 0,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..driver.rundir import read_jsonl
+from geofed.orchestrator.driver.rundir import read_jsonl
 
 
 def measure(run_dir: Path) -> dict[str, Any]:
@@ -44,9 +44,9 @@ def predict_cell(cfg, step_s: float, compute_spread: Sequence[float] = (1.0,), *
     on this machine alone), contention = step_s / it (at least 1) stretches the codec and control plane."""
     from geofed.p2p.wan.prices import EgressPricer
 
-    from ..plan import build_setup
-    from ..plan.inputs import codec_facts, probe_task
-    from ..plan.model import Candidate, mean_spread, predict, round_times
+    from geofed.orchestrator.plan import build_setup
+    from geofed.orchestrator.plan.inputs import codec_facts, probe_task
+    from geofed.orchestrator.plan.model import Candidate, mean_spread, predict, round_times
 
     regions = list(cfg.regions.names)
     pricer = EgressPricer(cfg.network.egress)
@@ -101,7 +101,7 @@ def recommendation_check(rows: list[dict[str, Any]], floor: float) -> dict[str, 
     meet the floor, or of all runs where none did (so every matrix has a ratio). ratio = the pick's
     measured s/step / the best's. `rule_on_measured` is the rule applied to the measurements (what a
     perfect model would pick; dollars per step are the predicted ones, the bytes being exact)."""
-    from ..plan.model import choose
+    from geofed.orchestrator.plan.model import choose
 
     def usd(r: dict[str, Any]) -> float:
         return r.get("pred_egress_usd_per_step") or math.inf

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..driver.rundir import read_jsonl
+from geofed.orchestrator.driver.rundir import read_jsonl
 
 SHIPPED = ("local-wan.yaml",)   # in configs/: the default run
 UTILIZATION_TARGET = 0.15       # issue 37: within 15% of the run's utilisation (relative)
@@ -24,21 +24,21 @@ UTILIZATION_TARGET = 0.15       # issue 37: within 15% of the run's utilisation 
 
 def shipped_path(name: str) -> Path:
     """A shipped config's file (configs/ as installed)."""
-    from ..config import default_config_path
+    from geofed.orchestrator.config import default_config_path
 
     return default_config_path().parent / name
 
 
 def shipped_config(name: str, overrides: Sequence[str] = ()):
     """The config as it ships, with no report (the run's rounds are the same without it)."""
-    from ..config import load_config
+    from geofed.orchestrator.config import load_config
 
     return load_config(shipped_path(name), ["run.report=false", *overrides])
 
 
 def predict_shipped(cfg) -> dict[str, Any]:
     """What `geofed plan CONFIG` predicts for the run: its policy's steady (H, codec) and utilisation."""
-    from ..plan import plan
+    from geofed.orchestrator.plan import plan
 
     doc = plan(cfg)
     pol = doc["policy"]

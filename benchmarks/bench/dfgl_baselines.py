@@ -5,7 +5,7 @@
 Both train full batch (one step is one epoch) with Adam, as the bench's gossip arms do (AdamW
 with weight decay 0: the task's loss holds the L2 term). They are plain training loops, not a
 second decentralized loop: the decentralized arms are the runtime's own RegionWorkers, over
-gRPC (geofed.orchestrator.bench.dfgl) or the in-memory transport (geofed.regions.inprocess).
+gRPC (geofed.bench.dfgl) or the in-memory transport (geofed.regions.inprocess).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`geofed bench attack`'s arms and arithmetic: which member misbehaves how, the interleaved order,
 what one run's directory says, and the medians, spreads and targets of the --json document.
 
-Pure (no Ray): the bench's driver (orchestrator/bench/attack.py) runs the arms and hands each run's
+Pure (no Ray): the bench's driver (benchmarks/bench/attack.py) runs the arms and hands each run's
 directory here, so the order, the accounting and the judgement are unit-tested on synthetic runs.
 
 Accounting. The hostile region counts its own acts (metrics.jsonl `hostile`: pushes withheld,
@@ -85,7 +85,7 @@ def select_arms(spec: str | None) -> list[Arm]:
 
 def run_order(arms: Sequence[Arm], reps: int) -> list[tuple[int, Arm]]:
     """(repetition, arm) in run order: the baselines the arms need, then the arms, each repetition
-    rotated left by its index (orchestrator/bench/wan_reps.py's interleaving)."""
+    rotated left by its index (benchmarks/bench/wan_reps.py's interleaving)."""
     names = {a.baseline for a in arms}
     runs = [b for b in BASELINES if b.name in names] + list(arms)
     return interleaved_schedule(runs, reps)

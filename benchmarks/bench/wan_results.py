@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..report.facts import ToTarget, to_target, training_start
-from ..report.load import Run, load_run
+from geofed.orchestrator.report.facts import ToTarget, to_target, training_start
+from geofed.orchestrator.report.load import Run, load_run
 
 FINAL_FRACTION = 0.1  # final loss: step-weighted mean train loss over the last 10% of steps
 

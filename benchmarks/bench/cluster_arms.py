@@ -29,9 +29,9 @@ from typing import Any
 import yaml
 
 from .wan_arms import base_mapping
-from ..config import config_from_mapping, to_mapping
-from ..driver.rundir import read_jsonl
-from ..config.strict import ConfigError
+from geofed.orchestrator.config import config_from_mapping, to_mapping
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.config.strict import ConfigError
 
 REGIONS = ("us-east-1", "eu-west-1", "ap-northeast-1", "eu-central-1")
 ARMS = ("H100-int8", "adaptive-overlap", "multi-region")

@@ -1,7 +1,7 @@
 """`geofed bench codecs`: ratio, encode/decode speed and error of every codec, side by side with
 a bf16 cast into a preallocated buffer (the memory-bandwidth ceiling) and a per-tensor int8.
 
-The measuring is compression's (geofed.compression.bench); this is the command around it:
+The measuring is codecs_core.py's; this is the command around it:
 arguments, torch threads, tables or JSON, and ``--check``'s exit code.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from geofed.compression import CodecSpec
-from geofed.compression.bench import DEFAULT_CODECS, TARGET_NUMEL, run
+from .codecs_core import DEFAULT_CODECS, TARGET_NUMEL, run
 
 
 def _print_table(doc: dict[str, Any]) -> None:

@@ -22,10 +22,10 @@ import torch
 
 from geofed.compression import encode_update
 
-from .proto import gossip_pb2, gossip_pb2_grpc
-from .service import MAX_CHUNK_BYTES
-from .tls import load_tls
-from .transport import REASONS
+from geofed.p2p.proto import gossip_pb2, gossip_pb2_grpc
+from geofed.p2p.service import MAX_CHUNK_BYTES
+from geofed.p2p.tls import load_tls
+from geofed.p2p.transport import REASONS
 
 __all__ = ["HostilePeer", "huge_update", "outcome_of"]
 

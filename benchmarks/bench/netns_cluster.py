@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geofed.p2p.wan.hub import RegionLinks, RegionNet
+from .hub import RegionLinks, RegionNet
 from geofed.p2p.wan.kernel import run_tool
 
-from ..launch.plan import LaunchPlan
-from ..launch.local import LocalCluster, LocalNode, _signal_pid
+from geofed.orchestrator.launch.plan import LaunchPlan
+from .local_cluster import LocalCluster, LocalNode, _signal_pid
 
 POLL_S = 0.02          # how often run() looks for new lines in the run directory
 _KILL_GRACE_S = 5.0

@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..config import config_from_mapping
+from geofed.orchestrator.config import config_from_mapping
 
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 SCALE = 0.005   # 1 Gbit/s preset links run at 5 Mbit/s: bytes matter for a 38k-parameter model
@@ -111,9 +111,9 @@ def main(argv: Sequence[str]) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     out = Path(args.out or f"runs/bench-plan-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
-    from ..driver.cluster import PlacementError
-    from ..driver.recovery import RunFailed
-    from ..plan.probe import ProbeError
+    from geofed.orchestrator.driver.cluster import PlacementError
+    from geofed.orchestrator.driver.recovery import RunFailed
+    from geofed.orchestrator.plan.probe import ProbeError
 
     try:
         if args.rescore:
@@ -172,7 +172,7 @@ def run_bench(out: Path, *, rounds: int, overrides: Sequence[str] = (), console:
 def _run_cells(out: Path, todo: Sequence[tuple[str, int, str]], *, rounds: int, overrides: Sequence[str],
                console: Console, busy: int) -> list[dict[str, Any]]:
     """The matrix cells' runs on one shared Ray, with `busy` spinning processes after the probe."""
-    from ..plan.inputs import probe_task
+    from geofed.orchestrator.plan.inputs import probe_task
     from .plan_results import measure, predict_cell
     from .runs import bench_ray, run_to_end
 
@@ -201,7 +201,7 @@ def _run_cells(out: Path, todo: Sequence[tuple[str, int, str]], *, rounds: int, 
 
 def rescore(out: Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The document of an earlier bench's runs, measured again and predicted by the current model."""
-    from ..plan.inputs import probe_task
+    from geofed.orchestrator.plan.inputs import probe_task
     from .plan_results import document, measure, predict_cell
 
     # The shipped rows are not rescored: their prediction is `geofed plan`'s own probe, taken before the run.

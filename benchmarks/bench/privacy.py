@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..config import config_from_mapping
+from geofed.orchestrator.config import config_from_mapping
 
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1", "eu-central-1"]
 # arm -> (epsilon of record-level DP or None, codec, secure aggregation, a region dropping mid-round)
@@ -104,8 +104,8 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/bench-privacy-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
-    from ..driver.cluster import PlacementError
-    from ..driver.recovery import RunFailed
+    from geofed.orchestrator.driver.cluster import PlacementError
+    from geofed.orchestrator.driver.recovery import RunFailed
 
     try:
         doc = run_bench(out, rounds=rounds, H=H, emulation=args.emulation, arms=arms, reps=args.reps)

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .kernel import socket_in_namespace
-from .measure import SinkServer, bulk, ping
+from geofed.p2p.wan.kernel import socket_in_namespace
+from geofed.p2p.wan.measure import SinkServer, bulk, ping
 
 Pair = tuple[str, str]
 

@@ -28,8 +28,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .kernel import TBF_BURST_S, in_namespace, kernel_unavailable, open_tun, run_tool
-from .router import PacketRouter
+from geofed.p2p.wan.kernel import TBF_BURST_S, in_namespace, kernel_unavailable, open_tun, run_tool
+from geofed.p2p.wan.router import PacketRouter
 
 log = logging.getLogger(__name__)
 

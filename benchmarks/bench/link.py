@@ -1,6 +1,6 @@
 """``geofed bench link``: gRPC push rate on loopback, and sync time over an emulated WAN link.
 
-The measuring (two real GrpcTransports, the shaping proxy) is p2p's (geofed.p2p.bench); this is
+The measuring (two real GrpcTransports, the shaping proxy) is link_core.py's; this is
 the command around it: arguments, a throwaway PKI, tables or JSON.
 """
 
@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from geofed.p2p.bench import emulated, loopback
+from .link_core import emulated, loopback
 from geofed.p2p.tls import make_pki
 
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import load_config
-from ..launch.plan import LaunchPlan
+from geofed.orchestrator.config import load_config
+from geofed.orchestrator.launch.plan import LaunchPlan
 from .netns_cluster import DriverRun
-from ..policies import LinkEstimate, Measurements, make_policy
-from ..driver.rundir import read_jsonl
+from geofed.orchestrator.policies import LinkEstimate, Measurements, make_policy
+from geofed.orchestrator.driver.rundir import read_jsonl
 
 FRAMING = 1.0   # gRPC/HTTP2/TLS framing (~0.998) is left out of the true rate: see the module docstring
 

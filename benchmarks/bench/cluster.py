@@ -37,7 +37,7 @@ from .cluster_arms import (
     target_supported,
     write_config,
 )
-from ..config import config_from_mapping
+from geofed.orchestrator.config import config_from_mapping
 
 PROBE_ROUNDS = 3
 
@@ -56,9 +56,9 @@ class ClusterSpec:
 
 def start_cluster(spec: ClusterSpec, mapping: dict[str, Any]):
     """The launch plan of `mapping` brought up on shaped namespaces (a started ShapedCluster)."""
-    from geofed.p2p.wan.hub import RegionLinks
+    from .hub import RegionLinks
 
-    from ..launch.plan import build_plan
+    from geofed.orchestrator.launch.plan import build_plan
     from .netns_cluster import ShapedCluster
 
     plan = build_plan(config_from_mapping(copy.deepcopy(mapping), source="bench cluster"))
@@ -68,7 +68,7 @@ def start_cluster(spec: ClusterSpec, mapping: dict[str, Any]):
 
 def probe_links(cluster, payload_bytes: int) -> dict[str, Any]:
     """hub_probe on the cluster's namespaces: RTT, cold and warm pushes, the egress share (plain TCP)."""
-    from geofed.p2p.wan.hub_probe import probe
+    from .hub_probe import probe
 
     return probe(cluster.net, payload_bytes=payload_bytes, rounds=PROBE_ROUNDS, gap_s=0.5)
 

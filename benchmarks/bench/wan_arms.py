@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..config import RunConfig, config_from_mapping, default_config_path
-from ..config.strict import parse_yaml_file
+from geofed.orchestrator.config import RunConfig, config_from_mapping, default_config_path
+from geofed.orchestrator.config.strict import parse_yaml_file
 
 BASE_CONFIG = "bench-wan.yaml"
 BASES = {"char-lm": BASE_CONFIG, "gpt": "bench-wan-gpt.yaml"}  # --base: the task every arm trains

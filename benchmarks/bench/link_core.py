@@ -1,4 +1,4 @@
-"""The measuring core of ``geofed bench link`` (its driver: orchestrator/bench/link.py): gRPC push rate on loopback, and sync time over an emulated WAN link.
+"""The measuring core of ``geofed bench link`` (its driver: benchmarks/bench/link.py): gRPC push rate on loopback, and sync time over an emulated WAN link.
 
 Loopback: pushes of each size with and without mutual TLS between two real GrpcTransports
 (payload MB/s, send -> ack, median of --repeats after unmeasured warm-up pushes; 1 MB = 10^6
@@ -18,9 +18,10 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from .estimator import LinkEstimator
-from .grpc_transport import GrpcTransport
-from .tls import load_tls
+from geofed.p2p.estimator import LinkEstimator
+from geofed.p2p.grpc_transport import GrpcTransport
+from geofed.p2p.prober import LinkProber
+from geofed.p2p.tls import load_tls
 
 MB = 1_000_000
 
@@ -37,14 +38,14 @@ class _Pair:
                                             max_message_bytes=max_bytes) for r in ("a", "b"))
         finally:
             quiet.setLevel(level)
-        self.b.set_validator(lambda sender, round, payload: len(payload))
+        self.b.mailbox.set_validator(lambda sender, round, payload: len(payload))
         addr_a, addr_b = self.a.start(), self.b.start()
         self.a.connect({"b": route(addr_b) if route else addr_b})
         self.b.connect({"a": addr_a})
         self.round = 0
 
     def push(self, payload: bytes, timeout_s: float):
-        self.b.expect(self.round, ["a"])
+        self.b.mailbox.expect(self.round, ["a"])
         stats = self.a.send("b", self.round, payload, timeout_s=timeout_s)
         inbox = self.b.receive(self.round, 5.0)
         if inbox.get("a") != len(payload):
@@ -82,8 +83,8 @@ def emulated(mbps_list: Sequence[float], latency_ms: float, sizes_mb: Sequence[f
     """Push time of each size through the emulator's shaping proxy, per bandwidth in `mbps_list`,
     against the ideal ``bytes * 8 / bandwidth + RTT`` (mutual TLS).
     """
-    from .wan.config import EmulationConfig, LinkSpec
-    from .wan.emulator import WanEmulator
+    from geofed.p2p.wan.config import EmulationConfig, LinkSpec
+    from geofed.p2p.wan.emulator import WanEmulator
 
     rows = []
     for mbps in mbps_list:
@@ -111,7 +112,7 @@ def _emulated_link(pair: _Pair, mbps: float, latency_ms: float, sizes_mb: Sequen
             continue
         est = LinkEstimator()
         for _ in range(5):
-            est.observe_rtt(pair.a.ping("b", timeout_s=10))
+            est.observe_rtt(LinkProber(pair.a).ping("b", timeout_s=10))
         syncs = []
         for _ in range(repeats):
             stats = pair.push(bytes(nbytes), 10 * limit_s + 10)

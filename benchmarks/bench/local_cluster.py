@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from .plan import LaunchPlan, NodePlan, ray_start_argv
+from geofed.orchestrator.launch.plan import LaunchPlan, NodePlan, ray_start_argv
 
 _FIRST_HOST = 10          # 127.0.0.10 is the head; .1 is avoided (Ray swaps it for the host's address)
 _WORKER_PORTS = 24        # Ray worker processes per node (each holds one port)

@@ -38,8 +38,8 @@ def run_to_end(cfg: Any, parent: Path | str, *, source: str | None = None) -> tu
     """One `geofed run` of `cfg` (no progress bar, no report) in a new run directory under `parent`;
     returns (run directory, summary). With `source` (what the error names) the task is prepared
     first (prepare_task: a relative data path resolved, a bad one refused before Ray starts)."""
-    from ..driver.rundir import new_run_dir
-    from ..driver.runner import Runner, prepare_task
+    from geofed.orchestrator.driver.rundir import new_run_dir
+    from geofed.orchestrator.driver.runner import Runner, prepare_task
 
     if source is not None:
         cfg = prepare_task(cfg, source=source)

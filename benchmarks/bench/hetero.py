@@ -34,8 +34,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..config import config_from_mapping, default_config_path
-from ..config.strict import parse_yaml_file
+from geofed.orchestrator.config import config_from_mapping, default_config_path
+from geofed.orchestrator.config.strict import parse_yaml_file
 
 SLOW_REGION, SLOW_FACTOR, ABSENT_P = "eu-west-1", 4.0, 0.25
 # Every region is emulated 2x slower than its share of this machine, the slow one 4x that: a
@@ -145,8 +145,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     out = Path(args.out or f"runs/bench-hetero-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
     console = Console(stderr=True)
-    from ..driver.cluster import PlacementError
-    from ..driver.recovery import RunFailed
+    from geofed.orchestrator.driver.cluster import PlacementError
+    from geofed.orchestrator.driver.recovery import RunFailed
 
     try:
         doc = run_bench(out, reps=reps, quick=args.quick, overrides=args.overrides, console=console, task=args.task)

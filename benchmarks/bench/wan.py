@@ -92,9 +92,9 @@ def main(argv: Sequence[str]) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out or f"runs/bench-wan-{scenario.name}-{stamp}")
     console = Console(stderr=True)
-    from ..driver.cluster import PlacementError
-    from ..driver.recovery import Interrupted
-    from ..driver.runner import RunFailed
+    from geofed.orchestrator.driver.cluster import PlacementError
+    from geofed.orchestrator.driver.recovery import Interrupted
+    from geofed.orchestrator.driver.runner import RunFailed
 
     reps = args.reps or (1 if args.quick else 3)
     try:
@@ -124,7 +124,7 @@ def run_bench(scenario: Scenario, out: Path, *, console: Console | None = None,
     """Run every arm of ``scenario`` ``reps`` times in `interleaved_schedule` order (run directories
     under ``out``; ``out/rep<k>/<arm>`` when reps > 1); returns the --json document (medians over
     repetitions), each arm's median repetition (`representative`) and the comparison report's path."""
-    from ..report import write_comparison
+    from geofed.orchestrator.report import write_comparison
     from .runs import bench_ray
 
     console = console or Console(stderr=True)
@@ -185,8 +185,8 @@ def _reps_text(reps: int) -> str:
 def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index: int, total: int,
             label: str | None = None) -> ArmResult:
     """Run one arm as a real `geofed run` in its own run directory under `out`, and measure it."""
-    from ..driver.rundir import new_run_dir
-    from ..driver.runner import Runner, prepare_task
+    from geofed.orchestrator.driver.rundir import new_run_dir
+    from geofed.orchestrator.driver.runner import Runner, prepare_task
 
     cfg = prepare_task(arm.cfg, source=f"bench wan arm {arm.name}")
     run_dir = new_run_dir(cfg, str(out / arm.name))
@@ -366,7 +366,7 @@ def _min_round_util(run_dir: str) -> float | None:
 
 def _round_utils(run_dir: str) -> list[float]:
     """rounds.jsonl's utilisation (mean over regions) of every round."""
-    from ..driver.rundir import read_jsonl
+    from geofed.orchestrator.driver.rundir import read_jsonl
 
     return [r["utilization"] for r in read_jsonl(Path(run_dir) / "rounds.jsonl") if r.get("utilization") is not None]
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..driver.rundir import read_jsonl
+from geofed.orchestrator.driver.rundir import read_jsonl
 
 MEASURES = ("time_to_target_s", "steps_to_target", "final_metric", "bytes_sent", "fast_idle_fraction", "wall_s")
 

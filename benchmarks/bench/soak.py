@@ -3,7 +3,7 @@
     geofed bench soak [--minutes 30] [--rate 10] [--json] [--out DIR] [--set KEY=VALUE ...]
 
 A run of the digits task (3 regions, DiLoCo over mutual-TLS gRPC, in this process's Ray) trains
-while a compromised peer (geofed.p2p.adversary.HostilePeer, holding the second region's genuine
+while a compromised peer (geofed.bench.hostile_peer.HostilePeer, holding the second region's genuine
 certificate from the run's tls/ folder) calls the first region's server ``--rate`` times a second,
 in turn: a garbage payload, an update of huge finite values, a FetchState flood (a handful of
 streams held unread), a far-future round, a header declaring 1 GiB, and a slow-loris push that
@@ -28,11 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from geofed.p2p.adversary import HostilePeer
+from .hostile_peer import HostilePeer
 
-from ..config import config_from_mapping
-from ..driver.rundir import read_jsonl
-from ..driver.runner import Runner
+from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.rundir import read_jsonl
+from geofed.orchestrator.driver.runner import Runner
 
 SLOPE_TARGET_MB_PER_MIN = 1.0
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
