@@ -1,7 +1,7 @@
 """`geofed launch plan CONFIG --out DIR`: what an operator needs to bring up a multi-region Ray cluster.
 
 The plan is computed here (pure: config in, `LaunchPlan` out); launch_render.py writes it as
-scripts and a README; launch_local.py brings the same plan up on one machine (tests, try-outs).
+scripts and a README; benchmarks/bench/local_cluster.py brings the same plan up on one machine (tests, try-outs).
 
 Why `ray start` commands and not one cluster-launcher YAML: the launcher takes one
 `provider.region` per cluster, and a geofed cluster spans several regions.
