@@ -79,7 +79,7 @@ class PeerChannels:
         return stale
 
     def _open(self, peer: str, address: str) -> PeerChannel:
-        options = [("grpc.max_send_message_length", CORE_MESSAGE_LIMIT),
+        options: list[tuple[str, int | str]] = [("grpc.max_send_message_length", CORE_MESSAGE_LIMIT),
                    ("grpc.max_receive_message_length", CORE_MESSAGE_LIMIT),
                    # one connection per peer, never shared with another channel
                    ("grpc.use_local_subchannel_pool", 1),

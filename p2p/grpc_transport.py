@@ -14,18 +14,19 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 from .grpc_channels import CORE_MESSAGE_LIMIT, PeerChannels, close_all
 from .proto import gossip_pb2
 from .service import CALLER_LIMITS, MAX_CHUNK_BYTES, MAX_PROBE_BYTES, GossipServicer, add_to_server, encode_chunk
-from .tls import TlsMaterial
-from .secagg_slot import SlotMailbox
+from .mailbox import Mailbox, stream_tag
 from .spread import SpreadClock, SpreadPushes, spread_chunk_bytes
-from .transport import REASONS, Inbox, TransferStats, Transport, TransportError, Validator
+from .tls import TlsMaterial
+from .transport import PING, PROBE, REASONS, UPDATE, Inbox, TransferStats, Transport, TransportError
 
 __all__ = ["GrpcTransport"]
 
@@ -90,11 +91,12 @@ class GrpcTransport(Transport):
         self.spreading = SpreadPushes()
         self.max_workers = max_workers
         self.max_state_bytes = max_state_bytes or max_message_bytes
-        self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
+        self.mailbox = Mailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
                                max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
         self._servicer = GossipServicer(region, self.mailbox, tls=tls is not None, max_rpc_s=max_rpc_s,
-                                        state_provider=lambda: self._state_provider)
-        self._state_provider: Callable[[], bytes] | None = None
+                                        state_provider=lambda: self.state_provider)
+        # Read per FetchState call by the servicer; None (not yet set) is refused ``no_state``.
+        self.state_provider: Callable[[], bytes] | None = None
         self._server: grpc.Server | None = None
         self.channels = PeerChannels(region, tls)
         self._lock = threading.Lock()  # the send counters and the ping nonce
@@ -159,18 +161,25 @@ class GrpcTransport(Transport):
         close_all(channels)
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0,
+             stream: str = UPDATE) -> TransferStats:
         """Stream a header and `payload` in chunk_bytes chunks to `peer` and wait for its ack; with
-        `spread_s`, smaller chunks released evenly over that many seconds (p2p/spread.py).
+        `spread_s`, smaller chunks released evenly over that many seconds (p2p/spread.py). A side
+        stream's push carries the stream's tag in its round; PROBE and PING use their own methods.
 
         ValueError for a payload above max_message_bytes or a negative round (our bug, not the peer's);
         TransportError, with the peer's refusal reason or the gRPC status as ``reason``, otherwise.
         """
+        if stream == PING:
+            return self._ping(peer, timeout_s=timeout_s)
+        if stream == PROBE:
+            return self._probe(peer, len(payload), timeout_s=timeout_s)
         n = len(payload)
         if n > self.mailbox.max_message_bytes:
             raise ValueError(f"payload: {n} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
         if round < 0:
             raise ValueError(f"round: must be >= 0, got {round}")
+        round |= stream_tag(stream)
         push = self.channels.get(peer, timeout_s).push
         header = gossip_pb2.PushMessage(
             header=gossip_pb2.PushHeader(sender=self.region, round=round, total_bytes=n)).SerializeToString()
@@ -178,7 +187,7 @@ class GrpcTransport(Transport):
         sizes = [0]
         clock = SpreadClock(spread_s, -(-n // cs))
 
-        def messages():
+        def messages() -> Iterator[bytes]:
             yield header
             for i, off in enumerate(range(0, n, cs)):
                 clock.wait(i)
@@ -206,7 +215,7 @@ class GrpcTransport(Transport):
                              receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self.channels.note_warm(peer),
                              spread_s=max(0.0, spread_s))
 
-    def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
+    def _probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
         """Push `nbytes` (at most MAX_PROBE_BYTES) of zeros on the Probe method, which the peer counts
         and drops; timed like a push. The stats carry round -1 and `cold` as a push's do.
         """
@@ -219,7 +228,7 @@ class GrpcTransport(Transport):
         size = min(self.chunk_bytes, nbytes)
         full, rest = divmod(nbytes, size)
 
-        def messages():
+        def messages() -> Iterator[bytes]:
             yield header
             for _ in range(full):
                 yield chunk
@@ -240,8 +249,9 @@ class GrpcTransport(Transport):
         return TransferStats(peer=peer, round=-1, payload_bytes=nbytes, wire_bytes=wire, seconds=seconds,
                              receiver_seconds=ack.receiver_seconds, chunks=full + bool(rest), cold=self.channels.note_warm(peer))
 
-    def ping(self, peer: str, *, timeout_s: float) -> float:
-        """Round trip of one Ping with a fresh nonce; TransportError if the reply names another region or nonce."""
+    def _ping(self, peer: str, *, timeout_s: float) -> TransferStats:
+        """Round trip of one Ping with a fresh nonce (the stats' seconds); TransportError if the reply
+        names another region or nonce."""
         stub = self.channels.get(peer, timeout_s).stub
         with self._lock:
             self._nonce += 1
@@ -255,7 +265,8 @@ class GrpcTransport(Transport):
         if reply.nonce != nonce or reply.region != peer:
             raise TransportError(f"ping to {peer}: reply from {reply.region!r} nonce {reply.nonce}, expected {nonce}",
                                  peer=peer, reason="error")
-        return rtt
+        return TransferStats(peer=peer, round=-1, payload_bytes=0, wire_bytes=0, seconds=rtt,
+                             receiver_seconds=0.0, chunks=0)
 
     def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
         """Stream `peer`'s state. Refuses (TransportError) a declared size above max_state_bytes and a
@@ -286,24 +297,15 @@ class GrpcTransport(Transport):
         return bytes(buf)
 
     # -- receiving -----------------------------------------------------------------------
-    def expect(self, round: int, senders: Collection[str]) -> None:
-        """The mailbox's (the rules every transport shares)."""
-        self.mailbox.expect(round, senders)
-
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
-                optional: Collection[str] = ()) -> Inbox:
-        """The mailbox's (the rules every transport shares)."""
-        return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s, optional=optional)
+                optional: Collection[str] = (), until: Collection[str] | None = None,
+                stream: str = UPDATE) -> Inbox:
+        """The mailbox's (the rules every transport shares); its validator runs on the server thread,
+        before a push is acknowledged."""
+        return self.mailbox.stream(stream).receive(round, deadline_s, quorum=quorum, grace_s=grace_s,
+                                                   optional=optional, until=until)
 
-    def set_state_provider(self, fn: Callable[[], bytes]) -> None:
-        """Read per FetchState call by the servicer; None (not yet set) is refused ``no_state``."""
-        self._state_provider = fn
-
-    def set_validator(self, fn: Validator) -> None:
-        """Runs in the mailbox on the server thread, before the push is acknowledged."""
-        self.mailbox.set_validator(fn)
-
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """This end's send counters merged with the mailbox's, plus the servicer's open calls and, with
         TLS, connection counts (refused handshakes counted under ``refused["tls_handshake"]``).
         """

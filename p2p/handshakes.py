@@ -23,6 +23,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("geofed.p2p")
 
@@ -36,7 +37,7 @@ class HandshakeLedger:
     TLS handshake, or dropped before a call); see the module docstring. Thread-safe.
     """
 
-    def __init__(self, region: str, *, grace_s: float = GRACE_S, clock=time.monotonic):
+    def __init__(self, region: str, *, grace_s: float = GRACE_S, clock: Callable[[], float] = time.monotonic):
         self.region = region
         self.grace_s = grace_s
         self._clock = clock

@@ -18,18 +18,28 @@ Two kinds of in-neighbour need not be waited for to the deadline (issue 36, N2):
   the sender says its push here was delivered or never made): a push is acknowledged only after it
   is filed here, so one still absent ``DONE_GRACE_S`` after the notice is not coming. A push of
   theirs that is still being received is never cut.
+
+Streams (side channels): the update is one message per (sender, round). A feature that needs
+more messages per link and round (secure aggregation: scales, masked update, relays, keys, ...)
+opens a named side stream (``open_stream``): a mailbox of its own, with its own rounds, whose
+pushes carry the stream's tag in the top bits of the header's round (a uint64, so the wire format
+is unchanged). Every rule of the update's mailbox (identity = certificate, replay, equivocation,
+size, budget, windows, late drops, counters) applies to a stream's messages too. A push tagged for
+a stream this region has not opened is refused ``bad_header``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from .admission import Admission, Refusal, Ticket, held_bytes
 from .transport import Inbox, Validator
 
-__all__ = ["DONE_GRACE_S", "OPTIONAL_GRACE_S", "Mailbox", "Refusal", "Ticket", "held_bytes"]
+__all__ = ["DONE_GRACE_S", "OPTIONAL_GRACE_S", "SIDE_STREAMS", "UPDATE", "Mailbox", "Refusal", "Ticket",
+           "held_bytes", "stream_tag"]
 
 # How long past the required in-neighbours a receive waits for an optional one. Its update, when it
 # comes, comes with theirs (it trained the same H steps): this is scheduling slack, not a deadline.
@@ -42,6 +52,33 @@ DONE_GRACE_S = 0.1
 # opened yet is kept for it; a run far ahead of it is no notice of anything).
 _DONE_ROUNDS_AHEAD = 8
 
+UPDATE = "update"  # the stream of the round's update: the mailbox itself
+# The side streams, in the order of their wire tags (1, 2, 3 in the round's top two bits): fixed, so
+# that both ends of a link agree. secagg's tag, 1 << 62, is the one its side mailbox always had.
+SIDE_STREAMS = ("secagg",)
+_TAG_SHIFT = 62
+_ROUND_MASK = (1 << _TAG_SHIFT) - 1
+
+
+def stream_tag(stream: str) -> int:
+    """What a push of `stream` adds to its header's round (0 for the update)."""
+    if stream == UPDATE:
+        return 0
+    if stream not in SIDE_STREAMS:
+        raise ValueError(f"stream: {stream!r} is not one of {(UPDATE, *SIDE_STREAMS)}")
+    return (SIDE_STREAMS.index(stream) + 1) << _TAG_SHIFT
+
+
+@dataclass(frozen=True)
+class _StreamTicket(Ticket):
+    """A push admitted into a side stream's mailbox (deliver/release go back there)."""
+
+    stream: str = UPDATE
+
+    def inner(self) -> Ticket:
+        """The ticket as the stream's own mailbox issued it."""
+        return Ticket(self.sender, self.round, self.declared_bytes)
+
 
 class Mailbox(Admission):
     """The receive side of one region (see the module docstring): admits, validates and files pushes
@@ -51,6 +88,57 @@ class Mailbox(Admission):
     def __init__(self, region: str, **kwargs: Any):
         super().__init__(region, **kwargs)
         self._done: dict[int, dict[str, float]] = {}  # round -> sender -> when it was said to be done
+        self._streams: dict[str, Mailbox] = {}  # side streams opened (open_stream)
+
+    # -- side streams ----------------------------------------------------------------------
+    def open_stream(self, stream: str, *, max_message_bytes: int, rounds_per_round: int = 1) -> Mailbox:
+        """The side stream's mailbox (made on the first call). `rounds_per_round`: how many of its
+        rounds the owner uses per round of the update (its window and memory budget scale with it)."""
+        stream_tag(stream)
+        if stream == UPDATE:
+            return self
+        with self._cond:
+            box = self._streams.get(stream)
+            if box is None:
+                box = self._streams[stream] = Mailbox(
+                    self.region, round_window=(self.round_window + 1) * rounds_per_round,
+                    max_message_bytes=max_message_bytes, max_inflight_per_sender=self.max_inflight_per_sender,
+                    peer_budget_bytes=(self.round_window + 2) * rounds_per_round * max_message_bytes)
+                box.add_known(self._known)
+        return box
+
+    def stream(self, stream: str) -> Mailbox:
+        """The mailbox of `stream` (this one for the update); ValueError if it was never opened."""
+        if stream == UPDATE:
+            return self
+        box = self._streams.get(stream)
+        if box is None:
+            stream_tag(stream)
+            raise ValueError(f"stream: {stream!r} was not opened on {self.region} (open_stream)")
+        return box
+
+    def admit(self, sender: str, round: int, declared_bytes: int, *, identity: str | None) -> Ticket:
+        tag = round >> _TAG_SHIFT
+        if not tag:
+            return super().admit(sender, round, declared_bytes, identity=identity)
+        stream = SIDE_STREAMS[tag - 1] if tag <= len(SIDE_STREAMS) else f"#{tag}"
+        box = self._streams.get(stream)
+        if box is None:
+            refusal = Refusal("bad_header", f"{sender} pushed on stream {stream!r}, which this region has not opened")
+            self.count_refusal(refusal, sender, round)
+            raise refusal
+        t = box.admit(sender, round & _ROUND_MASK, declared_bytes, identity=identity)
+        return _StreamTicket(t.sender, t.round, t.declared_bytes, stream)
+
+    def deliver(self, ticket: Ticket, payload: memoryview, *, wire_bytes: int, seconds: float) -> None:
+        if isinstance(ticket, _StreamTicket):
+            return self._streams[ticket.stream].deliver(ticket.inner(), payload, wire_bytes=wire_bytes, seconds=seconds)
+        return super().deliver(ticket, payload, wire_bytes=wire_bytes, seconds=seconds)
+
+    def release(self, ticket: Ticket, refusal: Refusal) -> None:
+        if isinstance(ticket, _StreamTicket):
+            return self._streams[ticket.stream].release(ticket.inner(), refusal)
+        return super().release(ticket, refusal)
 
     def senders_done(self, round: int, senders: Collection[str]) -> None:
         """`senders` have finished `round` and will push nothing more for it here (see the module
@@ -68,6 +156,9 @@ class Mailbox(Admission):
     def add_known(self, senders: Collection[str]) -> None:
         with self._cond:
             self._known.update(s for s in senders if s != self.region)
+            streams = list(self._streams.values())
+        for box in streams:
+            box.add_known(senders)
 
     def set_validator(self, fn: Validator) -> None:
         self._validator = fn
@@ -206,6 +297,19 @@ class Mailbox(Admission):
             del self._receive_started[r]  # late stragglers of older rounds are not timed
 
     def counters(self) -> dict:
+        """The update's counters; a side stream's refusals added in, and kept apart under its name."""
+        out = self._own_counters()
+        for name, box in list(self._streams.items()):
+            side = box._own_counters()
+            refused = dict(out["refused"])
+            for reason, n in side["refused"].items():
+                refused[reason] = refused.get(reason, 0) + n
+            out.update(refused=refused, refused_total=sum(refused.values()))
+            out[name] = {"refused": side["refused"], "messages_received": side["messages_received"],
+                         "late_dropped": side["late_dropped"]}
+        return out
+
+    def _own_counters(self) -> dict:
         with self._cond:
             return {
                 "bytes_received": dict(self.bytes_received),

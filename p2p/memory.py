@@ -13,11 +13,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
-from .mailbox import Refusal
-from .secagg_slot import SlotMailbox
+from .mailbox import Mailbox, Refusal, stream_tag
 from .spread import SpreadClock, SpreadPushes
-from .transport import Inbox, TransferStats, Transport, TransportError, Validator
+from .transport import PING, PROBE, UPDATE, Inbox, TransferStats, Transport, TransportError
 
 __all__ = ["InMemoryHub", "InMemoryTransport"]
 
@@ -29,7 +29,7 @@ class InMemoryHub:
     (`set_link`) for testing deadlines.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._members: dict[str, InMemoryTransport] = {}
         self._links: dict[tuple[str, str], tuple[float, bool]] = {}
@@ -75,10 +75,10 @@ class InMemoryTransport(Transport):
         self.hub = hub
         self.chunk_bytes = chunk_bytes
         self.spreading = SpreadPushes()
-        self.mailbox = SlotMailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
+        self.mailbox = Mailbox(region, round_window=round_window, max_message_bytes=max_message_bytes,
                                max_inflight_per_sender=max_inflight_per_sender, peer_budget_bytes=peer_budget_bytes)
         self._peers: dict[str, str] = {}
-        self._state_provider: Callable[[], bytes] | None = None
+        self.state_provider: Callable[[], bytes] | None = None
         self._lock = threading.Lock()
         self._sent_bytes: Counter[str] = Counter()
         self._sent_messages: Counter[str] = Counter()
@@ -92,9 +92,6 @@ class InMemoryTransport(Transport):
     def connect(self, peers: Mapping[str, str]) -> None:
         self._peers.update({p: a for p, a in peers.items() if p != self.region})
         self.mailbox.add_known(self._peers)
-
-    def expect(self, round: int, senders: Collection[str]) -> None:
-        self.mailbox.expect(round, senders)
 
     def _target(self, peer: str, timeout_s: float) -> InMemoryTransport:
         if self._closed:
@@ -117,7 +114,13 @@ class InMemoryTransport(Transport):
         with self._lock:
             self._send_failures[peer] += 1
 
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0,
+             stream: str = UPDATE) -> TransferStats:
+        if stream == PING:
+            return self._ping(peer, timeout_s)
+        if stream == PROBE:
+            return self._probe(peer, len(payload), timeout_s)
+        round |= stream_tag(stream)
         if len(payload) > self.mailbox.max_message_bytes:
             raise ValueError(f"payload: {len(payload)} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
         start = time.monotonic()
@@ -147,35 +150,33 @@ class InMemoryTransport(Transport):
                              spread_s=max(0.0, spread_s))
 
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
-                optional: Collection[str] = ()) -> Inbox:
-        return self.mailbox.receive(round, deadline_s, quorum=quorum, grace_s=grace_s, optional=optional)
+                optional: Collection[str] = (), until: Collection[str] | None = None,
+                stream: str = UPDATE) -> Inbox:
+        return self.mailbox.stream(stream).receive(round, deadline_s, quorum=quorum, grace_s=grace_s,
+                                                   optional=optional, until=until)
 
-    def ping(self, peer: str, *, timeout_s: float) -> float:
-        start = time.monotonic()
-        self._target(peer, timeout_s)
-        return time.monotonic() - start + self.hub.link(peer, self.region)[0]
-
-    def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
-        # No link to measure in one process: the probe is one message's worth of the hub's delay.
+    def _ping(self, peer: str, timeout_s: float) -> TransferStats:
+        # No link to measure in one process: a round trip is the hub's delays both ways.
         start = time.monotonic()
         self._target(peer, timeout_s)
         seconds = time.monotonic() - start + self.hub.link(peer, self.region)[0]
+        return TransferStats(peer=peer, round=-1, payload_bytes=0, wire_bytes=0, seconds=seconds,
+                             receiver_seconds=0.0, chunks=0)
+
+    def _probe(self, peer: str, nbytes: int, timeout_s: float) -> TransferStats:
+        # The probe is one message's worth of the hub's delay.
+        stats = self._ping(peer, timeout_s)
         return TransferStats(peer=peer, round=-1, payload_bytes=nbytes, wire_bytes=_HEADER_BYTES + nbytes,
-                             seconds=max(seconds, 1e-6), receiver_seconds=0.0, chunks=1)
+                             seconds=max(stats.seconds, 1e-6), receiver_seconds=0.0, chunks=1)
 
     def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
         target = self._target(peer, timeout_s)
-        if target._state_provider is None:
+        provider = target.state_provider
+        if provider is None:
             raise TransportError(f"{peer} has no state to give", peer=peer, reason="no_state")
-        return bytes(target._state_provider())
+        return bytes(provider())
 
-    def set_state_provider(self, fn: Callable[[], bytes]) -> None:
-        self._state_provider = fn
-
-    def set_validator(self, fn: Validator) -> None:
-        self.mailbox.set_validator(fn)
-
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             own = {"region": self.region, "bytes_sent": dict(self._sent_bytes),
                    "messages_sent": dict(self._sent_messages), "send_failures": dict(self._send_failures)}

@@ -65,7 +65,7 @@ class SpreadClock:
 class SpreadPushes:
     """A transport's spread pushes in flight, so that hurry() reaches all of them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._clocks: set[SpreadClock] = set()
 

@@ -16,6 +16,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -40,7 +41,7 @@ class TlsMaterial:
     def __repr__(self) -> str:  # never print the key
         return f"TlsMaterial(region={self.region!r})"
 
-    def server_credentials(self, on_connection: Callable[[], None] | None = None):
+    def server_credentials(self, on_connection: Callable[[], None] | None = None) -> Any:
         """Server credentials requiring a client certificate from the run's CA. With
         ``on_connection``, it is called for every connection the server accepts, before the
         handshake (``p2p/handshakes.py``: how refused handshakes are counted)."""
@@ -50,7 +51,7 @@ class TlsMaterial:
             return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
                                                require_client_auth=True)
 
-        def fetch():  # called by gRPC core per accepted connection; None keeps the certificate
+        def fetch() -> None:  # called by gRPC core per accepted connection; None keeps the certificate
             on_connection()
             return None
 
@@ -58,7 +59,7 @@ class TlsMaterial:
                                                            root_certificates=self.ca_pem)
         return grpc.dynamic_ssl_server_credentials(config, fetch, require_client_authentication=True)
 
-    def channel_credentials(self):
+    def channel_credentials(self) -> Any:
         import grpc
 
         return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
@@ -161,11 +162,13 @@ def renew_expiring(directory: Path, regions: Sequence[str], *, within_days: floa
     are good. A renewed CA keeps its key and name, and every region certificate is then reissued too."""
     directory = Path(directory)
     ca_key = serialization.load_pem_private_key(_read(directory / "ca.key"), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{directory / 'ca.key'}: not an elliptic-curve key (make_pki writes one)")
     ca_cert = x509.load_pem_x509_certificate(_read(directory / "ca.pem"))
     soon = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=within_days)
     renewed = []
     if ca_cert.not_valid_after_utc <= soon:
-        cn = ca_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value.removesuffix(" CA")
+        cn = str(ca_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value).removesuffix(" CA")
         _, ca_cert = make_ca(cn, valid_days=valid_days, key=ca_key)
         _write_private(directory / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
         renewed.append("ca")

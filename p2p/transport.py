@@ -1,7 +1,7 @@
 """The transport seam: push an encoded update to a peer, receive a round's updates by a deadline.
 
 Two implementations share the receive side (``geofed.p2p.mailbox.Mailbox``: sender, round and
-size checks, the validator hook, deadlines, counters): ``GrpcTransport`` (real gRPC, mutual TLS)
+size checks, the validator hook, deadlines, counters, side streams): ``GrpcTransport`` (real gRPC, mutual TLS)
 and ``InMemoryTransport`` (the same rules inside one process, for unit tests of algorithms).
 Both are importable from here.
 
@@ -22,10 +22,13 @@ if TYPE_CHECKING:
     # Resolved at run time by the module __getattr__ below (the implementations import this
     # module); named here so that `__all__` and static tools see what it exports.
     from .grpc_transport import GrpcTransport
+    from .mailbox import Mailbox
     from .memory import InMemoryHub, InMemoryTransport
 
+UPDATE = "update"  # the round's update: the default stream (p2p/mailbox.py, UPDATE)
+
 __all__ = [
-    "Transport", "TransportError", "TransferStats", "Arrival", "Inbox", "REASONS",
+    "Transport", "TransportError", "TransferStats", "Arrival", "Inbox", "REASONS", "UPDATE", "PROBE", "PING",
     "GrpcTransport", "InMemoryTransport", "InMemoryHub",
 ]
 
@@ -139,12 +142,29 @@ class Inbox(Mapping[str, Any]):
 
 Validator = Callable[[str, int, memoryview], Any]
 
+# What send() and receive() carry besides the round's update (``stream=``): a side stream of the
+# mailbox (p2p/mailbox.py, SIDE_STREAMS: secure aggregation's messages), or, send only, a probe
+# (filler the peer counts and drops, timed like a push) or a ping (a round trip; the payload is
+# ignored and the stats' `seconds` is the RTT). geofed.p2p.prober.LinkProber sends the last two.
+PROBE = "probe"
+PING = "ping"
+
 
 class Transport(ABC):
-    """One region's endpoint. Thread-safe: sends to different peers may run in parallel."""
+    """One region's endpoint. Thread-safe: sends to different peers may run in parallel.
+
+    Besides its seven methods a transport hands out the objects that own the rest of its state:
+    `mailbox` (the receive side, p2p/mailbox.py: expect() a round's senders, senders_done(),
+    accept_stale()/take_stale(), look_ahead(), the validator, side streams), `spreading` (paced
+    pushes in flight: spreading.hurry() sends what is left of them now) and `state_provider` (the
+    function whose bytes a peer's fetch_state gets; None until set: such fetches are refused
+    ``no_state``; called per fetch, so a rejoining region gets the parameters of that moment).
+    """
 
     region: str
-    spreading: SpreadPushes  # spread pushes in flight (sync.spread_sends), for hurry()
+    mailbox: Mailbox
+    spreading: SpreadPushes
+    state_provider: Callable[[], bytes] | None
 
     @abstractmethod
     def start(self) -> str:
@@ -156,82 +176,38 @@ class Transport(ABC):
         These regions also become the known senders (anything else is ``unknown_sender``)."""
 
     @abstractmethod
-    def expect(self, round: int, senders: Collection[str]) -> None:
-        """Declare the in-neighbours of `round`; only they may push for it."""
-
-    @abstractmethod
-    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0) -> TransferStats:
-        """Push `payload` to `peer`; returns once the peer validated and acknowledged it. `spread_s`
-        > 0: release the payload evenly over that many seconds rather than at line rate
-        (p2p/spread.py). Raises TransportError on refusal, failure or timeout."""
-
-    def hurry(self) -> None:
-        """Send what is left of every spread push now (the compute it was hiding behind is over)."""
-        self.spreading.hurry()
+    def send(self, peer: str, round: int, payload: bytes, *, timeout_s: float, spread_s: float = 0.0,
+             stream: str = UPDATE) -> TransferStats:
+        """Push `payload` to `peer` on `stream`; returns once the peer validated and acknowledged it.
+        `spread_s` > 0: release the payload evenly over that many seconds rather than at line rate
+        (p2p/spread.py). `stream` PROBE or PING: a probe or a ping instead (see PROBE; `round` is
+        not used). Raises TransportError on refusal, failure or timeout."""
 
     @abstractmethod
     def receive(self, round: int, deadline_s: float, *, quorum: int | None = None, grace_s: float = 0.0,
-                optional: Collection[str] = ()) -> Inbox:
-        """Wait at most `deadline_s` seconds for the expected senders of `round` (with `quorum`:
-        for that many, then at most `grace_s` for the rest), then close the round: later messages
-        for it are dropped and counted as late, unless accept_stale() keeps them. `optional`
-        senders are taken only if they come with the others (p2p/mailbox.py, OPTIONAL_GRACE_S), and
-        senders said done with the round (senders_done) are not waited for past DONE_GRACE_S."""
-
-    def senders_done(self, round: int, senders: Collection[str]) -> None:
-        """`senders` finished `round` and push nothing more for it here (the driver saw them report
-        it; each said its push here was delivered or never made): a receive of `round` stops
-        waiting for those still absent after a short grace. Thread-safe; callable mid-receive."""
-        self.mailbox.senders_done(round, senders)
-
-    def accept_stale(self, window: int) -> None:
-        """Keep late updates of senders that missed a closed round, up to `window` rounds back
-        (quorum rounds: sync.pacing); take_stale() hands them over."""
-        self.mailbox.accept_stale(window)
-
-    def take_stale(self) -> list[tuple[str, int, Any]]:
-        """Late updates kept since the last call: (sender, round, validated value), oldest first."""
-        return self.mailbox.take_stale()
-
-    @abstractmethod
-    def ping(self, peer: str, *, timeout_s: float) -> float:
-        """Round-trip time to `peer` in seconds."""
-
-    @abstractmethod
-    def probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
-        """Send `nbytes` of filler that `peer` counts and drops, timed like a push (send -> ack):
-        warms the connection and measures the link. Raises TransportError."""
+                optional: Collection[str] = (), until: Collection[str] | None = None,
+                stream: str = UPDATE) -> Inbox:
+        """Wait at most `deadline_s` seconds for the expected senders of `round` on `stream` (with
+        `quorum`: for that many, then at most `grace_s` for the rest; with `until`: only for those of
+        them), then close the round: later messages for it are dropped and counted as late, unless
+        mailbox.accept_stale() keeps them. `optional` senders are taken only if they come with the
+        others (p2p/mailbox.py, OPTIONAL_GRACE_S), and senders said done with the round
+        (mailbox.senders_done) are not waited for past DONE_GRACE_S."""
 
     @abstractmethod
     def fetch_state(self, peer: str, *, timeout_s: float) -> bytes:
         """The bytes `peer`'s state provider returns (a rejoining region's parameters)."""
 
     @abstractmethod
-    def set_state_provider(self, fn: Callable[[], bytes]) -> None:
-        """Install the function whose bytes this region serves to a peer's fetch_state (called per
-        fetch, so a rejoining region gets the parameters of that moment); until then fetches are
-        refused ``no_state``."""
-
-    @abstractmethod
-    def set_validator(self, fn: Validator) -> None:
-        """(sender, round, payload) -> decoded object; raise ValueError(reason) to refuse."""
-
-    @abstractmethod
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters: bytes and messages per peer both ways, refusals by reason, late drops."""
 
     @abstractmethod
     def close(self) -> None:
         """Stop serving and drop the connections; idempotent. Later sends raise TransportError(reason="closed")."""
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # The implementations import this module, so they are resolved lazily (PEP 562).
     if name == "GrpcTransport":
         from .grpc_transport import GrpcTransport

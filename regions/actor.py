@@ -102,7 +102,7 @@ class RegionActor(RegionWorker):
         """RegionWorker.senders_done, on a thread of its own: the round it cuts short is running."""
         transport = self.__dict__.get("transport")
         if transport is not None:  # a pooled actor between runs has none
-            transport.senders_done(round_, senders)
+            transport.mailbox.senders_done(round_, senders)
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def heartbeat(self) -> dict[str, Any]:

@@ -166,5 +166,5 @@ def attach(spec: Adversary, worker: Any) -> HostileMember:
     worker.exchanger.hostile = member
     if worker.secagg is not None:
         worker.secagg.hostile = member
-    worker.transport.set_state_provider(member.state_provider(worker.state_bytes))
+    worker.transport.state_provider = member.state_provider(worker.state_bytes)
     return member

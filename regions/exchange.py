@@ -7,7 +7,6 @@ back; this module owns the transport calls, codec states and per-link measuremen
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -16,12 +15,13 @@ from typing import Any
 
 import torch
 
-from geofed.compression import CodecSpec, CodecState, encode_and_decode, spec_key
+from geofed.compression import CodecSpec, CodecState, encode_and_decode, make_codec, spec_key
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.estimator import LinkEstimator
+from geofed.p2p.prober import LinkProber
 from geofed.p2p.transport import Transport, TransportError
 
-from .link_probe import LinkProber, Reprober
+from .link_probe import Reprober, SetupProbes
 
 log = logging.getLogger(__name__)
 PING_EVERY = 1  # rounds between RTT probes (a ping is ~100 bytes)
@@ -67,12 +67,12 @@ class Exchanger:
         self.deadline = deadline
         self.send_timeout_s = send_timeout_s
         self.states: dict[str, CodecState] = {}
-        self.estimators: dict[str, LinkEstimator] = {}
+        # Pings, probes and the out-links' estimators (probes update them from pool threads).
+        self.links = LinkProber(transport, ping_timeout_s=min(10.0, send_timeout_s))
         # Sees every update this region sends (its norm is the reference no peer controls:
         # geofed.p2p.robust.UpdateAdmission.observe_own).
         self.observe_own: Callable[[Sequence[torch.Tensor]], None] | None = None
         self.hostile = None  # geofed bench attack only: a member that lies about its update (regions/adversary.py)
-        self._est_lock = threading.Lock()  # probes update estimators from pool threads
         self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
         # Pushes left running that then succeeded, (peer, round, stats): reported with the next
         # exchange, so a link that only got slow still teaches its estimator and the policy.
@@ -80,16 +80,22 @@ class Exchanger:
         self.quiet_late_upto = -1  # a peer refusing these rounds as `late` is expected (after a restore)
         self._late_seen: set[tuple[int, str]] = set()  # late arrivals (round, sender) the deadline has learnt from
         self.reprober: Reprober | None = None  # re-probes stale links during the rounds (set by probe_links)
-        # One push per peer plus one stalled push per peer never queue behind each other.
-        self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
+        # One push per peer plus one stalled push per peer never queue behind each other. The
+        # set-up probes and re-probes (regions/link_probe.py) run on it too.
+        self.pool = ThreadPoolExecutor(max_workers=max(8, 2 * max_peers), thread_name_prefix="geofed-send")
 
     def close(self) -> None:
         """Stop the send pool without waiting: queued pushes are cancelled, running ones end on their timeout."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def estimators(self) -> dict[str, LinkEstimator]:
+        """The out-links' estimators by peer (the link prober's; whoever updates one holds links.lock)."""
+        return self.links.estimators
 
     def estimator(self, peer: str) -> LinkEstimator:
-        """The link estimator of the out-link to `peer` (made on first use); callers that update it hold the lock."""
-        return self.estimators.setdefault(peer, LinkEstimator())
+        """The link estimator of the out-link to `peer` (made on first use); callers that update it hold links.lock."""
+        return self.links.estimator(peer)
 
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], *, out_peers: Sequence[str],
                  in_peers: Sequence[str], codecs: Mapping[str, CodecSpec], default_codec: CodecSpec,
@@ -103,7 +109,7 @@ class Exchanger:
         overlapped exchange hides behind; the receive deadline is at least that long, since a peer
         arriving within it costs nothing to wait for (regions/sync/common.py, OverlapWindow).
         `optional` in-peers (a member on probation) are taken only if they come with the others."""
-        self.transport.expect(round_, list(in_peers))
+        self.transport.mailbox.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
             self.observe_own(tensors)
         if self.hostile is not None:
@@ -113,7 +119,7 @@ class Exchanger:
         spread_s = min(max(0.0, spread_s), self.send_timeout_s / 2)
         if quorum is None:
             self._learn_late(spread_s)
-        futures = {p: self._pool.submit(self._send, p, round_, payloads[p], spread_s)
+        futures = {p: self.pool.submit(self._send, p, round_, payloads[p], spread_s)
                    for p in out_peers if p not in skipped}
         t0 = time.monotonic()
         # Peers spread their pushes about as long as this region does: the deadline and its samples
@@ -130,7 +136,7 @@ class Exchanger:
         result = ExchangeResult(received=dict(inbox.received), own_decoded=own_decoded,
                                 missing=sorted(inbox.missing), wait_s=wait_s)
         if quorum is not None:
-            result.stale = self.transport.take_stale()
+            result.stale = self.transport.mailbox.take_stale()
         for peer in out_peers:
             if peer in skipped:
                 result.send_failures[peer] = f"skipped: its push of round {skipped[peer]} is still in flight"
@@ -157,7 +163,7 @@ class Exchanger:
         if round_ % PING_EVERY == 0:
             for peer in futures:
                 if peer not in result.send_failures:
-                    pings.append(self._pool.submit(self._probe_rtt, peer))  # off the critical path
+                    pings.append(self.pool.submit(self.links.measure_rtt, peer))  # off the critical path
         if self.reprober is not None:
             self.reprober.count_updates(result.bytes_sent)  # what earns the re-probes' egress budget
             self.reprober.after_round([p for p in futures if p not in result.send_failures], pings)
@@ -185,30 +191,13 @@ class Exchanger:
         self._late_seen = keys  # the mailbox keeps its last 32: what fell out of it cannot come back
 
     def _send(self, peer: str, round_: int, payload: bytes, spread_s: float = 0.0):
-        with self._est_lock:  # a ping of the last round may still be adding to this estimator
-            cold = self.estimator(peer).rtt_s is None
-        if cold:
-            # The first ping on a fresh channel pays the TCP + TLS handshake (several RTTs): warm
-            # up with an unrecorded one, then measure.
-            self._probe_rtt(peer, warm_up=True)
+        if self.links.is_cold(peer):  # a ping of the last round may still be adding to this estimator
+            self.links.measure_rtt(peer, warm_up=True)
         return self.transport.send(peer, round_, payload, timeout_s=self.send_timeout_s, spread_s=spread_s)
 
     def hurry(self) -> None:
         """Spread pushes in flight (sync.spread_sends) send what is left now: the compute they hid behind is over."""
-        self.transport.hurry()
-
-    def _probe_rtt(self, peer: str, *, warm_up: bool = False) -> None:
-        """Ping `peer`. Called when our links are quiet (after the round's exchange): a ping queued
-        behind a push in the emulator's (or a real router's) buffer measures the queue, not the path."""
-        try:
-            if warm_up:
-                self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s))
-            rtt = self.transport.ping(peer, timeout_s=min(10.0, self.send_timeout_s))
-        except TransportError as exc:
-            log.info("ping %s failed: %s", peer, exc)
-            return
-        with self._est_lock:
-            self.estimator(peer).observe_rtt(rtt)
+        self.transport.spreading.hurry()
 
     def _encode(self, tensors, out_peers, codecs, default_codec, stream=""):
         """One encode per distinct codec: peers on the same codec share its bytes and its EF state."""
@@ -220,7 +209,7 @@ class Exchanger:
             if key not in by_key:
                 state_key = f"{key}@{stream}" if stream else key
                 state = self.states.setdefault(state_key, CodecState(error_feedback=self.error_feedback))
-                by_key[key] = encode_and_decode(spec.codec(), tensors, state)
+                by_key[key] = encode_and_decode(make_codec(spec), tensors, state)
             payloads[peer], own[peer] = by_key[key]
         return payloads, own
 
@@ -253,7 +242,7 @@ class Exchanger:
 
     def _count_send(self, result: ExchangeResult, peer: str, stats, *, concurrent: int, **extra) -> None:
         result.bytes_sent += stats.bytes
-        self._observe(peer, stats, concurrent)
+        self.links.observe(peer, stats, concurrent)
         if stats.cold:
             extra["cold"] = True
         if stats.spread_s > 0:
@@ -263,20 +252,13 @@ class Exchanger:
                                  "seconds": round(stats.seconds, 6), "concurrent": concurrent,
                                  "t_end": round(time.time(), 4), **extra})
 
-    def _observe(self, peer: str, stats, concurrent: int, stall_s: float = 0.0) -> None:
-        with self._est_lock:
-            # Sender-timed (send -> ack = RTT + bytes/bandwidth); the RTT comes from quiet-time
-            # probes. Receiver timing was tried: it starts at the header, after the shaper's
-            # burst has already let the first chunks through, and overestimates by 5-15%.
-            self.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold, concurrent=concurrent,
-                                                  spread_s=stats.spread_s, stall_s=stall_s)
-
     def probe_links(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
         """Warm every connection to `peers` and measure it before the first round
         (regions/link_probe.py); returns the probes as transfer records. The rounds then re-probe
         links whose estimates go stale or doubted, with probes up to `max_bytes`."""
-        self.reprober = Reprober(self, max_bytes=max_bytes)
-        return LinkProber(self).run(peers, duration_s=duration_s, max_bytes=max_bytes)
+        self.reprober = Reprober(self.links, self.pool, send_timeout_s=self.send_timeout_s, max_bytes=max_bytes)
+        return SetupProbes(self.links, self.pool, send_timeout_s=self.send_timeout_s).run(
+            peers, duration_s=duration_s, max_bytes=max_bytes)
 
     def _stalled_ended(self, peer: str, round_: int, fut: Future, concurrent: int) -> None:
         # Runs on the pool's thread: only a list append (atomic) crosses to the exchanging thread.
@@ -294,15 +276,12 @@ class Exchanger:
 
     def link_estimates(self, region: str) -> dict[str, dict]:
         """Every out-link's estimate keyed 'region->peer', as the round's metrics report them."""
-        with self._est_lock:
-            return {f"{region}->{peer}": est.snapshot() for peer, est in self.estimators.items()}
+        return self.links.link_estimates(region)
 
     def state_dict(self) -> dict:
         """The deadline's samples and every codec stream's state (error-feedback residual,
         warm starts, seed and counter), so a restored region encodes exactly as it would have."""
-        with self._est_lock:
-            links = {peer: est.state_dict() for peer, est in self.estimators.items()}
-        return {"deadline": self.deadline.state_dict(), "links": links,
+        return {"deadline": self.deadline.state_dict(), "links": self.links.state_dict(),
                 "codecs": {key: st.state_dict() for key, st in self.states.items()}}
 
     def load_state_dict(self, d: dict) -> None:
@@ -315,7 +294,5 @@ class Exchanger:
             state = CodecState(error_feedback=self.error_feedback)
             state.load_state_dict(sd)
             self.states[spec_key(spec) + at + stream] = state
-        with self._est_lock:
-            for peer, sd in d.get("links", {}).items():
-                self.estimator(peer).load_state_dict(sd)
+        self.links.load_state_dict(d.get("links", {}))
 

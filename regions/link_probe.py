@@ -59,15 +59,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future, wait
+from typing import Any
 
 from geofed.p2p.estimator import StallMeter
+from geofed.p2p.prober import LinkProber
 from geofed.p2p.transport import TransportError
-
-if TYPE_CHECKING:
-    from .exchange import Exchanger
 
 log = logging.getLogger(__name__)
 WARM_BYTES = 256 << 10      # a connection's first probe: about one BDP of a 25 Mbit/s, 80 ms link
@@ -91,18 +89,18 @@ REPROBE_BUDGET_FRACTION = 0.1
 REPROBE_BUSY_REFUNDS = 2
 
 
-class LinkProber:
-    """The set-up probes of one Exchanger's out-links (its transport, estimators, lock and pool)."""
+class SetupProbes:
+    """The set-up probes of one region's out-links, through its link prober, on its send pool."""
 
-    def __init__(self, exchanger: Exchanger):
-        self.ex = exchanger
+    def __init__(self, links: LinkProber, pool: Executor, *, send_timeout_s: float):
+        self.links, self.pool, self.send_timeout_s = links, pool, send_timeout_s
         self.first_probe: dict[str, float] = {}  # peer -> seconds its warm-up probe took
         self._spans: dict[str, tuple[float, float]] = {}  # peer -> (start, end) of its last probe
 
     def run(self, peers: Sequence[str], *, duration_s: float, max_bytes: int) -> list[dict]:
         """Warm and measure the links to `peers` (the module docstring); the probes as transfer records."""
         records: list[dict] = []
-        timeout_s = min(self.ex.send_timeout_s, 60.0)
+        timeout_s = min(self.send_timeout_s, 60.0)
         warm = {p: min(max_bytes, WARM_BYTES) for p in peers}
         done = self._probe_round(warm, timeout_s, False, records)
         sizes: dict[str, int | None] = {p: self._probe_size(p, warm[p], duration_s, max_bytes) for p in done}
@@ -123,7 +121,7 @@ class LinkProber:
         region's probes read up to 1.09x of its egress share on the shaped cluster.
         """
         peers = [p for p, n in sizes.items() if n]
-        for fut in [self.ex._pool.submit(self.ex._probe_rtt, p, warm_up=not measured) for p in peers]:
+        for fut in [self.pool.submit(self.links.measure_rtt, p, warm_up=not measured) for p in peers]:
             fut.result(timeout=timeout_s + 15.0)
         start = threading.Barrier(len(peers)) if peers else None
         done, spans = {}, {}
@@ -131,7 +129,7 @@ class LinkProber:
         # its 26-52 Mbit/s links): the probes' time is the sender's CPU for the share its threads
         # waited to run, which makes such a reading a lower bound (p2p/estimator.py).
         with StallMeter() as meter:
-            futures = {p: self.ex._pool.submit(self._probe_one, p, sizes[p], timeout_s, start) for p in peers}
+            futures = {p: self.pool.submit(self._probe_one, p, sizes[p], timeout_s, start) for p in peers}
             for peer, fut in futures.items():
                 try:
                     done[peer], spans[peer] = fut.result(timeout=timeout_s + 15.0)
@@ -139,7 +137,7 @@ class LinkProber:
                     log.warning("probe of the link to %s failed: %s", peer, exc)
         for peer, stats in done.items():
             if measured:
-                self.ex._observe(peer, stats, len(futures), stall_s=meter.share * stats.seconds)
+                self.links.observe(peer, stats, len(futures), stall_s=meter.share * stats.seconds)
             else:
                 self.first_probe[peer] = stats.seconds
             records.append({"peer": peer, "direction": "probe", "bytes": stats.bytes,
@@ -150,8 +148,8 @@ class LinkProber:
 
     def _probe_again(self, sizes: Mapping[str, int | None], max_bytes: int) -> dict[str, int]:
         """Larger probes for the peers whose last one gave no bandwidth sample (latency-bound)."""
-        with self.ex._est_lock:
-            unmeasured = [p for p, n in sizes.items() if n and self.ex.estimator(p).bandwidth_bps is None]
+        with self.links.lock:
+            unmeasured = [p for p, n in sizes.items() if n and self.links.estimator(p).bandwidth_bps is None]
         return {p: min(max_bytes, sizes[p] * PROBE_GROWTH) for p in unmeasured if sizes[p] < max_bytes}
 
     def even_out_shares(self, done: Mapping[str, Any]) -> None:
@@ -163,8 +161,8 @@ class LinkProber:
         whose own rates then read high (18.0-18.4 for an even 16.1, three links of one region
         12-14% over, on the shaped cluster). A spread past SHARE_SPREAD is links of their own (a
         slower path), kept as measured."""
-        with self.ex._est_lock:
-            rates = {p: self.ex.estimator(p).bandwidth_bps for p in done}
+        with self.links.lock:
+            rates = {p: self.links.estimator(p).bandwidth_bps for p in done}
             if len(rates) < 2 or None in rates.values() or max(rates.values()) > SHARE_SPREAD * min(rates.values()):
                 return
             spans = self._spans
@@ -172,22 +170,22 @@ class LinkProber:
                 # Every probe of the region from the first start to the last ack, less the RTT of the
                 # one that ended last: the egress's time, whatever the starts' skew.
                 last = max(rates, key=lambda p: spans[p][1])
-                span = spans[last][1] - min(spans[p][0] for p in rates) - (self.ex.estimator(last).rtt_s or 0.0)
+                span = spans[last][1] - min(spans[p][0] for p in rates) - (self.links.estimator(last).rtt_s or 0.0)
             else:
-                span = max(done[p].seconds - (self.ex.estimator(p).rtt_s or 0.0) for p in rates)
+                span = max(done[p].seconds - (self.links.estimator(p).rtt_s or 0.0) for p in rates)
             if span <= 0:
                 return
             egress = sum(done[p].bytes * 8.0 for p in rates) / span
             share = min(egress / len(rates), max(rates.values()))
             for peer in rates:
-                self.ex.estimator(peer).set_bandwidth(share)
+                self.links.estimator(peer).set_bandwidth(share)
 
     def _probe_size(self, peer: str, warm_bytes: int, duration_s: float, max_bytes: int) -> int | None:
         seconds = self.first_probe.get(peer)
         if seconds is None:
             return None
-        with self.ex._est_lock:
-            rtt = self.ex.estimator(peer).rtt_s or 0.0
+        with self.links.lock:
+            rtt = self.links.estimator(peer).rtt_s or 0.0
         rate = warm_bytes / max(seconds - rtt, 1e-3)  # bytes/s; a cold transfer reads low, hence 1.5x
         return int(min(max_bytes, max(MIN_PROBE_BYTES, 1.5 * rate * max(duration_s, 2 * rtt))))
 
@@ -196,7 +194,7 @@ class LinkProber:
         if start is not None:
             start.wait(timeout=timeout_s)
         t0 = time.monotonic()
-        stats = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
+        stats = self.links.probe(peer, nbytes, timeout_s=timeout_s)
         return stats, (t0, time.monotonic())
 
 
@@ -204,11 +202,12 @@ class Reprober:
     """Window-opening re-probes of stale or doubted out-links during the rounds, within an egress
     budget (the module docstring)."""
 
-    def __init__(self, exchanger: Exchanger, *, max_bytes: int, clock=time.monotonic,
-                 budget_fraction: float = REPROBE_BUDGET_FRACTION):
+    def __init__(self, links: LinkProber, pool: Executor, *, send_timeout_s: float, max_bytes: int,
+                 clock: Callable[[], float] = time.monotonic, budget_fraction: float = REPROBE_BUDGET_FRACTION):
         if not budget_fraction >= 0:
             raise ValueError(f"budget_fraction: must be >= 0, got {budget_fraction}")
-        self.ex, self.max_bytes, self._clock = exchanger, max_bytes, clock
+        self.links, self.pool, self.send_timeout_s = links, pool, send_timeout_s
+        self.max_bytes, self._clock = max_bytes, clock
         self.budget_fraction = budget_fraction
         self._running: Future | None = None
         self._next_t: dict[str, float] = {}     # peer -> clock() before which it is not probed again
@@ -237,9 +236,9 @@ class Reprober:
         if self._running is not None and not self._running.done():
             return
         now = self._clock()
-        with self.ex._est_lock:
+        with self.links.lock:
             due = [(_urgency(est), est.confidence, p, self._size(est)) for p in peers
-                   if (est := self.ex.estimators.get(p)) is not None and est.needs_probe()
+                   if (est := self.links.estimators.get(p)) is not None and est.needs_probe()
                    and now >= self._next_t.get(p, 0.0) and est.noise_s < REPROBE_MAX_NOISE_S]
         left = self.budget_left()
         for _, _, peer, nbytes in sorted(due):
@@ -251,14 +250,14 @@ class Reprober:
             return
         self._checked.add(peer)
         self._next_t[peer] = now + self._interval.get(peer, REPROBE_MIN_INTERVAL_S)
-        self._running = self.ex._pool.submit(self._probe, peer, nbytes, free, list(after))
+        self._running = self.pool.submit(self._probe, peer, nbytes, free, list(after))
 
     def _size(self, est) -> int:
         nbytes = est.window_bytes(REPROBE_EXPOSED_S) or REPROBE_BLIND_BYTES
         return min(self.max_bytes, max(WARM_BYTES, nbytes))
 
     def _probe(self, peer: str, nbytes: int, free: bool, after: list[Future]) -> str | None:
-        timeout_s = min(self.ex.send_timeout_s, 60.0)
+        timeout_s = min(self.send_timeout_s, 60.0)
         wait(after, timeout=timeout_s)
         sent = 0
         try:
@@ -267,10 +266,10 @@ class Reprober:
             # again (the default run: 0.46-0.66 of a 51 Mbit/s link, 0.3-0.8 MB probes, quiet pings).
             sent = nbytes  # a probe that fails may have sent its bytes: it is charged as sent
             with StallMeter() as m1:
-                first = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
+                first = self.links.probe(peer, nbytes, timeout_s=timeout_s)
             sent = first.bytes + nbytes
             with StallMeter() as m2:
-                second = self.ex.transport.probe(peer, nbytes, timeout_s=timeout_s)
+                second = self.links.probe(peer, nbytes, timeout_s=timeout_s)
             sent = first.bytes + second.bytes
         except TransportError as exc:
             log.info("re-probe of the link to %s failed: %s", peer, exc)
@@ -283,8 +282,8 @@ class Reprober:
         # transfer (at load average 30 the second of a pair took 0.54 s where the first took 0.29).
         second_read = second.seconds <= first.seconds or first.cold
         (opener, stats), stall_s = ((first, second), m2.stall_s) if second_read else ((second, first), m1.stall_s)
-        with self.ex._est_lock:
-            verdict = self.ex.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold,
+        with self.links.lock:
+            verdict = self.links.estimator(peer).observe_transfer(stats.bytes, stats.seconds, cold=stats.cold,
                                                                stall_s=stall_s)
         interval = self._interval.get(peer, REPROBE_MIN_INTERVAL_S)
         refund = free and verdict in ("busy", "busy-ignored") and self._busy_refunds.get(peer, 0) < REPROBE_BUSY_REFUNDS

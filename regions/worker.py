@@ -146,13 +146,13 @@ class RegionWorker(LocalSteps, RegionState):
         # `tls` (TlsMaterial) and `advertised_host` come from the actor on a multi-node cluster.
         self.transport = transport if transport is not None else make_transport(
             cfg, self.region, self.run_dir, limits=self.limits, tls=tls, advertised_host=advertised_host)
-        self.transport.set_validator(self._validate)
+        self.transport.mailbox.set_validator(self._validate)
         pacing = cfg.sync.pacing
         if pacing.mode == "quorum" and pacing.late_updates == "apply":
-            self.transport.accept_stale(pacing.max_staleness)
+            self.transport.mailbox.accept_stale(pacing.max_staleness)
         if pacing.mode == "quorum" and getattr(self.transport, "mailbox", None) is not None:
             self.transport.mailbox.expect_late = True
-        self.transport.set_state_provider(self.state_bytes)
+        self.transport.state_provider = self.state_bytes
 
     def _make_exchanger(self) -> None:
         """The Exchanger over the transport (adaptive deadline, error feedback) and secure aggregation's state."""
@@ -384,7 +384,7 @@ class RegionWorker(LocalSteps, RegionState):
     def senders_done(self, round_: int, senders: list[str]) -> None:
         """The driver's notice, mid-round: `senders` reported `round_` and push nothing more of it here
         (Transport.senders_done); a receive waiting for them stops after a short grace."""
-        self.transport.senders_done(round_, senders)
+        self.transport.mailbox.senders_done(round_, senders)
 
     def transport_stats(self) -> dict[str, Any]:
         """The transport's counters (see Transport.stats)."""

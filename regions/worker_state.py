@@ -189,7 +189,7 @@ class RegionState:
             self.transport.mailbox.quiet_late_upto = round_ + 1
         closed = self.transport.stats().get("closed_upto", -1)
         if round_ > closed:
-            self.transport.expect(round_, [])
+            self.transport.mailbox.expect(round_, [])
             self.transport.receive(round_, 0.0)
 
     def save_checkpoint(self) -> str:

@@ -52,7 +52,7 @@ def test_estimates_end_within_25_percent_of_each_link_after_a_busy_cpu(tmp_path)
         try:
             addrs = {}
             for r, t in transports.items():
-                t.set_validator(lambda sender, round, payload: len(payload))
+                t.mailbox.set_validator(lambda sender, round, payload: len(payload))
                 addrs[r] = t.start()
             for r, t in transports.items():
                 t.connect({p: emu.route(r, p, addrs[p]) for p in REGIONS if p != r})

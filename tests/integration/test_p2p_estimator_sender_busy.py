@@ -56,7 +56,7 @@ def test_busy_sender_readings_neither_set_the_estimate_nor_outlast_the_load(tmp_
         try:
             addrs = {}
             for r, t in transports.items():
-                t.set_validator(lambda sender, round, payload: len(payload))
+                t.mailbox.set_validator(lambda sender, round, payload: len(payload))
                 addrs[r] = t.start()
             for r, t in transports.items():
                 t.connect({p: emu.route(r, p, addrs[p]) for p in REGIONS if p != r})

@@ -7,6 +7,7 @@ from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.wan.config import EmulationConfig, LinkSpec, ScheduleEvent
 from geofed.p2p.wan.emulator import WanEmulator
+from geofed.p2p.prober import LinkProber
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,7 +18,7 @@ def test_estimate_within_10_percent_after_3_transfers_and_follows_a_step(tmp_pat
                           default=LinkSpec(latency_ms=5.0, bandwidth_mbps=40.0, jitter_ms=0.0, loss=0.0),
                           schedule=(ScheduleEvent(link="a->b", at_round=1, set=LinkSpec(bandwidth_mbps=16.0)),))
     a, b = (GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=4 << 20) for r in ("a", "b"))
-    b.set_validator(lambda sender, round, payload: len(payload))
+    b.mailbox.set_validator(lambda sender, round, payload: len(payload))
     with WanEmulator(cfg, ["a", "b"]) as emu:
         try:
             addr_a, addr_b = a.start(), b.start()
@@ -25,13 +26,13 @@ def test_estimate_within_10_percent_after_3_transfers_and_follows_a_step(tmp_pat
             b.connect({"a": addr_a})
             est = LinkEstimator()
             for _ in range(3):
-                est.observe_rtt(a.ping("b", timeout_s=5))
+                est.observe_rtt(LinkProber(a).ping("b", timeout_s=5))
             assert 0.009 < est.rtt_s < 0.05
             r = 0
 
             def transfer(observe=True):
                 nonlocal r
-                b.expect(r, ["a"])
+                b.mailbox.expect(r, ["a"])
                 stats = a.send("b", r, bytes(1 << 20), timeout_s=30)
                 assert b.receive(r, 5)["a"] == 1 << 20
                 if observe:

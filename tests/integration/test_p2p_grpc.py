@@ -15,6 +15,7 @@ from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.topology import make_topology, topology_names
 from geofed.p2p.transport import TransportError
 from geofed.p2p.validate import update_validator
+from geofed.p2p.prober import LinkProber
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +30,7 @@ def pki(tmp_path_factory):
 
 def _transport(pki, region, **kw):
     t = GrpcTransport(region, tls=load_tls(pki.directory, region), max_message_bytes=4 << 20, **kw)
-    t.set_validator(update_validator(max_bytes=1 << 20, expected_shapes=[SHAPE]))
+    t.mailbox.set_validator(update_validator(max_bytes=1 << 20, expected_shapes=[SHAPE]))
     return t
 
 
@@ -61,7 +62,7 @@ def _push_all(ts, topo, r, values, alive):
 
 def _round(ts, topo, r, values, *, alive, deadline_s=3.0):
     for i in alive:
-        ts[i].expect(r, [REGIONS[j] for j in topo.in_weights(i, r)])
+        ts[i].mailbox.expect(r, [REGIONS[j] for j in topo.in_weights(i, r)])
     threads, errors = _push_all(ts, topo, r, values, alive)
     inboxes = {i: ts[i].receive(r, deadline_s) for i in alive}
     for th in threads:
@@ -120,7 +121,7 @@ def test_a_peer_that_accepts_but_never_answers_times_out_without_hanging(pki):
     try:
         t.start()
         t.connect({"r1": f"127.0.0.1:{blackhole.getsockname()[1]}"})
-        for call in (lambda: t.send("r1", 0, b"x", timeout_s=0.5), lambda: t.ping("r1", timeout_s=0.5),
+        for call in (lambda: t.send("r1", 0, b"x", timeout_s=0.5), lambda: LinkProber(t).ping("r1", timeout_s=0.5),
                      lambda: t.fetch_state("r1", timeout_s=0.5)):
             t0 = time.monotonic()
             with pytest.raises(TransportError) as ei:
@@ -134,11 +135,11 @@ def test_a_peer_that_accepts_but_never_answers_times_out_without_hanging(pki):
 
 
 def test_ping_and_state_fetch_spread_over_donors(mesh):
-    rtt = mesh[0].ping("r1", timeout_s=2)
+    rtt = LinkProber(mesh[0]).ping("r1", timeout_s=2)
     assert 0 < rtt < 1
     state = bytes(range(256)) * 12000  # 3 MB: several chunks
     for t in mesh[1:]:
-        t.set_state_provider(lambda t=t: t.region.encode() + state)
+        t.state_provider = lambda t=t: t.region.encode() + state
     donor, got = fetch_state_from_any(mesh[0], REGIONS, timeout_s=5)
     assert donor == donor_order("r0", REGIONS)[0] and got == donor.encode() + state
     # Joiners do not all pick the same first donor.
@@ -174,7 +175,7 @@ def test_plaintext_works_only_when_asked_and_warns(caplog):
         addrs = {"r0": a.start(), "r1": b.start()}
         a.connect(addrs)
         b.connect(addrs)
-        b.expect(0, ["r0"])
+        b.mailbox.expect(0, ["r0"])
         a.send("r1", 0, b"plain bytes", timeout_s=2)
         assert b.receive(0, 1)["r0"] == b"plain bytes"  # default validator: the bytes themselves
         assert b.stats()["tls"] is False and b.stats()["bytes_received"]["r0"] > len(b"plain bytes")
@@ -190,7 +191,7 @@ def test_a_spread_push_streams_its_chunks_over_the_spread_and_arrives_whole(pki)
     big = (20_000,)
     ts = [GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=4 << 20) for r in ("r0", "r1")]
     for t in ts:
-        t.set_validator(update_validator(max_bytes=1 << 20, expected_shapes=[big]))
+        t.mailbox.set_validator(update_validator(max_bytes=1 << 20, expected_shapes=[big]))
     try:
         addrs = {t.region: t.start() for t in ts}
         for t in ts:
@@ -199,7 +200,7 @@ def test_a_spread_push_streams_its_chunks_over_the_spread_and_arrives_whole(pki)
         payload = encode_update("identity", [value])
         stats = {}
         for r, spread in enumerate((0.0, 0.6)):
-            ts[1].expect(r, ["r0"])
+            ts[1].mailbox.expect(r, ["r0"])
             stats[spread] = ts[0].send("r1", r, payload, timeout_s=10.0, spread_s=spread)
             inbox = ts[1].receive(r, 5.0)
             assert not inbox.missing

@@ -18,6 +18,7 @@ from geofed.p2p.proto import gossip_pb2, gossip_pb2_grpc
 from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.transport import TransportError
 from geofed.p2p.validate import update_validator
+from geofed.p2p.prober import LinkProber
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,12 +40,12 @@ def server(pkis):
     pki = pkis[0]
     ts = {r: GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=MAX, round_window=2,
                            max_inflight_per_sender=2) for r in ("r0", "r1", "r2")}
-    ts["r0"].set_validator(update_validator(max_bytes=MAX, expected_shapes=[SHAPE]))
+    ts["r0"].mailbox.set_validator(update_validator(max_bytes=MAX, expected_shapes=[SHAPE]))
     addrs = {r: t.start() for r, t in ts.items()}
     addrs["r3"] = "127.0.0.1:9"  # known to r0, never dialled
     for t in ts.values():
         t.connect(addrs)
-    ts["r0"].expect(0, ["r1"])
+    ts["r0"].mailbox.expect(0, ["r1"])
     yield ts, addrs["r0"]
     for t in ts.values():
         t.close()
@@ -171,7 +172,7 @@ def test_replayed_and_late_rounds_are_refused(server):
     st = ts["r0"].stats()
     assert st["refused"] == {"replayed": 1, "late": 1} and st["late_dropped"] == 1
     assert st["late_waits_s"][0]["sender"] == "r1"
-    ts["r0"].expect(1, ["r1"])
+    ts["r0"].mailbox.expect(1, ["r1"])
     ts["r1"].send("r0", 1, _good(), timeout_s=5)
     assert set(ts["r0"].receive(1, 1.0)) == {"r1"}
 
@@ -221,14 +222,14 @@ def test_client_refuses_a_server_with_a_certificate_for_another_region(pkis, ser
     ts, address = server
     ts["r1"].connect({"r2": address})
     with pytest.raises(TransportError) as ei:
-        ts["r1"].ping("r2", timeout_s=3)
+        LinkProber(ts["r1"]).ping("r2", timeout_s=3)
     assert ei.value.reason == "unavailable"
 
 
 def test_connection_flood_is_refused_as_busy_while_honest_peers_are_served(pkis, server):
     ts, address = server
     r0 = ts["r0"]
-    r0.expect(1, ["r1", "r2"])
+    r0.mailbox.expect(1, ["r1", "r2"])
     release = threading.Event()
     results = []
 
@@ -258,7 +259,7 @@ def test_connection_flood_is_refused_as_busy_while_honest_peers_are_served(pkis,
         ch.close()
     assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.details().startswith("busy: ") for e in flood)
     ts["r2"].send("r0", 1, _good(3.0), timeout_s=5)  # an honest peer is served meanwhile
-    assert r0.ping("r2", timeout_s=2) < 1
+    assert LinkProber(r0).ping("r2", timeout_s=2) < 1
     release.set()
     for th in holders:
         th.join(20)

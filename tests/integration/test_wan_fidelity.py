@@ -27,6 +27,7 @@ from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.wan import EmulationConfig, LinkSpec, WanEmulator
 from geofed.p2p.wan import kernel as kmod
 from geofed.p2p.wan.window import transfer_s
+from geofed.p2p.prober import LinkProber
 
 KIB, MIB = 1 << 10, 1 << 20
 MBPS, LATENCY_MS = 50.0, 40.0
@@ -57,7 +58,7 @@ class _Bench:
     def __init__(self, pki_dir: Path, route):
         self.pki_dir, self.route = pki_dir, route
         self.b = self._transport("b")
-        self.b.set_validator(lambda sender, round, payload: len(payload))
+        self.b.mailbox.set_validator(lambda sender, round, payload: len(payload))
         self.address = route(self.b.start())
         self.b.connect({"a": "127.0.0.1:1"})   # known sender; b never dials it
         self.round = 0
@@ -71,7 +72,7 @@ class _Bench:
         return a
 
     def push(self, a: GrpcTransport, nbytes: int) -> float:
-        self.b.expect(self.round, ["a"])
+        self.b.mailbox.expect(self.round, ["a"])
         stats = a.send("b", self.round, bytes(nbytes), timeout_s=60)
         assert self.b.receive(self.round, 10)["a"] == nbytes
         self.round += 1
@@ -89,7 +90,7 @@ def measure(pki_dir: Path, route, sizes=SIZES, repeats: int = 3, warmup_bytes: i
             a = bench.sender()
             try:
                 t = time.monotonic()
-                a.ping("b", timeout_s=10)
+                LinkProber(a).ping("b", timeout_s=10)
                 out.first_ping.append(time.monotonic() - t)
             finally:
                 a.close()

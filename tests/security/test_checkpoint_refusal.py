@@ -57,7 +57,7 @@ def test_a_peer_serving_code_as_its_state_is_refused_without_torchs_advice(tmp_p
         w.start()
         w.connect({r: f"inmem:{r}" for r in workers})
     evil = _evil_body(tmp_path / "pwned")
-    workers["eu-west-1"].transport.set_state_provider(lambda: evil)  # a compromised donor
+    workers["eu-west-1"].transport.state_provider = lambda: evil  # a compromised donor
     try:
         with pytest.raises(ValueError) as err:
             workers["us-east-1"].catch_up(["eu-west-1"], timeout_s=5)

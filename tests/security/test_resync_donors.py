@@ -162,7 +162,7 @@ def _poison(worker, value=None):
         buf = io.BytesIO()
         torch.save(out, buf)
         return buf.getvalue()
-    worker.transport.set_state_provider(serve)
+    worker.transport.state_provider = serve
 
 
 def _honest(workers, evil):
@@ -250,7 +250,7 @@ def test_honest_regions_refuse_a_poisoned_donor_state_count_it_and_keep_accuracy
         from geofed.regions.adversary import poisoned_state_bytes
 
         gen = _torch.Generator().manual_seed(7)
-        worker.transport.set_state_provider(lambda: poisoned_state_bytes(worker.state_bytes(), gen))
+        worker.transport.state_provider = lambda: poisoned_state_bytes(worker.state_bytes(), gen)
 
     def cut_link(worker, dst, rounds):  # runs in the sender's actor: its pushes of `rounds` to dst time out
         from geofed.p2p.transport import TransportError
@@ -302,7 +302,7 @@ def test_an_honest_donor_at_the_drift_of_a_missed_round_is_taken_not_refused(tmp
         buf = io.BytesIO()
         torch.save(state, buf)
         honest_drifted = buf.getvalue()
-        donor.transport.set_state_provider(lambda: honest_drifted)
+        donor.transport.state_provider = lambda: honest_drifted
         assert check_state(state, own, max_value=1e6, bound=None, donor="x") > old_bound
         got, _ = receiver.catch_up([donor.region], timeout_s=5)
         assert got == donor.region

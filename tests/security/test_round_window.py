@@ -143,11 +143,11 @@ def test_the_in_memory_transport_enforces_the_same_rules():
     for t in (a, b):
         t.start()
         t.connect({"a": "x", "b": "x"})
-        t.set_validator(_floats)
-    a.expect(0, ["b"])
+        t.mailbox.set_validator(_floats)
+    a.mailbox.expect(0, ["b"])
     b.send("a", 1, struct.pack("d", 9.0), timeout_s=1)
     a.receive(0, 0.0)
-    a.expect(1, ["b"])
+    a.mailbox.expect(1, ["b"])
     with pytest.raises(TransportError) as ei:
         b.send("a", 1, struct.pack("d", 1.0), timeout_s=1)
     assert ei.value.reason == "equivocation"

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from geofed.compression import encode_update
-from geofed.bench.hostile_peer import HostilePeer
+from geofed.p2p.adversary import HostilePeer
 from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.proto import gossip_pb2, gossip_pb2_grpc
 from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.validate import update_validator
+from geofed.p2p.prober import LinkProber
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,8 +46,8 @@ def _mesh(pki, max_message_bytes=1 << 20, **server_kw):
     call); r1..r3 are honest transports."""
     ts = {r: GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=max_message_bytes,
                            **(server_kw if r == "r0" else {"max_state_bytes": 16 << 20})) for r in REGIONS}
-    ts["r0"].set_validator(update_validator(max_bytes=1 << 20, expected_shapes=[SHAPE]))
-    ts["r0"].set_state_provider(lambda: os.urandom(16) * (STATE_MB << 16))
+    ts["r0"].mailbox.set_validator(update_validator(max_bytes=1 << 20, expected_shapes=[SHAPE]))
+    ts["r0"].state_provider = lambda: os.urandom(16) * (STATE_MB << 16)
     addrs = {r: t.start() for r, t in ts.items()}
     for t in ts.values():
         t.connect(addrs)
@@ -68,9 +69,9 @@ def _update(value=1.0) -> bytes:
 def _honest_round(ts, round_):
     """r1 pushes to r0 and both ping each other: what a round needs of r0's server."""
     r0 = ts["r0"]
-    r0.expect(round_, ["r1"])
+    r0.mailbox.expect(round_, ["r1"])
     ts["r1"].send("r0", round_, _update(float(round_)), timeout_s=5)
-    assert ts["r1"].ping("r0", timeout_s=5) < 2
+    assert LinkProber(ts["r1"]).ping("r0", timeout_s=5) < 2
     assert set(r0.receive(round_, 2.0)) == {"r1"}
 
 

@@ -142,7 +142,7 @@ def _exchangers(deadline_s: float):
             raise Refusal("outlier", "norm 1e3 exceeds 10 x the recent median norm")  # as UpdateAdmission refuses it
         return payload
 
-    ts["a"].set_validator(validator)
+    ts["a"].mailbox.set_validator(validator)
     deadline = AdaptiveDeadline(deadline_s, 0.1, 4 * deadline_s, 3.0)
     ex = {r: Exchanger(t, error_feedback=False, deadline=deadline if r == "a" else AdaptiveDeadline(1, 0.1, 4, 3.0),
                        send_timeout_s=5.0) for r, t in ts.items()}
@@ -157,7 +157,7 @@ def test_a_refused_update_is_not_waited_for_and_does_not_widen_the_deadline():
     try:
         for round_ in range(2):
             for sender in ("b", "x"):
-                ts[sender].expect(round_, [])
+                ts[sender].mailbox.expect(round_, [])
                 ex[sender].exchange(round_, [torch.ones(4)], out_peers=["a"], in_peers=[], codecs={},
                                     default_codec=spec)
             t0 = time.monotonic()
@@ -191,7 +191,7 @@ def test_silence_beside_prompt_peers_keeps_the_deadline_and_a_late_push_widens_i
     spec = CodecSpec.parse("identity")
 
     def push(sender, round_):
-        ts[sender].expect(round_, [])
+        ts[sender].mailbox.expect(round_, [])
         try:
             ex[sender].exchange(round_, [torch.ones(4)], out_peers=["a"], in_peers=[], codecs={}, default_codec=spec)
         except Exception:  # noqa: BLE001 - a refused late push is what round 0 wants

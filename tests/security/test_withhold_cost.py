@@ -82,7 +82,7 @@ def test_a_delivered_push_is_filed_before_its_sender_hears_the_ack(pki):
     ts = []
     for r in ("r0", "r1"):
         t = GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=4 << 20)
-        t.set_validator(update_validator(max_bytes=4 << 20, expected_shapes=[(65536,)]))
+        t.mailbox.set_validator(update_validator(max_bytes=4 << 20, expected_shapes=[(65536,)]))
         ts.append(t)
     a, b = ts
     addrs = {t.region: t.start() for t in ts}
@@ -92,7 +92,7 @@ def test_a_delivered_push_is_filed_before_its_sender_hears_the_ack(pki):
     margins = []
     try:
         for r in range(40):
-            b.expect(r, ["r0"])
+            b.mailbox.expect(r, ["r0"])
             got = {}
             th = threading.Thread(target=lambda r=r, got=got: got.update(inbox=b.receive(r, 5.0)))
             th.start()

@@ -31,7 +31,7 @@ def test_links_on_one_spec_share_its_bytes_and_state_and_checkpoints_name_it_by_
         x = [torch.randn(300, 10), torch.randn(7)]
         for r in range(2):
             for peer in "bcd":
-                ts[peer].expect(r, ["a"])
+                ts[peer].mailbox.expect(r, ["a"])
             res = ex.exchange(r, x, out_peers=["b", "c", "d"], in_peers=[],
                               codecs={"b": INT8_SR, "c": CodecSpec.parse({"kind": "int8", "stochastic": True,
                                                                           "chunk": 4096})},
@@ -72,7 +72,7 @@ def test_an_overlapped_exchange_waits_its_window_for_a_peer_the_adaptive_deadlin
         x = [torch.randn(20)]
         late = []
         for r, window in ((0, 0.0), (1, 1.5)):
-            ts["b"].expect(r, ["a"])
+            ts["b"].mailbox.expect(r, ["a"])
             # b's update arrives 0.5 s into the receive: after the 0.1 s deadline, within a 1.5 s window
             sender = threading.Timer(0.5, lambda r=r: late.append(
                 Exchanger(ts["b"], error_feedback=False, deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0),

@@ -12,6 +12,7 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.tls import make_pki
 from geofed.regions.actor import ADVERTISED_HOST_ENV, advertised_host
 from geofed.regions.worker import RegionWorker
+from geofed.p2p.prober import LinkProber
 
 REGIONS = ["us-east-1", "eu-west-1"]
 
@@ -34,7 +35,7 @@ def test_workers_with_material_as_arguments_talk_mtls_without_run_dir_tls(tmp_pa
         addresses = {r: w.start() for r, w in workers.items()}
         for w in workers.values():
             w.connect(addresses)
-        rtt = workers["us-east-1"].transport.ping("eu-west-1", timeout_s=10)
+        rtt = LinkProber(workers["us-east-1"].transport).ping("eu-west-1", timeout_s=10)
         assert 0 < rtt < 10
         assert all(w.transport_stats()["tls"] for w in workers.values())
     finally:

@@ -130,7 +130,7 @@ def test_concurrent_probes_of_one_egress_read_as_even_shares_and_other_paths_as_
     from geofed.p2p.deadline import AdaptiveDeadline
     from geofed.p2p.memory import InMemoryHub, InMemoryTransport
     from geofed.regions.exchange import Exchanger
-    from geofed.regions.link_probe import LinkProber
+    from geofed.regions.link_probe import SetupProbes
 
     ex = Exchanger(InMemoryTransport("a", InMemoryHub()), error_feedback=False,
                    deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0), send_timeout_s=5.0)
@@ -143,7 +143,7 @@ def test_concurrent_probes_of_one_egress_read_as_even_shares_and_other_paths_as_
                 est.observe_rtt(0.08)
                 est.set_bandwidth(bw)
                 done[peer] = SimpleNamespace(bytes=nbytes, seconds=0.08 + nbytes * 8.0 / bw)
-            LinkProber(ex).even_out_shares(done)
+            SetupProbes(ex.links, ex.pool, send_timeout_s=ex.send_timeout_s).even_out_shares(done)
             return {p: ex.estimator(p).bandwidth_bps for p in rates}
 
         # A real shaped cluster: 50 Mbit/s egress, three pushes, TCP split it 14.1 / 16.4 / 17.9:
@@ -165,7 +165,7 @@ def test_concurrent_probes_that_started_apart_share_the_egress_over_their_whole_
     from geofed.p2p.deadline import AdaptiveDeadline
     from geofed.p2p.memory import InMemoryHub, InMemoryTransport
     from geofed.regions.exchange import Exchanger
-    from geofed.regions.link_probe import LinkProber
+    from geofed.regions.link_probe import SetupProbes
 
     ex = Exchanger(InMemoryTransport("a", InMemoryHub()), error_feedback=False,
                    deadline=AdaptiveDeadline(1.0, 0.1, 5.0, 3.0), send_timeout_s=5.0)
@@ -173,7 +173,7 @@ def test_concurrent_probes_that_started_apart_share_the_egress_over_their_whole_
         # A 48 Mbit/s egress, three 1 MB probes started 0, 50 and 100 ms apart, all ending with the
         # egress's last bit at 0.5 s (+ the 80 ms RTT for the ack): each one's own time undercounts
         # the egress's (0.42 s for the last one out), the span does not.
-        prober, done = LinkProber(ex), {}
+        prober, done = SetupProbes(ex.links, ex.pool, send_timeout_s=ex.send_timeout_s), {}
         for i, peer in enumerate("bcd"):
             est = ex.estimator(peer)
             est.observe_rtt(0.08)

@@ -28,7 +28,7 @@ def mesh():
     addrs = {t.region: t.start() for t in ts}
     for t in ts:
         t.connect(addrs)
-        t.set_validator(_floats)
+        t.mailbox.set_validator(_floats)
     yield hub, ts
     for t in ts:
         t.close()
@@ -36,7 +36,7 @@ def mesh():
 
 def _round(ts, topo, r, values, deadline_s=2.0):
     for i, t in enumerate(ts):
-        t.expect(r, [REGIONS[j] for j in topo.in_weights(i, r)])
+        t.mailbox.expect(r, [REGIONS[j] for j in topo.in_weights(i, r)])
     errors = []
 
     def push(i, j):
@@ -100,7 +100,7 @@ def test_a_cut_link_is_left_out_after_the_deadline_and_others_finish(mesh):
 def test_late_message_is_dropped_and_counted(mesh):
     hub, ts = mesh
     a, b = ts[0], ts[1]
-    a.expect(0, ["r1"])
+    a.mailbox.expect(0, ["r1"])
     inbox = a.receive(0, 0.05)
     assert inbox.missing == {"r1"}
     with pytest.raises(TransportError) as ei:
@@ -116,7 +116,7 @@ def test_late_message_is_dropped_and_counted(mesh):
 def test_each_refusal_is_reported_counted_and_the_receiver_keeps_working(mesh, case, reason):
     _, ts = mesh
     a, b, c = ts[0], ts[1], ts[2]
-    a.expect(0, ["r1"])
+    a.mailbox.expect(0, ["r1"])
     ok = np.ones(2).tobytes()
     args = {
         "replayed": (0, ok), "future": (3, ok), "not_neighbour": (0, ok),
@@ -139,11 +139,11 @@ def test_each_refusal_is_reported_counted_and_the_receiver_keeps_working(mesh, c
 def test_early_push_is_kept_and_a_non_neighbour_early_push_is_dropped(mesh):
     _, ts = mesh
     a = ts[0]
-    a.expect(0, ["r1"])
+    a.mailbox.expect(0, ["r1"])
     ts[1].send("r0", 1, np.ones(1).tobytes(), timeout_s=1)
     ts[2].send("r0", 1, np.ones(1).tobytes(), timeout_s=1)
     a.receive(0, 0.01)
-    a.expect(1, ["r1"])
+    a.mailbox.expect(1, ["r1"])
     inbox = a.receive(1, 0.5)
     assert set(inbox) == {"r1"} and not inbox.missing and inbox.waits["r1"] == 0.0
     assert a.stats()["refused"] == {"not_neighbour": 1}
@@ -177,10 +177,10 @@ def test_receive_requires_expect_and_deadlines_are_checked(mesh):
     _, ts = mesh
     with pytest.raises(ValueError, match="round: expect"):
         ts[0].receive(7, 0.1)
-    ts[0].expect(0, [])
+    ts[0].mailbox.expect(0, [])
     assert ts[0].receive(0, 5.0).waited_s < 0.5  # nothing expected: returns at once
     with pytest.raises(ValueError, match="round: 0 is already closed"):
-        ts[0].expect(0, ["r1"])
+        ts[0].mailbox.expect(0, ["r1"])
 
 
 def test_a_crashing_validator_refuses_the_push_and_frees_its_slot(mesh):
@@ -193,8 +193,8 @@ def test_a_crashing_validator_refuses_the_push_and_frees_its_slot(mesh):
             raise TypeError("bug")
         return bytes(payload)
 
-    ts[0].set_validator(buggy)
-    ts[0].expect(0, ["r1"])
+    ts[0].mailbox.set_validator(buggy)
+    ts[0].mailbox.expect(0, ["r1"])
     with pytest.raises(TransportError) as ei:
         ts[1].send("r0", 0, b"x", timeout_s=1)
     assert ei.value.reason == "invalid_payload" and "validator raised TypeError" in str(ei.value)

@@ -41,7 +41,7 @@ def test_an_optional_in_peer_that_never_pushes_costs_only_a_short_grace(trio):
     """Before: TypeError (receive() took no `optional`); the silent member on probation cost every
     honest region its whole deadline (>= min_s, 1 s in bench attack)."""
     _, ts = trio
-    ts["a"].expect(0, ["b", "x"])
+    ts["a"].mailbox.expect(0, ["b", "x"])
     ts["b"].send("a", 0, b"from-b", timeout_s=1.0)
     t0 = time.monotonic()
     inbox = ts["a"].receive(0, 3.0, optional=["x"])
@@ -53,13 +53,13 @@ def test_an_optional_in_peer_that_never_pushes_costs_only_a_short_grace(trio):
 def test_an_optional_in_peer_that_comes_with_the_others_is_taken(trio):
     """Before: TypeError (no `optional`)."""
     _, ts = trio
-    ts["a"].expect(0, ["b", "x"])
+    ts["a"].mailbox.expect(0, ["b", "x"])
     threading.Timer(0.3, ts["b"].send, ("a", 0, b"from-b"), {"timeout_s": 1.0}).start()
     threading.Timer(0.1, ts["x"].send, ("a", 0, b"from-x"), {"timeout_s": 1.0}).start()
     inbox = ts["a"].receive(0, 3.0, optional=["x"])
     assert set(inbox.received) == {"b", "x"} and not inbox.missing
     # Within the grace after the required ones: still taken.
-    ts["a"].expect(1, ["b", "x"])
+    ts["a"].mailbox.expect(1, ["b", "x"])
     ts["b"].send("a", 1, b"from-b", timeout_s=1.0)
     threading.Timer(OPTIONAL_GRACE_S / 3, ts["x"].send, ("a", 1, b"from-x"), {"timeout_s": 1.0}).start()
     inbox = ts["a"].receive(1, 3.0, optional=["x"])
@@ -71,17 +71,17 @@ def test_a_senders_done_notice_ends_the_wait_for_a_silent_sender(trio):
     Before: AttributeError (no senders_done); a waited its whole deadline (5 s in bench attack, 30 s
     with the product default)."""
     _, ts = trio
-    ts["a"].expect(0, ["b", "x"])
+    ts["a"].mailbox.expect(0, ["b", "x"])
     ts["b"].send("a", 0, b"from-b", timeout_s=1.0)
-    threading.Timer(0.3, ts["a"].senders_done, (0, ["x"])).start()
+    threading.Timer(0.3, ts["a"].mailbox.senders_done, (0, ["x"])).start()
     t0 = time.monotonic()
     inbox = ts["a"].receive(0, 5.0)
     waited = time.monotonic() - t0
     assert 0.3 <= waited < 0.3 + DONE_GRACE_S + 0.3, waited
     assert inbox.missing == {"x"} and inbox.cut == {"x"} and set(inbox.received) == {"b"}
     # A notice before the round opens is kept for it (a fast region reports before a slow one receives).
-    ts["a"].senders_done(1, ["x"])
-    ts["a"].expect(1, ["b", "x"])
+    ts["a"].mailbox.senders_done(1, ["x"])
+    ts["a"].mailbox.expect(1, ["b", "x"])
     ts["b"].send("a", 1, b"from-b", timeout_s=1.0)
     t0 = time.monotonic()
     inbox = ts["a"].receive(1, 5.0)
@@ -120,7 +120,7 @@ def test_a_cut_or_optional_sender_does_not_widen_the_deadline(trio):
                           optional=["x"])
         assert res.missing == ["x"] and res.wait_s < 1.0
         assert deadline.current() == 2.0
-        threading.Timer(0.2, ts["a"].senders_done, (1, ["x"])).start()
+        threading.Timer(0.2, ts["a"].mailbox.senders_done, (1, ["x"])).start()
         res = ex.exchange(1, [torch.ones(2)], out_peers=[], in_peers=["b", "x"], codecs={}, default_codec=spec)
         assert res.missing == ["x"] and res.wait_s < 1.0
         assert deadline.current() == 2.0
@@ -147,7 +147,7 @@ def test_only_delivered_or_never_made_pushes_are_reported_finished():
     ex = Exchanger(ts["x"], error_feedback=False, deadline=AdaptiveDeadline(0.2, 0.1, 1.0, 3.0), send_timeout_s=4.0)
     try:
         for r in ("a", "b"):
-            ts[r].expect(0, ["x"])
+            ts[r].mailbox.expect(0, ["x"])
         ts["c"].close()  # its push fails at once: unavailable
         res = ex.exchange(0, [torch.ones(2)], out_peers=["a", "b", "c"], in_peers=[], codecs={},
                           default_codec=CodecSpec.parse("identity"))

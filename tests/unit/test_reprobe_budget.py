@@ -29,11 +29,12 @@ def _region(peers: list[str], clock: _Clock) -> tuple[Exchanger, list[InMemoryTr
     transports = {r: InMemoryTransport(r, hub) for r in ["a", *peers]}
     addrs = {r: t.start() for r, t in transports.items()}
     for r, t in transports.items():
-        t.set_validator(lambda sender, round, payload: len(payload))
+        t.mailbox.set_validator(lambda sender, round, payload: len(payload))
         t.connect({p: a for p, a in addrs.items() if p != r})
     ex = Exchanger(transports["a"], error_feedback=False, deadline=AdaptiveDeadline(0.05, 0.01, 1.0, 3.0),
                    send_timeout_s=5.0)
-    ex.reprober = link_probe.Reprober(ex, max_bytes=1 << 20, clock=clock)
+    ex.reprober = link_probe.Reprober(ex.links, ex.pool, send_timeout_s=ex.send_timeout_s, max_bytes=1 << 20,
+                                      clock=clock)
     for p in peers:
         est = ex.estimators[p] = LinkEstimator(clock=clock)
         est.observe_rtt(0.05)
@@ -55,7 +56,7 @@ def test_reprobes_of_many_stale_links_stay_within_the_budget_of_few_update_bytes
         records, update_bytes = [], 0
         for r in range(120):
             for t in transports[1:]:  # the peers take this round from `a` (each its own receiver)
-                t.expect(r, ["a"])
+                t.mailbox.expect(r, ["a"])
             res = ex.exchange(r, tensors, out_peers=peers, in_peers=[], codecs={}, default_codec=fp16)
             assert not res.send_failures, res.send_failures
             update_bytes += res.bytes_sent

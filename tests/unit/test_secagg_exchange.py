@@ -101,7 +101,7 @@ def test_a_region_never_holds_a_peers_unmasked_update():
     quantised values (checked by capturing the side mailbox's filed payloads)."""
     ts, rounds = _cluster()
     captured: dict[tuple[str, int], bytes] = {}
-    side = ts["a"].mailbox.side
+    side = ts["a"].mailbox.stream("secagg")
     inner = side._validator
 
     def capture(sender, r, payload):
@@ -148,7 +148,7 @@ def test_two_rounds_in_a_row_and_8_bit_rings_keep_the_sum():
     Every self key is rebuilt from the relayed shares: no KEY message is sent at all."""
     ts, rounds = _cluster(bits=8)
     seen = []
-    ts["a"].mailbox.side.set_validator(lambda s, rnd, p: seen.append(rnd) or bytes(p))
+    ts["a"].mailbox.stream("secagg").set_validator(lambda s, rnd, p: seen.append(rnd) or bytes(p))
     previous = None
     for rnd in range(3):
         updates = _updates(REGIONS, seed=rnd)
@@ -183,7 +183,7 @@ def test_side_pushes_are_refused_by_a_region_without_secure_aggregation():
 def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted():
     ts, rounds = _cluster(deadline=1.0)
     captured = {}
-    side = ts["b"].mailbox.side
+    side = ts["b"].mailbox.stream("secagg")
     side.set_validator(lambda s, r, p: captured.setdefault((s, r), bytes(p)))
     _run(rounds, _updates(REGIONS), round_=0)
     # a restarts: new keys, no peer keys; it falls back once and the others drop it from round 1
@@ -227,10 +227,10 @@ def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
     rounds["d"].side.send = lossy
     seen, at_b = [], []
     for r in REGIONS:
-        side = ts[r].mailbox.side
+        side = ts[r].mailbox.stream("secagg")
         side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
-    inner = ts["b"].mailbox.side._validator
-    ts["b"].mailbox.side.set_validator(lambda s, rnd, p: at_b.append((s, rnd % PHASES, bytes(p))) or inner(s, rnd, p))
+    inner = ts["b"].mailbox.stream("secagg")._validator
+    ts["b"].mailbox.stream("secagg").set_validator(lambda s, rnd, p: at_b.append((s, rnd % PHASES, bytes(p))) or inner(s, rnd, p))
     updates = _updates(REGIONS)
     out = _run(rounds, updates)
     d_key = rounds["d"].keys.self_key(0)
@@ -282,7 +282,7 @@ def test_two_survivors_never_unmask_their_sum():
     ts, rounds = _cluster(drop={"c", "d"}, deadline=1.0)
     seen = []
     for r in REGIONS:
-        ts[r].mailbox.side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
+        ts[r].mailbox.stream("secagg").set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
     updates = _updates(REGIONS)
     out = _run(rounds, updates)
     for r in ("a", "b"):
@@ -295,8 +295,8 @@ def test_two_survivors_never_unmask_their_sum():
 
 def _capture(ts, region):
     got = []
-    inner = ts[region].mailbox.side._validator
-    ts[region].mailbox.side.set_validator(lambda s, rnd, p: got.append((s, rnd // PHASES, rnd % PHASES, bytes(p)))
+    inner = ts[region].mailbox.stream("secagg")._validator
+    ts[region].mailbox.stream("secagg").set_validator(lambda s, rnd, p: got.append((s, rnd // PHASES, rnd % PHASES, bytes(p)))
                                           or inner(s, rnd, p))
     return got
 
