@@ -20,6 +20,7 @@ from pathlib import Path
 
 from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.grpc_transport import GrpcTransport
+from geofed.p2p.prober import LinkProber
 from geofed.p2p.tls import load_tls
 
 MB = 1_000_000
@@ -37,14 +38,14 @@ class _Pair:
                                             max_message_bytes=max_bytes) for r in ("a", "b"))
         finally:
             quiet.setLevel(level)
-        self.b.set_validator(lambda sender, round, payload: len(payload))
+        self.b.mailbox.set_validator(lambda sender, round, payload: len(payload))
         addr_a, addr_b = self.a.start(), self.b.start()
         self.a.connect({"b": route(addr_b) if route else addr_b})
         self.b.connect({"a": addr_a})
         self.round = 0
 
     def push(self, payload: bytes, timeout_s: float):
-        self.b.expect(self.round, ["a"])
+        self.b.mailbox.expect(self.round, ["a"])
         stats = self.a.send("b", self.round, payload, timeout_s=timeout_s)
         inbox = self.b.receive(self.round, 5.0)
         if inbox.get("a") != len(payload):
@@ -111,7 +112,7 @@ def _emulated_link(pair: _Pair, mbps: float, latency_ms: float, sizes_mb: Sequen
             continue
         est = LinkEstimator()
         for _ in range(5):
-            est.observe_rtt(pair.a.ping("b", timeout_s=10))
+            est.observe_rtt(LinkProber(pair.a).ping("b", timeout_s=10))
         syncs = []
         for _ in range(repeats):
             stats = pair.push(bytes(nbytes), 10 * limit_s + 10)
