@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from geofed.p2p.wan.kernel import TBF_BURST_S, in_namespace, kernel_unavailable, open_tun, run_tool
-from geofed.p2p.wan.router import PacketRouter
+from .router import PacketRouter
 
 log = logging.getLogger(__name__)
 

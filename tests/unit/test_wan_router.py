@@ -1,4 +1,4 @@
-"""The hub router (p2p/wan/router.py): packet parsing, per-pair latency, per-flow counts.
+"""The hub router (benchmarks/bench/router.py): packet parsing, per-pair latency, per-flow counts.
 
 A TUN device hands out and takes whole IP packets on a file descriptor; a datagram socketpair
 does the same without root, so the router runs here on real packets (built with struct) and
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from geofed.p2p.wan.router import TCP, UDP, PacketRouter, parse
+from geofed.bench.router import TCP, UDP, PacketRouter, parse
 
 
 def _ip(src: str, dst: str, proto: int, body: bytes) -> bytes:
