@@ -3,6 +3,8 @@ gossip's settings). Rules across sections (CHOCO's codecs, robust aggregation) a
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,15 +41,38 @@ class InnerOptimizer:
 
 @dataclass(frozen=True, kw_only=True)
 class OuterOptimizer:
-    """``sync.outer``: DiLoCo's outer SGD (with Nesterov momentum) on the mixed pseudo-gradients."""
+    """``sync.outer``: DiLoCo's outer optimizer on the mixed pseudo-gradients, any torch optimizer
+    (regions/sync/outer.py builds it; docs/outer-optimizers.md)."""
 
-    lr: float = field(default=0.7, metadata=_doc("outer SGD learning rate (DiLoCo: 0.7)"))
-    momentum: float = field(default=0.9, metadata=_doc("outer momentum (DiLoCo: 0.9)"))
-    nesterov: bool = field(default=True, metadata=_doc("Nesterov momentum"))
+    kind: str = field(default="nesterov", metadata=_doc(
+        "nesterov: SGD with Nesterov momentum (DiLoCo); sgd: SGD with heavy-ball momentum (momentum 0: plain SGD); "
+        "adam: Adam (momentum is its beta1); python:module:Name: your own, marked @outer_optimizer, called with "
+        "the parameters, lr and options (docs/outer-optimizers.md)"))
+    lr: float = field(default=0.7, metadata=_doc("outer learning rate (DiLoCo's SGD: 0.7; Adam wants far less)"))
+    momentum: float = field(default=0.9, metadata=_doc("outer momentum (DiLoCo: 0.9); adam: beta1"))
+    beta2: float = field(default=0.999, metadata=_doc("adam: beta2"))
+    eps: float = field(default=1e-8, metadata=_doc("adam: epsilon"))
+    nesterov: bool | None = field(default=None, metadata=_doc(
+        "retired: sync.outer.kind says it (true is kind nesterov, false is kind sgd); a value that agrees with "
+        "kind still loads"))
+    options: Mapping[str, Any] = field(default_factory=dict, metadata=_doc("a plug-in kind: keyword arguments for it"))
 
     def __post_init__(self):
+        if self.kind not in OUTER_KINDS and not _PLUGIN_OUTER.fullmatch(self.kind):
+            raise ValueError(f"kind: expected one of {', '.join(OUTER_KINDS)} or python:module:Name, got {self.kind!r}")
         if not 0 < self.lr <= 10 or not 0 <= self.momentum < 1:
             raise ValueError(f"lr: outer lr must be in (0, 10] and momentum in [0, 1), got {self.lr}, {self.momentum}")
+        if not 0 <= self.beta2 < 1 or not 0 < self.eps <= 1:
+            raise ValueError(f"beta2: must be in [0, 1) and eps in (0, 1], got {self.beta2}, {self.eps}")
+        if self.nesterov is not None and (self.kind, self.nesterov) not in (("nesterov", True), ("sgd", False)):
+            raise ValueError(f"nesterov: retired, sync.outer.kind says it: nesterov: true is kind: nesterov (the "
+                             f"default), nesterov: false is kind: sgd; got nesterov: {self.nesterov} with kind: {self.kind}")
+        if self.kind in OUTER_KINDS and self.options:
+            raise ValueError(f"options: a plug-in kind's (python:module:Name), not {self.kind}'s")
+
+
+OUTER_KINDS = ("nesterov", "sgd", "adam")
+_PLUGIN_OUTER = re.compile(r"python:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
 
 
 @dataclass(frozen=True, kw_only=True)

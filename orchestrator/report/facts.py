@@ -131,7 +131,11 @@ def _lr_text(inner: Any) -> str | None:
 def _outer_text(run: Run, outer: Any) -> str | None:
     if run.algorithm not in (None, "diloco") or not isinstance(outer, dict) or outer.get("lr") is None:
         return None  # only DiLoCo has an outer optimizer
-    nesterov = ", Nesterov" if outer.get("nesterov") else ""
+    # sync.outer.kind; a record from before it has nesterov: true or false instead
+    kind = outer.get("kind") or ("nesterov" if outer.get("nesterov") else "sgd")
+    if kind not in ("nesterov", "sgd"):
+        return f"{outer['lr']:g} ({kind})"
+    nesterov = ", Nesterov" if kind == "nesterov" and outer.get("momentum", 0) else ""
     return f"{outer['lr']:g} / {outer.get('momentum', 0):g}{nesterov}"
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .common import exchange_metrics
 from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
+    from ..exchange import ExchangeResult
     from ..worker import RoundPlan
 
 
@@ -33,17 +37,25 @@ class AllReduceSync:
         t0 = time.monotonic()
         loss = ctx.stepper.forward_backward()
         compute_s = time.monotonic() - t0
-        grads = [p.grad.detach().clone() for p in ctx.params]
+        grads = self.payload(plan, ctx.params)
         t1 = time.monotonic()
         res = ctx.exchange(plan, grads)
-        mixed = ctx.mix(plan, grads, res)
-        for p, g in zip(ctx.params, mixed):
-            p.grad.copy_(g)
+        self.apply(plan, grads, res)
         t2 = time.monotonic()
         ctx.stepper.optimizer_step(plan.lr_scale)
         compute_s += time.monotonic() - t2
         return {"train_loss": loss, "compute_s": compute_s, "step_time_s": compute_s, "steps": 1,
                 "sync_s": t2 - t1, **exchange_metrics(res)}
+
+    def payload(self, plan: RoundPlan, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's gradient (copied: the mix writes the parameters' .grad)."""
+        return [p.grad.detach().clone() for p in params]
+
+    def apply(self, plan: RoundPlan, own: Sequence[torch.Tensor], received: ExchangeResult) -> dict[str, Any]:
+        """The mixed gradient into the parameters' .grad, for the inner optimizer's step."""
+        for p, g in zip(self.ctx.params, self.ctx.mix(plan, own, received)):
+            p.grad.copy_(g)
+        return {}
 
     def finish(self) -> dict:
         """Nothing is ever in flight between rounds."""

@@ -1,27 +1,20 @@
-"""diloco: H inner steps, pseudo-gradient delta = start - local, mixed over the topology, outer
-SGD+Nesterov on the global copy (DiLoCo, arXiv 2311.08105).
+"""diloco: H inner steps, pseudo-gradient delta = start - local, mixed over the topology, then the
+outer optimizer (any torch optimizer, regions/sync/outer.py; SGD + Nesterov by default) on the
+global copy (DiLoCo, arXiv 2311.08105).
 
-With overlap (streaming, as overlapped/streaming DiLoCo do) the exchange of round r runs in a
-background thread while round r+1 computes, and its outer update is applied one round late. At
-the end of round r+1 the region waits (only if the network was slower than the compute) for
-round r's exchange, applies it to the global model, hands round r+1's exchange to the thread, and
-starts round r+2 from the new global model *plus its own round r+1 progress* (not yet synced):
-``local = global - delta_{r+1}``. Restarting from the bare global model instead (throwing that
-progress away until it comes back through the exchange) applies every pseudo-gradient to a
-model one round staler than the one it was taken from; with DiLoCo's outer Nesterov momentum 0.9
-that diverged on digits (4 regions, H=50: train loss 0.14 -> 580 in 24 rounds), while keeping the
-progress converged (0.009; serial 0.0002). A one-round delay still shrinks what momentum can
-take: with overlap an outer momentum of 0.5 was stable everywhere we tried (geofed bench wan).
-`finish()` applies the last exchange, so the final model includes every round.
+Two classes. `Diloco` is the algorithm on a list of live tensors (the Algorithm seam,
+regions/sync/algorithm.py): the global copy of those tensors and their outer optimizer, what a round
+sends (`payload`) and what it makes of the mix (`apply`, or `step` then `rebase` when the exchange
+was overlapped). `DilocoSync` is the region's round, read top to bottom: inner steps, the payload of
+this round's part, the hooks on what is sent (pacing's step weight, update-level DP), then one of
+three ways to exchange it: secure aggregation's masked sum, the plain exchange and `apply`, or the
+overlapped exchange (regions/sync/overlap.py). The parts are the whole model, one `Diloco`, or with
+``sync.fragments: N`` one `Diloco` per fragment, fragment ``round % N`` synced per round
+(regions/sync/fragments.py, Streaming DiLoCo).
 
-Eager overlap (``sync.overlap: eager``, arXiv 2502.12996) changes only where the next round
-starts: not from ``global - delta`` (the region's progress added raw) but from the global model
-stepped by the outer optimizer with the region's own pseudo-gradient standing in for the mean
-still in flight (a preview: global model and momentum stay untouched). When the mean arrives it
-is applied to the global model as in delayed overlap, which corrects the estimate. The global
-model and its momentum see only the means, in order, so every region still holds one model; when
-every region's pseudo-gradient equals the mean, the rounds start where DiLoCo without overlap
-starts them.
+Overlap (``sync.overlap``: true delayed, or eager) is explained in overlap.py: the region starts the
+next round from the global model plus its own unsent progress (or, eager, from its own outer step
+previewed), and applies the mean a round late.
 
 Metrics: a round reports the exchange that *completed* in it (overlap: the previous round's,
 `exchange_round` says which; none in the first round), `overlap_wait_s` the time the region sat
@@ -32,129 +25,65 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..pacing import mix_stale, update_scale
 from ..privacy.dp import clip_and_noise_update, noise_generator
-from .common import OverlapWindow, exchange_metrics, no_exchange_metrics
+from .common import exchange_metrics
+from .fragments import Layout, fragment_state, load_fragment_state
+from .outer import make_outer_optimizer, preview_step
+from .overlap import Overlap
 from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
+    from ..exchange import ExchangeResult
     from ..worker import RoundPlan
 
 
-class DilocoSync:
-    """H inner steps, then an outer step on the mixed pseudo-gradients (optionally overlapped)."""
+class Diloco:
+    """DiLoCo on `live` (views of the model's parameters: all of them, or one fragment's pieces):
+    their global copy, its outer optimizer, and where the next pseudo-gradient starts."""
 
-    def __init__(self, ctx: SyncContext):
-        self.ctx = ctx
-        outer = ctx.settings.outer
-        self.global_params = [p.detach().clone() for p in ctx.params]
+    def __init__(self, ctx: SyncContext, live: list[torch.Tensor], *, stream: str = ""):
+        self.ctx, self.live, self.stream = ctx, live, stream
+        self.global_params = [v.detach().clone() for v in live]
         for g in self.global_params:
             g.grad = torch.zeros_like(g)
-        self.outer_opt = torch.optim.SGD(self.global_params, lr=outer.lr, momentum=outer.momentum,
-                                         nesterov=outer.nesterov and outer.momentum > 0)
-        self.overlap = bool(ctx.settings.overlap)
-        # Eager (arXiv 2502.12996): the next round starts from the global model stepped by the outer
-        # optimizer with this region's own pseudo-gradient standing in for the mean still in flight.
-        self.eager = ctx.settings.overlap == "eager"
-        self._pending: Future | None = None
-        self._pending_round: int | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap") if self.overlap else None
-        self._window = OverlapWindow(getattr(ctx.settings, "spread_sends", 0.0))
-        self._start = [p.detach().clone() for p in ctx.params] if self.overlap else None  # where this round began
-        self._dp_generator: torch.Generator | None = None  # privacy.dp.mode update, made on first use
+        self.outer_opt = make_outer_optimizer(ctx.settings.outer, self.global_params)
+        # With overlap the next pseudo-gradient starts where the region last restarted its model, not
+        # at the global copy (None: at the global copy).
+        self.start: list[torch.Tensor] | None = None
 
-    @classmethod
-    def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
-        """One message is the pseudo-gradient: the parameters' shapes."""
-        return list(shapes)
+    def payload(self, plan: RoundPlan, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The pseudo-gradient: start - params."""
+        start = self.global_params if self.start is None else self.start
+        return [s.detach() - p.detach() for s, p in zip(start, params)]
 
-    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
-        """H inner steps, then the pseudo-gradient (round start - local) exchanged and mixed and the outer
-        step applied; with overlap, this round's exchange is handed to the background thread and the
-        previous round's is applied instead (see the module docstring).
-        """
-        ctx = self.ctx
-        self._window.started()
-        metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
-        start = self._start if self.overlap else self.global_params
-        delta = [s.detach() - p.detach() for s, p in zip(start, ctx.params)]
-        # Time-budget rounds: the step weight (or FedNova's factor) on what is sent
-        # (regions/pacing.py); the region's own unsynced progress (overlap) stays what it trained.
-        key, scale = update_scale(ctx.settings.pacing, metrics["steps"], plan.norm_steps,
-                                  filled=metrics.get("fill_steps", 0))
-        sent = delta if scale == 1.0 else [d * scale for d in delta]
-        if key is not None:
-            metrics[key] = round(scale, 4)
-        if plan.dp_mode == "update" and plan.dp_noise is not None:
-            sent = self._dp_noised(plan, sent, metrics)
-        t0 = time.monotonic()
-        if ctx.secagg is not None:  # the config refuses overlap with it
-            mixed, secagg_metrics = ctx.secagg.exchange(plan.round, sent, plan.alive)
-            self._outer_step(mixed)
-            self._load_global()
-            metrics.update(secagg_metrics)
-        elif not self.overlap:
-            plan, res = self._screened(plan, ctx.exchange(plan, sent))
-            mixed = ctx.mix(plan, sent, res)
-            if res.stale:
-                mixed, weights = mix_stale(mixed, [(r, t) for _, r, t in res.stale], round_=plan.round,
-                                           n_regions=1 + len(res.received),
-                                           exponent=ctx.settings.pacing.staleness_exponent)
-                metrics["stale_applied"] = [{"peer": p, "round": r, "weight": round(w, 4)}
-                                            for (p, r, _), w in zip(res.stale, weights)]
-            self._outer_step(mixed)
-            self._load_global()
-            metrics.update(exchange_metrics(res))
-        else:
-            metrics.update(self._finish_pending() if self._pending is not None else
-                           {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0})
-            self._pending = self._pool.submit(self._exchange_and_mix, plan, sent, *self._window.note(plan, metrics))
-            self._pending_round = plan.round
-            if self.eager:
-                self._load_params(self._preview_outer_step(sent))
-            else:
-                self._load_global(unsynced=delta)
-        metrics["sync_s"] = time.monotonic() - t0
+    def apply(self, plan: RoundPlan, own: Sequence[torch.Tensor], received: ExchangeResult) -> dict[str, Any]:
+        """The mix of `own` and what was received, stepped by the outer optimizer; the live tensors
+        restart from the new global copy."""
+        mixed, metrics = self.mixed(plan, own, received)
+        self.step(mixed)
+        self.set_live(self.global_params)
         return metrics
 
-    def _dp_noised(self, plan: RoundPlan, sent: list[torch.Tensor], metrics: dict) -> list[torch.Tensor]:
-        """Update-level DP on what leaves the region: clipped to plan.dp_clip, Gaussian noise of
-        plan.dp_noise x clip (local DP: secure aggregation's 1/n noise share is not wired). A copy:
-        with overlap, `delta` stays the region's own unsynced progress."""
-        if self._dp_generator is None:
-            self._dp_generator = noise_generator(self.ctx.dp_noise_seed, region=self.ctx.index, stream="update")
-        noised = [t.clone() for t in sent]
-        out = clip_and_noise_update(noised, clip=plan.dp_clip, noise_multiplier=plan.dp_noise,
-                                    generator=self._dp_generator)
-        metrics["dp_update_norm"], metrics["dp_clip_scale"] = round(out["update_norm"], 6), round(out["clip_scale"], 6)
-        return noised
+    def mixed(self, plan: RoundPlan, own: Sequence[torch.Tensor], res: ExchangeResult) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The round's mean pseudo-gradient (less what the gauntlet refuses, plus late updates folded
+        in by their staleness) and the metrics that say so."""
+        ctx, metrics = self.ctx, {}
+        plan, res = self._screened(plan, res)
+        mixed = ctx.mix(plan, own, res)
+        if res.stale:
+            mixed, weights = mix_stale(mixed, [(r, t) for _, r, t in res.stale], round_=plan.round,
+                                       n_regions=1 + len(res.received), exponent=ctx.settings.pacing.staleness_exponent)
+            metrics["stale_applied"] = [{"peer": p, "round": r, "weight": round(w, 4)}
+                                        for (p, r, _), w in zip(res.stale, weights)]
+        return mixed, metrics
 
-    def finish(self) -> dict[str, Any]:
-        """Apply the last in-flight exchange (overlap), so the final model includes every round."""
-        if self._pending is None:
-            return {}
-        metrics = self._finish_pending()
-        self._load_global()
-        return metrics
-
-    def _exchange_and_mix(self, plan, delta, window_s: float = 0.0, spread_s: float = 0.0):
-        plan, res = self._screened(plan, self.ctx.exchange(plan, delta, spread_s=spread_s, window_s=window_s))
-        mixed = self.ctx.mix(plan, delta, res)
-        # The synchronised model of this round exists now, a round before it is applied: an eval
-        # round evaluates it here, off the training thread, so time to target counts from when it
-        # existed (global params and momentum stay untouched until _finish_pending has waited).
-        ev = None
-        if plan.evaluate:
-            ev = {**self.ctx.evaluate(self._preview_outer_step(mixed), restore_rng=False),
-                  "round": plan.round, "t_done": time.monotonic()}
-        return res, mixed, ev
-
-    def _screened(self, plan, res):
+    def _screened(self, plan: RoundPlan, res: ExchangeResult) -> tuple[RoundPlan, ExchangeResult]:
         """(plan, res) less the updates the gauntlet refuses (security.score_updates), each scored
         against the global model this exchange's outer step starts from (with overlap the previous
         step is applied before this exchange is handed to the thread, and the next waits for it). A
@@ -171,89 +100,176 @@ class DilocoSync:
         alive = plan.alive if plan.alive is not None else (self.ctx.region, *self.ctx.in_weights(plan.round))
         return dataclasses.replace(plan, alive=tuple(r for r in alive if r not in refused)), screened
 
-    def _preview_outer_step(self, mixed: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What _outer_step will make of the global model, computed on copies: torch's SGD update
-        (no dampening, no weight decay), momentum buffers read, not written."""
-        group = self.outer_opt.param_groups[0]
-        lr, mom, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        out = []
-        for g, d in zip(self.global_params, mixed):
-            step = d
-            if mom:
-                buf = self.outer_opt.state.get(g, {}).get("momentum_buffer")
-                buf = d.clone() if buf is None else buf * mom + d
-                step = d + mom * buf if nesterov else buf
-            out.append(g.detach() - lr * step)
-        return out
-
-    def _finish_pending(self) -> dict[str, Any]:
-        self.ctx.hurry()  # the compute a spread push hid behind is over: what is left goes now
-        t0 = time.monotonic()
-        try:
-            res, mixed, ev = self._pending.result(timeout=self.ctx.settings.deadline.max_s * 2 + 60)
-        finally:
-            self._pending, exchange_round, self._pending_round = None, self._pending_round, None
-        waited = time.monotonic() - t0
-        self._outer_step(mixed)
-        out = {**exchange_metrics(res), "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6)}
-        if ev is not None:
-            out["eval_pending"] = ev  # the worker reports it with its age
-        return out
-
-    @property
-    def evaluates_in_exchange(self) -> bool:
-        """With overlap, an eval round's model is evaluated when its exchange completes."""
-        return self.overlap
-
-    def rolled_back(self) -> None:
-        """Nothing left to undo: the worker's restore covered this object's state_dict too."""
-        pass  # the worker restored our state_dict (global model, outer momentum) with the round's start
-
-    def _outer_step(self, mixed: list[torch.Tensor]) -> None:
+    def step(self, mixed: Sequence[torch.Tensor]) -> None:
+        """The outer optimizer's step on the global copy, `mixed` as its gradient."""
         for g, m in zip(self.global_params, mixed):
             g.grad.copy_(m)
         self.outer_opt.step()
 
-    def _load_global(self, unsynced: list[torch.Tensor] | None = None) -> None:
-        """Local model = global model (minus the region's own progress still in flight)."""
+    def preview(self, mixed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What `step(mixed)` would make of the global copy; nothing changes (outer.preview_step)."""
+        return preview_step(self.outer_opt, self.global_params, mixed)
+
+    def set_live(self, values: Sequence[torch.Tensor], *, start: bool = False) -> None:
+        """Live tensors = `values`; with `start`, the next pseudo-gradient starts from them too."""
         with torch.no_grad():
-            for i, (p, g) in enumerate(zip(self.ctx.params, self.global_params)):
-                if unsynced is None:
-                    p.copy_(g)
-                else:
-                    torch.sub(g, unsynced[i], out=p)
-        if self.overlap:
-            self._start = [p.detach().clone() for p in self.ctx.params]
+            for v, x in zip(self.live, values):
+                v.copy_(x)
+        if start:
+            self.start = [v.detach().clone() for v in self.live]
 
-    def _load_params(self, params: list[torch.Tensor]) -> None:
-        """Local model = `params` (eager overlap: the global model with the region's own outer step previewed)."""
-        with torch.no_grad():
-            for p, v in zip(self.ctx.params, params):
-                p.copy_(v)
-        self._start = [p.detach().clone() for p in self.ctx.params]
+    def rebase(self) -> None:
+        """After an overlapped step: live = global - the progress not yet sent (start - live), kept as
+        the next pseudo-gradient's, which now starts at the global copy."""
+        assert self.start is not None, "rebase without overlap"
+        unsent = [s - v for s, v in zip(self.start, self.live)]
+        self.set_live([g - u for g, u in zip(self.global_params, unsent)])
+        self.start = [g.detach().clone() for g in self.global_params]
 
-    def eval_params(self) -> list[torch.Tensor]:
-        """The global model (after the last applied outer step): what every region of a full
-        topology holds alike, and what the run's result is."""
-        return self.global_params
-
-    def state_dict(self) -> dict:
-        """The global model (copied) and the outer optimizer's state_dict (its momentum buffers)."""
+    def state_dict(self) -> dict[str, Any]:
+        """The global copy (copied) and the outer optimizer's state_dict (its momentum, moments)."""
         return {"global": [g.detach().clone() for g in self.global_params], "outer": self.outer_opt.state_dict()}
 
-    def load_state_dict(self, d: dict) -> None:
-        """Restore the global model and outer momentum (a checkpoint's, or a donor's on rejoin) and restart
-        the local model from it.
-        """
+    def load_state_dict(self, d: Any) -> None:
+        """Restore the global copy and the outer optimizer's state; the live tensors are the caller's."""
         with torch.no_grad():
             for g, s in zip(self.global_params, d["global"]):
                 g.copy_(s)
         self.outer_opt.load_state_dict(d["outer"])
-        self._load_global()
+
+
+class DilocoSync:
+    """The region's DiLoCo round over its parts (the model, or its fragments), optionally overlapped."""
+
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+        settings = ctx.settings
+        self.layout = Layout(ctx.shapes, int(getattr(settings, "fragments", 1)))
+        many = self.layout.n > 1  # a fragment's codec stream (its layout, its error feedback) is its own
+        self.parts = [Diloco(ctx, self.layout.views(ctx.params, f), stream=f"frag{f}" if many else "")
+                      for f in range(self.layout.n)]
+        self.overlap = Overlap(ctx, eager=settings.overlap == "eager", evaluate=self._evaluate_preview) \
+            if settings.overlap else None
+        if self.overlap is not None:
+            for part in self.parts:
+                part.start = [v.detach().clone() for v in part.live]
+        self._dp_generator: torch.Generator | None = None  # privacy.dp.mode update, made on first use
+
+    @classmethod
+    def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
+        """The parameters' shapes: one message's (whole model), the size limits' bound (fragments:
+        a round's message holds one fragment, `round_wire_shapes`)."""
+        return list(shapes)
+
+    def round_wire_shapes(self, round_: int) -> Shapes:
+        """What one message of round `round_` holds: its part's shapes (the receiver's check)."""
+        return [tuple(v.shape) for v in self.parts[round_ % self.layout.n].live]
+
+    @property
+    def evaluates_in_exchange(self) -> bool:
+        """With overlap, an eval round's model is evaluated when its exchange completes."""
+        return self.overlap is not None
+
+    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        """H inner steps, then this round's part's pseudo-gradient sent, mixed and applied by its outer
+        optimizer; with overlap the previous round's exchange is applied instead (module docstring)."""
+        ctx, f = self.ctx, plan.round % self.layout.n
+        part = self.parts[f]
+        if self.overlap is not None:
+            self.overlap.window.started()
+        metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
+        if self.layout.n > 1:
+            metrics["fragment"] = f
+        delta = part.payload(plan, part.live)
+        sent = self._dp_noised(plan, self._paced(plan, delta, metrics), metrics)
+        t0 = time.monotonic()
+        if ctx.secagg is not None:  # the config refuses overlap and fragments with it
+            metrics.update(self._secure_exchange(plan, part, sent))
+        elif self.overlap is None:
+            res = ctx.exchange(plan, sent, stream=part.stream)
+            metrics.update(part.apply(plan, sent, res))
+            metrics.update(exchange_metrics(res))
+        else:
+            extra = {"exchange_fragment": f} if self.layout.n > 1 else {}
+            metrics.update(self.overlap.hand_over(plan, part, sent, delta, metrics, extra=extra))
+        metrics["sync_s"] = time.monotonic() - t0
+        return metrics
+
+    def _paced(self, plan: RoundPlan, delta: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
+        """Time-budget rounds: the step weight (or FedNova's factor) on what is sent (regions/pacing.py);
+        the region's own unsynced progress (overlap) stays what it trained."""
+        key, scale = update_scale(self.ctx.settings.pacing, metrics["steps"], plan.norm_steps,
+                                  filled=metrics.get("fill_steps", 0))
+        if key is not None:
+            metrics[key] = round(scale, 4)
+        return delta if scale == 1.0 else [d * scale for d in delta]
+
+    def _dp_noised(self, plan: RoundPlan, sent: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
+        """Update-level DP on what leaves the region: clipped to plan.dp_clip, Gaussian noise of
+        plan.dp_noise x clip (local DP: secure aggregation's 1/n noise share is not wired). A copy:
+        with overlap, `delta` stays the region's own unsynced progress."""
+        if plan.dp_mode != "update" or plan.dp_noise is None:
+            return sent
+        if self._dp_generator is None:
+            self._dp_generator = noise_generator(self.ctx.dp_noise_seed, region=self.ctx.index, stream="update")
+        noised = [t.clone() for t in sent]
+        out = clip_and_noise_update(noised, clip=plan.dp_clip, noise_multiplier=plan.dp_noise,
+                                    generator=self._dp_generator)
+        metrics["dp_update_norm"], metrics["dp_clip_scale"] = round(out["update_norm"], 6), round(out["clip_scale"], 6)
+        return noised
+
+    def _secure_exchange(self, plan: RoundPlan, part: Diloco, sent: list[torch.Tensor]) -> dict[str, Any]:
+        """Secure aggregation's exchange (regions/secagg_round.py) in place of exchange and mix: the
+        masked sum gives the mean itself, which is applied as a mix is."""
+        mixed, metrics = self.ctx.secagg.exchange(plan.round, sent, plan.alive)
+        part.step(mixed)
+        part.set_live(part.global_params)
+        return metrics
+
+    def _evaluate_preview(self, part: Diloco, mixed: list[torch.Tensor]) -> dict[str, Any]:
+        """The synchronised model of an overlapped exchange, before it is applied: the global model
+        with `part`'s outer step previewed (called in the exchange thread)."""
+        pieces = [p.preview(mixed) if p is part else p.global_params for p in self.parts]
+        return self.ctx.evaluate(self.layout.assemble([t for ts in pieces for t in ts]), restore_rng=False)
+
+    def finish(self) -> dict[str, Any]:
+        """Apply the exchange still in flight (overlap), so the final model includes every round. The
+        whole model restarts from the global one; fragments keep their unsent progress."""
+        if self.overlap is None or not self.overlap.in_flight:
+            return {}
+        metrics = self.overlap.flush()
+        if self.layout.n == 1:
+            self.parts[0].set_live(self.parts[0].global_params, start=True)
+        return metrics
+
+    def eval_params(self) -> list[torch.Tensor]:
+        """The global model (each fragment as of its last sync): what every region of a full topology
+        holds alike, and what the run's result is."""
+        if self.layout.n == 1:
+            return self.parts[0].global_params
+        return self.layout.assemble([g for p in self.parts for g in p.global_params])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole model: its global copy and outer optimizer state. Fragments: fragments.fragment_state."""
+        if self.layout.n == 1:
+            return self.parts[0].state_dict()
+        return fragment_state(self.parts, region=self.ctx.region, overlap=self.overlap is not None)
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore the global model and outer state (a checkpoint's, or a donor's on rejoin). The whole
+        model restarts from it; fragments: fragments.load_fragment_state."""
+        if self.layout.n > 1:
+            load_fragment_state(self.parts, d, region=self.ctx.region, overlap=self.overlap is not None)
+            return
+        part = self.parts[0]
+        part.load_state_dict(d)
+        part.set_live(part.global_params, start=self.overlap is not None)
+
+    def rolled_back(self) -> None:
+        """Nothing left to undo: the worker restored our state_dict (global model, outer state) with the round's start."""
 
     def close(self) -> None:
         """Stop the overlap thread without waiting for it: an exchange still in flight is abandoned
-        (finish() first applies it).
-        """
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        (finish() first applies it)."""
+        if self.overlap is not None:
+            self.overlap.close()

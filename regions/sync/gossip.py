@@ -48,22 +48,23 @@ KEEP_PUBLISHED = 2  # own public copies kept for resyncing peers: this round's a
 class _PublicCopies(ChocoGossip):
     """ChocoGossip whose compressor is the round's exchange, with its state in and out.
 
-    ``outgoing(x)`` calls the compressor with Q's input; here that call encodes, pushes to the
-    out-neighbours and collects the in-neighbours' messages (``self.result``), and returns the
-    q every receiver decodes (bit for bit what the payload decodes to).
+    ``outgoing(x)`` would call a compressor with Q's input; here the round does it in two halves
+    around its exchange: ``diff(x)`` is Q's input (the payload), and ``sent(q)`` moves our public
+    copy by the q every receiver decodes (bit for bit what the payload decodes to).
     """
 
     def __init__(self, *, gamma: float, shapes: Sequence[tuple[int, ...]]):
-        super().__init__(gamma=gamma, compressor=self._exchange_as_compressor)
+        super().__init__(gamma=gamma, compressor=_exchange_is_the_compressor)
         self._self_hat = [torch.zeros(s) for s in shapes]  # every copy starts at zero everywhere
-        self.run_exchange = None
-        self.result: ExchangeResult | None = None
 
-    def _exchange_as_compressor(self, diff: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-        self.result = self.run_exchange(diff)
-        q = next(iter(self.result.own_decoded.values()), None)
-        # Sent to nobody: no copy of ours moved anywhere; take the exact difference.
-        return b"", q if q is not None else [d.clone() for d in diff]
+    def diff(self, x: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Q's input: x less our public copy."""
+        return [t.detach().to(h.dtype) - h for t, h in zip(x, self._self_hat)]
+
+    def sent(self, q: Sequence[torch.Tensor]) -> None:
+        """Our public copy moves by q, as every receiver's copy of it does."""
+        for h, qt in zip(self._self_hat, q):
+            h.add_(qt.to(h.dtype))
 
     def state(self) -> dict[str, Any]:
         return {"self": list(self._self_hat), "peers": dict(self._hats), "stale": sorted(self.stale)}
@@ -98,6 +99,7 @@ class GossipSync:
         self.region = ctx.region
         self.round = -1
         self.rejoined = False
+        self._x: list[torch.Tensor] = []  # this round's parameters (and tracker): CHOCO's step mixes them
         self._lock = threading.Lock()  # against FetchState threads reading our state mid-round
         # Dropout draws from torch's global generator: seed it per region so that a run repeats.
         torch.manual_seed(ctx.seed * 1000 + ctx.index)
@@ -117,26 +119,48 @@ class GossipSync:
         hook = self._track if self.tracker is not None else None
         metrics = self.ctx.stepper.inner_steps(plan.H, plan.lr_scale, before_step=hook)
         t0 = time.monotonic()
-        x = self._vector()
-        if self.choco is None:
-            metrics.update(exchange_metrics(self._plain_round(plan, x)))
-        else:
-            res, resync = self._choco_round(plan, x)
-            metrics.update(exchange_metrics(res), **resync, stale_peers=sorted(self.choco.stale))
-            metrics["bytes_received"] += resync["resync_bytes"]
+        sent = self.payload(plan, self.ctx.params)
+        # CHOCO: one codec for every out-link, as all neighbours must apply the same q to our public
+        # copy; a region back from a rejoin only listens this round (no lock: peers may fetch meanwhile).
+        res = self.ctx.exchange(plan, sent, single_codec=self.choco is not None, send=not self.rejoined)
+        metrics.update(exchange_metrics(res), **self.apply(plan, sent, res))
+        if self.choco is not None:
+            metrics["bytes_received"] += metrics["resync_bytes"]
             self._publish(plan.round)
         metrics["sync_s"] = time.monotonic() - t0
         self.round = plan.round
         return metrics
 
+    def payload(self, plan: RoundPlan, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters (and the tracker y); CHOCO: their difference to our public copy."""
+        x = [p.detach() for p in params]
+        if self.tracker is not None:
+            x += _split(self.tracker.y, self.ctx.shapes)
+        self._x = x
+        return x if self.choco is None else self.choco.diff(x)
+
+    def apply(self, plan: RoundPlan, own: Sequence[torch.Tensor], received: ExchangeResult) -> dict[str, Any]:
+        """The mix into the parameters (and tracker). CHOCO: our public copy moves by what was sent,
+        stale in-neighbours are resynced (after our own sends, so that fetching never delays our
+        message to anyone; the copy fetched predates the peer's message of this round, applied next),
+        and the gossip step mixes the public copies."""
+        if self.choco is None:
+            self._store(self.ctx.mix(plan, own, received))
+            return {}
+        q = next(iter(received.own_decoded.values()), None)
+        self.choco.sent(q if q is not None else own)  # sent to nobody: no copy of ours moved anywhere
+        resync = self._resync(plan)
+        with self._lock:
+            for peer, qp in received.received.items():
+                self.choco.incoming(peer, qp)
+            # All in-neighbours of the topology, up or not: one without a message becomes stale.
+            mixed = self.choco.step(self._x, self.ctx.in_weights(plan.round))
+        self._store(mixed)
+        self.rejoined = False
+        return {**resync, "stale_peers": sorted(self.choco.stale)}
+
     def _track(self, k: int) -> None:
         self.tracker.correct(self.ctx.params, first_step_of_round=(k == 0))
-
-    def _vector(self) -> list[torch.Tensor]:
-        params = [p.detach() for p in self.ctx.params]
-        if self.tracker is None:
-            return params
-        return params + _split(self.tracker.y, self.ctx.shapes)
 
     def _store(self, mixed: Sequence[torch.Tensor]) -> None:
         n = len(self.ctx.params)
@@ -145,32 +169,6 @@ class GossipSync:
                 p.copy_(m)
         if self.tracker is not None:
             self.tracker.y = torch.cat([t.reshape(-1) for t in mixed[n:]]).to(self.tracker.y.dtype)
-
-    def _plain_round(self, plan: RoundPlan, x: list[torch.Tensor]) -> ExchangeResult:
-        res = self.ctx.exchange(plan, x)
-        self._store(self.ctx.mix(plan, x, res))
-        return res
-
-    def _choco_round(self, plan: RoundPlan, x: list[torch.Tensor]) -> tuple[ExchangeResult, dict[str, Any]]:
-        send = not self.rejoined
-        self.choco.run_exchange = lambda diff: self._exchange(plan, diff, send=send)
-        self.choco.outgoing(x)  # the exchange runs in here (no lock: peers may fetch meanwhile)
-        res = self.choco.result
-        # Resync after our own sends, so that fetching never delays our message to anyone; the
-        # copy fetched predates the peer's message of this round, which is applied next.
-        resync = self._resync(plan)
-        with self._lock:
-            for peer, q in res.received.items():
-                self.choco.incoming(peer, q)
-            # All in-neighbours of the topology, up or not: one without a message becomes stale.
-            mixed = self.choco.step(x, self.ctx.in_weights(plan.round))
-        self._store(mixed)
-        self.rejoined = False
-        return res, resync
-
-    def _exchange(self, plan: RoundPlan, tensors, *, send: bool) -> ExchangeResult:
-        # One codec for every out-link: all neighbours must apply the same q to our public copy.
-        return self.ctx.exchange(plan, tensors, single_codec=True, send=send)
 
     # -- public copies: publish, resync ------------------------------------------------------
     def _publish(self, round_: int) -> None:
@@ -276,6 +274,10 @@ class GossipSync:
     def close(self) -> None:
         """No background work (FetchState runs on the transport's threads)."""
         pass
+
+
+def _exchange_is_the_compressor(diff: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    raise AssertionError("GossipSync exchanges CHOCO's payload itself (diff, then sent), never through outgoing()")
 
 
 def _split(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:

@@ -47,21 +47,21 @@ def cluster_factory(tmp_path):
 def test_overlap_applies_each_exchange_one_round_late_and_keeps_own_progress(cluster_factory):
     c = cluster_factory(_cfg(overlap=True))
     w = c.workers["a"]
-    g0 = [g.clone() for g in w.algorithm.global_params]
+    g0 = [g.clone() for g in w.algorithm.eval_params()]
     m0 = c.round(0, H=5)
     # Round 0's exchange is in flight: the global model has not moved, nothing was reported sent...
-    assert all(torch.equal(g, h) for g, h in zip(w.algorithm.global_params, g0))
+    assert all(torch.equal(g, h) for g, h in zip(w.algorithm.eval_params(), g0))
     assert all(m["bytes_sent"] == 0 and m["exchange_round"] is None for m in m0.values())
     # ...and the region carries on from the global model plus its own round-0 progress.
     local0 = [p.detach().clone() for p in w.params]
     assert not all(torch.equal(p, g) for p, g in zip(local0, g0))
     m1 = c.round(1, H=5)
     assert all(m["exchange_round"] == 0 and m["bytes_sent"] > 0 and not m["peers_missing"] for m in m1.values())
-    assert not all(torch.equal(g, h) for g, h in zip(w.algorithm.global_params, g0))
+    assert not all(torch.equal(g, h) for g, h in zip(w.algorithm.eval_params(), g0))
     # Identity codec, full topology: every region applied the same mixed update to the same model.
-    ga = w.algorithm.global_params
+    ga = w.algorithm.eval_params()
     for other in ("b", "c"):
-        assert all(torch.allclose(x, y) for x, y in zip(ga, c.workers[other].algorithm.global_params))
+        assert all(torch.allclose(x, y) for x, y in zip(ga, c.workers[other].algorithm.eval_params()))
     m2 = c.round(2, H=5, final=True)
     # The final round reports its own exchange too (flushed) and leaves no update behind.
     sent_per_exchange = m1["a"]["bytes_sent"]

@@ -1,5 +1,5 @@
 """sync.fragments (Streaming DiLoCo, regions/sync/fragments.py) over the in-memory transport: the
-split, the schedule (fragment round % N), N=1 equal to DiLoCo bit for bit, resume mid-schedule."""
+split, the schedule (fragment round % N), N=1 the whole model as one part, resume mid-schedule."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from geofed.orchestrator.config import config_from_mapping
-from geofed.regions import worker as worker_module
 from geofed.regions.inprocess import InProcessRegions
-from geofed.regions.sync import DilocoSync, FragmentedDilocoSync, algorithm_class, split_fragments
+from geofed.regions.sync import DilocoSync, algorithm_class, split_fragments
 from geofed.regions.worker import RoundPlan
 
 REGIONS = ["a", "b", "c"]
@@ -62,22 +61,19 @@ def test_split_covers_every_element_once_contiguous_and_balanced():
         split_fragments([(2,), (3,)], 6)
 
 
-def test_one_fragment_is_diloco_bit_for_bit(tmp_path, monkeypatch):
-    for overlap in (False, True, "eager"):
-        cfg = _cfg(overlap=overlap)
-        assert algorithm_class(cfg.sync) is DilocoSync  # N=1 runs today's class...
-        c, _ = _train(tmp_path, cfg, 4, name=f"d{overlap}")
-        want = _globals(c)
+def test_one_fragment_is_the_whole_model_as_one_part(tmp_path):
+    # N = 1 is DiLoCo itself, not a special case: one part over the parameters themselves, DiLoCo's
+    # codec stream and checkpoint format.
+    c = InProcessRegions(_cfg(overlap=True), tmp_path / "n1")
+    try:
+        w = c.workers["a"]
+        algo = w.algorithm
+        assert algorithm_class(_cfg().sync) is DilocoSync and len(algo.parts) == 1
+        (part,) = algo.parts
+        assert part.stream == "" and all(v.data_ptr() == p.data_ptr() for v, p in zip(part.live, w.params))
+        assert set(algo.state_dict()) == {"global", "outer"} and algo.eval_params() is part.global_params
+    finally:
         c.close()
-        # ...and the fragment code with N=1 makes the same model, bit for bit.
-        monkeypatch.setattr(worker_module, "algorithm_class", lambda s: FragmentedDilocoSync)
-        c, _ = _train(tmp_path, cfg, 4, name=f"f{overlap}")
-        assert isinstance(c.workers["a"].algorithm, FragmentedDilocoSync)
-        got = _globals(c)
-        c.close()
-        monkeypatch.undo()
-        for reg in REGIONS:
-            assert all(torch.equal(x, y) for x, y in zip(want[reg], got[reg])), (overlap, reg)
 
 
 def test_two_fragments_each_synced_every_other_round(tmp_path):
@@ -85,20 +81,20 @@ def test_two_fragments_each_synced_every_other_round(tmp_path):
     c = InProcessRegions(cfg, tmp_path / "n2")
     try:
         algo = c.workers["a"].algorithm
-        assert isinstance(algo, FragmentedDilocoSync) and len(algo.fragments) == 2
+        assert isinstance(algo, DilocoSync) and len(algo.parts) == 2
         rows0 = c.workers["a"].params[0].shape[0]
-        (i0, a0, b0), (i1, a1, b1) = algo.pieces[:2]  # the first weight (most of the MLP) cut between rows
+        (i0, a0, b0), (i1, a1, b1) = algo.layout.pieces[:2]  # the first weight (most of the MLP) cut between rows
         assert (i0, a0, i1, b1) == (0, 0, 0, rows0) and 0 < b0 == a1 < rows0
-        numel = [sum(algo.gp[k].numel() for k in f) for f in algo.fragments]
+        numel = [sum(g.numel() for g in part.global_params) for part in algo.parts]
         assert abs(numel[0] - numel[1]) <= c.workers["a"].params[0][0].numel()  # within one row
-        before = [g.clone() for g in algo.gp]
+        before = [[g.clone() for g in part.global_params] for part in algo.parts]
         for r in range(4):
             res = c.run_round({reg: RoundPlan(round=r, H=4) for reg in REGIONS})
-            now = [g.clone() for g in algo.gp]
+            now = [[g.clone() for g in part.global_params] for part in algo.parts]
             f = r % 2
             assert res["a"]["fragment"] == f
-            changed = [k for k in range(len(now)) if not torch.equal(before[k], now[k])]
-            assert changed == algo.fragments[f], (r, changed)  # only this round's fragment moved
+            changed = [k for k in range(2) if not all(torch.equal(x, y) for x, y in zip(before[k], now[k]))]
+            assert changed == [f], (r, changed)  # only this round's fragment moved
             # identity codec: 4 bytes a float, to 2 peers, plus the wire format's headers
             assert 8 * numel[f] <= res["a"]["bytes_sent"] < 8 * numel[f] + 2048
             before = now
@@ -106,8 +102,9 @@ def test_two_fragments_each_synced_every_other_round(tmp_path):
         for reg in ("b", "c"):  # one global model everywhere (up to the order of the mix's sum)
             assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(g["a"], g[reg]))
         # the live model differs from the global one only in the fragment not synced last
-        assert all(torch.equal(algo.local[k], algo.gp[k]) for k in algo.fragments[1])
-        assert not any(torch.equal(algo.local[k], algo.gp[k]) for k in algo.fragments[0])
+        p0, p1 = algo.parts
+        assert all(torch.equal(v, g) for v, g in zip(p1.live, p1.global_params))
+        assert not any(torch.equal(v, g) for v, g in zip(p0.live, p0.global_params))
         assert [tuple(t.shape) for t in algo.eval_params()] == [tuple(p.shape) for p in c.workers["a"].params]
     finally:
         c.close()

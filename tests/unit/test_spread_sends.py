@@ -132,7 +132,7 @@ def test_hurry_releases_what_is_left_of_every_push_in_flight():
 
 
 def test_the_window_is_the_median_compute_plus_the_longest_wait_and_the_spread_a_share_of_the_shortest():
-    from geofed.regions.sync.common import OverlapWindow
+    from geofed.regions.sync.overlap import OverlapWindow
 
     plan, final = RoundPlan(round=1, H=4), RoundPlan(round=9, H=4, final=True)
     p = OverlapWindow(0.5, rounds=3)

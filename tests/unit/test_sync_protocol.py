@@ -12,7 +12,7 @@ import torch
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.exchange import ExchangeResult
-from geofed.regions.sync import ALGORITHMS, DilocoSync, mix
+from geofed.regions.sync import ALGORITHMS, Algorithm, AllReduceSync, Diloco, DilocoSync, GossipSync, mix
 from geofed.regions.sync.protocol import SyncAlgorithm, SyncContext
 from geofed.regions.worker import RegionWorker, RoundPlan
 
@@ -43,7 +43,7 @@ class _Quadratic:
 
 
 def _context(settings, params, stepper, peer_tensors):
-    def exchange(plan, tensors, *, single_codec=False, send=True):
+    def exchange(plan, tensors, *, single_codec=False, send=True, stream=""):
         return ExchangeResult(received={"b": [t.clone() for t in peer_tensors]}, own_decoded={}, missing=[])
 
     return SyncContext(region="a", index=0, params=params, shapes=[tuple(p.shape) for p in params], settings=settings,
@@ -104,3 +104,27 @@ def test_wire_shapes_decide_what_the_worker_decodes():
     # The context names only what an algorithm may use of its region, not the worker itself.
     assert "worker" not in {f.name for f in fields(SyncContext)}
     assert RegionWorker._sync_context.__doc__
+
+
+@pytest.mark.parametrize("cls", [Diloco, AllReduceSync, GossipSync])
+def test_diloco_allreduce_and_gossip_implement_the_algorithm_seam(cls):
+    assert list(inspect.signature(cls.payload).parameters) == ["self", "plan", "params"]
+    assert list(inspect.signature(cls.apply).parameters) == ["self", "plan", "own", "received"]
+    assert callable(cls.state_dict) and callable(cls.load_state_dict)
+
+
+def test_the_seam_round_trips_on_a_context_alone():
+    # payload -> exchange -> apply, as DilocoSync's round does, with DiLoCo's part and all-reduce.
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"outer": {"lr": 1.0, "momentum": 0.0}}})
+    x = torch.zeros(4, requires_grad=True)
+    ctx = _context(cfg.sync, [x], _Quadratic([x], torch.ones(4), lr=0.5), [torch.full((4,), 0.25)])
+    part = DilocoSync(ctx).parts[0]
+    assert isinstance(part, Algorithm) and isinstance(AllReduceSync(ctx), Algorithm)
+    ctx.stepper.inner_steps(1, 1.0)
+    own = part.payload(RoundPlan(round=0, H=1), part.live)
+    assert torch.allclose(own[0], torch.full((4,), -0.5))
+    part.apply(RoundPlan(round=0, H=1), own, ctx.exchange(RoundPlan(round=0, H=1), own))
+    assert torch.allclose(x.detach(), torch.full((4,), 0.125))  # as test_diloco_runs_on_a_context_alone
+    state = part.state_dict()
+    part.load_state_dict({"global": [torch.zeros(4)], "outer": state["outer"]})
+    assert torch.equal(part.global_params[0], torch.zeros(4))

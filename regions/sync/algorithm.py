@@ -1,0 +1,57 @@
+"""The Algorithm seam: what a round sends and what a region makes of what came back.
+
+A round is: inner steps, ``payload`` (what leaves the region), the hooks on what is sent (pacing's
+step weight, update-level DP), the exchange, ``apply`` (the mix and the step it feeds). The round
+itself is the caller's (regions/sync/diloco.py, allreduce.py, gossip.py today); an algorithm holds
+only its own state, which ``state_dict``/``load_state_dict`` carry through checkpoints, rollbacks
+and a rejoining region's catch-up. DiLoCo (one per fragment), all-reduce and gossip/CHOCO implement
+it; overlap and fragments wrap DiLoCo's rather than branch inside it.
+
+The types are what the seam reads, not the worker's classes: a plan has a round, a received
+exchange has the updates by sender (regions/exchange.py's ExchangeResult is one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class PlanView(Protocol):
+    """The part of a round's plan (regions/worker.py: RoundPlan) every algorithm reads."""
+
+    @property
+    def round(self) -> int: ...
+
+
+class Received(Protocol):
+    """What an exchange brought back (regions/exchange.py: ExchangeResult)."""
+
+    @property
+    def received(self) -> Mapping[str, Sequence[torch.Tensor]]: ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """One region's sync algorithm, as the round sees it."""
+
+    def payload(self, plan: PlanView, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What this region sends this round, taken from `params` (the live tensors it owns)."""
+        ...
+
+    def apply(self, plan: PlanView, own: Sequence[torch.Tensor], received: Received) -> dict[str, Any]:
+        """Mix `own` (what was sent) with what was `received` and apply it; metrics it adds to the round's."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its own state: tensors and plain values only."""
+        ...
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` gave (a checkpoint's, a rollback's or a donor's)."""
+        ...
+
+
+__all__ = ["Algorithm", "PlanView", "Received"]
