@@ -164,7 +164,7 @@ class RegionWorker(LocalSteps, RegionState):
         self.exchanger.observe_own = self.admission.observe_own
         self.secagg = None
         if cfg.security.secure_aggregation:  # its modules (key agreement, cryptography) cost every actor's start ~0.3 s
-            from .secagg_round import make_secagg
+            from .secagg.round import make_secagg
 
             self.secagg = make_secagg(cfg, self.region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
                                       admission=self.admission,

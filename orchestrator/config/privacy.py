@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from geofed.p2p.secagg_codecs import secagg_codec_problem
+from geofed.regions.secagg.codecs import secagg_codec_problem
 
 
 def _doc(text: str, **kw) -> dict:

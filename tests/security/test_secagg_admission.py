@@ -2,7 +2,7 @@
 (finite) set a huge shared scale: every honest update quantised to zero, the member's values
 filled the sum, every region rolled back 3 rounds in a row and the driver exited 1 at round 2.
 
-Here the real secure-aggregation round (regions/secagg_round.py) runs on real tensors over the
+Here the real secure-aggregation round (regions/secagg/round.py) runs on real tensors over the
 in-memory transport, the gRPC transport's twin; in the last test four real RegionWorkers (digits
 MLP, DiLoCo) run it, one of them hostile by a hook in its own code (regions/adversary.py: its
 update x1e30 before it is masked, the way the attack did it).
@@ -21,7 +21,7 @@ from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p.robust import UpdateAdmission
 from geofed.regions.adversary import Adversary
-from geofed.regions.secagg_round import SecAggRound
+from geofed.regions.secagg.round import SecAggRound
 from geofed.regions.worker import RegionWorker, RoundPlan
 
 pytestmark = pytest.mark.timeout(180)

@@ -135,11 +135,11 @@ def test_a_spec_checked_without_torch_builds_the_same_codec():
 
 def test_a_region_actor_without_secure_aggregation_does_not_import_it():
     """Every region actor imports geofed.regions.actor at its start; secure aggregation's round
-    (regions/secagg_round.py and the p2p key agreement under it, ~0.3 s of each actor's start on a
+    (regions/secagg/round.py and the key agreement under it, ~0.3 s of each actor's start on a
     2-core host) is imported only when security.secure_aggregation is on. Before: the worker
     imported it at module level, so this test failed with it in sys.modules."""
     code = ("import sys, geofed.regions.actor; "
-            "print(sorted(m for m in ('geofed.regions.secagg_round', 'geofed.p2p.secagg') if m in sys.modules))")
+            "print(sorted(m for m in ('geofed.regions.secagg.round', 'geofed.regions.secagg.keys') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Secure aggregation in the round (regions/secagg_round.py, secagg_recovery.py) over the in-memory transport: the
+"""Secure aggregation in the round (regions/secagg/round.py) over the in-memory transport: the
 mean is the plain int8-grid mean up to quantisation, a region never holds a peer's unmasked
 update, a region that leaves mid-round does not stall or corrupt the others' round, and
 secure aggregation's side slots are separate from the update's."""
@@ -13,11 +13,11 @@ import torch
 
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.p2p import secagg_relay as relay
-from geofed.p2p.secagg_slot import KEY, MASKED, PHASES, RECOVER, RELAY, SETUP, SIDE, side_round
+from geofed.regions.secagg import relay
 from geofed.p2p.transport import TransportError
-from geofed.regions.secagg_grid import CHUNK, unpack
-from geofed.regions.secagg_round import SecAggRound
+from geofed.regions.secagg.masks import CHUNK
+from geofed.regions.secagg.round import KEY, MASKED, PHASES, RECOVER, RELAY, SETUP, STREAM, SecAggRound, side_round
+from geofed.regions.secagg.wire import unpack
 
 REGIONS = ["a", "b", "c", "d"]
 
@@ -101,7 +101,7 @@ def test_a_region_never_holds_a_peers_unmasked_update():
     quantised values (checked by capturing the side mailbox's filed payloads)."""
     ts, rounds = _cluster()
     captured: dict[tuple[str, int], bytes] = {}
-    side = ts["a"].mailbox.stream("secagg")
+    side = ts["a"].mailbox.stream(STREAM)
     inner = side._validator
 
     def capture(sender, r, payload):
@@ -148,7 +148,7 @@ def test_two_rounds_in_a_row_and_8_bit_rings_keep_the_sum():
     Every self key is rebuilt from the relayed shares: no KEY message is sent at all."""
     ts, rounds = _cluster(bits=8)
     seen = []
-    ts["a"].mailbox.stream("secagg").set_validator(lambda s, rnd, p: seen.append(rnd) or bytes(p))
+    ts["a"].mailbox.stream(STREAM).set_validator(lambda s, rnd, p: seen.append(rnd) or bytes(p))
     previous = None
     for rnd in range(3):
         updates = _updates(REGIONS, seed=rnd)
@@ -176,14 +176,14 @@ def test_side_pushes_are_refused_by_a_region_without_secure_aggregation():
     a.connect({"b": "inmem:b"})
     b.connect({"a": "inmem:a"})
     with pytest.raises(Exception, match="bad_header"):
-        a.send("b", SIDE | side_round(0, SETUP), b"x", timeout_s=1.0)
+        a.send("b", side_round(0, SETUP), b"x", timeout_s=1.0, stream=STREAM)
     assert b.stats()["refused"]["bad_header"] == 1
 
 
 def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted():
     ts, rounds = _cluster(deadline=1.0)
     captured = {}
-    side = ts["b"].mailbox.stream("secagg")
+    side = ts["b"].mailbox.stream(STREAM)
     side.set_validator(lambda s, r, p: captured.setdefault((s, r), bytes(p)))
     _run(rounds, _updates(REGIONS), round_=0)
     # a restarts: new keys, no peer keys; it falls back once and the others drop it from round 1
@@ -200,7 +200,7 @@ def test_a_restarted_region_rekeys_and_a_replayed_old_key_is_refused_and_counted
     out = _run({r: rounds[r] for r in ("b", "c", "d")}, _updates(REGIONS, seed=3), round_=3, alive=REGIONS)
     assert out["b"][1]["secagg_scales_ahead"] and out["b"][1]["secagg_dropped"] == ["a"], out["b"][1]
     # round 4 (SETUP again after the drop): a's round-0 setup (its old key) replayed to b in a's slot
-    ts["a"].send("b", SIDE | side_round(4, SETUP), captured[("a", side_round(0, SETUP))], timeout_s=1.0)
+    ts["a"].send("b", side_round(4, SETUP), captured[("a", side_round(0, SETUP))], timeout_s=1.0, stream=STREAM)
     out = _run({r: rounds[r] for r in ("b", "c", "d")}, _updates(REGIONS, seed=4), round_=4, alive=REGIONS)
     m = out["b"][1]
     assert m["secagg_refused"].get("replayed_key", 0) == 1, m
@@ -227,10 +227,10 @@ def test_a_masked_update_that_reached_only_some_regions_is_never_unmasked():
     rounds["d"].side.send = lossy
     seen, at_b = [], []
     for r in REGIONS:
-        side = ts[r].mailbox.stream("secagg")
+        side = ts[r].mailbox.stream(STREAM)
         side.set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
-    inner = ts["b"].mailbox.stream("secagg")._validator
-    ts["b"].mailbox.stream("secagg").set_validator(lambda s, rnd, p: at_b.append((s, rnd % PHASES, bytes(p))) or inner(s, rnd, p))
+    inner = ts["b"].mailbox.stream(STREAM)._validator
+    ts["b"].mailbox.stream(STREAM).set_validator(lambda s, rnd, p: at_b.append((s, rnd % PHASES, bytes(p))) or inner(s, rnd, p))
     updates = _updates(REGIONS)
     out = _run(rounds, updates)
     d_key = rounds["d"].keys.self_key(0)
@@ -282,7 +282,7 @@ def test_two_survivors_never_unmask_their_sum():
     ts, rounds = _cluster(drop={"c", "d"}, deadline=1.0)
     seen = []
     for r in REGIONS:
-        ts[r].mailbox.stream("secagg").set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
+        ts[r].mailbox.stream(STREAM).set_validator(lambda s, rnd, p, me=r: seen.append((me, s, rnd % PHASES)) or bytes(p))
     updates = _updates(REGIONS)
     out = _run(rounds, updates)
     for r in ("a", "b"):
@@ -295,8 +295,8 @@ def test_two_survivors_never_unmask_their_sum():
 
 def _capture(ts, region):
     got = []
-    inner = ts[region].mailbox.stream("secagg")._validator
-    ts[region].mailbox.stream("secagg").set_validator(lambda s, rnd, p: got.append((s, rnd // PHASES, rnd % PHASES, bytes(p)))
+    inner = ts[region].mailbox.stream(STREAM)._validator
+    ts[region].mailbox.stream(STREAM).set_validator(lambda s, rnd, p: got.append((s, rnd // PHASES, rnd % PHASES, bytes(p)))
                                           or inner(s, rnd, p))
     return got
 
@@ -337,7 +337,7 @@ def test_a_replayed_relay_is_refused_and_counted_and_never_sums_wrong():
         return send(peer, round_, phase, payload, **kw)
 
     rounds["b"].side.send = lossy
-    ts["b"].send("a", SIDE | side_round(1, RELAY), old, timeout_s=1.0)
+    ts["b"].send("a", side_round(1, RELAY), old, timeout_s=1.0, stream=STREAM)
     updates = _updates(REGIONS, seed=1)
     out = _run(rounds, updates, round_=1)
     m = out["a"][1]

@@ -1,5 +1,5 @@
-"""Issue 40, item 6: secure aggregation's p2p modules hold only what the product runs. Every one of
-them is imported (transitively, lazy imports included) from the CLI entry point
+"""Issue 40, item 6: secure aggregation's modules (the regions/secagg/ subpackage; p2p holds none
+since issue 40, items 4-5) hold only what the product runs. Every one of them is imported (transitively, lazy imports included) from the CLI entry point
 `geofed.orchestrator.cli`, and every name defined at the top of one is used by a module the CLI
 reaches, or by a live name of its own module. Tests do not count: a name only tests use would be
 code in users' installs that nothing runs (DESIGN.md: code only tests use lives under tests/).
@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ROOMS = ("orchestrator", "regions", "p2p", "compression")
 ENTRY = "geofed.orchestrator.cli"
-CHECKED = ("secagg", "secagg_codecs", "secagg_relay", "secagg_run", "secagg_slot", "secagg_wire", "secmask")
+PACKAGE = "geofed.regions.secagg"
+CHECKED = ("", ".codecs", ".keys", ".masks", ".relay", ".round", ".wire")
 
 
 def _modules() -> dict[str, Path]:
@@ -125,15 +126,17 @@ def _unused(module: str, reached: set[str]) -> list[str]:
     return sorted(set(defs) - live - {"__all__"})
 
 
-def test_every_secure_aggregation_module_in_p2p_is_reached_from_the_cli():
+def test_every_secure_aggregation_module_is_reached_from_the_cli_and_none_is_left_in_p2p():
     reached = _reached()
-    on_disk = {m for m in MODULES if m.startswith("geofed.p2p.") and
-               m.rsplit(".", 1)[1].startswith(("secagg", "secmask", "shamir"))}
-    assert on_disk >= {f"geofed.p2p.{m}" for m in CHECKED}  # the list below still names real files
+    in_p2p = {m for m in MODULES if m.startswith("geofed.p2p.") and
+              m.rsplit(".", 1)[1].startswith(("secagg", "secmask", "shamir"))}
+    assert in_p2p == set()  # p2p carries secure aggregation's stream, not its protocol
+    on_disk = {m for m in MODULES if m == PACKAGE or m.startswith(PACKAGE + ".")}
+    assert on_disk == {PACKAGE + m for m in CHECKED}  # the list above still names every file
     assert sorted(on_disk - reached) == []
 
 
-def test_every_name_in_secure_aggregations_p2p_modules_is_used_by_the_product():
+def test_every_name_in_secure_aggregations_modules_is_used_by_the_product():
     reached = _reached()
-    unused = {m: _unused(f"geofed.p2p.{m}", reached) for m in CHECKED}
+    unused = {m: _unused(PACKAGE + m, reached) for m in CHECKED}
     assert {m: names for m, names in unused.items() if names} == {}

@@ -1,4 +1,4 @@
-"""Which codecs secure aggregation can carry (p2p/secagg.py; docs/privacy.md). Kept apart from
+"""Which codecs secure aggregation can carry (docs/privacy.md). Kept apart from
 the protocol so that the config loader can ask without importing the cryptography.
 
 Masking needs every region's update as integers on one shared grid, summed coordinate by

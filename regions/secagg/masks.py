@@ -1,5 +1,6 @@
 """Secure aggregation's arithmetic: seeds, keystreams, masks over Z_2^b and the shared-scale
-quantiser that puts a float update into that ring (the protocol around it: p2p/secagg.py).
+quantiser that puts a float update into that ring (the protocol around it: round.py), the unmasking of a round's sum and the shared-scale grid
+that puts a region's tensors on it.
 
 Region i adds PRG(s_ij) for every peer j with i < j (names compared as strings) and subtracts it
 when i > j, so the pairwise masks cancel in the sum over all regions; it also adds a self mask
@@ -14,18 +15,23 @@ only `levels_for(n, 8)` levels so that the sum of n of them cannot wrap.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+import torch
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from . import SecAggError
+
 RING_BITS = (8, 16, 32)
 _DTYPES = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4")}
 _NONCE = bytes(16)  # every seed keys one stream only (HKDF binds it to run, round and pair)
 _LABEL = b"geofed-secagg-v1"
+CHUNK = 4096  # values per shared scale (int8's chunk)
 
 
 def ring_dtype(bits: int) -> np.dtype:
@@ -162,3 +168,66 @@ def dequantize(q: np.ndarray, scales: np.ndarray, *, chunk: int) -> np.ndarray:
     """The float values of quantised integers (a region's or a sum of them)."""
     per_value = np.repeat(np.asarray(scales, dtype=np.float32), chunk)[: q.size]
     return (q.astype(np.float64) * per_value).astype(np.float32)
+
+
+# ---- the round's sum ---------------------------------------------------------------------
+
+def unmask_total(masked: Mapping[str, np.ndarray], *, self_keys: Mapping[str, bytes],
+                 dropped_seeds: Mapping[tuple[str, str], bytes], bits: int) -> np.ndarray:
+    """The int64 sum of the survivors' (`masked`'s) values: their self masks removed with their
+    round's self keys, and the mask each survivor s shared with each dropped d removed with the
+    pair seed `dropped_seeds[(s, d)]` (s added it with pair_sign(s, d))."""
+    if set(self_keys) != set(masked):
+        raise SecAggError("too_few_shares", f"self keys of {sorted(self_keys)}, survivors {sorted(masked)}")
+    total = ring_sum(masked.values(), bits)
+    n = total.size
+    for s in sorted(masked):
+        np.subtract(total, keystream(self_keys[s], n, bits), out=total)
+    for (s, d), seed in sorted(dropped_seeds.items()):
+        if s not in masked or d in masked:
+            raise SecAggError("reveal_conflict", f"a pair seed of {s} and {d}: {s} must survive, {d} be dropped")
+        stream = keystream(seed, n, bits)
+        (np.subtract if pair_sign(s, d) > 0 else np.add)(total, stream, out=total)
+    return from_ring(total, bits)
+
+
+def digest(*arrays: np.ndarray) -> bytes:
+    """What two regions compare to know they used one grid (the shared scales)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.digest()[:16]
+
+
+# ---- the shared-scale grid: a region's tensors as one vector -----------------------------
+
+def quantize_all(own: list[torch.Tensor], scales: np.ndarray, levels: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """One int64 vector of every tensor's values (each tensor chunked on its own) and, per
+    tensor, its slice of `scales`."""
+    parts, spans, c0 = [], [], 0
+    for o in own:
+        nch = -(-o.numel() // CHUNK)
+        spans.append((c0, c0 + nch))
+        parts.append(quantize(o.numpy(), scales[c0:c0 + nch], chunk=CHUNK, levels=levels))
+        c0 += nch
+    return np.concatenate(parts), spans
+
+
+def dequantize_all(q: np.ndarray, scales: np.ndarray, spans: Sequence[tuple[int, int]], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The float tensors (shaped like `like`) of `q`, a region's values or a sum of them."""
+    out, pos = [], 0
+    for (c0, c1), ref in zip(spans, like):
+        vals = dequantize(q[pos:pos + ref.numel()], scales[c0:c1], chunk=CHUNK)
+        out.append(torch.from_numpy(vals).reshape(ref.shape))
+        pos += ref.numel()
+    return out
+
+
+def absmax_of(raw: bytes, nchunks: int, sender: str) -> np.ndarray:
+    """A peer's chunk maxima (SecAggError "malformed" unless `nchunks` finite non-negative floats)."""
+    if len(raw) != 4 * nchunks:
+        raise SecAggError("malformed", f"{sender} sent {len(raw) // 4} chunk maxima, {nchunks} expected")
+    am = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.all(np.isfinite(am)) or np.any(am < 0):
+        raise SecAggError("malformed", f"{sender}'s chunk maxima are not finite non-negative numbers")
+    return am

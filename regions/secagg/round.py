@@ -1,8 +1,8 @@
 """Secure aggregation in DiLoCo's round (``security.secure_aggregation``; docs/privacy.md).
 
-Keys cross each link once per run (p2p/secagg_run.py). One round of region i, after its inner
-steps; every message goes over the run's transport in secure aggregation's own side slots
-(p2p/secagg_slot.py), and every wait has the round's deadline. The common round (every region
+Keys cross each link once per run (keys.py). One round of region i, after its inner steps; every
+message goes over the run's transport on its ``secagg`` side stream (`SideChannel`: one side round
+per (round, phase)), and every wait has the round's deadline. The common round (every region
 took part in the last one) is one masked exchange plus a ~100-byte relay behind it, as int8's
 round is one exchange; the other phases run only when needed:
 
@@ -16,7 +16,7 @@ round is one exchange; the other phases run only when needed:
    peer has filed it, and the peers whose keys it lacks (they send theirs again next round).
 2. MASKED to every peer: the masked update, the digest of its grid (a peer on another grid
    refuses it: its sum would be garbage), its absmax for the next round's scales, and that peer's
-   XOR share of i's round self key (p2p/secagg_relay.py) with a check of the key.
+   XOR share of i's round self key (relay.py) with a check of the key.
 3. RELAY: once i's masked updates are in, i sends every other member its shares of the
    survivors' keys (and whether it counted that member's update); a key whose every share came
    is rebuilt, so only when every peer counted the owner's update. A region that holds every
@@ -44,9 +44,9 @@ update norms is scaled down to that bound (clipped, sender `secagg-mean`). Per-m
 at the median norm (clip's fair share) cannot be done on masked updates: inside these bounds a
 member still moves the mean by up to the largest admitted scale.
 
-Here: the round and steps 1-3 (SETUP, MASKED, RELAY); KEY, REVEAL and RECOVER, which run only
-when the common round cannot end at RELAY, are in regions/secagg_recovery.py, and the side
-messages' push, wait and counting every phase shares in regions/secagg_io.py.
+Here, in one class: the round and steps 1-3 (SETUP, MASKED, RELAY); KEY, REVEAL and RECOVER,
+which run only when the common round cannot end at RELAY; and the side messages' push, wait and
+counting that every phase shares.
 
 A region that cannot unmask (no keys, a missing reveal or answer, survivors that disagree)
 applies its own update alone and reports every peer as missed: the driver's resync makes one
@@ -60,28 +60,64 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
-from concurrent.futures import wait
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
 import torch
 
-from geofed.p2p import secagg_relay as relay
-from geofed.p2p import secagg_run as run
-from geofed.p2p import secmask
-from geofed.p2p.secagg import KeyBook, SecAggError
-from geofed.p2p.secagg_slot import MASKED, RELAY, SETUP
 from geofed.p2p.robust import UpdateAdmission, l2_norm, max_abs
-from geofed.p2p.secagg_wire import decode_advert, decode_masked, encode_advert, encode_masked
-from geofed.p2p.transport import Transport
+from geofed.p2p.transport import Inbox, TransferStats, Transport, TransportError
 
-from .secagg_grid import CHUNK, absmax_of, dequantize_all, pack, quantize_all, unpack
-from .secagg_io import Fallback
-from .secagg_recovery import SecAggRecovery
+from . import SecAggError, masks, relay, wire
+from .keys import KeyBook, RunKeys, verify_run_advert
+from .masks import CHUNK
+
+STREAM = "secagg"  # the transport's side stream (p2p/mailbox.py, SIDE_STREAMS)
+PHASES = 6              # side messages per round: scales (+ keys), masked update, relay, self key, reveal, recovery
+# In this order: receiving a phase closes the earlier ones (the mailbox closes every round <= it).
+# RELAY before KEY: a round whose relays rebuilt every self key never receives KEY (the keys it
+# did not need are dropped as late), one that lacks some still can.
+SETUP, MASKED, RELAY, KEY, REVEAL, RECOVER = range(PHASES)
 
 
-class SecAggRound(SecAggRecovery):
+def side_round(round: int, phase: int) -> int:
+    """The side mailbox's round of (round, phase)."""
+    assert 0 <= phase < PHASES and round >= 0, (round, phase)
+    return round * PHASES + phase
+
+
+class SideChannel:
+    """One region's secure-aggregation messages over its transport's ``secagg`` stream, by (round,
+    phase): a phase is the side round ``round * PHASES + phase`` (monotonic, so the stream's mailbox
+    closes its rounds the way the update's does, every rule of which applies to these too).
+    `validator(sender, round, phase, payload)` checks and files what arrives (a ValueError or a
+    Refusal refuses it, counted like any refusal)."""
+
+    def __init__(self, transport: Transport, *, max_message_bytes: int):
+        self.transport = transport
+        self.mailbox = transport.mailbox.open_stream(STREAM, max_message_bytes=max_message_bytes,
+                                                     rounds_per_round=PHASES)
+
+    def set_validator(self, fn: Callable[[str, int, int, memoryview], Any]) -> None:
+        self.mailbox.set_validator(lambda sender, r, payload: fn(sender, r // PHASES, r % PHASES, payload))
+
+    def send(self, peer: str, round: int, phase: int, payload: bytes, *, timeout_s: float) -> TransferStats:
+        return self.transport.send(peer, side_round(round, phase), payload, timeout_s=timeout_s, stream=STREAM)
+
+    def expect(self, round: int, phase: int, senders: Collection[str]) -> None:
+        self.mailbox.expect(side_round(round, phase), senders)
+
+    def receive(self, round: int, phase: int, deadline_s: float, *, until: Collection[str] | None = None) -> Inbox:
+        return self.transport.receive(side_round(round, phase), deadline_s, until=until, stream=STREAM)
+
+
+class Fallback(Exception):
+    """This region cannot unmask the round (why): it applies its own update alone."""
+
+
+class SecAggRound:
     """A region's secure-aggregation exchange, one `exchange` per DiLoCo round. `deadline` is the
     region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after its
     inner steps (after SETUP when the round runs one), before its masked update."""
@@ -91,8 +127,14 @@ class SecAggRound(SecAggRecovery):
     def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
                  deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
                  drop_mid_round=lambda r: False, admission: UpdateAdmission | None = None):
-        super().__init__(regions=regions, transport=transport, deadline=deadline, send_timeout_s=send_timeout_s,
-                         max_message_bytes=max_message_bytes)
+        self.regions = sorted(regions)
+        self.deadline, self.send_timeout_s = deadline, send_timeout_s
+        self.side = SideChannel(transport, max_message_bytes=max_message_bytes)
+        self.side.set_validator(lambda sender, r, phase, payload: bytes(payload))  # checked in the round's thread
+        self.pending: list[tuple[int, str, int, Future]] = []  # pushes not yet acknowledged when a round ended
+        self.refused: Counter[str] = Counter()
+        # A KEY task waits in a worker for its MASKED push's ack: room for both, per peer, and a stalled one.
+        self._pool = ThreadPoolExecutor(max_workers=max(6, 3 * len(regions)), thread_name_prefix="geofed-secagg")
         self.region, self.run_id, self.bits = region, run_id, bits
         self.error_feedback, self.drop_mid_round = error_feedback, drop_mid_round
         # security.max_update_value / norm_multiple / robust_aggregation, and the region's own update
@@ -103,13 +145,17 @@ class SecAggRound(SecAggRecovery):
         self.tls_key = None if tls is None else tls.key_pem
         self.cert, self.ca = (b"", None) if tls is None else (tls.cert_pem, tls.ca_pem)
         self.book = KeyBook()
-        self.keys: run.RunKeys | None = None
+        self.keys: RunKeys | None = None
         self.publics: dict[str, bytes] = {}
         self.advert_delivered: set[str] = set()  # peers that filed this region's advert
         self.residual: list[torch.Tensor] | None = None
         # (round, its members, every member's chunk absmax, a row each in members' order): the next
         # round's scales, agreed ahead
         self.ahead: tuple[int, tuple[str, ...], np.ndarray] | None = None
+
+    def close(self) -> None:
+        """Stop the push pool without waiting: queued pushes are cancelled, running ones end on their timeout."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the round ---------------------------------------------------------------------
     def exchange(self, round_: int, tensors: Sequence[torch.Tensor], alive: Sequence[str] | None) -> tuple[list[torch.Tensor], dict]:
@@ -142,7 +188,7 @@ class SecAggRound(SecAggRecovery):
 
     def _round(self, round_: int, tensors, members: list[str], peers: list[str], m: dict):
         if self.keys is None:
-            self.keys = run.RunKeys.generate(run_id=self.run_id, region=self.region, round=round_,
+            self.keys = RunKeys.generate(run_id=self.run_id, region=self.region, round=round_,
                                              tls_key_pem=self.tls_key)
         own = [t.detach().float().cpu() for t in tensors]
         if self.hostile is not None:
@@ -151,8 +197,8 @@ class SecAggRound(SecAggRecovery):
             own = [o + r for o, r in zip(own, self.residual)]
         self.side.expect(round_, MASKED, peers)
         self.side.expect(round_, RELAY, peers)
-        absmax = np.concatenate([secmask.chunk_absmax(o.numpy(), CHUNK) for o in own])
-        levels = secmask.levels_for(len(members), self.bits)
+        absmax = np.concatenate([masks.chunk_absmax(o.numpy(), CHUNK) for o in own])
+        levels = masks.levels_for(len(members), self.bits)
         ahead, self.ahead = self.ahead, None  # set again only by a complete round
         if ahead is not None and ahead[:2] == (round_ - 1, tuple(members)) and set(peers) <= set(self.publics):
             absmaxes = dict(zip(members, ahead[2]))
@@ -160,17 +206,17 @@ class SecAggRound(SecAggRecovery):
             absmaxes = {self.region: absmax, **self._setup(round_, members, peers, absmax, m)}
         refused = self._admit_scales(absmaxes)
         # Capped at max_update_value: no member's value on the grid, nor the mean, can pass it.
-        scales = secmask.shared_scales([np.minimum(a, self.admission.max_update_value)
+        scales = masks.shared_scales([np.minimum(a, self.admission.max_update_value)
                                         for r, a in absmaxes.items() if r not in refused], levels)
         m.update(secagg_levels=levels, secagg_scales_ahead="setup" not in m["secagg_phase_s"])
         if self.drop_mid_round(round_):
             m["secagg_dropped_self"] = True  # emulated: the region leaves before its masked update
             raise Fallback("dropped mid-round (emulated)")
-        q, spans = quantize_all(own, scales, levels)
+        q, spans = masks.quantize_all(own, scales, levels)
         if self.error_feedback:  # what the grid clipped or rounded away goes out next round
-            self.residual = [o - d for o, d in zip(own, dequantize_all(q, scales, spans, own))]
-        mine = run.mask_values(self.keys, {p: self.publics[p] for p in peers}, q, round=round_, bits=self.bits)
-        grid = run.digest(scales)
+            self.residual = [o - d for o, d in zip(own, masks.dequantize_all(q, scales, spans, own))]
+        mine = self.keys.mask(q, {p: self.publics[p] for p in peers}, round=round_, bits=self.bits)
+        grid = masks.digest(scales)
         masked, absmaxes, shares, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m, refused)
         survivors = frozenset(masked)
         self.advert_delivered -= set(members) - survivors  # a region that missed the round may have restarted
@@ -188,14 +234,14 @@ class SecAggRound(SecAggRecovery):
             # its update's) counts this round's bytes in it.
             wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))
             self._harvest(m)
-            total = run.unmask_total(masked, self_keys=self_keys, dropped_seeds={}, bits=self.bits)
+            total = masks.unmask_total(masked, self_keys=self_keys, dropped_seeds={}, bits=self.bits)
             self.ahead = (round_, tuple(members), np.stack([absmaxes[r] for r in members]))
         else:
             wait(list(sends.values()), timeout=max(1.0, self.deadline.current()))  # acks decide the reveal
             ackers = {p for p, f in sends.items() if f.done() and f.exception() is None}
             self._harvest(m)
             total = self._unmask(round_, members, survivors, masked, ackers, grid, self_keys, m)
-        mean = [d / len(survivors) for d in dequantize_all(total, scales, spans, own)]
+        mean = [d / len(survivors) for d in masks.dequantize_all(total, scales, spans, own)]
         return self._admit_mean(mean, m), survivors
 
     def _admit_scales(self, absmaxes: dict[str, np.ndarray]) -> dict[str, str]:
@@ -249,9 +295,9 @@ class SecAggRound(SecAggRecovery):
         """SETUP (step 1 when no scales were agreed ahead): every peer's absmax, keys filed."""
         t = time.monotonic()
         self.side.expect(round_, SETUP, peers)
-        advert = encode_advert(self.keys.advert, self.cert)
+        advert = wire.encode_advert(self.keys.advert, self.cert)
         need = ",".join(sorted(p for p in peers if p not in self.publics)).encode()  # keys this region lacks
-        setups = {p: pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
+        setups = {p: wire.pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
                   for p in peers}
         with_advert = {p for p in peers if p not in self.advert_delivered}
         inbox, futures = self._round_trip(round_, SETUP, setups, m)
@@ -271,10 +317,10 @@ class SecAggRound(SecAggRecovery):
         t = time.monotonic()
         key = self.keys.self_key(round_)
         check = relay.check(self.run_id, round_, self.region, key)
-        body, tail = encode_masked(mine), absmax.astype("<f4").tobytes()
+        body, tail = wire.encode_masked(mine), absmax.astype("<f4").tobytes()
         # Each peer's XOR share of the round's self key rides with the masked update: only a peer
         # that got the update holds its share (and relays it, step 3).
-        sends = {p: self._pool.submit(self.side.send, p, round_, MASKED, pack(body, grid, tail, share + check),
+        sends = {p: self._pool.submit(self.side.send, p, round_, MASKED, wire.pack(body, grid, tail, share + check),
                                       timeout_s=self.send_timeout_s)
                  for p, share in relay.split(key, peers).items()}
         self.pending += [(round_, p, MASKED, f) for p, f in sends.items()]
@@ -289,13 +335,13 @@ class SecAggRound(SecAggRecovery):
             if sender in refused:  # its scale was refused (counted then): left out as a lost update
                 continue
             try:
-                body, their_grid, their_absmax, their_share = unpack(raw, 4)
+                body, their_grid, their_absmax, their_share = wire.unpack(raw, 4)
                 if len(their_share) != relay.SHARE + relay.CHECK:
                     raise SecAggError("malformed", f"{sender}'s self-key share is {len(their_share)} bytes")
                 if their_grid != grid:
                     raise SecAggError("wrong_grid", f"{sender} quantised on another grid (its scales differ)")
-                their = absmax_of(their_absmax, absmax.size, sender)
-                masked[sender] = decode_masked(body, numel=mine.size, bits=self.bits)
+                their = masks.absmax_of(their_absmax, absmax.size, sender)
+                masked[sender] = wire.decode_masked(body, numel=mine.size, bits=self.bits)
             except SecAggError as exc:
                 self.refused[exc.reason] += 1
                 continue
@@ -340,13 +386,13 @@ class SecAggRound(SecAggRecovery):
         out = {}
         for sender, payload in sorted(inbox.received.items()):
             try:
-                raw, advert, need = unpack(payload, 3)
+                raw, advert, need = wire.unpack(payload, 3)
                 if self.region in need.decode("ascii", "replace").split(",") and sender not in with_advert:
                     self.advert_delivered.discard(sender)  # it lost our key (a restart): send it again
-                am = absmax_of(raw, nchunks, sender)
+                am = masks.absmax_of(raw, nchunks, sender)
                 if advert:
-                    adv, cert = decode_advert(advert)
-                    run.verify_run_advert(adv, sender=sender, run_id=self.run_id, regions=members, book=self.book,
+                    adv, cert = wire.decode_advert(advert)
+                    verify_run_advert(adv, sender=sender, run_id=self.run_id, regions=members, book=self.book,
                                           cert_pem=cert, ca_pem=self.ca)
                     if self.publics.get(sender) not in (None, adv.public_key):
                         self.advert_delivered.discard(sender)  # it has new keys (a restart): it needs ours again
@@ -357,6 +403,144 @@ class SecAggRound(SecAggRecovery):
             out[sender] = am
         return out
 
+    # ---- KEY, REVEAL, RECOVER: when the common round cannot end at RELAY -----------------
+    def _send_keys(self, round_: int, survivors: frozenset[str], sends: dict[str, Future], grid: bytes) -> None:
+        """KEY: the self key to each survivor once it acknowledged the masked update (a worker
+        waits for the ack: no ack, no key)."""
+        msg = wire.encode_reveal(self.run_id, round_, self.region, self_key=self.keys.self_key(round_), survivors=(),
+                                grid=grid)
+        for p in sorted(survivors - {self.region}):
+            self.pending.append((round_, p, KEY, self._pool.submit(self._key_after_ack, sends[p], p, round_, msg)))
+
+    def _key_exchange(self, round_: int, survivors: frozenset[str], self_keys: dict[str, bytes], grid: bytes, m) -> dict[str, bytes]:
+        """The self keys the relays did not rebuild, by KEY; returns every self key held."""
+        others = sorted(survivors - {self.region})
+        self.side.expect(round_, KEY, others)
+        lacking = sorted(survivors - set(self_keys))
+        if not lacking:
+            return self_keys  # the KEY slot closes with the next receive (keys sent anyway are dropped)
+        t = time.monotonic()
+        # Twice the deadline: a peer that waited out its own deadline for a masked update that never
+        # came sends its key only then (a complete round's keys arrive within an RTT of the updates).
+        inbox = self.side.receive(round_, KEY, 2 * self.deadline.current(), until=lacking)
+        self._count_received(inbox, KEY, m)
+        self_keys = dict(self_keys)
+        for sender, raw in sorted(inbox.received.items()):
+            try:
+                run_id, r, region, their_key, _, their_grid = wire.decode_reveal(raw)
+                if (run_id, r, region) != (self.run_id, round_, sender) or not their_key:
+                    raise SecAggError("wrong_round", f"a self key of {region!r} for round {r} pushed by {sender!r}")
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+                continue
+            if their_grid == grid:
+                self_keys.setdefault(sender, their_key)
+        m["secagg_phase_s"]["key"] = round(time.monotonic() - t, 6)
+        return self_keys
+
+    def _key_after_ack(self, masked: Future, peer: str, round_: int, msg: bytes) -> TransferStats | None:
+        """In a worker: the self key to `peer` once its ack of the masked update is in (None: no ack)."""
+        try:
+            masked.result(timeout=self.send_timeout_s)
+        except (TransportError, TimeoutError):
+            return None
+        return self.side.send(peer, round_, KEY, msg, timeout_s=self.send_timeout_s)
+
+    def _unmask(self, round_: int, members, survivors: frozenset[str], masked, ackers: set[str], grid: bytes,
+                self_keys: dict[str, bytes], m):
+        """Step 4 (a region or a self key is missing): the exact integer sum of the survivors' updates."""
+        t = time.monotonic()
+        others = sorted(survivors - {self.region})
+        dropped = sorted(set(members) - survivors)
+        self.side.expect(round_, REVEAL, others)
+        if dropped:
+            self.side.expect(round_, RECOVER, others)
+        reveals = {p: wire.encode_reveal(self.run_id, round_, self.region, survivors=survivors, grid=grid,
+                                        self_key=self.keys.self_key(round_) if p in ackers else b"")
+                   for p in others}
+        inbox, _ = self._round_trip(round_, REVEAL, reveals, m)
+        self_keys = dict(self_keys)
+        answers = {}
+        for sender, raw in sorted(inbox.received.items()):
+            try:
+                run_id, r, region, key, theirs, their_grid = wire.decode_reveal(raw)
+                if (run_id, r, region) != (self.run_id, round_, sender):
+                    raise SecAggError("wrong_round", f"a reveal of {region!r} for round {r} pushed by {sender!r}")
+            except SecAggError as exc:
+                self.refused[exc.reason] += 1
+                continue
+            if theirs != survivors or their_grid != grid:
+                raise Fallback(f"{sender} saw survivors {sorted(theirs)} (or another grid); this region saw {sorted(survivors)}")
+            if key:
+                self_keys[sender] = key
+            lost = set(members) - theirs
+            if lost:  # it asks for the pair seeds of the regions it lost; answer for those this region lost too
+                answers[sender] = wire.encode_recover(self.run_id, round_, self.region, {
+                    d: self.keys.pair_seed(d, self.publics[d], round_) for d in lost if d not in survivors})
+        if set(self_keys) != survivors:
+            raise Fallback(f"no self key from {sorted(survivors - set(self_keys))}")
+        seeds = {(self.region, d): self.keys.pair_seed(d, self.publics[d], round_) for d in dropped}
+        if answers or dropped:
+            inbox, _ = self._round_trip(round_, RECOVER, answers, m, receive=bool(dropped))
+            for sender, raw in sorted((inbox.received if inbox is not None else {}).items()):
+                try:
+                    run_id, r, region, theirs = wire.decode_recover(raw)
+                    if (run_id, r, region) != (self.run_id, round_, sender):
+                        raise SecAggError("wrong_round", f"a recovery answer of {region!r} pushed by {sender!r}")
+                except SecAggError as exc:
+                    self.refused[exc.reason] += 1
+                    continue
+                seeds.update({(sender, d): seed for d, seed in theirs.items() if d in dropped})
+        m["secagg_phase_s"]["reveal"] = round(time.monotonic() - t, 6)  # with the recovery answers
+        missing = [(s, d) for s in survivors for d in dropped if (s, d) not in seeds]
+        if missing:
+            raise Fallback(f"no pair seeds for {sorted(missing)}")
+        return masks.unmask_total(masked, self_keys=self_keys, dropped_seeds=seeds, bits=self.bits)
+
+    # ---- the side messages every phase shares ---------------------------------------------
+    def _harvest(self, m: dict) -> None:
+        """Count the pushes of `pending` that ended; the others stay pending, counted by a later
+        round. The common round waits for no self-key ack: those pushes end while the next round's
+        inner steps run (the last round's few hundred bytes are not counted)."""
+        still = []
+        for round_, peer, phase, fut in self.pending:
+            if not fut.done():
+                still.append((round_, peer, phase, fut))
+                continue
+            try:
+                stats = fut.result()
+            except TransportError as exc:
+                m["send_failures"][peer] = f"secagg round {round_} phase {phase}: {exc}"
+                continue
+            if stats is None:  # a self key not sent: the masked update was not acknowledged
+                continue
+            m["bytes_sent"] += stats.bytes
+            if phase == MASKED:
+                m["transfers"].append({"peer": peer, "direction": "send", "bytes": stats.bytes,
+                                       "seconds": round(stats.seconds, 6), "concurrent": len(self.regions) - 1})
+        self.pending = still
+
+    @staticmethod
+    def _count_received(inbox, phase: int, m: dict) -> None:
+        for sender, (nbytes, seconds) in inbox.timings.items():
+            m["bytes_received"] += nbytes
+            if phase == MASKED:
+                m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
+
+    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True,
+                    until=None, wait_s: float | None = None):
+        """Push each peer its payload and wait (the deadline) for the peers' of this phase; returns
+        (the inbox, {peer: its push's future}). No ack is waited for: the pushes are counted when
+        they end (`_harvest`), and only the masked update's acks decide anything."""
+        futures = {p: self._pool.submit(self.side.send, p, round_, phase, b, timeout_s=self.send_timeout_s)
+                   for p, b in payloads.items()}
+        self.pending += [(round_, p, phase, f) for p, f in futures.items()]
+        wait_s = self.deadline.current() if wait_s is None else wait_s
+        inbox = self.side.receive(round_, phase, wait_s, until=until) if receive else None
+        if inbox is not None:
+            self._count_received(inbox, phase, m)
+        return inbox, futures
+
 
 def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadline,
                 max_message_bytes: int, admission: UpdateAdmission | None = None) -> SecAggRound | None:
@@ -365,7 +549,7 @@ def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadlin
     sec = cfg.security
     if not sec.secure_aggregation:
         return None
-    from .emulation import absent_regions
+    from ..emulation import absent_regions
 
     emulation, names = cfg.regions.emulation, list(cfg.regions.names)
     mid_round = emulation.active and emulation.availability.mid_round

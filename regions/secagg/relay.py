@@ -21,9 +21,9 @@ import hashlib
 import secrets as _secrets
 from collections.abc import Mapping, Sequence
 
-from .secagg import SecAggError
+from . import SecAggError
 
-SHARE = 32  # a self key's bytes (secmask.self_seed_key), and so a share's
+SHARE = 32  # a self key's bytes (masks.self_seed_key), and so a share's
 CHECK = 8   # bytes of the self key's check (a wrong share is found, not summed)
 TAG = 16    # bytes of a relay's binding
 

@@ -1,42 +1,37 @@
-"""Secure aggregation's identities: a region's X25519 key advert, signed with its TLS key and
-checked against the run's CA (`sign_advert`, `_check_identity`), the `KeyBook` that refuses a
-replayed or older key, and `SecAggError`, the refusal every secure-aggregation check raises
-(docs/privacy.md has the protocol and the threat model). The protocol with keys per run is
-p2p/secagg_run.py; the masks' arithmetic is p2p/secmask.py.
+"""Secure aggregation's keys: a region's X25519 key for the run and its self secret (`RunKeys`),
+its key advert signed with its TLS key and checked against the run's CA (`verify_run_advert`),
+the `KeyBook` that refuses a replayed or older key, and `SecAggError`, the refusal every
+secure-aggregation check raises (docs/privacy.md has the protocol and the threat model).
 
-Refusals are `SecAggError`s with a short `reason` (REASONS), to be counted like the transport's.
+Keys cross each link once per run: each region's `KeyAdvert` (no share commitments) is checked
+against the run's CA; a region that restarts makes new keys and the `KeyBook` refuses older
+adverts and reused keys. Refusals are `SecAggError`s with a short `reason` (REASONS), counted
+like the transport's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import secrets
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from .tls import certificate_region
+from geofed.p2p.tls import certificate_region
 
-REASONS = ("wrong_run", "wrong_round", "replayed_key", "bad_signature", "unknown_region", "malformed",
-           "wrong_share", "too_few_shares", "reveal_conflict", "wrong_grid")
-
-
-class SecAggError(ValueError):
-    """A refused secure-aggregation input; `reason` is one of REASONS."""
-
-    def __init__(self, reason: str, message: str):
-        assert reason in REASONS, reason
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-
+from . import SecAggError, masks
 
 @dataclass(frozen=True, kw_only=True)
 class KeyAdvert:
     """A region's public key for the run (`round`: the round it was issued in), signed with its
-    TLS key. `commitments` is always empty (p2p/secagg_run.py refuses any other): the per-round
+    TLS key. `commitments` is always empty (verify_run_advert refuses any other): the per-round
     protocol that committed to Shamir shares there is gone, and the field stays so that the
     signed bytes and the advert's wire layout are unchanged."""
 
@@ -111,17 +106,54 @@ class KeyBook:
             del seen[next(iter(seen))]
         self.newest[advert.region] = (advert.round, advert.public_key)
 
-    def state(self) -> dict:
-        """For a region's checkpoint: the keys (hex) and the newest round per peer."""
-        return {r: {"keys": [k.hex() for k in ks], "newest": self.newest.get(r, (-1, b""))[0]}
-                for r, ks in self.keys.items()}
+
+# ---- a region's keys for the run --------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class RunKeys:
+    """One region's secrets for the run (never leave the region) and its signed advert."""
+
+    run_id: str
+    region: str
+    mask_key: X25519PrivateKey
+    self_secret: bytes
+    advert: KeyAdvert
+
+    def __repr__(self) -> str:  # never print a secret
+        return f"RunKeys(region={self.region!r}, issued={self.advert.round})"
 
     @classmethod
-    def from_state(cls, state: dict) -> KeyBook:
-        book = cls()
-        for region, d in state.items():
-            keys = [bytes.fromhex(k) for k in d["keys"]]
-            book.keys[region] = dict.fromkeys(keys)
-            if keys:
-                book.newest[region] = (int(d["newest"]), keys[-1])
-        return book
+    def generate(cls, *, run_id: str, region: str, round: int, tls_key_pem: bytes | None = None) -> RunKeys:
+        key = X25519PrivateKey.generate()
+        public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        advert = KeyAdvert(run_id=run_id, round=round, region=region, public_key=public, commitments=((), ()))
+        if tls_key_pem is not None:
+            advert = sign_advert(advert, tls_key_pem)
+        return cls(run_id=run_id, region=region, mask_key=key, self_secret=secrets.token_bytes(32), advert=advert)
+
+    def pair_seed(self, peer: str, peer_public: bytes, round: int) -> bytes:
+        return masks.pair_seed(self.mask_key, peer_public, run_id=self.run_id, round=round, me=self.region, peer=peer)
+
+    def self_key(self, round: int) -> bytes:
+        return masks.self_seed_key(self.self_secret, run_id=self.run_id, round=round, region=self.region)
+
+    def mask(self, values: np.ndarray, publics: Mapping[str, bytes], *, round: int, bits: int) -> np.ndarray:
+        """`values` plus the pairwise masks with every region in `publics` (the round's other regions)
+        and the round's self mask, in Z_2^bits."""
+        seeds = {peer: self.pair_seed(peer, pub, round) for peer, pub in publics.items()}
+        return masks.mask(values, me=self.region, pair_seeds=seeds, self_key=self.self_key(round), bits=bits)
+
+
+def verify_run_advert(advert: KeyAdvert, *, sender: str, run_id: str, regions: Iterable[str], book: KeyBook,
+                      cert_pem: bytes | None, ca_pem: bytes | None) -> None:
+    """Refuse (SecAggError) an advert of another run or region, a malformed one, one not signed by
+    its region's certificate from the run's CA (TLS runs), or an older or reused key."""
+    if advert.run_id != run_id:
+        raise SecAggError("wrong_run", f"{sender}'s advert is for run {advert.run_id!r}")
+    if advert.region != sender or sender not in set(regions):
+        raise SecAggError("unknown_region", f"an advert for {advert.region!r} pushed by {sender!r}")
+    if len(advert.public_key) != 32 or advert.commitments != ((), ()):
+        raise SecAggError("malformed", f"{sender}'s advert holds a {len(advert.public_key)}-byte key or share commitments")
+    if ca_pem is not None:
+        _check_identity(advert, cert_pem or b"", ca_pem, None)
+    book.accept(advert)
