@@ -41,22 +41,6 @@ def donor_order(joiner: str, donors: Sequence[str], *, salt: str = "") -> list[s
     return sorted((d for d in donors if d != joiner), key=score)
 
 
-def fetch_state_from_any(transport: Transport, donors: Sequence[str], *, timeout_s: float,
-                         salt: str = "") -> tuple[str, bytes]:
-    """(donor, state bytes) from the first donor in this joiner's order that answers."""
-    order = donor_order(transport.region, donors, salt=salt)
-    if not order:
-        raise ValueError("donors: no peer to fetch the state from")
-    failures = []
-    for donor in order:
-        try:
-            return donor, transport.fetch_state(donor, timeout_s=timeout_s)
-        except TransportError as exc:
-            log.warning("%s: state fetch from %s failed (%s); trying the next donor", transport.region, donor, exc)
-            failures.append(f"{donor}: {exc.reason}")
-    raise TransportError(f"{transport.region}: no donor gave its state ({'; '.join(failures)})", reason="unavailable")
-
-
 STATE_DONORS = 3  # states fetched for one catch-up where regions share one model: a majority of three
 
 

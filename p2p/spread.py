@@ -14,7 +14,7 @@ is not paced at all in effect: the chunks queue and the push ends when the link 
 them, so its duration still measures the link (``p2p/estimator.py`` uses it only then).
 
 The spread is a plan made from the last round's compute. When the round it hides behind ends
-sooner (a faster round, the final flush), the region calls ``Transport.hurry()`` and what is
+sooner (a faster round, the final flush), the region calls ``transport.spreading.hurry()`` and what is
 left goes out at once: peers never wait on a pace that no longer has compute to hide behind.
 """
 

@@ -2,8 +2,8 @@
 
 Two implementations share the receive side (``geofed.p2p.mailbox.Mailbox``: sender, round and
 size checks, the validator hook, deadlines, counters, side streams): ``GrpcTransport`` (real gRPC, mutual TLS)
-and ``InMemoryTransport`` (the same rules inside one process, for unit tests of algorithms).
-Both are importable from here.
+and ``InMemoryTransport`` (the same rules inside one process, for unit tests of algorithms):
+p2p/grpc_transport.py and p2p/memory.py.
 
 Payloads are opaque bytes; the validator hook set by the owner decodes and checks them
 (``geofed.p2p.validate.update_validator`` does it for geofed.compression updates).
@@ -19,17 +19,12 @@ from typing import TYPE_CHECKING, Any
 from .spread import SpreadPushes
 
 if TYPE_CHECKING:
-    # Resolved at run time by the module __getattr__ below (the implementations import this
-    # module); named here so that `__all__` and static tools see what it exports.
-    from .grpc_transport import GrpcTransport
-    from .mailbox import Mailbox
-    from .memory import InMemoryHub, InMemoryTransport
+    from .mailbox import Mailbox  # which imports this module
 
 UPDATE = "update"  # the round's update: the default stream (p2p/mailbox.py, UPDATE)
 
 __all__ = [
     "Transport", "TransportError", "TransferStats", "Arrival", "Inbox", "REASONS", "UPDATE", "PROBE", "PING",
-    "GrpcTransport", "InMemoryTransport", "InMemoryHub",
 ]
 
 # Why an incoming message (or request) was refused; the keys of stats()["refused"].
@@ -121,7 +116,7 @@ class Inbox(Mapping[str, Any]):
     # Expected senders whose update was refused for its content (or equivocated): missing, but not
     # a miss of the network (no deadline waits for or widens on them; issue 36, N2).
     refused: frozenset[str] = frozenset()
-    # Expected senders done with the round (Transport.senders_done) whose update never came: missing,
+    # Expected senders done with the round (Mailbox.senders_done) whose update never came: missing,
     # and no miss of the network either (their push here was delivered elsewhere or never made).
     cut: frozenset[str] = frozenset()
 
@@ -205,14 +200,3 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop serving and drop the connections; idempotent. Later sends raise TransportError(reason="closed")."""
-
-
-def __getattr__(name: str) -> Any:
-    # The implementations import this module, so they are resolved lazily (PEP 562).
-    if name == "GrpcTransport":
-        from .grpc_transport import GrpcTransport
-        return GrpcTransport
-    if name in ("InMemoryTransport", "InMemoryHub"):
-        from . import memory
-        return getattr(memory, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -47,7 +47,7 @@ class ExchangeResult:
         """Of the peers this region was to push to this round, those that will get nothing more of it:
         pushes delivered (acknowledged only once the peer filed them) and pushes never made. A push
         that failed or is still in flight is not finished: its peer may be about to receive it, so
-        the driver's "senders done" notice (Transport.senders_done) must not cut it."""
+        the driver's "senders done" notice (the mailbox's senders_done) must not cut it."""
         return sorted(p for p in out_neighbours if p not in self.send_failures)
 
 

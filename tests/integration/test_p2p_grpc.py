@@ -10,7 +10,7 @@ import torch
 
 from geofed.compression import encode_update
 from geofed.p2p.grpc_transport import GrpcTransport
-from geofed.p2p.rejoin import donor_order, fetch_state_from_any
+from geofed.p2p.rejoin import donor_order, fetch_checked_states
 from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.topology import make_topology, topology_names
 from geofed.p2p.transport import TransportError
@@ -140,14 +140,14 @@ def test_ping_and_state_fetch_spread_over_donors(mesh):
     state = bytes(range(256)) * 12000  # 3 MB: several chunks
     for t in mesh[1:]:
         t.state_provider = lambda t=t: t.region.encode() + state
-    donor, got = fetch_state_from_any(mesh[0], REGIONS, timeout_s=5)
+    [(donor, got)] = fetch_checked_states(mesh[0], REGIONS, timeout_s=5, check=lambda d, raw: raw)
     assert donor == donor_order("r0", REGIONS)[0] and got == donor.encode() + state
     # Joiners do not all pick the same first donor.
     firsts = {donor_order(f"joiner-{k}", REGIONS)[0] for k in range(16)}
     assert len(firsts) >= 3
     # A failing donor is skipped.
     mesh[REGIONS.index(donor)].close()
-    donor2, got2 = fetch_state_from_any(mesh[0], REGIONS, timeout_s=2)
+    [(donor2, got2)] = fetch_checked_states(mesh[0], REGIONS, timeout_s=2, check=lambda d, raw: raw)
     assert donor2 != donor and got2 == donor2.encode() + state
     with pytest.raises(TransportError) as ei:
         mesh[1].fetch_state("r0", timeout_s=2)  # r0 has no state provider

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from geofed.p2p.mailbox import Mailbox, Refusal
-from geofed.p2p.transport import InMemoryHub, InMemoryTransport, TransportError
+from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+from geofed.p2p.transport import TransportError
 
 
 def _floats(sender, round_, payload):

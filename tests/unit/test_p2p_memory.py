@@ -7,7 +7,8 @@ import pytest
 
 from geofed.p2p.mailbox import Mailbox, Refusal
 from geofed.p2p.topology import make_topology, topology_names
-from geofed.p2p.transport import InMemoryHub, InMemoryTransport, TransportError
+from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+from geofed.p2p.transport import TransportError
 
 REGIONS = ["r0", "r1", "r2", "r3"]
 
