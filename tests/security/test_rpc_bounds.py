@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from geofed.compression import encode_update
-from geofed.p2p.adversary import HostilePeer
+from geofed.bench.hostile_peer import HostilePeer
 from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.proto import gossip_pb2, gossip_pb2_grpc
 from geofed.p2p.tls import load_tls, make_pki
