@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.pacing import PacingSection
 
 from ..policies import FixedPolicyConfig, policy_config_class
@@ -145,7 +146,8 @@ class SyncSection:
     def __post_init__(self):
         from geofed.p2p.topology import topology_names  # p2p owns the names
 
-        if self.pacing.mode != "barrier" and (self.algorithm != "diloco" or self.topology != "full"):
+        traits = algorithm_traits(self.algorithm)
+        if self.pacing.mode != "barrier" and (not traits.outer_step or self.topology != "full"):
             raise ValueError(f"pacing.mode: {self.pacing.mode} paces full-topology diloco, not {self.algorithm} "
                              f"over {self.topology}")
         if self.pacing.mode == "quorum" and self.overlap:
@@ -160,7 +162,7 @@ class SyncSection:
         if self.topology not in topology_names():
             raise ValueError(f"topology: unknown topology {self.topology!r} (known: {', '.join(topology_names())})")
         self._check_fragments()
-        if self.algorithm == "gossip" and self.gossip.choco and not _static_topology(self.topology):
+        if traits.mixes_models and self.gossip.choco and not _static_topology(self.topology):
             # One public copy per region is consistent only if every neighbour gets every message.
             raise ValueError(f"topology: CHOCO gossip (sync.gossip.choco) needs a static topology "
                              f"(full, ring, exponential), got {self.topology!r}")
@@ -171,7 +173,7 @@ class SyncSection:
             raise ValueError(f"fragments: must be in [1, 1024], got {self.fragments}")
         if self.fragments == 1:
             return
-        if self.algorithm != "diloco":
+        if not algorithm_traits(self.algorithm).outer_step:
             raise ValueError(f"fragments: {self.fragments} fragments need sync.algorithm diloco, not {self.algorithm}")
         if self.pacing.mode == "quorum":
             raise ValueError("fragments: quorum rounds (sync.pacing.mode) and sync.fragments do not combine "

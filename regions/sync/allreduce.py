@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..algorithm_traits import algorithm_traits
 from .common import exchange_metrics
 from .protocol import Shapes, SyncContext
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 
 class AllReduceSync:
     """Per-step gradient averaging in fp32: what plain data parallelism sends, as a baseline."""
+
+    traits = algorithm_traits("allreduce")
 
     evaluates_in_exchange = False
 

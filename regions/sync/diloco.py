@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..algorithm_traits import algorithm_traits
 from ..pacing import mix_stale, update_scale
 from ..privacy.dp import clip_and_noise_update, noise_generator
 from .common import exchange_metrics
@@ -140,6 +141,8 @@ class Diloco:
 
 class DilocoSync:
     """The region's DiLoCo round over its parts (the model, or its fragments), optionally overlapped."""
+
+    traits = algorithm_traits("diloco")
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx

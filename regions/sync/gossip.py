@@ -33,6 +33,7 @@ import torch
 from geofed.p2p.gossip import ChocoGossip
 from geofed.p2p.transport import TransportError
 
+from ..algorithm_traits import algorithm_traits
 from ..exchange import ExchangeResult
 from ..graph.tracking import GradientTracker
 from .common import exchange_metrics
@@ -85,6 +86,8 @@ class _PublicCopies(ChocoGossip):
 
 class GossipSync:
     """Decentralized gossip on the parameters (and the gradient tracker) after H local steps."""
+
+    traits = algorithm_traits("gossip")
 
     evaluates_in_exchange = False
 

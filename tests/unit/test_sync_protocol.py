@@ -128,3 +128,13 @@ def test_the_seam_round_trips_on_a_context_alone():
     state = part.state_dict()
     part.load_state_dict({"global": [torch.zeros(4)], "outer": state["outer"]})
     assert torch.equal(part.global_params[0], torch.zeros(4))
+
+
+def test_every_algorithm_says_its_traits_and_the_config_offers_exactly_those():
+    import typing
+
+    from geofed.orchestrator.config import SyncSection
+    from geofed.regions.algorithm_traits import TRAITS
+
+    assert {name: cls.traits for name, cls in ALGORITHMS.items()} == TRAITS
+    assert set(typing.get_args(typing.get_type_hints(SyncSection)["algorithm"])) == set(TRAITS)
