@@ -1,5 +1,6 @@
 """The driver room: one run from config to summary.
 
-The runner places the region actors, drives the rounds, asks the coordinator for H and codecs,
-notices failed and stalled regions, checkpoints, resumes, and writes the run directory.
+setup.py places the region actors and hands over what the round loop needs; run.py holds the
+loop (coordinator -> regions -> observe -> log -> checkpoint); handles.py is the typed handle it
+calls the regions through; faults.py, pacing.py and privacy.py are the objects passed into it.
 """

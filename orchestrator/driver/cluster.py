@@ -323,10 +323,3 @@ def _fmt_seen(seen: dict[str, list[str]]) -> str:
         return "none"
     return ", ".join(f"{k} ({', '.join(v)})" for k, v in sorted(seen.items()))
 
-
-def wait_alive(handle: Any, timeout_s: float) -> dict | None:
-    """node_info of a (possibly restarting) actor, or None if it does not answer in time."""
-    try:
-        return ray.get(handle.node_info.remote(), timeout=timeout_s)
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-        return None

@@ -105,7 +105,7 @@ class Coordinator:
         the others neither send to them nor wait for them, and none of them evaluates. `optional`
         regions (such a member back on probation) take part, but nobody waits for their update."""
         self._note_overhead()
-        links = self._round_links(round_, alive)
+        links = self.round_links(round_, alive)
         if self.cfg.sync.algorithm == "allreduce":
             H, codecs, reason = 1, {}, "allreduce: every step"
             self.last_record = {"H": 1, "codecs": {}, "reason": reason, "policy": {}}
@@ -222,7 +222,7 @@ class Coordinator:
             self._overheads.append(max(0.0, self.clock.now() - self._plan_t - self._round_wall))
         self._round_wall = None
 
-    def _round_links(self, round_: int, alive: list[str]) -> list[str]:
+    def round_links(self, round_: int, alive: list[str]) -> list[str]:
         """The directed links that carry traffic this round (topology, alive regions only)."""
         from geofed.p2p.topology import make_topology
 

@@ -1,5 +1,5 @@
 """`geofed run` from the command line: load or resume the config, check it, run it, print the
-summary and write the report (the Runner itself is orchestrator/driver/runner.py)."""
+summary and write the report (the round loop itself is orchestrator/driver/run.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def run_from_args(args) -> int:
               "list two or more in regions.names to train across regions", file=sys.stderr)
     # Ray and the regions: imported only once there is a run to drive (a finished run's resume never waits on them)
     from .cluster import PlacementError
-    from .runner import Runner, prepare_task
+    from .run import Runner, prepare_task
 
     cfg = prepare_task(cfg, source=args.resume or args.config or "default config")
     check_trackers(cfg, source=str(args.resume or args.config or "default config"))

@@ -1,5 +1,4 @@
-"""The driver's side of sync.pacing and of the compute emulation's absences (docs/heterogeneity.md),
-as a base class of Runner.
+"""The driver's side of sync.pacing and of the compute emulation's absences (docs/heterogeneity.md).
 
 * Absent regions (regions.emulation.availability) are not dispatched for the round; they are not
   failed, restarted or counted as faults.
@@ -11,82 +10,107 @@ as a base class of Runner.
   a region that has it before its next round: one state fetch by that region (Ray runs an actor's
   calls in order, so the fetch is queued ahead of its round and the driver does not wait for it).
 
-It works on the Runner's state: ``cfg``, ``regions``, ``actors``, ``alive``, ``coordinator``,
-``clock``, ``metrics_log``, ``_bytes_sent``, and its ``_event``, ``_collect`` and ``_region_failed``.
+The round loop passes a Pacing in: `participants` before a round, `dispatch` and `gather_quorum`
+for it, `drain` and `catch_up_behind` at the end of the run.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ray
 from geofed.regions.emulation import absent_regions
 
-from .recovery import WithholdWatch, first_line
+from ..config import RunConfig
+from .handles import RegionHandles, Results
+from .journal import Journal
+from .recovery import first_line
 
 log = logging.getLogger("geofed.orchestrator.driver.runner")
 
 
-class PacedRounds:
-    """Who runs a round (absent and busy regions sit it out) and how a quorum round is gathered."""
+class Pacing:
+    """Who runs a round (absent and busy regions sit it out) and how a quorum round is gathered.
+    `on_late(region, metrics)`: the loop's bookkeeping of a round that reported after it closed
+    (the coordinator's measurements, metrics.jsonl, the bytes sent)."""
 
-    def _init_pacing(self) -> None:
-        self.pacing = self.cfg.sync.pacing
+    def __init__(self, cfg: RunConfig, regions: RegionHandles, journal: Journal, *,
+                 on_late: Callable[[str, dict[str, Any]], None]):
+        self.cfg, self.regions, self.journal, self.on_late = cfg, regions, journal, on_late
+        self.mode = cfg.sync.pacing.mode
         self._inflight: dict[Any, tuple[str, int]] = {}   # ref -> (region, round) still running
         self._behind: set[str] = set()                    # missed an outer update: catch up first
-        self._current: set[str] = set(self.regions)       # reported the last round in time
+        self._current: set[str] = set(regions.names)      # reported the last round in time
         self._catch_ups: dict[Any, str] = {}              # catch_up refs, checked when they end
-        self.pacing_stats = {"absent_region_rounds": 0, "late_rounds": 0, "catch_ups": 0}
+        self.stats = {"absent_region_rounds": 0, "late_rounds": 0, "catch_ups": 0}
         self._rounds_apart: dict[str, int] = {}  # behind region -> rounds its state may lag (a muted member's time out)
-        self.withhold = WithholdWatch()
 
     @property
     def busy(self) -> set[str]:
         """Regions whose quorum round is still in flight."""
         return {region for region, _ in self._inflight.values()}
 
-    def _participants(self, r: int) -> tuple[list[str], set[str]]:
+    def mark_behind(self, region: str, rounds_apart: int | None = None) -> None:
+        """`region` takes the model of a current one before its next round (`rounds_apart`: how
+        far its state may lie from theirs, a muted member back on probation)."""
+        self._behind.add(region)
+        if rounds_apart is not None:
+            self._rounds_apart[region] = rounds_apart
+
+    def participants(self, r: int) -> tuple[list[str], set[str]]:
         """This round's regions (alive, not absent, not busy), and the absent ones."""
         emulation = self.cfg.regions.emulation
-        absent = absent_regions(emulation, r, self.regions) & set(self.alive) if emulation.active else set()
+        alive = self.regions.alive
+        absent = absent_regions(emulation, r, self.regions.names) & set(alive) if emulation.active else set()
         if absent and emulation.availability.mid_round:
             # They take part and leave mid-round by themselves (regions/secagg_round.py).
-            self._event("drop_mid_round", regions=sorted(absent))
+            self.journal.event("drop_mid_round", regions=sorted(absent))
             absent = set()
         if absent:
-            self.pacing_stats["absent_region_rounds"] += len(absent)
+            self.stats["absent_region_rounds"] += len(absent)
             self._behind |= absent
-            self._event("absent", regions=sorted(absent))
+            self.journal.event("absent", regions=sorted(absent))
         busy = self.busy
-        parts = [reg for reg in self.alive if reg not in absent and reg not in busy]
+        parts = [reg for reg in alive if reg not in absent and reg not in busy]
         while not parts and self._inflight:  # every present region is busy: wait for one
             self._collect_late(block=True, timeout=self.cfg.sync.deadline.max_s * 3 + 600)
-            parts = [reg for reg in self.alive if reg not in absent and reg not in self.busy]
+            parts = [reg for reg in self.regions.alive if reg not in absent and reg not in self.busy]
         return parts, absent
 
-    def _dispatch(self, plans: dict) -> dict:
+    def dispatch(self, plans: dict[str, Any], muted: Collection[str]) -> dict[Any, str]:
         """Start each planned region's round; one that missed an outer update first takes the model
-        of a region that has it (queued ahead of its round on the same actor)."""
-        muted = self.withhold.muted(next(iter(plans.values())).round) if plans else set()  # they trained alone
+        of a region that has it (queued ahead of its round on the same actor), not of a `muted` one
+        (it trained alone)."""
         donors = [reg for reg in plans if reg not in self._behind and reg in self._current and reg not in muted]
         refs = {}
         for region, plan in plans.items():
-            handle = self.actors.handles[region]
             if region in self._behind and donors:
-                ref = handle.catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s, before_round=plan.round,
-                                             rounds_apart=self._rounds_apart.pop(region, None))
+                ref = self.regions.catch_up_ref(region, donors, timeout_s=self.cfg.sync.deadline.max_s,
+                                                before_round=plan.round, rounds_apart=self._rounds_apart.pop(region, None))
                 self._catch_ups[ref] = region
-                self.pacing_stats["catch_ups"] += 1
+                self.stats["catch_ups"] += 1
             self._behind.discard(region)
-            refs[handle.run_round.remote(plan)] = region
+            refs[self.regions.run_round(region, plan)] = region
         return refs
 
-    def _gather_quorum(self, refs: dict, r: int, *, timeout: float) -> dict[str, dict[str, Any]]:
+    def gather(self, refs: dict[Any, str], r: int, *, timeout: float,
+               on_result: Callable[[str, Any, Collection[str]], None] | None = None) -> Results:
+        """The round's results: a barrier (or time-budget) round waits for every region (the
+        handle's gather); a quorum round for `quorum` of them (gather_quorum)."""
+        if self.mode == "quorum":
+            return self._gather_quorum(refs, r, timeout=timeout)
+        results = self.regions.gather(refs, f"round {r}", timeout=timeout, on_result=on_result)
+        self._current = set(results)
+        return results
+
+    def _gather_quorum(self, refs: dict[Any, str], r: int, *, timeout: float) -> Results:
         """Results of this round's regions once `quorum` of them are in and the grace has passed;
         the rest stay in flight. Late results of earlier rounds that come in meanwhile are logged."""
-        k = self.pacing.quorum_of(len(refs))
+        pacing = self.cfg.sync.pacing
+        k = pacing.quorum_of(len(refs))
         for ref, region in refs.items():
             self._inflight[ref] = (region, r)
         out: dict[str, dict[str, Any]] = {}
@@ -97,7 +121,7 @@ class PacedRounds:
             for ref in ready:
                 region, rnd = self._inflight.pop(ref)
                 got: dict[str, Any] = {}
-                self._collect(ref, region, f"round {rnd}", got)
+                self.regions.collect(ref, region, f"round {rnd}", got)
                 if region not in got:
                     continue
                 if rnd == r:
@@ -107,19 +131,19 @@ class PacedRounds:
             if len(out) >= k:
                 if not any(rnd == r for _, rnd in self._inflight.values()):
                     break
-                end = min(end, time.monotonic() + self.pacing.grace_s)
+                end = min(end, time.monotonic() + pacing.grace_s)
         for ref, (region, rnd) in list(self._inflight.items()):
-            if rnd == r and len(out) < k:  # not even the quorum in time: the call's timeout, as _gather's
+            if rnd == r and len(out) < k:  # not even the quorum in time: the call's timeout, as the handle's gather
                 del self._inflight[ref]
-                self._region_failed(region, f"round {r} did not finish within {timeout:.0f}s")
-                ray.kill(self.actors.handles[region], no_restart=False)
+                self.regions.fail(region, f"round {r} did not finish within {timeout:.0f}s")
+                self.regions.kill(region)
         self._current = set(out)
         self._check_catch_ups()
         return out
 
     def _collect_late(self, *, block: bool, timeout: float = 0.0) -> None:
         """Log the rounds in flight that have finished (block: wait up to `timeout` for at least one;
-        rounds still running then are failed, as _gather fails a call past its timeout)."""
+        rounds still running then are failed, as the handle's gather fails a call past its timeout)."""
         if not self._inflight:
             return
         ready, _ = ray.wait(list(self._inflight), num_returns=1 if block else len(self._inflight),
@@ -127,17 +151,17 @@ class PacedRounds:
         if block and not ready:
             for ref, (region, rnd) in list(self._inflight.items()):
                 del self._inflight[ref]
-                self._region_failed(region, f"round {rnd} did not finish within {timeout:.0f}s")
-                ray.kill(self.actors.handles[region], no_restart=False)
+                self.regions.fail(region, f"round {rnd} did not finish within {timeout:.0f}s")
+                self.regions.kill(region)
             return
         for ref in ready:
             region, rnd = self._inflight.pop(ref)
             got: dict[str, Any] = {}
-            self._collect(ref, region, f"round {rnd}", got)
+            self.regions.collect(ref, region, f"round {rnd}", got)
             if region in got:
                 self._late_result(region, got[region])
 
-    def _drain_inflight(self, *, timeout: float) -> None:
+    def drain(self, *, timeout: float) -> None:
         """Wait for every round still in flight (the run's end, a stop); their results are logged."""
         end = time.monotonic() + timeout
         while self._inflight:
@@ -147,15 +171,13 @@ class PacedRounds:
     def _late_result(self, region: str, m: dict[str, Any]) -> None:
         """A region's round that ended after its round closed: logged, its bytes and links counted;
         the region missed outer updates meanwhile and catches up before its next round."""
-        now = round(self.clock.now(), 4)
+        now = round(self.journal.clock.now(), 4)
         m["t_start"], m["t_end"], m["late"] = round(now - m["wall_s"], 4), now, True
         m.pop("sketch", None)
-        self.pacing_stats["late_rounds"] += 1
-        self._bytes_sent += m.get("bytes_sent", 0)
-        self.coordinator.observe_late(region, m)
-        self.metrics_log.write(m)
+        self.stats["late_rounds"] += 1
+        self.on_late(region, m)
         self._behind.add(region)
-        self._event("late_round", region=region, of_round=m.get("round"), wall_s=round(m["wall_s"], 3))
+        self.journal.event("late_round", region=region, of_round=m.get("round"), wall_s=round(m["wall_s"], 3))
 
     def _check_catch_ups(self) -> None:
         """Catch-ups that ended: a failed one is logged; the region trains on its own model until
@@ -165,22 +187,22 @@ class PacedRounds:
             region = self._catch_ups.pop(ref)
             try:
                 donor, state_round = ray.get(ref)
-                self._event("caught_up", region=region, donor=donor, state_round=state_round)
+                self.journal.event("caught_up", region=region, donor=donor, state_round=state_round)
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
                 log.warning("region %s: catching up failed: %s", region, first_line(exc))
                 self._behind.add(region)
 
-    def _catch_up_behind(self) -> None:
-        """Before the end of the run: every region that is behind takes the model of a current one."""
-        muted = self.withhold.muted(self.next_round - 1)
-        donors = [reg for reg in self.alive if reg in self._current and reg not in self._behind and reg not in muted]
-        behind = [reg for reg in self.alive if reg in self._behind]
+    def catch_up_behind(self, muted: Collection[str]) -> None:
+        """Before the end of the run: every region that is behind takes the model of a current one
+        (not of a `muted` one)."""
+        alive = self.regions.alive
+        donors = [reg for reg in alive if reg in self._current and reg not in self._behind and reg not in muted]
+        behind = [reg for reg in alive if reg in self._behind]
         if not behind or not donors:
             return
-        refs = {self.actors.handles[reg].catch_up.remote(donors, timeout_s=self.cfg.sync.deadline.max_s): reg
-                for reg in behind}
-        got = self._gather(refs, "catch_up", timeout=self.cfg.sync.deadline.max_s + 60)
+        got = self.regions.catch_up({reg: donors for reg in behind}, "catch_up", timeout_s=self.cfg.sync.deadline.max_s,
+                                    timeout=self.cfg.sync.deadline.max_s + 60)
         for region, (donor, state_round) in got.items():
-            self.pacing_stats["catch_ups"] += 1
+            self.stats["catch_ups"] += 1
             self._behind.discard(region)
-            self._event("caught_up", region=region, donor=donor, state_round=state_round)
+            self.journal.event("caught_up", region=region, donor=donor, state_round=state_round)

@@ -1,10 +1,8 @@
-"""The driver's side of privacy.dp (docs/privacy.md), as a base class of Runner: the run's
+"""The driver's side of privacy.dp (docs/privacy.md): the run's
 PrivacyBudget planned before round 0 (the noise multiplier for target_epsilon), checked before
 every round (on_target stop ends the run as run.target does; warn goes on with a warning and an
 event), spent after it, and carried in the round plans, rounds.jsonl, summary.json and the
 driver checkpoint (so --resume keeps the accountant).
-
-It works on the Runner's state: ``cfg``, ``actors``, ``regions`` and its ``_event``.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from geofed.regions.privacy.budget import PrivacyBudget, accountant_from_state
@@ -47,34 +46,39 @@ def budget_from_state(state: dict[str, Any]) -> PrivacyBudget:
                          accountant=accountant_from_state(state["accountant"]))
 
 
-class DpAccounting:
-    """privacy.dp's budget across the round loop (a no-op with mode off)."""
+class DpBudget:
+    """privacy.dp's budget across the round loop (a no-op with mode off): `plan` before round 0,
+    `plans` before each round, `spend` after it, `state_dict`/`load_state_dict` in the driver
+    checkpoint, `summary` in summary.json. `stopped`: the event that ended the run at the budget."""
 
-    dp_budget: PrivacyBudget | None = None
-    dp_stopped: dict[str, Any] | None = None  # the event that ended the run at the budget
-    _dp_warned = False
+    def __init__(self, cfg: Any, journal: Any):
+        self.cfg, self.journal = cfg, journal
+        self.budget: PrivacyBudget | None = None
+        self.stopped: dict[str, Any] | None = None
+        self._warned = False
 
-    def _plan_privacy(self) -> None:
-        """Before round 0 (and before a resume restores the accountant): the budget of the planned run."""
+    def plan(self, placement: Mapping[str, Mapping[str, Any]]) -> None:
+        """Before round 0 (and before a resume restores the accountant): the budget of the planned
+        run, the sample rate on the smallest shard (`placement`: each region's node_info, its examples)."""
         dp = self.cfg.privacy.dp
         if dp.mode == "off":
             return
         rounds, H = planned_steps(self.cfg)
-        smallest = min(int(self.actors.info[r]["examples"]) for r in self.regions)
+        smallest = min(int(info["examples"]) for info in placement.values())
         try:
-            self.dp_budget = PrivacyBudget.plan(
+            self.budget = PrivacyBudget.plan(
                 mode=dp.mode, noise_multiplier=dp.noise_multiplier, target_epsilon=dp.target_epsilon,
                 delta=dp.delta, on_target=dp.on_target, rounds=rounds, steps_per_round=H,
                 batch_size=self.cfg.sync.inner.batch_size, smallest_shard=smallest, accountant=dp.accountant)
         except ValueError as exc:
             raise RunFailed(f"privacy.dp: {exc}") from None
-        self._event("privacy_planned", mode=dp.mode, noise_multiplier=self.dp_budget.noise_multiplier,
-                    sample_rate=self.dp_budget.sample_rate, planned_rounds=rounds, planned_H=H,
-                    target_epsilon=dp.target_epsilon, delta=dp.delta, accountant=dp.accountant)
+        self.journal.event("privacy_planned", mode=dp.mode, noise_multiplier=self.budget.noise_multiplier,
+                           sample_rate=self.budget.sample_rate, planned_rounds=rounds, planned_H=H,
+                           target_epsilon=dp.target_epsilon, delta=dp.delta, accountant=dp.accountant)
 
-    def _dp_plans(self, r: int, plans: dict[str, Any]) -> dict[str, Any] | None:
+    def plans(self, r: int, plans: dict[str, Any]) -> dict[str, Any] | None:
         """The round's plans with the noise to apply, or None when the budget stops the run before it."""
-        budget = self.dp_budget
+        budget = self.budget
         if budget is None:
             return plans
         some = next(iter(plans.values()), None)
@@ -86,40 +90,41 @@ class DpAccounting:
             fields = {"epsilon": budget.epsilon(), "epsilon_next": budget.epsilon_if(steps),
                       "target_epsilon": budget.target_epsilon}
             if verdict == "stop":
-                if r == self.next_round and budget.accountant.steps == 0:
+                if budget.accountant.steps == 0:
                     raise RunFailed(f"privacy.dp.target_epsilon: one round would spend epsilon "
                                     f"{fields['epsilon_next']:.3g} > {budget.target_epsilon} at noise_multiplier "
                                     f"{budget.noise_multiplier}")
-                self.dp_stopped = {"round": r, **fields}
-                self._event("privacy_budget_reached", **fields)
+                self.stopped = {"round": r, **fields}
+                self.journal.event("privacy_budget_reached", **fields)
                 return None
-            self._event("privacy_budget_exceeded", **fields)
-            if not self._dp_warned:
-                self._dp_warned = True
+            self.journal.event("privacy_budget_exceeded", **fields)
+            if not self._warned:
+                self._warned = True
                 print(f"geofed: warning: round {r} takes epsilon to {fields['epsilon_next']:.3g}, past "
                       f"privacy.dp.target_epsilon {budget.target_epsilon} (on_target: warn)", file=sys.stderr)
         dp = self.cfg.privacy.dp
         return {reg: dataclasses.replace(p, dp_mode=dp.mode, dp_clip=dp.clip, dp_noise=budget.noise_multiplier)
                 for reg, p in plans.items()}
 
-    def _dp_spend(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def spend(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """After a round: its steps spent (the most any region took: each region's records are
         accounted on their own); the fields of the round's record."""
-        if self.dp_budget is None or not results:
+        if self.budget is None or not results:
             return {}
-        self.dp_budget.spend(max(int(m.get("steps", m.get("H", 1))) for m in results.values()))
-        return self.dp_budget.metrics()
+        self.budget.spend(max(int(m.get("steps", m.get("H", 1))) for m in results.values()))
+        return self.budget.metrics()
 
-    def _dp_state(self) -> dict[str, Any]:
-        return {} if self.dp_budget is None else {"privacy": budget_state(self.dp_budget)}
+    def state_dict(self) -> dict[str, Any]:
+        """The driver checkpoint's entries (none with DP off)."""
+        return {} if self.budget is None else {"privacy": budget_state(self.budget)}
 
-    def _dp_restore(self, state: dict[str, Any]) -> None:
-        if self.dp_budget is not None and state.get("privacy"):
-            self.dp_budget = budget_from_state(state["privacy"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.budget is not None and state.get("privacy"):
+            self.budget = budget_from_state(state["privacy"])
 
-    def _dp_summary(self) -> dict[str, Any] | None:
+    def summary(self) -> dict[str, Any] | None:
         """summary.json's privacy entry (None with DP off)."""
-        b = self.dp_budget
+        b = self.budget
         if b is None:
             return None
         eps = b.epsilon()
@@ -127,4 +132,4 @@ class DpAccounting:
                 "noise_multiplier": b.noise_multiplier, "sample_rate": b.sample_rate, "steps": b.accountant.steps,
                 "accountant": b.accountant.kind,
                 "clip": self.cfg.privacy.dp.clip, "target_epsilon": b.target_epsilon, "on_target": b.on_target,
-                "stopped_at_budget": self.dp_stopped}
+                "stopped_at_budget": self.stopped}

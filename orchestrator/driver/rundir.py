@@ -256,5 +256,10 @@ class Clock:
     def __init__(self, offset: float = 0.0):
         self._t0 = time.monotonic() - offset
 
+    def restart(self, offset: float = 0.0) -> None:
+        """From `offset` seconds now: round 0 after set-up, or a resume's time already spent. In
+        place, so the coordinator and the event log that hold this clock read the same time."""
+        self._t0 = time.monotonic() - offset
+
     def now(self) -> float:
         return time.monotonic() - self._t0

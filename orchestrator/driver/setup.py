@@ -1,8 +1,10 @@
-"""Everything a run does before round 0 (the Runner's set-up, orchestrator/driver/runner.py):
-TLS material, Ray, the region actors and their servers, the emulator, the connections, the logs
-and a resume's checkpoint, the link probes; each phase timed for the setup_done event.
+"""Everything a run does before round 0: TLS material, Ray, the region actors and their servers,
+the emulator, the connections, the logs and a resume's checkpoint, the link probes; each phase
+timed for the setup_done event.
 
-A mixin on the Runner's attributes (cfg, run_dir, resume, verbose, regions, clock, stop, ...).
+`set_up` returns what the round loop needs (`Ready`); what it starts or opens goes into the
+`Opened` it is given as it goes, so that a set-up that fails half way is ended as a whole one is.
+The loop restores a resume's checkpoint into its own parts, then `probe_links` ends set-up.
 """
 
 from __future__ import annotations
@@ -10,128 +12,163 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import ray
 from geofed.p2p.tls import RENEW_WITHIN_DAYS, make_pki, renew_expiring
-
-from .cluster import create_region_actors, init_ray
-from .coordinator import Coordinator
-from .emulation import start_emulation
-from .recovery import marked_processes, record_processes
-from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver
 from geofed.regions.warm import process_age_s
 
-from .rundir import Clock, JsonlLog, ensure_private_dir, lock_run_dir
+from ..config import RunConfig
+from .cluster import RayHandle, RegionActors, create_region_actors, init_ray
+from .coordinator import Coordinator
+from .emulation import start_emulation
+from .handles import RegionHandles
+from .journal import Journal
+from .recovery import StopSignals, marked_processes, record_processes
+from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver
+from .rundir import JsonlLog, ensure_private_dir, lock_run_dir
 from .trackers import Trackers
 
 
-class SetUp:
-    """The Runner's set-up phase."""
+@dataclass
+class Opened:
+    """What set-up started or opened, filled as it goes; `close` ends all of it (safe after a
+    failed or partial set-up)."""
 
-    def setup(self) -> None:
-        """Everything before round 0: TLS material, Ray, the region actors and their servers, the
-        emulator, the connections, the logs (a resume restores its checkpoint), the link probes.
-        """
-        ensure_private_dir(self.run_dir)  # 0700, also for a Runner started without new_run_dir
-        lock_run_dir(self.run_dir)  # held until shutdown(); new_run_dir or --resume may hold it already
-        mark = self._phase_marker()
-        self._make_tls()
-        mark("tls")
-        reaped = reap_previous_driver(self.run_dir) if self.resume else []
-        with marked_processes(self.run_dir) as token:  # what a later --resume may end proves it is ours
-            self.ray = init_ray(self.cfg, verbose=self.verbose)
-        mark("ray")
-        self.stop.reclaim()
-        pin = bool(self.cfg.ray.address)
-        self.actors = create_region_actors(self.cfg, str(self.run_dir), pin=pin, hostile=getattr(self, "hostile", None))
-        mark("actors")
-        if self.ray.started_here:
-            record_processes(self.run_dir, token)
-        self.alive = list(self.regions)
-        starts = [self.actors.handles[r].start.remote() for r in self.regions]
-        self.addresses = dict(zip(self.regions, ray.get(starts, timeout=120)))
-        for region, address in self.addresses.items():
-            self.actors.info[region]["grpc_address"] = address  # summary.json placement
-        # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
-        restored = load_driver_checkpoint(self.run_dir) if self.resume else None
-        self.emulator = start_emulation(emulation_for_resume(self.cfg, restored), self.regions)
-        self._connect_all()
-        mark("servers_connected")
-        info = self.actors.info[self.regions[0]]
-        self.coordinator = Coordinator(self.cfg, model_numel=info["params"], clock=self.clock)
-        self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
-        self.rounds_log = JsonlLog(self.run_dir / "rounds.jsonl")
-        self.events_log = JsonlLog(self.run_dir / "events.jsonl")
-        self.trackers = Trackers(self.cfg, self.run_dir)
-        self._event("started", driver_pid=os.getpid(), resume=self.resume,
-                    regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip"),
-                                 "start": i.get("start")}
-                             for r, i in self.actors.info.items()})
-        if reaped:
-            self._event("reaped_previous_driver", processes=reaped)
-        if getattr(self, "_tls_renewed", None):
-            self._event("tls_renewed", certificates=self._tls_renewed)
-        self._plan_privacy()  # the noise for privacy.dp.target_epsilon (a resume then restores the accountant)
-        if restored is not None:
-            self._restore(*restored)
-        mark("logs_restore")
-        probes = self._probe()
-        self._event("links_probed", links=self.coordinator.links_record(),
-                    probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
-        mark("probes")
-        self.setup_s = self.clock.now() if restored is None else None
-        self.startup_s = process_age_s()  # from `geofed run` (this process) to round 0
-        # CPU seconds beside wall seconds: on a shared host wall time says how busy the others were,
-        # CPU time what set-up itself costs (this driver's; each actor's is in `started`'s start.cpu_s).
-        self._event("setup_done", setup_s=self.setup_s, process_to_round0_s=self.startup_s, phases_s=self.setup_phases,
-                    phases_cpu_s=self.setup_phases_cpu, process_cpu_s=round(time.process_time(), 3))
-        if restored is None:
-            # Wall time counts training; set-up (Ray, actors, TLS, warming the links) is setup_s.
-            self.clock = Clock()
-            self.coordinator.clock = self.clock
+    ray: RayHandle | None = None
+    actors: RegionActors | None = None
+    emulator: Any = None
+    logs: list[JsonlLog] = field(default_factory=list)
+    trackers: Trackers | None = None
 
-    def _phase_marker(self):
-        """Seconds each set-up phase took, for the setup_done event (where start-up time goes)."""
-        self.setup_phases: dict[str, float] = {}
-        self.setup_phases_cpu: dict[str, float] = {}  # this process's CPU seconds in each phase
-        last = [self.clock.now(), time.process_time()]
+    def close(self, *, warm_pool_s: float, outcome: str) -> None:
+        for log in self.logs:
+            log.close()
+        if self.trackers is not None:
+            self.trackers.close(outcome)
+        if self.actors is not None:
+            # Warm-pool actors (ray.warm_pool_s) wait for the next run; the others are killed.
+            self.actors.end(warm_pool_s)
+        if self.emulator is not None:
+            self.emulator.stop()
+        if self.ray is not None:
+            self.ray.shutdown()
 
-        def mark(name: str) -> None:
-            now, cpu = self.clock.now(), time.process_time()
-            self.setup_phases[name] = round(now - last[0], 3)
-            self.setup_phases_cpu[name] = round(cpu - last[1], 3)
-            last[:] = [now, cpu]
-        return mark
 
-    def _make_tls(self) -> None:
-        tls = self.run_dir / "tls"
-        names = ["ca", *self.regions]
-        if self.resume and all((tls / f"{n}.pem").is_file() and (tls / f"{n}.key").is_file() for n in names):
-            # A resumed run keeps its CA and certificates, renewing those about to expire (30-day certificates).
-            self._tls_renewed = renew_expiring(tls, self.regions)
-            if self._tls_renewed:
-                print(f"geofed: renewed TLS certificates expiring within {RENEW_WITHIN_DAYS} days from the run's CA: "
-                      f"{', '.join(self._tls_renewed)}", file=sys.stderr)
-            return
-        make_pki(tls, self.regions)
+class PhaseTimer:
+    """Seconds each set-up phase took, wall and this process's CPU (where start-up time goes)."""
 
-    def _connect_all(self) -> None:
-        refs = {}
-        for src in self.alive:
-            peers = {dst: self._route(src, dst) for dst in self.alive if dst != src}
-            refs[self.actors.handles[src].connect.remote(peers)] = src
-        self._gather(refs, "connect", timeout=60)
+    def __init__(self, journal: Journal):
+        self.clock = journal.clock
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._last = (self.clock.now(), time.process_time())
 
-    def _probe(self) -> dict[str, dict[str, Any]]:
-        """Every region warms and measures its connections, all at once (network.probe_s), so
-        round 0 is planned from measured links and pays no handshake."""
-        per_probe = self.cfg.network.probe_s + 30.0
-        results = self._call(self.alive, "probe", timeout=2 * per_probe + 60.0)
-        self.coordinator.observe_probe(results)
-        return results
+    def mark(self, name: str) -> None:
+        now, cpu = self.clock.now(), time.process_time()
+        self.wall[name] = round(now - self._last[0], 3)
+        self.cpu[name] = round(cpu - self._last[1], 3)
+        self._last = (now, cpu)
 
-    def _route(self, src: str, dst: str) -> str:
-        if self.emulator is None:
-            return self.addresses[dst]
-        return self.emulator.route(src, dst, self.addresses[dst])
+
+@dataclass(frozen=True, kw_only=True)
+class Ready:
+    """What set-up hands the round loop: the regions, the coordinator, the logs, and a resume's
+    driver checkpoint to restore (None on a fresh run)."""
+
+    regions: RegionHandles
+    coordinator: Coordinator
+    metrics_log: JsonlLog
+    rounds_log: JsonlLog
+    trackers: Trackers
+    restored: tuple[int, dict, list[str], list[int]] | None
+    timer: PhaseTimer
+
+
+def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, resume: bool, verbose: bool,
+           stop: StopSignals, hostile: dict | None) -> Ready:
+    """TLS, Ray, the region actors and their servers, the emulator, the connections and the logs."""
+    ensure_private_dir(run_dir)  # 0700, also for a Runner started without new_run_dir
+    lock_run_dir(run_dir)  # held until shutdown(); new_run_dir or --resume may hold it already
+    timer = PhaseTimer(journal)
+    names = list(cfg.regions.names)
+    renewed = make_tls(run_dir, names, resume=resume)
+    timer.mark("tls")
+    reaped = reap_previous_driver(run_dir) if resume else []
+    with marked_processes(run_dir) as token:  # what a later --resume may end proves it is ours
+        opened.ray = init_ray(cfg, verbose=verbose)
+    timer.mark("ray")
+    stop.reclaim()
+    opened.actors = create_region_actors(cfg, str(run_dir), pin=bool(cfg.ray.address), hostile=hostile)
+    timer.mark("actors")
+    if opened.ray.started_here:
+        record_processes(run_dir, token)
+    regions = RegionHandles(cfg, opened.actors, journal, run_dir)
+    regions.start(timeout=120)
+    # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
+    restored = load_driver_checkpoint(run_dir) if resume else None
+    opened.emulator = start_emulation(emulation_for_resume(cfg, restored), names)
+    regions.connect(lambda src, dst: route(opened.emulator, regions.addresses, src, dst))
+    timer.mark("servers_connected")
+    coordinator = Coordinator(cfg, model_numel=opened.actors.info[names[0]]["params"], clock=journal.clock)
+    metrics_log, rounds_log = JsonlLog(run_dir / "metrics.jsonl"), JsonlLog(run_dir / "rounds.jsonl")
+    opened.logs += [metrics_log, rounds_log]
+    journal.open(run_dir / "events.jsonl")
+    opened.trackers = Trackers(cfg, run_dir)
+    journal.event("started", driver_pid=os.getpid(), resume=resume,
+                  regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip"),
+                               "start": i.get("start")}
+                           for r, i in opened.actors.info.items()})
+    if reaped:
+        journal.event("reaped_previous_driver", processes=reaped)
+    if renewed:
+        journal.event("tls_renewed", certificates=renewed)
+    return Ready(regions=regions, coordinator=coordinator, metrics_log=metrics_log, rounds_log=rounds_log,
+                 trackers=opened.trackers, restored=restored, timer=timer)
+
+
+def probe_links(cfg: RunConfig, ready: Ready, journal: Journal) -> tuple[float | None, float | None]:
+    """Set-up's last phase: every region warms and measures its connections, all at once
+    (network.probe_s), so round 0 is planned from measured links and pays no handshake. Then
+    setup_done; a fresh run's clock restarts at round 0. Returns set-up's wall seconds (None on a
+    resume: its clock goes on from the checkpoint's) and this process's age at round 0."""
+    ready.timer.mark("logs_restore")
+    per_probe = cfg.network.probe_s + 30.0
+    regions = ready.regions
+    probes = regions.probe(regions.alive, timeout=2 * per_probe + 60.0)
+    ready.coordinator.observe_probe(probes)
+    journal.event("links_probed", links=ready.coordinator.links_record(),
+                  probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
+    ready.timer.mark("probes")
+    setup_s = journal.clock.now() if ready.restored is None else None
+    startup_s = process_age_s()  # from `geofed run` (this process) to round 0
+    # CPU seconds beside wall seconds: on a shared host wall time says how busy the others were,
+    # CPU time what set-up itself costs (this driver's; each actor's is in `started`'s start.cpu_s).
+    journal.event("setup_done", setup_s=setup_s, process_to_round0_s=startup_s, phases_s=ready.timer.wall,
+                  phases_cpu_s=ready.timer.cpu, process_cpu_s=round(time.process_time(), 3))
+    if ready.restored is None:
+        # Wall time counts training; set-up (Ray, actors, TLS, warming the links) is setup_s.
+        journal.clock.restart()
+    return setup_s, startup_s
+
+
+def make_tls(run_dir: Path, names: list[str], *, resume: bool) -> list[str]:
+    """The run's CA and each region's certificate in RUN_DIR/tls; a resumed run keeps its own,
+    renewing those about to expire (30-day certificates). Returns the renewed ones."""
+    tls = run_dir / "tls"
+    if resume and all((tls / f"{n}.pem").is_file() and (tls / f"{n}.key").is_file() for n in ["ca", *names]):
+        renewed = renew_expiring(tls, names)
+        if renewed:
+            print(f"geofed: renewed TLS certificates expiring within {RENEW_WITHIN_DAYS} days from the run's CA: "
+                  f"{', '.join(renewed)}", file=sys.stderr)
+        return renewed
+    make_pki(tls, names)
+    return []
+
+
+def route(emulator: Any, addresses: dict[str, str], src: str, dst: str) -> str:
+    """Where `src` dials `dst`: its server, or the emulator's link in front of it."""
+    if emulator is None:
+        return addresses[dst]
+    return emulator.route(src, dst, addresses[dst])

@@ -28,7 +28,7 @@ from e2e_harness import (
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.resume import load_driver_checkpoint
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.regions import checkpoint
 
 pytestmark = [pytest.mark.timeout(600)]

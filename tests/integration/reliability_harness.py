@@ -11,7 +11,7 @@ from typing import Any
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 
 REGIONS3 = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 

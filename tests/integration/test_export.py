@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.rundir import write_config
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.regions.tasks import make_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")

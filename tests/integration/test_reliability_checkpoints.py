@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from geofed.orchestrator.driver.resume import resume_config
 from geofed.orchestrator.driver.rundir import new_run_dir, read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.regions import checkpoint
 from reliability_harness import REGIONS3, events, small_config
 

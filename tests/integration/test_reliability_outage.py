@@ -10,7 +10,7 @@ import pytest
 from reliability_harness import REGIONS3, events, small_config
 
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
 

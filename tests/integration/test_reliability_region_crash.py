@@ -10,7 +10,7 @@ import signal
 
 import pytest
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import RunFailed
+from geofed.orchestrator.driver.run import RunFailed
 from reliability_harness import (
     REGIONS3,
     BackgroundRun,

@@ -9,7 +9,7 @@ import torch
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -33,7 +33,7 @@ def _train(cfg, run_dir):
     runner = Runner(cfg, run_dir, show_progress=False)
     try:
         summary = runner.run()
-        params = runner._call(runner.alive, "get_params", timeout=60)
+        params = runner.regions.get_params(runner.regions.alive, timeout=60)
     finally:
         runner.shutdown()
     return summary, params

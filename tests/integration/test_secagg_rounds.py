@@ -9,7 +9,7 @@ import pytest
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(400)]
 

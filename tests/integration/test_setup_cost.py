@@ -10,7 +10,7 @@ import json
 
 import pytest
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from reliability_harness import small_config
 
 pytestmark = pytest.mark.usefixtures("ray_session")

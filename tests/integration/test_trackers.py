@@ -10,7 +10,7 @@ import pytest
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import load_config
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.orchestrator.driver.trackers import round_metrics
 
 pytest.importorskip("tensorboard", reason="needs the 'tensorboard' package (pip install 'geofed[tensorboard]')")

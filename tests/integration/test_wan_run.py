@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from geofed.orchestrator.config import config_from_mapping, load_config
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -12,7 +12,7 @@ import signal
 import pytest
 import ray
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.orchestrator.driver.warmpool import claim_pooled
 from geofed.regions.warm import POOL_NAMESPACE, job_alive
 from reliability_harness import BackgroundRun, events, pid_alive, small_config, wait_for

@@ -16,7 +16,7 @@ import torch
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.resume import resume_config
 from geofed.orchestrator.driver.rundir import JsonlLog, new_run_dir, truncate_jsonl, write_json
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.regions import checkpoint
 
 BASE = {"run": {"name": "modes", "rounds": 2, "report": False, "checkpoint_every": 1},

@@ -58,7 +58,7 @@ def test_task_path_resolves_against_the_config_files_folder(layout, capsys):
     cfg = load_config(path)
     assert cfg.task.path == str(conf / "data" / "text.txt")
     assert main(["validate", str(path)]) == 0, capsys.readouterr().err
-    from geofed.orchestrator.driver.runner import prepare_task
+    from geofed.orchestrator.driver.run import prepare_task
 
     assert prepare_task(cfg, source=str(path)).task.path == str(conf / "data" / "text.txt")  # the task builds
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.driver.privacy import DpAccounting, budget_from_state, budget_state, planned_steps
+from geofed.orchestrator.driver.privacy import DpBudget, budget_from_state, budget_state, planned_steps
 from geofed.orchestrator.driver.recovery import RunFailed
 from geofed.regions.privacy.dp import dp_step, noise_generator
 from geofed.regions.worker import RoundPlan
@@ -21,15 +21,21 @@ def _cfg(dp: dict, **sync):
                                 "sync": {"policy": {"kind": "fixed", "H": 5}, **sync}, "privacy": {"dp": dp}})
 
 
-class _Driver(DpAccounting):
-    """The Runner's state DpAccounting works on, nothing else."""
+class _Journal:
+    """The events DpBudget writes, kept."""
 
-    def __init__(self, cfg, examples=600):
-        self.cfg, self.regions, self.next_round, self.events = cfg, list(cfg.regions.names), 0, []
-        self.actors = type("A", (), {"info": {r: {"examples": examples} for r in self.regions}})()
+    def __init__(self):
+        self.round, self.events = 0, []
 
-    def _event(self, event, **fields):
-        self.events.append({"event": event, "round": self.next_round, **fields})
+    def event(self, event, **fields):
+        self.events.append({"event": event, "round": self.round, **fields})
+
+
+def _budget(cfg, examples=600):
+    """A DpBudget planned for `cfg` on regions of `examples` each."""
+    d = DpBudget(cfg, _Journal())
+    d.plan({r: {"examples": examples} for r in cfg.regions.names})
+    return d
 
 
 def _plans(r, H=5):
@@ -39,58 +45,52 @@ def _plans(r, H=5):
 @pytest.mark.parametrize("accountant, expected", [("rdp", [4.73, 7.08]), ("prv", [4.38, 6.57])])
 def test_plans_carry_the_noise_and_epsilon_grows_then_the_budget_stops(accountant, expected):
     """Update level, noise 1: RDP's bound, and (prv) the exact Gaussian curve, mu 1 then sqrt 2."""
-    d = _Driver(_cfg({"mode": "update", "clip": 0.5, "noise_multiplier": 1.0, "target_epsilon": 8.0,
+    d = _budget(_cfg({"mode": "update", "clip": 0.5, "noise_multiplier": 1.0, "target_epsilon": 8.0,
                       "accountant": accountant}))
-    d._plan_privacy()
     assert planned_steps(d.cfg) == (6, 5)
     eps = []
     for r in range(3):
-        d.next_round = r
-        plans = d._dp_plans(r, _plans(r))
+        d.journal.round = r
+        plans = d.plans(r, _plans(r))
         if plans is None:
             break
         assert {(p.dp_mode, p.dp_clip, p.dp_noise) for p in plans.values()} == {("update", 0.5, 1.0)}
-        eps.append(d._dp_spend({reg: {"steps": 5} for reg in plans})["dp_epsilon"])
+        eps.append(d.spend({reg: {"steps": 5} for reg in plans})["dp_epsilon"])
     assert [round(e, 2) for e in eps] == expected
-    assert d.dp_stopped["round"] == 2 and d.events[-1]["event"] == "privacy_budget_reached"
-    assert d._dp_summary()["epsilon"] == pytest.approx(eps[-1])
+    assert d.stopped["round"] == 2 and d.journal.events[-1]["event"] == "privacy_budget_reached"
+    assert d.summary()["epsilon"] == pytest.approx(eps[-1])
 
 
 def test_warn_goes_on_and_the_checkpoint_keeps_the_accountant(capsys):
-    d = _Driver(_cfg({"mode": "update", "noise_multiplier": 1.0, "target_epsilon": 5.0, "on_target": "warn"}))
-    d._plan_privacy()
+    d = _budget(_cfg({"mode": "update", "noise_multiplier": 1.0, "target_epsilon": 5.0, "on_target": "warn"}))
     for r in range(3):
-        assert d._dp_plans(r, _plans(r)) is not None
-        d._dp_spend({"a": {"steps": 5}})
+        assert d.plans(r, _plans(r)) is not None
+        d.spend({"a": {"steps": 5}})
     assert "past privacy.dp.target_epsilon" in capsys.readouterr().err
-    assert [e["event"] for e in d.events].count("privacy_budget_exceeded") == 2
-    again = _Driver(d.cfg)
-    again._plan_privacy()
-    again._dp_restore(d._dp_state())
-    assert again.dp_budget.epsilon() == d.dp_budget.epsilon() and again.dp_budget.accountant.steps == 3
-    assert budget_from_state(budget_state(d.dp_budget)).epsilon() == d.dp_budget.epsilon()
+    assert [e["event"] for e in d.journal.events].count("privacy_budget_exceeded") == 2
+    again = _budget(d.cfg)
+    again.load_state_dict(d.state_dict())
+    assert again.budget.epsilon() == d.budget.epsilon() and again.budget.accountant.steps == 3
+    assert budget_from_state(budget_state(d.budget)).epsilon() == d.budget.epsilon()
 
 
 def test_a_first_round_past_the_target_fails_the_run_and_off_changes_nothing():
-    d = _Driver(_cfg({"mode": "update", "noise_multiplier": 0.5, "target_epsilon": 1.0}))
-    d._plan_privacy()
+    d = _budget(_cfg({"mode": "update", "noise_multiplier": 0.5, "target_epsilon": 1.0}))
     with pytest.raises(RunFailed, match="privacy.dp.target_epsilon"):
-        d._dp_plans(0, _plans(0))
-    off = _Driver(_cfg({}))
-    off._plan_privacy()
+        d.plans(0, _plans(0))
+    off = _budget(_cfg({}))
     plans = _plans(0)
-    assert off._dp_plans(0, plans) is plans and off._dp_spend({"a": {"steps": 5}}) == {}
-    assert off._dp_summary() is None and off._dp_state() == {}
+    assert off.plans(0, plans) is plans and off.spend({"a": {"steps": 5}}) == {}
+    assert off.summary() is None and off.state_dict() == {}
 
 
 def test_record_level_plans_the_rate_on_the_smallest_shard():
-    d = _Driver(_cfg({"mode": "record", "target_epsilon": 4.0}, inner={"batch_size": 32}), examples=320)
-    d._plan_privacy()
-    assert d.dp_budget.sample_rate == pytest.approx(0.1)
+    d = _budget(_cfg({"mode": "record", "target_epsilon": 4.0}, inner={"batch_size": 32}), examples=320)
+    assert d.budget.sample_rate == pytest.approx(0.1)
     for r in range(6):
-        d._dp_plans(r, _plans(r))
-        d._dp_spend({"a": {"steps": 5}, "b": {"steps": 5}})
-    assert 3.5 < d.dp_budget.epsilon() <= 4.0 + 1e-6 and d.dp_budget.accountant.steps == 30
+        d.plans(r, _plans(r))
+        d.spend({"a": {"steps": 5}, "b": {"steps": 5}})
+    assert 3.5 < d.budget.epsilon() <= 4.0 + 1e-6 and d.budget.accountant.steps == 30
 
 
 def test_record_level_dp_refuses_fp16():

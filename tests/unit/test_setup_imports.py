@@ -24,9 +24,9 @@ def _imported(module: str, watch: tuple[str, ...]) -> list[str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["geofed.orchestrator.driver.runner", "geofed.regions.actor"])
+@pytest.mark.parametrize("module", ["geofed.orchestrator.driver.run", "geofed.regions.actor"])
 def test_a_run_without_dp_imports_no_scipy(module):
     """scipy.fft serves only the PRV accountant (privacy.dp.target_epsilon), yet the driver imported
     it for every run (runner -> driver.privacy -> regions.privacy.budget -> prv -> prv_compose):
-    ~0.2-0.3 s of CPU. Failed before with ['scipy'] for geofed.orchestrator.driver.runner."""
+    ~0.2-0.3 s of CPU. Failed before with ['scipy'] for geofed.orchestrator.driver.run."""
     assert _imported(module, ("scipy", "sklearn", "networkx", "sympy")) == []

@@ -8,7 +8,7 @@ import datetime as dt
 
 from cryptography import x509
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.setup import make_tls
 from geofed.p2p.tls import issue, load_tls, make_pki, renew_expiring
 from cryptography.hazmat.primitives import serialization
 
@@ -58,6 +58,6 @@ def test_resume_renews_expiring_certificates(tmp_path, capsys):
     cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "regions": {"names": REGIONS},
                               "network": {"emulation": {"mode": "none"}}})
     make_pki(tmp_path / "tls", REGIONS, valid_days=2)  # a run directory whose certificates expire in 2 days
-    Runner(cfg, tmp_path, show_progress=False, resume=True)._make_tls()
+    make_tls(tmp_path, list(cfg.regions.names), resume=True)
     assert all(_expires_in_days(tmp_path / "tls" / f"{n}.pem") > 29 for n in ["ca", *REGIONS])
     assert "renewed TLS certificates expiring within 7 days from the run's CA: ca, us-east-1, eu-west-1" in capsys.readouterr().err

@@ -1,0 +1,361 @@
+"""`geofed run`: the driver's round loop, read top to bottom. Set-up (setup.py) places the region
+actors and hands the loop what it needs; then each round: faults revive regions -> pacing picks
+who runs -> the coordinator plans (the DP budget adds its noise) -> the regions run it (handles.py)
+-> faults flush, watch and resync -> the coordinator observes -> log -> checkpoint. Faults, pacing
+and the privacy budget are objects of their own, each in its module, that the loop calls by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import ray
+from geofed.regions import checkpoint
+from geofed.regions.export import average_states
+from geofed.regions.worker import rss_mb
+
+from ..config import RunConfig
+from ..config.strict import ConfigError
+from .cluster import RegionActors
+from .coordinator import Coordinator
+from .emulation import configured_link
+from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
+from .export import params_by_region, write_model
+from .faults import Faults
+from .handles import RegionHandles, Results
+from .journal import Journal
+from .pacing import Pacing
+from .privacy import DpBudget
+from .progress import RunProgress
+from .recovery import Interrupted, RunFailed, StopSignals, signal_name
+from .rundir import Clock, read_jsonl, release_run_dir, write_json
+from .setup import Opened, Ready, probe_links, route, set_up
+from .summary import build_summary, evaluate_average
+
+__all__ = ["Runner", "RunFailed", "prepare_task"]
+
+
+def prepare_task(cfg: RunConfig, *, source: str) -> RunConfig:
+    """Resolve the task's data path against the driver's working directory (actors may run
+    elsewhere) and build the task once here, so a bad path fails before Ray starts."""
+    from geofed.regions.tasks import make_task
+
+    task = cfg.task
+    if isinstance(getattr(task, "path", None), str) and not Path(task.path).is_absolute():
+        task = dataclasses.replace(task, path=str(Path(task.path).resolve()))
+        cfg = dataclasses.replace(cfg, task=task)
+    try:
+        make_task(task, batch_size=cfg.sync.inner.batch_size, seed=cfg.run.seed)
+    except ValueError as exc:
+        msg = str(exc)
+        key, sep, rest = msg.partition(": ")
+        if sep and not key.startswith("task.") and " " not in key:
+            msg = f"task.{key}: {rest}"
+        raise ConfigError("", msg, source=str(source)) from None
+    return cfg
+
+
+class Runner:
+    """The driver of one run: set-up, then rounds until run.rounds, run.max_steps, run.target or
+    privacy.dp.target_epsilon ends the run, surviving region faults. Call run(), then shutdown()
+    whatever happened. `hostile`: region -> regions.adversary.Adversary, for `geofed bench attack`
+    (no config can set it)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False,
+                 verbose: bool = False, hostile: dict | None = None):
+        self.cfg, self.run_dir, self.resume, self.verbose = cfg, Path(run_dir), resume, verbose
+        self.hostile = dict(hostile or {})
+        self.show_progress = show_progress
+        self.clock = Clock()  # from launch until set-up is done, then from round 0
+        self.journal = Journal(self.clock)
+        self.opened = Opened()
+        self.stop = StopSignals()
+        self.evaluation = RunEvaluation(cfg)
+        self.dp = DpBudget(cfg, self.journal)
+        self.outcome = "FAILED"  # for the trackers: FINISHED once the summary is written, KILLED when stopped
+        self.bytes_sent = 0  # updates pushed by every region so far (the progress line)
+        self.setup_s: float | None = None
+        self.startup_s: float | None = None
+        # Set up by run(): what set-up handed over, and the loop's parts that need the regions.
+        self.ready: Ready | None = None
+        self.regions: RegionHandles | None = None
+        self.coordinator: Coordinator | None = None
+        self.faults: Faults | None = None
+        self.pacing: Pacing | None = None
+
+    # What callers watching a run read (benches, tests).
+    @property
+    def next_round(self) -> int:
+        return self.journal.round
+
+    @property
+    def actors(self) -> RegionActors | None:
+        return self.opened.actors
+
+    @property
+    def emulator(self) -> Any:
+        return self.opened.emulator
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        return {} if self.regions is None else self.regions.addresses
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Set up and run rounds until run.rounds, run.max_steps or run.target ends the run; returns the
+        summary (also in summary.json). A stop signal checkpoints and raises Interrupted between rounds.
+        """
+        with self.stop:
+            self.stop._notify = self._on_signal
+            if self.show_progress:
+                print(f"geofed: setting up {len(self.cfg.regions.names)} regions (Ray, region actors, TLS, link "
+                      f"probes); run directory {self.run_dir}", file=sys.stderr, flush=True)
+            self._set_up()
+            progress = self.journal.progress = RunProgress(
+                self.cfg.run.rounds, enabled=self.show_progress, start=self.next_round,
+                max_steps=self.cfg.run.max_steps, start_steps=self.coordinator.steps_done)
+            try:
+                for r in range(self.next_round, self.cfg.run.rounds):
+                    if self.stop.requested:
+                        self._stop_cleanly()
+                    self._round(r)
+                    if self.coordinator.done or self.evaluation.hit is not None or self.dp.stopped:
+                        break  # run.max_steps spent, run.target reached, privacy.dp.target_epsilon reached
+                if self.stop.requested:
+                    self._stop_cleanly()
+                return self._finish()
+            finally:
+                progress.stop()
+
+    def _set_up(self) -> None:
+        ready = self.ready = set_up(self.cfg, self.run_dir, self.opened, self.journal, resume=self.resume,
+                                    verbose=self.verbose, stop=self.stop, hostile=self.hostile)
+        self.regions, self.coordinator = ready.regions, ready.coordinator
+        self.faults = Faults(self.cfg, self.regions, self.journal, reconnect=self._connect)
+        self.pacing = Pacing(self.cfg, self.regions, self.journal, on_late=self._late)
+        self.dp.plan(self.opened.actors.info)  # the noise for target_epsilon (a resume then restores the accountant)
+        if ready.restored is not None:
+            self._restore(*ready.restored)
+        self.setup_s, self.startup_s = probe_links(self.cfg, ready, self.journal)
+
+    def _on_signal(self, name: str) -> None:
+        # Runs in the signal handler: no Ray calls, no locks; the loop acts on it between rounds.
+        print(f"geofed: {name}: stopping after the round in flight (again to stop at once)", file=sys.stderr)
+
+    def _round(self, r: int) -> None:
+        cfg, regions, coordinator, journal = self.cfg, self.regions, self.coordinator, self.journal
+        self.bytes_sent += self.faults.revive(r)
+        evaluate = self.evaluation.due(r)
+        if self.emulator is not None:
+            self.emulator.set_round(r)
+        t_start = self.clock.now()
+        participants, absent = self.pacing.participants(r)
+        muted, back = self.faults.muted_for(r)  # members whose updates never arrive (issue 36, N2)
+        for region, rounds_apart in back.items():
+            self.pacing.mark_behind(region, rounds_apart)
+        plans = self.dp.plans(r, coordinator.plan(r, alive=participants, evaluate=evaluate, muted=muted,
+                                                  optional=self.faults.on_probation))
+        if coordinator.at_eval_mark:
+            self.evaluation.force(r)
+        if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
+            return
+        results = self._run_round(r, plans)
+        self.faults.flush_for_resync(r, results)
+        self.faults.watch_withholding(r, results, participants, coordinator.round_links)
+        t_end = self.clock.now()
+        coordinator.observe(results)
+        self.bytes_sent += sum(m["bytes_sent"] for m in results.values())
+        self.evaluation.note_round(r, results, steps=coordinator.steps_done)
+        extra = {**self.evaluation.of_round(r, results, regions.alive, self._fetch_params, t_end=t_end),
+                 **self.dp.spend(results)}
+        self._log_round(r, results, t_start, t_end, extra={**extra, "participants": participants,
+                                                           "absent": sorted(absent), "in_flight": sorted(self.pacing.busy),
+                                                           **({"muted": sorted(muted)} if muted else {})})
+        if extra.get("eval_avg") and self.evaluation.check(extra):
+            journal.event("target_reached", **self.evaluation.hit)
+        journal.round = r + 1
+        self.faults.resync(r, results)
+        if cfg.run.checkpoint_every and (r + 1) % cfg.run.checkpoint_every == 0:
+            self._checkpoint(r)
+        codecs = sorted({c.key for c in coordinator.last_codecs.values()}) or ["-"]
+        journal.progress.update(round_=r, loss=coordinator.loss, H=coordinator.last_H, mb_sent=self.bytes_sent / 1e6,
+                                note=f"down: {','.join(sorted(regions.dead))}" if regions.dead else "",
+                                codec=",".join(codecs),
+                                utilization=sum(m["utilization"] for m in results.values()) / max(1, len(results)),
+                                elapsed_s=t_end, steps_done=coordinator.steps_done)
+
+    def _run_round(self, r: int, plans: dict[str, Any]) -> Results:
+        refs = self.pacing.dispatch(plans, self.faults.muted(r))
+        results = self.pacing.gather(refs, r, timeout=self.cfg.sync.deadline.max_s * 3 + 600,
+                                     on_result=lambda region, m, waiting: self._notice_done(r, region, m, waiting))
+        now = round(self.clock.now(), 4)
+        for region, m in results.items():
+            m["t_start"], m["t_end"] = round(now - m["wall_s"], 4), now
+            self.journal.count("peers_left_out", len(m.get("peers_missing", [])))
+            if m.get("refusals"):
+                self.journal.event("refused", region=region, by_reason=m["refusals"])
+            if m.get("rolled_back"):  # a non-finite round undone (regions/rollback.py)
+                self.journal.count("rollbacks")
+                self.journal.event("rolled_back", region=region, **m["rolled_back"])
+        return results
+
+    def _notice_done(self, r: int, region: str, m: dict[str, Any], waiting: Collection[str]) -> None:
+        """`region` reported round r: the regions still in it whose receive may wait for its update
+        learn that it is done (regions/worker.py, senders_done): a member that withholds costs them a
+        short grace, not a deadline (issue 36, N2). Only pushes it says were delivered or never made
+        count: one still in flight (a slow link) is not cut."""
+        done = m.get("pushes_done") or {}
+        if done.get("round") != r:
+            return  # an overlapped round reports an earlier exchange
+        for peer in sorted(set(done.get("peers") or ()) & set(waiting)):
+            self.regions.senders_done(peer, r, [region])
+
+    def _late(self, region: str, m: dict[str, Any]) -> None:
+        """A round that reported after its quorum round closed (pacing.py): its step time and
+        links still count, its record goes to metrics.jsonl."""
+        self.bytes_sent += m.get("bytes_sent", 0)
+        self.coordinator.observe_late(region, m)
+        self.ready.metrics_log.write(m)
+
+    def _connect(self) -> None:
+        regions = self.regions
+        regions.connect(lambda src, dst: route(self.emulator, regions.addresses, src, dst))
+
+    def _fetch_params(self) -> dict[str, Any]:
+        return self.regions.get_params(self.regions.alive, timeout=600)
+
+    def _log_round(self, r: int, results: Results, t_start: float, t_end: float, extra: dict | None = None) -> None:
+        for region in self.regions.names:
+            if region in results:
+                self.ready.metrics_log.write(results[region])
+        links = {}
+        for m in results.values():
+            for link, est in m.get("links", {}).items():
+                entry = dict(est)
+                if self.emulator is not None:
+                    entry.update(configured_link(self.emulator, *link.split("->", 1)))
+                links[link] = entry
+        losses = [m["train_loss"] for m in results.values()]
+        c = self.coordinator
+        record = {
+            "round": r, "t_start": t_start, "t_end": t_end, "H": c.last_H,
+            "codecs": {k: v.key for k, v in c.last_codecs.items()},
+            "reason": c.last_reason, "policy": c.last_record.get("policy", {}),
+            "links": links, "alive": list(self.regions.alive), "regions_reported": sorted(results),
+            "mean_train_loss": sum(losses) / len(losses) if losses else None,
+            "utilization": sum(m["utilization"] for m in results.values()) / max(1, len(results)),
+            "bytes_sent": sum(m["bytes_sent"] for m in results.values()), "driver_rss_mb": rss_mb(),
+            **(extra or {})}
+        self.ready.rounds_log.write(record)
+        self.ready.trackers.log_round(record)
+
+    # -- checkpoints, resume, stop, end ------------------------------------------------------
+    def _checkpoint(self, r: int) -> None:
+        """Regions first, then the driver's: a driver checkpoint of round r means every region
+        alive then has one too (a crash between the two resumes from the previous pair). A region
+        whose quorum round is in flight keeps its last one (a resume catches it up from a peer)."""
+        busy, alive = self.pacing.busy, self.regions.alive
+        self.regions.save_checkpoint([reg for reg in alive if reg not in busy], timeout=300)
+        state = {"round": r, "clock": self.clock.now(), "coordinator": self.coordinator.state_dict(),
+                 "faults": dict(self.journal.counts), "alive": list(alive), "withhold": self.faults.state_dict(),
+                 **self.dp.state_dict()}
+        d = self.run_dir / "checkpoints" / "driver"
+        checkpoint.save_atomic(checkpoint.checkpoint_path(d, r), state)
+        checkpoint.prune(d, self.cfg.run.keep_checkpoints)
+        self.journal.last_checkpoint = r
+
+    def _restore(self, r: int, state: dict, skipped: list[str], lost: list[int]) -> None:
+        """Each region's own checkpoint of round r, or a peer's model when its own is missing or corrupt."""
+        journal, regions = self.journal, self.regions
+        for why in skipped:
+            journal.event("checkpoint_skipped", who="driver", why=why)
+        got = regions.restore_checkpoint(regions.names, r, timeout=300)
+        exact = [reg for reg, g in got.items() if g["round"] == r]
+        for reg, g in got.items():
+            for why in g["skipped"]:
+                journal.event("checkpoint_skipped", who=reg, why=why)
+        behind = [reg for reg, g in got.items() if g["round"] != r]
+        if behind and not exact:
+            raise RunFailed(f"{self.run_dir}: no region has a usable checkpoint of round {r}")
+        for reg in behind:
+            # Its checkpoint of round r is missing or corrupt: the model of a region that has it.
+            donor, _ = ray.get(regions.catch_up_ref(reg, exact), timeout=300)
+            journal.event("region_state_from_peer", region=reg, own_round=got[reg]["round"], donor=donor)
+        self.coordinator.load_state_dict(state["coordinator"])
+        journal.counts.update(state["faults"])
+        self.faults.load_state_dict(state.get("withhold") or {})  # muted members stay muted
+        self.dp.load_state_dict(state)
+        self.clock.restart(state["clock"])
+        journal.round = r + 1
+        journal.last_checkpoint = r
+        # The progress counts bytes over the whole run, as the summary does.
+        self.bytes_sent = sum(rec.get("bytes_sent") or 0 for rec in read_jsonl(self.run_dir / "rounds.jsonl"))
+        journal.event("resumed", from_checkpoint=r, lost_rounds=lost)
+
+    def _stop_cleanly(self) -> None:
+        last = self.next_round - 1
+        if last >= 0 and self.journal.last_checkpoint != last:
+            self._checkpoint(last)
+        self.journal.event("stopped", signal=signal_name(self.stop.signum), last_round=last)
+        # What a scheduler's SIGTERM leaves: the run so far, marked; no final evaluation (it could
+        # outlast the grace period), the last one stands.
+        self._write_summary(self.evaluation.last, None, None,
+                            interrupted={"signal": signal_name(self.stop.signum), "last_round": last})
+        self.outcome = "KILLED"
+        raise Interrupted(self.stop.signum, last)
+
+    def _finish(self) -> dict[str, Any]:
+        regions, last = self.regions, self.next_round - 1
+        self.pacing.drain(timeout=self.cfg.sync.deadline.max_s * 3 + 600)
+        self.pacing.catch_up_behind(self.faults.muted(last))
+        regions.finish_pending(regions.alive, timeout=self.cfg.sync.deadline.max_s * 2 + 120)
+        self._checkpoint(last)
+        per_region = regions.evaluate(regions.alive, timeout=600)
+        if self.cfg.sync.algorithm == "gossip":
+            states = regions.result_state(regions.alive, timeout=600)
+            params = params_by_region(self.cfg, states)
+            self.evaluation.fetch_bytes += fetched_bytes(params)
+            avg_eval, consensus = evaluate_average(self.cfg, params)
+        else:  # every region holds the synchronised model now: one evaluation, one model fetched (the export)
+            sketches = regions.sketch(regions.alive, timeout=600)
+            alive = regions.alive
+            muted = self.faults.muted(last)  # a muted member trained alone: not the run's model
+            first = next((reg for reg in alive if reg not in muted), alive[0] if alive else None)
+            avg_eval = per_region.get(first) if first else None
+            consensus = consensus_from_sketches([sketches[r] for r in alive if r in sketches])
+            states = regions.result_state([first] if first else [], timeout=600)
+        summary = self._write_summary(avg_eval, per_region, consensus)
+        self.outcome = "FINISHED"
+        if states:
+            write_model(self.run_dir / "model.safetensors", self.cfg, average_states(list(states.values())),
+                        round_=last, regions=list(states), eval_=avg_eval)
+        return summary
+
+    def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None) -> dict[str, Any]:
+        idle = [reg for reg in self.regions.alive if reg not in self.pacing.busy]  # a stop does not wait for a round in flight
+        stats = self.regions.transport_stats(idle, timeout=60)
+        tail = self.regions.take_refusals(idle, timeout=60)  # refused since each one's last round
+        summary = build_summary(self.cfg, self.run_dir, eval_avg=avg_eval, eval_per_region=per_region,
+                                consensus=consensus, transport_stats=stats, faults=self.journal.counts,
+                                placement=self.opened.actors.info, emulator=self.emulator, wall_s=self.clock.now(),
+                                refusals_since_last_round=tail)
+        summary.update(self.evaluation.summary_fields())
+        summary["setup_s"] = None if self.setup_s is None else round(self.setup_s, 3)
+        timer = self.ready.timer
+        summary["startup"] = {"process_to_round0_s": self.startup_s, "phases_s": timer.wall, "phases_cpu_s": timer.cpu}
+        summary["interrupted"] = interrupted
+        summary["pacing"] = {"mode": self.pacing.mode, **self.pacing.stats}
+        summary["privacy"] = self.dp.summary()
+        write_json(self.run_dir / "summary.json", summary)
+        return summary
+
+    def shutdown(self) -> None:
+        """Close the logs, the region actors (then kill them, or leave pooled ones for the next run),
+        the emulator and a Ray this driver started; safe after a failed or partial set-up."""
+        self.journal.close()
+        self.opened.close(warm_pool_s=self.cfg.ray.warm_pool_s, outcome=self.outcome)
+        release_run_dir(self.run_dir)
