@@ -29,6 +29,7 @@ fragment made after its last sync of the run is not in it (the paper's evaluatio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ def split_fragments(shapes: Shapes, n: int) -> list[list[Piece]]:
     rows = [s[0] if len(s) else 1 for s in shapes]
     if not 1 <= n <= sum(rows):
         raise ValueError(f"sync.fragments: {n} fragments of a model of {sum(rows)} rows (at most one fragment per row)")
-    row_size = [max(1, _numel(s) // max(1, r)) for s, r in zip(shapes, rows)]
+    row_size = [max(1, math.prod(s) // max(1, r)) for s, r in zip(shapes, rows)]
     total = sum(r * w for r, w in zip(rows, row_size))
     out: list[list[Piece]] = [[] for _ in range(n)]
     f, filled = 0, 0.0
@@ -73,13 +74,6 @@ def split_fragments(shapes: Shapes, n: int) -> list[list[Piece]]:
                 f += 1
     assert all(out) and sum(b - a for frag in out for _, a, b in frag) == sum(rows), out
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class Layout:

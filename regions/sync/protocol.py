@@ -26,9 +26,11 @@ Shapes = list[tuple[int, ...]]
 class InnerStepper(Protocol):
     """The region's local training: forward/backward on its shard and the inner optimizer."""
 
-    def inner_steps(self, H: int, lr_scale: float, *, before_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-        """H local steps; returns train_loss, compute_s, step_time_s, steps. Raises
-        FloatingPointError (with `.metrics`) when the loss is not finite."""
+    def inner_steps(self, H: int, lr_scale: float, *, before_step: Callable[[int], None] | None = None,
+                    budget_s: float | None = None, max_steps: int | None = None) -> dict[str, Any]:
+        """H local steps, or (sync.pacing time-budget) as many as fit in budget_s, at most max_steps;
+        returns train_loss, compute_s, step_time_s, steps. Raises FloatingPointError (with `.metrics`)
+        when the loss is not finite."""
 
     def forward_backward(self) -> float:
         """One batch's loss, gradients left in the parameters' .grad."""
