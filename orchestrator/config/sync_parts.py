@@ -56,6 +56,8 @@ class OuterOptimizer:
     nesterov: bool | None = field(default=None, metadata=_doc(
         "retired: sync.outer.kind says it (true is kind nesterov, false is kind sgd); a value that agrees with "
         "kind still loads"))
+    path: str | None = field(default=None, metadata=_doc(
+        "a plug-in kind: folder put on sys.path before importing its module", path="config"))
     options: Mapping[str, Any] = field(default_factory=dict, metadata=_doc("a plug-in kind: keyword arguments for it"))
 
     def __post_init__(self):
@@ -68,8 +70,8 @@ class OuterOptimizer:
         if self.nesterov is not None and (self.kind, self.nesterov) not in (("nesterov", True), ("sgd", False)):
             raise ValueError(f"nesterov: retired, sync.outer.kind says it: nesterov: true is kind: nesterov (the "
                              f"default), nesterov: false is kind: sgd; got nesterov: {self.nesterov} with kind: {self.kind}")
-        if self.kind in OUTER_KINDS and self.options:
-            raise ValueError(f"options: a plug-in kind's (python:module:Name), not {self.kind}'s")
+        if self.kind in OUTER_KINDS and (self.path is not None or self.options):
+            raise ValueError(f"options: path and options are a plug-in kind's (python:module:Name), not {self.kind}'s")
 
 
 OUTER_KINDS = ("nesterov", "sgd", "adam")

@@ -2,8 +2,9 @@
 
 ``sync.outer.kind`` names it: ``nesterov`` (the default: SGD with Nesterov momentum, DiLoCo's 0.7 /
 0.9), ``sgd`` (heavy-ball momentum; momentum 0 is plain SGD), ``adam``, or a plug-in
-``python:module:Name`` (an importable module): a callable its author marked with ``@outer_optimizer`` that takes the
-parameters, ``lr=sync.outer.lr`` and ``sync.outer.options`` as keywords and returns an Optimizer
+``python:module:Name`` (imported after putting ``sync.outer.path`` on sys.path): a callable its author
+marked with ``@outer_optimizer`` that takes the parameters, ``lr=sync.outer.lr`` and
+``sync.outer.options`` as keywords and returns an Optimizer
 (docs/outer-optimizers.md shows one). As with plug-in tasks (regions/tasks/configs.py), a config
 can make geofed call only a callable that was marked: naming ``os:system`` is refused before
 anything is called.
@@ -39,6 +40,7 @@ class OuterSettings(Protocol):
     momentum: float
     beta2: float
     eps: float
+    path: str | None
     options: Mapping[str, Any]
 
 
@@ -66,13 +68,13 @@ def make_outer_optimizer(settings: OuterSettings, params: Sequence[torch.Tensor]
         return torch.optim.SGD(list(params), lr=lr, momentum=mom)
     if kind == "adam":
         return torch.optim.Adam(list(params), lr=lr, betas=(mom, settings.beta2), eps=settings.eps)
-    opt = load_outer_factory(kind)(list(params), lr=lr, **dict(settings.options))
+    opt = load_outer_factory(kind, settings.path)(list(params), lr=lr, **dict(settings.options))
     if not isinstance(opt, torch.optim.Optimizer):
         raise ValueError(f"sync.outer.kind: {kind!r} returned a {type(opt).__name__}, not a torch.optim.Optimizer")
     return opt
 
 
-def load_outer_factory(kind: str) -> OuterFactory:
+def load_outer_factory(kind: str, path: str | None = None) -> OuterFactory:
     """The marked factory ``python:module:Name`` names; ValueError naming sync.outer.kind otherwise.
     Importing the module runs its top-level code: a config naming a plug-in is code."""
     if not PLUGIN_KIND.fullmatch(kind):
@@ -82,6 +84,8 @@ def load_outer_factory(kind: str) -> OuterFactory:
     if top in sys.stdlib_module_names or top in ("geofed", "torch"):
         raise ValueError(f"sync.outer.kind: {kind!r} names {top!r}, which holds no marked outer optimizer "
                          f"(a plug-in is your own callable, marked @outer_optimizer)")
+    if path is not None and path not in sys.path:
+        sys.path.insert(0, path)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - the user's module: any error it raises, on one line

@@ -298,4 +298,4 @@ def test_every_key_that_holds_a_path_says_how_it_resolves():
                     if f.metadata.get("path") != "config" and key not in NOT_RESOLVED]
     assert unclassified == []
     marked = {key for key, f in _path_like_fields() if f.metadata.get("path") == "config"}
-    assert marked == {"task.path", "task.tokenizer", "task.config"}
+    assert marked == {"task.path", "task.tokenizer", "task.config", "sync.outer.path"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.config import config_from_mapping, load_config
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.sync import Diloco, outer_optimizer
 from geofed.regions.sync import outer as outer_module
@@ -133,11 +133,15 @@ def test_the_docs_plug_in_outer_optimizer_runs(tmp_path, monkeypatch):
     folder = tmp_path / "plugin"
     folder.mkdir()
     (folder / "my_lion.py").write_text(python)
-    outer = config["sync"]["outer"]
-    monkeypatch.syspath_prepend(str(folder))
+    # The YAML block as a file beside my_lion.py: its `path: .` is that folder.
+    (folder / "run.yaml").write_text(yaml.safe_dump({**config, "task": {"kind": "mlp-digits", "hidden": 16}}))
+    assert load_config(folder / "run.yaml").sync.outer.path == str(folder)
+    outer = {**config["sync"]["outer"], "path": str(folder)}
+    monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "my_lion", raising=False)
     first, sent, final, algo = _run(tmp_path, _cfg(outer), 3, monkeypatch)
     lion = type(algo.parts[0].outer_opt)
+    assert str(folder) in sys.path
     assert lion.__name__ == "Lion" and lion.__module__ == "my_lion"
     want = _by_hand(first, sent, 3, lambda ps: lion(ps, lr=outer["lr"], **outer["options"]))
     for reg in REGIONS:
@@ -158,9 +162,9 @@ def test_only_a_marked_plug_in_is_called(tmp_path, monkeypatch):
         return object()
 
     class Settings:
-        kind, lr, momentum, beta2, eps, options = "python:m:f", 0.1, 0.0, 0.999, 1e-8, {}
+        kind, lr, momentum, beta2, eps, path, options = "python:m:f", 0.1, 0.0, 0.999, 1e-8, None, {}
 
-    monkeypatch.setattr(outer_module, "load_outer_factory", lambda kind: not_an_optimizer)
+    monkeypatch.setattr(outer_module, "load_outer_factory", lambda kind, path=None: not_an_optimizer)
     with pytest.raises(ValueError, match="sync.outer.kind: .*not a torch.optim.Optimizer"):
         make_outer_optimizer(Settings(), [torch.zeros(2)])
 
@@ -170,6 +174,7 @@ def test_only_a_marked_plug_in_is_called(tmp_path, monkeypatch):
     ({"kind": "adam", "nesterov": True}, "sync.outer.nesterov"),
     ({"kind": "lion"}, "sync.outer.kind"),
     ({"kind": "adam", "options": {"x": 1}}, "sync.outer.options"),
+    ({"kind": "sgd", "path": "plugins"}, "sync.outer.options"),
     ({"kind": "adam", "beta2": 1.0}, "sync.outer.beta2"),
 ])
 def test_config_refuses_naming_the_key(outer, key):
