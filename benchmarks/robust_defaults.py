@@ -1,6 +1,6 @@
 """What each aggregation default costs and what it keeps under one hostile member (issue 36, N4).
 
-Four real RegionWorkers (digits MLP, DiLoCo over the full topology) in this process over the
+Four real Regions (digits MLP, DiLoCo over the full topology) in this process over the
 in-memory transport (the gRPC transport's twin: same mailbox, admission, exchanger and mix), one of
 them hostile by regions/adversary.py's hooks. For each aggregation setting and attack it prints the
 honest regions' final accuracy (the synchronised model of region a), the lowest accuracy after
@@ -29,7 +29,8 @@ import torch
 from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.adversary import Adversary
-from geofed.regions.worker import RegionWorker, RoundPlan
+from geofed.regions.region import Region
+from geofed.regions.worker import RoundPlan
 
 REGIONS = ["a", "b", "c", "d"]  # d turns hostile
 SETTINGS = {"old": {"robust_aggregation": "clip", "clip_multiple": 0.0},
@@ -61,7 +62,7 @@ def run_one(setting: str, attack: str, *, rounds: int, H: int, seed: int) -> dic
     cfg = _cfg(SETTINGS[setting], seed)
     hub = InMemoryHub()
     with tempfile.TemporaryDirectory() as tmp:
-        workers = {r: RegionWorker(cfg, r, Path(tmp), transport=InMemoryTransport(r, hub),
+        workers = {r: Region(cfg, r, Path(tmp), transport=InMemoryTransport(r, hub),
                                    hostile=ATTACKS[attack] if r == "d" else None) for r in REGIONS}
         for w in workers.values():
             w.start()

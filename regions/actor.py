@@ -1,15 +1,17 @@
-"""The Ray actor of a region: the plain RegionWorker plus where it runs. Nothing else lives here."""
+"""The Ray actor of a region: a plain Region (regions/region.py) plus where it runs. Nothing else lives here."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
+from .region import Region
 from .warm import WarmSlot, load_assignment, process_age_s
-from .worker import RegionWorker
+from .worker import RoundPlan
 
 # Per-node override of the address peers dial (a node behind NAT, a public IP): set in the
 # environment of that node's `ray start`, which Ray's worker processes inherit.
@@ -41,10 +43,15 @@ POOL_GROUP = "pool"
 NOTICE_GROUP = "notice"
 
 
-class RegionActor(RegionWorker):
-    """The Ray actor of a region: a RegionWorker that advertises its node's address and answers
-    heartbeats on a thread of their own. A pooled one (ray.warm_pool_s, regions/warm.py) outlives
-    its run and is handed the next run's config by `adopt`.
+class RegionActor:
+    """The Ray actor of a region: a Region (`self.region`) that advertises its node's address, and
+    answers heartbeats on a thread of their own. A pooled one (ray.warm_pool_s, regions/warm.py)
+    outlives its run and is handed the next run's config by `adopt`.
+
+    Each call from the driver that reaches the region runs inside the gap filler's `paused()`
+    (regions/gapfill.py): a fill between rounds stops before the call and, after a round that
+    armed one, starts when it returns. Heartbeats, claims and senders_done notices leave a fill
+    running: they touch no training state.
     """
 
     def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, str] | None = None,
@@ -53,61 +60,124 @@ class RegionActor(RegionWorker):
         # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
         # actor and the Ray job of the run that creates it.
         t0, age = time.monotonic(), process_age_s(ndigits=3)  # where an actor's start goes (the setup_done event)
-        slot = None
+        self._pool: WarmSlot | None = None
         if pool is not None:
             # A restart re-runs __init__ with the creation arguments, those of the run that created
             # the actor: the run that holds it now is in its saved assignment.
             held = load_assignment(pool["name"]) or {"cfg": cfg, "region": region, "run_dir": run_dir, "tls": tls,
                                                      "job": pool["job"]}
-            slot = WarmSlot(pool["name"], held)
+            self._pool = WarmSlot(pool["name"], held)
             cfg, region, run_dir, tls = held["cfg"], held["region"], held["run_dir"], held["tls"]
-        self._build(cfg, region, run_dir, tls, hostile=hostile)  # hostile: geofed bench attack only
-        self.__dict__["_pool"] = slot
+        self.region: Region | None = _build(cfg, region, run_dir, tls, hostile=hostile)  # hostile: geofed bench attack only
         # cpu_s: this process's CPU from its start (Ray's worker, the imports, the build): what a
         # region's start costs whatever else the host is doing, where process_s and init_s are wall time.
-        self.__dict__["_start"] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3),
-                                   "cpu_s": round(time.process_time(), 3)}
+        self._start: dict[str, Any] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3),
+                                       "cpu_s": round(time.process_time(), 3)}
 
-    def _build(self, cfg: Any, region: str, run_dir: str, tls, *, hostile=None) -> None:
-        super().__init__(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg), hostile=hostile)
+    def _paused(self, call: Callable[[Region], Any]) -> Any:
+        """`call(region)` with the gap filler paused around it (regions/gapfill.py)."""
+        region = self.region
+        if region is None:  # a pooled actor between runs
+            raise RuntimeError("this pooled region actor holds no region: adopt() it first")
+        with region.gap_fill.paused():
+            return call(region)
 
+    # -- the pool ---------------------------------------------------------------------------
     @ray.method(concurrency_group=POOL_GROUP)
     def claim(self, job: str) -> bool:
         """A pooled actor taken by the run of Ray job `job`; False when another run holds it."""
-        pool = self.__dict__.get("_pool")
-        return pool is not None and pool.claim(job)
+        return self._pool is not None and self._pool.claim(job)
 
     def adopt(self, cfg: Any, region: str, run_dir: str, *, tls=None) -> dict[str, Any]:
-        """A claimed pooled actor becomes `region` of a new run: the old worker is closed and a
+        """A claimed pooled actor becomes `region` of a new run: the old region is closed and a
         fresh one built in this process (no state of the last run survives); returns node_info."""
+        if self._pool is None:
+            raise RuntimeError("adopt: this region actor is not pooled")
         t0, cpu0 = time.monotonic(), time.process_time()
-        self.close()
-        pool = self._pool
-        self.__dict__.clear()
-        self.__dict__["_pool"] = pool
-        pool.assign(cfg=cfg, region=region, run_dir=run_dir, tls=tls)  # first: a restart from here on builds this run's worker
-        self._build(cfg, region, run_dir, tls)
-        self.__dict__["_start"] = {"process_s": None, "init_s": round(time.monotonic() - t0, 3),
-                                   "cpu_s": round(time.process_time() - cpu0, 3), "reused": True}
+        if self.region is not None:
+            with self.region.gap_fill.paused():
+                self.region.close()
+            self.region = None
+        self._pool.assign(cfg=cfg, region=region, run_dir=run_dir, tls=tls)  # first: a restart from here on builds this run's region
+        self.region = _build(cfg, region, run_dir, tls)
+        self._start = {"process_s": None, "init_s": round(time.monotonic() - t0, 3),
+                       "cpu_s": round(time.process_time() - cpu0, 3), "reused": True}
         return self.node_info()
 
     def release(self, idle_s: float) -> None:
-        """The run is over: close the worker; the actor waits `idle_s` for the next run, then ends."""
+        """The run is over: close the region; the actor waits `idle_s` for the next run, then ends."""
         self.close()
         if self._pool is not None:
             self._pool.release(idle_s)
 
+    # -- off the main thread: no pause ------------------------------------------------------
     @ray.method(concurrency_group=NOTICE_GROUP)
     def senders_done(self, round_: int, senders: list[str]) -> None:
-        """RegionWorker.senders_done, on a thread of its own: the round it cuts short is running."""
-        transport = self.__dict__.get("transport")
-        if transport is not None:  # a pooled actor between runs has none
-            transport.mailbox.senders_done(round_, senders)
+        """Region.senders_done, on a thread of its own: the round it cuts short is running."""
+        region = self.region
+        if region is not None:  # a pooled actor between runs has none
+            region.senders_done(round_, senders)
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def heartbeat(self) -> dict[str, Any]:
         """Answers at once, whatever the region's main call is doing (reads two plain values)."""
-        return {"pid": os.getpid(), "completed_round": self.__dict__.get("completed_round", -1)}
+        region = self.region
+        return {"pid": os.getpid(), "completed_round": region.completed_round if region is not None else -1}
+
+    # -- the region's calls, each with the gap filler paused --------------------------------
+    def start(self) -> str:
+        return self._paused(lambda r: r.start())
+
+    def connect(self, peers: dict[str, str]) -> None:
+        return self._paused(lambda r: r.connect(peers))
+
+    def probe(self) -> dict[str, Any]:
+        return self._paused(lambda r: r.probe())
+
+    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+        return self._paused(lambda r: r.run_round(plan))
+
+    def catch_up(self, peers: list[str], **kwargs: Any) -> tuple[str, int]:
+        return self._paused(lambda r: r.catch_up(peers, **kwargs))
+
+    def finish_pending(self) -> dict[str, Any]:
+        return self._paused(lambda r: r.finish_pending())
+
+    def flush_exchange(self) -> dict[str, Any]:
+        return self._paused(lambda r: r.flush_exchange())
+
+    def get_params(self) -> list[Any]:
+        return self._paused(lambda r: r.get_params())
+
+    def evaluate(self) -> dict[str, Any]:
+        return self._paused(lambda r: r.evaluate())
+
+    def result_state(self) -> dict[str, Any]:
+        return self._paused(lambda r: r.result_state())
+
+    def sketch(self) -> Any:
+        return self._paused(lambda r: r.sketch())
+
+    def save_checkpoint(self) -> str:
+        return self._paused(lambda r: r.save_checkpoint())
+
+    def restore_checkpoint(self, at_most: int | None = None) -> dict[str, Any]:
+        return self._paused(lambda r: r.restore_checkpoint(at_most))
+
+    def take_refusals(self) -> dict[str, int]:
+        return self._paused(lambda r: r.take_refusals())
+
+    def transport_stats(self) -> dict[str, Any]:
+        return self._paused(lambda r: r.transport_stats())
+
+    def info(self) -> dict[str, Any]:
+        return self._paused(lambda r: r.info())
+
+    def close(self) -> None:
+        """Close the region (a pooled actor keeps running without one until adopted or ended)."""
+        if self.region is not None:
+            with self.region.gap_fill.paused():
+                self.region.close()
 
     def node_info(self) -> dict[str, Any]:
         """info() plus the Ray node the actor runs on (id, IP, labels), for the placement check."""
@@ -119,7 +189,11 @@ class RegionActor(RegionWorker):
                 labels = dict(node.get("Labels") or {})
                 break
         return {**self.info(), "node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels,
-                "start": self.__dict__.get("_start")}
+                "start": self._start}
+
+
+def _build(cfg: Any, region: str, run_dir: str, tls, *, hostile=None) -> Region:
+    return Region(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg), hostile=hostile)
 
 
 GRPC_LOG_ENV = "GRPC_VERBOSITY"

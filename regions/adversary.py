@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from .hooks import RoundHook
+
 __all__ = ["KINDS", "Adversary", "HostileMember", "attach", "poisoned_state_bytes"]
 
 KINDS = ("withhold", "poisoned", "scale", "bound", "secagg")
@@ -159,12 +161,28 @@ def _l2(tensors: Sequence[torch.Tensor]) -> float:
     return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.detach().float())) ** 2 for t in tensors))
 
 
-def attach(spec: Adversary, worker: Any) -> HostileMember:
-    """Turn `worker` (a RegionWorker, built honest) hostile: its exchanger, secure aggregation and
-    FetchState serving get the member's hooks; returns the member (whose acts the round reports)."""
-    member = HostileMember(spec, norm_multiple=worker.cfg.security.norm_multiple, seed=worker.cfg.run.seed)
-    worker.exchanger.hostile = member
-    if worker.secagg is not None:
-        worker.secagg.hostile = member
-    worker.transport.state_provider = member.state_provider(worker.state_bytes)
+def attach(spec: Adversary, region: Any) -> HostileMember:
+    """Turn `region` (a Region, built honest) hostile: its round gets the member's hook (what it
+    sends, the acts it reports), its secure aggregation the member's mask and FetchState the
+    member's state; returns the member."""
+    member = HostileMember(spec, norm_multiple=region.cfg.security.norm_multiple, seed=region.cfg.run.seed)
+    region.add_hook(_MemberHook(member))
+    if region.secagg is not None:
+        region.secagg.hostile = member
+    region.serve_state(member.state_provider(region.state_bytes))
     return member
+
+
+class _MemberHook(RoundHook):
+    """A hostile member at the region's round (regions/hooks.py): it changes what is sent, and
+    the round reports its acts under `hostile`."""
+
+    def __init__(self, member: HostileMember):
+        self.member = member
+
+    def before_send(self, round_: int, tensors: Sequence[torch.Tensor],
+                    out_peers: Sequence[str]) -> tuple[Sequence[torch.Tensor], Sequence[str]]:
+        return self.member.outgoing(round_, tensors, out_peers)
+
+    def report(self, plan: Any, metrics: dict[str, Any]) -> None:
+        metrics["hostile"] = self.member.take_acts()

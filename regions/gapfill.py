@@ -9,42 +9,79 @@ enter the next round's pseudo-gradient like the round's own. Without overlap the
 synchronised model, which the driver may read (final model, evaluation) before any next round;
 the coordinator plans fills only with overlap.
 
+`GapFill` is one of the region's round hooks (regions/hooks.py): a round's `report` arms the fill
+(plan.fill, not the final round), its `plan` hands the steps filled since to the round
+(Region.carry_steps), and in between the fill runs on a thread of its own.
+
 Thread discipline: the filler is the only other thread that touches the model, the optimiser and
-the data stream, and every public call of a RegionWorker stops it first and waits for its step in
-progress (`pausing`), so nothing the worker does ever runs next to a fill step.
+the data stream. It runs only between calls from outside the region: the Ray actor runs every such
+call inside `paused()` (regions/actor.py), which stops a fill first (waiting for its step in
+progress) and starts the fill a round armed once the call returns. The region's own threads (an
+overlapped exchange, sends, secure aggregation, gRPC handlers) never stop it, as they never stop
+a round's own steps.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .hooks import RoundHook
 
-# The worker's own threads (an overlapped exchange, sends, secure aggregation, gRPC handlers, the
-# filler itself) call into it while it trains, as they do during a round's steps: they don't stop a
-# fill. Calls from Ray (the driver) do.
-BACKGROUND = ("geofed-", "gossip-")
+if TYPE_CHECKING:
+    from .worker import RoundPlan
 
 
-class GapFiller:
-    """Runs `stepper`'s inner steps on a thread until stopped, at most `max_steps` steps and
-    `max_s` seconds per fill; `take()` hands the steps taken to the next round's metrics."""
+class GapFill(RoundHook):
+    """Runs `region`'s inner steps on a thread until stopped, at most `max_steps` steps and
+    `max_s` seconds per fill; `take()` hands the steps taken to the next round."""
 
-    def __init__(self, stepper: Any):
-        self._stepper = stepper
+    def __init__(self, region: Any):
+        self._region = region
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._losses: list[float] = []
         self._durations: list[float] = []
         self._error: BaseException | None = None
+        self._armed: dict[str, Any] | None = None  # the fill the last round asked for, started once its call returns
         self._lock = threading.Lock()  # start and stop may come from two threads (a Ray call, a gRPC handler)
 
+    # -- hook points ----------------------------------------------------------------------
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        """The steps filled since the last round are this round's first (Region.carry_steps)."""
+        losses, durations = self.take()
+        if losses:
+            self._region.carry_steps(losses, durations)
+        return plan
+
+    def report(self, plan: RoundPlan, metrics: dict[str, Any]) -> None:
+        """Arm a fill for the gap after this round, if planned: at most a nominal round's steps (a
+        long gap, a peer back from an absence fetching the model, must not turn into several rounds
+        of unsynchronised drift)."""
+        self._armed = None
+        if plan.fill and not plan.final:
+            self._armed = {"lr_scale": plan.lr_scale, "max_steps": max(1, plan.H),
+                           "max_s": max(1.0, 4 * (plan.budget_s or 0.0))}
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Around one call from outside the region: a fill in progress stops before it runs, and a
+        fill the call armed (a round's report) starts once it has returned. A call that raises
+        starts none."""
+        self.stop()
+        self._armed = None
+        yield
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            self.start(**armed)
+
+    # -- the fill thread ------------------------------------------------------------------
     @property
     def running(self) -> bool:
         return self._thread is not None
@@ -56,7 +93,7 @@ class GapFiller:
             return
         with self._lock:
             self._stop.clear()
-            threads = torch.get_num_threads()  # intra-op threads are set per thread: keep the worker's
+            threads = torch.get_num_threads()  # intra-op threads are set per thread: keep the region's
             thread = threading.Thread(target=self._run, args=(lr_scale, max_steps, max_s, threads),
                                       name="geofed-gapfill", daemon=True)
             thread.start()
@@ -64,19 +101,19 @@ class GapFiller:
 
     def _run(self, lr_scale: float, max_steps: int, max_s: float, threads: int) -> None:
         torch.set_num_threads(threads)
-        stepper, t0 = self._stepper, time.monotonic()
+        region, t0 = self._region, time.monotonic()
         try:
             while not self._stop.is_set() and len(self._durations) < max_steps and time.monotonic() - t0 < max_s:
                 t_step = time.monotonic()
-                loss = stepper.forward_backward()
+                loss = region.forward_backward()
                 if not math.isfinite(loss):
                     # Not stepped: the next round starts from finite weights, and a rollback
                     # (security.rollback_on_nonfinite) snapshots them at its start.
                     self._losses.append(loss)
                     self._durations.append(time.monotonic() - t_step)
                     break
-                stepper.optimizer_step(lr_scale)
-                stepper.slowdown.after_step(time.monotonic() - t_step)
+                region.optimizer_step(lr_scale)
+                region.slowdown.after_step(time.monotonic() - t_step)
                 self._losses.append(loss)
                 self._durations.append(time.monotonic() - t_step)
         except BaseException as exc:  # noqa: BLE001 - handed to the next round, which raises it
@@ -92,7 +129,7 @@ class GapFiller:
 
     def take(self) -> tuple[list[float], list[float]]:
         """The losses and step durations of the fills since the last take (stops a running fill);
-        an error raised on the fill thread is raised here, on the worker's."""
+        an error raised on the fill thread is raised here, on the caller's."""
         self.stop()
         losses, durations, error = self._losses, self._durations, self._error
         self._losses, self._durations, self._error = [], [], None
@@ -101,25 +138,4 @@ class GapFiller:
         return losses, durations
 
 
-def pausing(cls: type) -> type:
-    """Make every public method of `cls` (a RegionWorker) stop the gap filler before it runs: Ray
-    calls into the actor, and calls between the worker's own methods, never run beside a fill step."""
-    for name in dir(cls):
-        attr = inspect.getattr_static(cls, name)
-        if name.startswith("_") or not inspect.isfunction(attr):  # properties, static and class methods stay
-            continue
-        setattr(cls, name, _stopping_first(attr))
-    return cls
-
-
-def _stopping_first(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        filler = self.__dict__.get("filler")
-        if filler is not None and filler.running and not threading.current_thread().name.startswith(BACKGROUND):
-            filler.stop()
-        return method(self, *args, **kwargs)
-    return wrapper
-
-
-__all__ = ["GapFiller", "pausing"]
+__all__ = ["GapFill"]

@@ -1,6 +1,6 @@
-"""Region workers in one process: the runtime's RegionWorkers over the in-memory transport.
+"""A run's regions in one process: the runtime's Regions over the in-memory transport.
 
-What the region actors of `geofed run` run, without Ray or sockets: one RegionWorker per
+What the region actors of `geofed run` run, without Ray or sockets: one Region per
 region, each with an InMemoryTransport on one hub (the gRPC transport's Mailbox and validator,
 the same exchanger, codecs and sync algorithm). A round runs the regions side by side, a thread
 each: an exchange blocks until the in-neighbours' messages arrive, so regions cannot take turns.
@@ -27,13 +27,14 @@ import torch
 
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 
-from .worker import RegionWorker, RoundPlan
+from .region import Region
+from .worker import RoundPlan
 
 
 class InProcessRegions:
-    """The RegionWorkers of one run on one in-memory hub, in this process.
+    """The Regions of one run on one in-memory hub, in this process.
 
-    `cfg` is the run config (duck-typed, as RegionWorker's); `run_dir` is where a worker keeps
+    `cfg` is the run config (duck-typed, as Region's); `run_dir` is where a worker keeps
     checkpoints (none are written unless asked); `task`, when given, is shared by every worker
     (built from cfg.task; graph tasks then load and partition once). ``hub`` lets a test delay
     or cut links (InMemoryHub.set_link).
@@ -43,7 +44,7 @@ class InProcessRegions:
         self.cfg, self.run_dir, self.task = cfg, Path(run_dir), task
         self.hub = hub if hub is not None else InMemoryHub()
         self.regions = list(cfg.regions.names)
-        self.workers: dict[str, RegionWorker] = {}
+        self.workers: dict[str, Region] = {}
         self._rng_lock = threading.RLock()
         self._pool = ThreadPoolExecutor(len(self.regions), thread_name_prefix="geofed-region")
         try:
@@ -53,13 +54,13 @@ class InProcessRegions:
             self.close()
             raise
 
-    def restart(self, region: str) -> RegionWorker:
+    def restart(self, region: str) -> Region:
         """A fresh worker for `region`, as a restarted process would have: nothing of the old one."""
         old = self.workers.pop(region, None)
         if old is not None:
             old.close()
         transport = InMemoryTransport(region, self.hub, round_window=self.cfg.security.round_window)
-        w = _OwnGeneratorWorker(self.cfg, region, self.run_dir, transport=transport, task=self.task,
+        w = _OwnGeneratorRegion(self.cfg, region, self.run_dir, transport=transport, task=self.task,
                                 rng_lock=self._rng_lock)
         w.start()
         w.connect({r: f"inmem:{r}" for r in self.regions})
@@ -89,8 +90,8 @@ class InProcessRegions:
         self.close()
 
 
-class _OwnGeneratorWorker(RegionWorker):
-    """A RegionWorker whose use of torch's global generator is its own (see the module's doc)."""
+class _OwnGeneratorRegion(Region):
+    """A Region whose use of torch's global generator is its own (see the module's doc)."""
 
     def __init__(self, *args, rng_lock: threading.RLock, **kwargs):
         self._rng_lock = rng_lock

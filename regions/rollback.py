@@ -2,13 +2,16 @@
 
 Admission (geofed.p2p.robust) refuses the updates that are plainly wrong; what it lets through
 can still break a model: a finite update that overflows the next forward pass, a region's own
-divergence. ``RoundGuard`` keeps the region's state at the start of every round (its model, the
+divergence. ``Rollback`` keeps the region's state at the start of every round (its model, the
 inner optimiser's state and the algorithm's: DiLoCo's global model and outer momentum) and,
 when the round ends with a non-finite loss, a non-finite parameter or a non-finite loss on a
 fixed probe batch (the check that catches an update mixed in at the end of the round, before the
 next round trains on it), restores that state: the round's inputs (the peers' updates mixed in
 it) are dropped and the region goes on with the next round. A region that rolls back
 ``MAX_IN_A_ROW`` rounds in a row cannot make progress: it fails as before.
+
+``Rollback`` is one of the region's round hooks (regions/hooks.py): ``plan`` snapshots,
+``after_round`` checks, ``recover`` restores.
 
 The snapshot costs a copy of the model and optimiser states per round, in memory, and one
 forward pass on a few sequences; ``security.rollback_on_nonfinite: false`` turns both off. Both
@@ -29,10 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .hooks import RoundHook
 from .sync.common import no_exchange_metrics
 
 if TYPE_CHECKING:
-    from .worker import RegionWorker, RoundPlan
+    from .region import Region
+    from .worker import RoundPlan
 
 log = logging.getLogger(__name__)
 MAX_IN_A_ROW = 3
@@ -58,12 +63,12 @@ def copy_state(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-class RoundGuard:
+class Rollback(RoundHook):
     """Keeps a region's state at the start of each round and undoes a round that leaves the model
     non-finite (see the module docstring).
     """
 
-    def __init__(self, w: RegionWorker):
+    def __init__(self, w: Region):
         self.w = w
         gen = torch.Generator().manual_seed(w.cfg.run.seed * 1000 + w.index + _PROBE_SEED)
         batch = next(w.shard.batches(gen))
@@ -72,11 +77,12 @@ class RoundGuard:
         self.in_a_row = 0
         self.total = 0
 
-    def snapshot(self) -> None:
+    def plan(self, plan: RoundPlan) -> RoundPlan:
         """Keep a deep copy of the model, inner optimizer and algorithm state the round starts from."""
         w = self.w
         self._state = copy_state({"model": w.model.state_dict(), "inner": w.inner.state_dict(),
                                   "algorithm": w.algorithm.state_dict()})
+        return plan
 
     def probe_loss(self) -> float:
         """The model's loss on the fixed probe batch, in eval mode and without gradients."""
@@ -89,8 +95,8 @@ class RoundGuard:
         finally:
             w.model.train(was_training)
 
-    def check(self, metrics: dict[str, Any]) -> None:
-        """Raise FloatingPointError if the round left the region's model unusable."""
+    def after_round(self, plan: RoundPlan, metrics: dict[str, Any]) -> dict[str, Any]:
+        """`metrics` as they are; FloatingPointError if the round left the region's model unusable."""
         loss = metrics.get("train_loss")
         if loss is not None and not math.isfinite(loss):
             raise FloatingPointError(f"region {self.w.region}: train loss is {loss}")
@@ -100,16 +106,17 @@ class RoundGuard:
         if not math.isfinite(probe):
             raise FloatingPointError(f"region {self.w.region}: the model after the round gives a loss of {probe}")
         self.in_a_row = 0
+        return metrics
 
-    def roll_back(self, plan: RoundPlan, exc: FloatingPointError, partial: dict[str, Any] | None) -> dict[str, Any]:
+    def recover(self, plan: RoundPlan, error: FloatingPointError, partial: dict[str, Any] | None) -> dict[str, Any]:
         """Restore the start of the round; the round's metrics say what was dropped. `partial`:
-        the round's metrics if it got that far, else what inner_steps attached to `exc`."""
+        the round's metrics if it got that far, else what inner_steps attached to `error`."""
         w = self.w
-        partial = partial if partial is not None else getattr(exc, "metrics", None)
+        partial = partial if partial is not None else getattr(error, "metrics", None)
         self.in_a_row += 1
         self.total += 1
         if self._state is None or self.in_a_row >= MAX_IN_A_ROW:
-            raise FloatingPointError(f"{exc} ({self.in_a_row} rounds in a row rolled back)") from exc
+            raise FloatingPointError(f"{error} ({self.in_a_row} rounds in a row rolled back)") from error
         t0 = time.monotonic()
         state, self._state = self._state, None
         w.model.load_state_dict(state["model"])
@@ -118,12 +125,12 @@ class RoundGuard:
         w.algorithm.rolled_back()  # gossip: our public copy moved with the round's message; start it over
         loss = self.probe_loss()
         if not math.isfinite(loss):
-            raise FloatingPointError(f"{exc}; the state at the start of the round gives a loss of {loss} too") from exc
+            raise FloatingPointError(f"{error}; the state at the start of the round gives a loss of {loss} too") from error
         dropped = sorted({t["peer"] for t in (partial or {}).get("transfers", []) if t.get("direction") == "recv"})
-        log.warning("region %s rolled back round %d (%s); dropped the updates of %s", w.region, plan.round, exc,
+        log.warning("region %s rolled back round %d (%s); dropped the updates of %s", w.region, plan.round, error,
                     dropped or "nobody")
         metrics = {**no_exchange_metrics(), **(partial or {})}
         metrics.update({"train_loss": loss, "steps": 0, "compute_s": (partial or {}).get("compute_s", 0.0),
                         "step_time_s": (partial or {}).get("step_time_s", 0.0),
-                        "rolled_back": {"why": str(exc), "dropped": dropped, "restore_s": round(time.monotonic() - t0, 6)}})
+                        "rolled_back": {"why": str(error), "dropped": dropped, "restore_s": round(time.monotonic() - t0, 6)}})
         return metrics

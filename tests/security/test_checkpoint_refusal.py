@@ -15,7 +15,7 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions import checkpoint
 from geofed.regions.checkpoint import CheckpointError
-from geofed.regions.worker import RegionWorker
+from geofed.regions.region import Region
 
 TORCH_ADVICE = ("weights_only", "Re-running", "re-run", "trusted source")
 
@@ -52,7 +52,7 @@ def test_a_peer_serving_code_as_its_state_is_refused_without_torchs_advice(tmp_p
                                "regions": {"names": ["us-east-1", "eu-west-1"]},
                                "network": {"emulation": {"mode": "none"}}})
     hub = InMemoryHub()
-    workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub)) for r in cfg.regions.names}
+    workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub)) for r in cfg.regions.names}
     for w in workers.values():
         w.start()
         w.connect({r: f"inmem:{r}" for r in workers})

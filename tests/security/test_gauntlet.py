@@ -2,7 +2,7 @@
 data before it counts (regions/gauntlet.py), and one that makes the receiver's loss worse is refused
 as `harmful`, counted by sender, and not taken for a network miss.
 
-Four real RegionWorkers (digits MLP, DiLoCo over the full topology) over the in-memory transport,
+Four real Regions (digits MLP, DiLoCo over the full topology) over the in-memory transport,
 the gRPC transport's twin; region d runs regions/adversary.py's hooks (its own code lies).
 """
 
@@ -18,7 +18,8 @@ from geofed.orchestrator.config import ConfigError, config_from_mapping, load_co
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.adversary import Adversary
 from geofed.regions.exchange import ExchangeResult
-from geofed.regions.worker import RegionWorker, RoundPlan
+from geofed.regions.region import Region
+from geofed.regions.worker import RoundPlan
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,7 +45,7 @@ def _run(tmp_path, adversary, rounds=3, *, turn=None, **security):
     from that round on the member lies that way instead."""
     cfg = _cfg(**security)
     hub = InMemoryHub()
-    workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
+    workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
                                hostile=adversary if r == "d" else None) for r in FOUR}
     out = {r: [] for r in FOUR}
     try:
@@ -55,7 +56,7 @@ def _run(tmp_path, adversary, rounds=3, *, turn=None, **security):
         with ThreadPoolExecutor(len(FOUR)) as pool:
             for r in range(rounds):
                 if turn is not None and r == turn[0]:
-                    workers["d"].exchanger.hostile.spec = turn[1]
+                    workers["d"].hostile.spec = turn[1]
                 plan = RoundPlan(round=r, H=60)
                 for reg, m in zip(FOUR, pool.map(lambda reg, p=plan: workers[reg].run_round(p), FOUR)):
                     out[reg].append(m)
@@ -88,7 +89,7 @@ def test_regions_that_refuse_the_same_update_keep_one_model(tmp_path):
     as bad_state. Now 5e-5 (the fp16 codec's rounding: a region mixes its own update unrounded)."""
     cfg = _cfg()
     hub = InMemoryHub()
-    workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
+    workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
                                hostile=Adversary(kind="scale", factor=-9.0) if r == "d" else None) for r in FOUR}
     try:
         for w in workers.values():
@@ -124,8 +125,8 @@ def test_the_gauntlet_screens_what_the_mix_gets(tmp_path):
     worker had no gauntlet (AttributeError)."""
     cfg = _cfg()
     hub = InMemoryHub()
-    a = RegionWorker(cfg, "a", tmp_path, transport=InMemoryTransport("a", hub))
-    b = RegionWorker(cfg, "b", tmp_path, transport=InMemoryTransport("b", hub))
+    a = Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", hub))
+    b = Region(cfg, "b", tmp_path, transport=InMemoryTransport("b", hub))
     try:
         theta = [g.detach().clone() for g in a.algorithm.global_params]
         b.inner_steps(40, 1.0)
@@ -144,7 +145,7 @@ def test_the_gauntlet_screens_what_the_mix_gets(tmp_path):
 
 def test_the_gauntlet_is_off_when_turned_off(tmp_path):
     """security.score_updates false: the worker builds no gauntlet. Before: the key did not exist."""
-    off = RegionWorker(_cfg(score_updates=False), "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+    off = Region(_cfg(score_updates=False), "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
     try:
         assert off.gauntlet is None
     finally:

@@ -9,7 +9,7 @@ import pytest
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.limits import MiB, encoded_bytes, wire_limits
 from geofed.regions.sync import GossipSync
-from geofed.regions.worker import RegionWorker
+from geofed.regions.region import Region
 
 REGIONS = ["a", "b", "c"]
 
@@ -54,7 +54,7 @@ def test_the_memory_budget_and_the_longest_call_are_bounded():
 
 
 def test_a_region_builds_its_transport_with_its_own_limits(tmp_path):
-    w = RegionWorker(_cfg(security={"tls": False}), "a", tmp_path)
+    w = Region(_cfg(security={"tls": False}), "a", tmp_path)
     try:
         t = w.transport
         assert t.mailbox.max_message_bytes == MiB == w.limits.max_message_bytes

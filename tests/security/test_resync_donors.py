@@ -27,7 +27,7 @@ from geofed.orchestrator.driver.recovery import plan_resync, suspects
 from geofed.p2p.admission import Refusal
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p.rejoin import check_state, combine_states, donor_order, flat_tensors
-from geofed.regions.worker import RegionWorker
+from geofed.regions.region import Region
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from reliability_harness import BackgroundRun, events, small_config
@@ -143,7 +143,7 @@ def _workers(tmp_path, names):
     cfg = config_from_mapping({"task": {"kind": "mlp-digits", "hidden": 8}, "regions": {"names": names},
                                "network": {"emulation": {"mode": "none"}}})
     hub = InMemoryHub()
-    workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub)) for r in names}
+    workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub)) for r in names}
     for w in workers.values():
         w.start()
         w.connect({r: f"inmem:{r}" for r in workers})
@@ -162,7 +162,7 @@ def _poison(worker, value=None):
         buf = io.BytesIO()
         torch.save(out, buf)
         return buf.getvalue()
-    worker.transport.state_provider = serve
+    worker.serve_state(serve)
 
 
 def _honest(workers, evil):
@@ -245,16 +245,18 @@ def test_honest_regions_refuse_a_poisoned_donor_state_count_it_and_keep_accuracy
     run.wait_rounds(2, timeout_s=150)
     cut = set(range(run.runner.next_round + 1, run.runner.next_round + 4))
 
-    def poison(worker):  # runs in the region's actor: its FetchState serves a random finite state
+    def poison(actor):  # runs in the region's actor: its FetchState serves a random finite state
         import torch as _torch
         from geofed.regions.adversary import poisoned_state_bytes
 
         gen = _torch.Generator().manual_seed(7)
-        worker.transport.state_provider = lambda: poisoned_state_bytes(worker.state_bytes(), gen)
+        region = actor.region
+        region.serve_state(lambda: poisoned_state_bytes(region.state_bytes(), gen))
 
-    def cut_link(worker, dst, rounds):  # runs in the sender's actor: its pushes of `rounds` to dst time out
+    def cut_link(actor, dst, rounds):  # runs in the sender's actor: its pushes of `rounds` to dst time out
         from geofed.p2p.transport import TransportError
 
+        worker = actor.region
         real = worker.transport.send
 
         def send(peer, round_, payload, **kw):
@@ -302,7 +304,7 @@ def test_an_honest_donor_at_the_drift_of_a_missed_round_is_taken_not_refused(tmp
         buf = io.BytesIO()
         torch.save(state, buf)
         honest_drifted = buf.getvalue()
-        donor.transport.state_provider = lambda: honest_drifted
+        donor.serve_state(lambda: honest_drifted)
         assert check_state(state, own, max_value=1e6, bound=None, donor="x") > old_bound
         got, _ = receiver.catch_up([donor.region], timeout_s=5)
         assert got == donor.region

@@ -1,7 +1,7 @@
 """Issue 15, finding 2: one update of finite huge values (3e38, a valid checksum) from a compromised
 peer crashed the run: the receiving region's loss went NaN, inner_steps raised FloatingPointError.
 
-Here real RegionWorkers (digits MLP, DiLoCo over the full topology) exchange over the in-memory
+Here real Regions (digits MLP, DiLoCo over the full topology) exchange over the in-memory
 transport, the gRPC transport's twin (same mailbox, validator, exchanger), and a third region's
 transport is driven by hand as the compromised peer. The live run is in test_hostile_peer_run.py.
 """
@@ -20,7 +20,8 @@ from geofed.p2p.mailbox import Refusal
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.exchange import ExchangeResult
 from geofed.p2p.robust import UpdateAdmission, coordinate_median, robust_mix, trim_count, trimmed_mean
-from geofed.regions.worker import RegionWorker, RoundPlan
+from geofed.regions.region import Region
+from geofed.regions.worker import RoundPlan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +46,7 @@ class Trio:
     def __init__(self, tmp_path, **security):
         self.hub = InMemoryHub()
         cfg = _cfg(**security)
-        self.workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, self.hub)) for r in ("a", "b")}
+        self.workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, self.hub)) for r in ("a", "b")}
         self.c = InMemoryTransport("c", self.hub)
         self.c.start()
         self.c.connect({r: "x" for r in REGIONS})
@@ -220,7 +221,7 @@ def test_under_the_default_one_member_keeps_the_mean_step_forward_and_its_share(
     for the flips the mean step pointed backwards (cosine < 0)."""
     cfg = config_from_mapping({"run": {"seed": 0}, "task": {"kind": "mlp-digits", "hidden": 16},
                                "regions": {"names": FOUR}, "network": {"emulation": {"mode": "none"}}})
-    w = RegionWorker(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+    w = Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
     try:
         g = torch.Generator().manual_seed(0)
         common = [torch.randn(s, generator=g) for s in w.shapes]

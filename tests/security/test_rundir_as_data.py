@@ -8,7 +8,7 @@ symbolic link planted in it (N13), and refuse a checkpoint whose tensors do not 
 one line and exit 2 (N14).
 
 The run directories here are real: the config written by the run's own writer (write_config),
-the checkpoints by RegionWorker.state_dict through checkpoint.save_atomic (what a region writes
+the checkpoints by Region.state_dict through checkpoint.save_atomic (what a region writes
 at the end of a round), with no Ray.
 """
 
@@ -40,7 +40,7 @@ from geofed.orchestrator.driver.rundir import write_config
 from geofed.orchestrator.watch import watch
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions import checkpoint
-from geofed.regions.worker import RegionWorker
+from geofed.regions.region import Region
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,10 +62,10 @@ def _cfg(algorithm: str = "diloco", hidden: int = 8) -> RunConfig:
 
 
 def _write_checkpoints(run_dir: Path, cfg: RunConfig, round_: int = 0, regions=REGIONS) -> dict[str, dict]:
-    """Each region's real checkpoint of `round_` (RegionWorker.state_dict, checkpoint.save_atomic)."""
+    """Each region's real checkpoint of `round_` (Region.state_dict, checkpoint.save_atomic)."""
     hub, states = InMemoryHub(), {}
     for region in regions:
-        w = RegionWorker(cfg, region, run_dir, transport=InMemoryTransport(region, hub))
+        w = Region(cfg, region, run_dir, transport=InMemoryTransport(region, hub))
         w.start()
         try:
             with torch.no_grad():  # regions differ, as after local steps

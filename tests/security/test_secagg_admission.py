@@ -3,7 +3,7 @@
 filled the sum, every region rolled back 3 rounds in a row and the driver exited 1 at round 2.
 
 Here the real secure-aggregation round (regions/secagg/round.py) runs on real tensors over the
-in-memory transport, the gRPC transport's twin; in the last test four real RegionWorkers (digits
+in-memory transport, the gRPC transport's twin; in the last test four real Regions (digits
 MLP, DiLoCo) run it, one of them hostile by a hook in its own code (regions/adversary.py: its
 update x1e30 before it is masked, the way the attack did it).
 """
@@ -22,7 +22,8 @@ from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p.robust import UpdateAdmission
 from geofed.regions.adversary import Adversary
 from geofed.regions.secagg.round import SecAggRound
-from geofed.regions.worker import RegionWorker, RoundPlan
+from geofed.regions.region import Region
+from geofed.regions.worker import RoundPlan
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,13 +131,13 @@ def _worker_cfg():
 
 
 def test_a_x1e30_member_in_a_secure_aggregation_run_is_refused_counted_and_the_run_lives(tmp_path):
-    """Four RegionWorkers with secure aggregation; d multiplies its update by 1e30 before it is
+    """Four Regions with secure aggregation; d multiplies its update by 1e30 before it is
     masked (Adversary kind secagg). Before: every honest region rolled back rounds 0 and 1 (its
     model gave a NaN loss) and raised FloatingPointError ('3 rounds in a row') in round 2, which made the driver exit 1;
     nothing was refused or counted."""
     cfg = _worker_cfg()
     hub = InMemoryHub()
-    workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
+    workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
                                hostile=Adversary(kind="secagg", factor=1e30) if r == "d" else None)
                for r in REGIONS}
     for w in workers.values():

@@ -11,7 +11,7 @@ from geofed.orchestrator.config.strict import ConfigError
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions import checkpoint
 from geofed.regions.device import DeviceError, Precision, resolve_device, to_device
-from geofed.regions.worker import RegionWorker
+from geofed.regions.region import Region
 
 NO_GPU = not torch.cuda.is_available()
 needs_no_gpu = pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error path; this machine has a CUDA device")
@@ -116,7 +116,7 @@ def _worker(tmp_path, *, precision="fp32", device="cpu"):
         "regions": {"names": ["a"], "device": device}, "network": {"emulation": {"mode": "none"}},
         "sync": {"inner": {"lr": 0.01, "precision": precision}},
     })
-    return RegionWorker(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+    return Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

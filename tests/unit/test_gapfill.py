@@ -1,5 +1,6 @@
 """sync.pacing.fill_gaps (regions/gapfill.py): the filler steps a real torch model on its own thread
-until stopped, within its caps; the worker's public calls stop it first, its own threads don't."""
+until stopped, within its caps; a call through the actor's boundary (`paused()`) stops it first and
+starts the fill a round armed once it returns; the region's own threads don't stop it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import pytest
 import torch
 
 from geofed.regions.emulation import Slowdown
-from geofed.regions.gapfill import GapFiller, pausing
+from geofed.regions.gapfill import GapFill
+from geofed.regions.worker import RoundPlan
 
 
-@pausing
 class _Stepper:
-    """The part of a RegionWorker the filler drives: a model, its optimiser, a data stream."""
+    """The part of a Region the filler drives: a model, its optimiser, a data stream."""
 
     def __init__(self, *, fail_after: int | None = None, slowdown: float = 1.0, nan_after: int | None = None):
         torch.manual_seed(0)
@@ -25,7 +26,8 @@ class _Stepper:
         self.steps = 0
         self.fail_after = fail_after
         self.nan_after = nan_after
-        self.filler = GapFiller(self)
+        self.filler = GapFill(self)
+        self.carried: list[tuple[list[float], list[float]]] = []
 
     def forward_backward(self) -> float:
         if self.fail_after is not None and self.steps >= self.fail_after:
@@ -44,6 +46,9 @@ class _Stepper:
 
     def read(self) -> int:
         return self.steps
+
+    def carry_steps(self, losses: list[float], durations: list[float]) -> None:
+        self.carried.append((losses, durations))
 
 
 def _wait_for(cond, timeout_s: float = 10.0) -> None:
@@ -80,7 +85,7 @@ def test_a_fill_keeps_to_its_step_and_time_caps():
     assert not s.filler.running
 
 
-def test_a_public_call_stops_the_fill_before_it_runs_but_a_worker_thread_does_not():
+def test_a_call_through_the_boundary_stops_the_fill_before_it_runs_but_a_region_thread_does_not():
     s = _Stepper()
     s.filler.start(lr_scale=1.0, max_steps=10_000, max_s=30.0)
     _wait_for(lambda: s.steps >= 2)
@@ -88,17 +93,42 @@ def test_a_public_call_stops_the_fill_before_it_runs_but_a_worker_thread_does_no
 
     def from_overlap_thread():
         seen["running"] = s.filler.running
-        s.read()  # an overlapped exchange calling into the worker: the fill goes on
+        s.read()  # an overlapped exchange calling into the region: the fill goes on
         seen["after"] = s.filler.running
 
     t = threading.Thread(target=from_overlap_thread, name="geofed-overlap_0")
     t.start()
     t.join()
     assert seen == {"running": True, "after": True}
-    n = s.read()  # a call from Ray's thread: stopped first, so nothing steps after it
-    assert not s.filler.running
-    time.sleep(0.05)
-    assert s.steps == n
+    with s.filler.paused():  # a call from Ray's thread (regions/actor.py): stopped first
+        n = s.read()
+        assert not s.filler.running
+        time.sleep(0.05)
+        assert s.steps == n  # nothing steps beside the call
+    assert not s.filler.running  # that call armed no fill: none starts after it
+
+
+def test_a_round_arms_the_fill_it_plans_and_the_next_round_takes_its_steps():
+    s = _Stepper()
+    plan = RoundPlan(round=3, H=4, fill=True, budget_s=0.5, lr_scale=0.5)
+    with s.filler.paused():
+        s.filler.report(plan, {})
+        assert not s.filler.running  # armed, not started: the call is still running
+    assert s.filler.running
+    _wait_for(lambda: not s.filler._thread.is_alive())
+    assert s.steps == 4  # at most the round's H
+    nxt = RoundPlan(round=4, H=4)
+    with s.filler.paused():
+        assert s.filler.plan(nxt) is nxt
+    assert len(s.carried) == 1 and len(s.carried[0][0]) == len(s.carried[0][1]) == 4
+    for unfilled in (RoundPlan(round=5, H=4), RoundPlan(round=5, H=4, fill=True, final=True)):
+        with s.filler.paused():
+            s.filler.report(unfilled, {})
+        assert not s.filler.running
+    with pytest.raises(RuntimeError), s.filler.paused():
+        s.filler.report(plan, {})
+        raise RuntimeError("the round failed after its report")
+    assert not s.filler.running  # a call that raises starts no fill
 
 
 def test_an_error_on_the_fill_thread_is_raised_on_take():

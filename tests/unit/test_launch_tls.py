@@ -11,7 +11,7 @@ import pytest
 from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.tls import make_pki
 from geofed.regions.actor import ADVERTISED_HOST_ENV, advertised_host
-from geofed.regions.worker import RegionWorker
+from geofed.regions.region import Region
 from geofed.p2p.prober import LinkProber
 
 REGIONS = ["us-east-1", "eu-west-1"]
@@ -30,7 +30,7 @@ def test_workers_with_material_as_arguments_talk_mtls_without_run_dir_tls(tmp_pa
     node_dir = tmp_path / "node"                               # a node's: no tls/ here
     node_dir.mkdir()
     cfg = _cfg()
-    workers = {r: RegionWorker(cfg, r, node_dir, tls=pki.material(r)) for r in REGIONS}
+    workers = {r: Region(cfg, r, node_dir, tls=pki.material(r)) for r in REGIONS}
     try:
         addresses = {r: w.start() for r, w in workers.items()}
         for w in workers.values():
@@ -46,13 +46,13 @@ def test_workers_with_material_as_arguments_talk_mtls_without_run_dir_tls(tmp_pa
 
 def test_without_material_a_worker_reads_run_dir_and_says_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="TLS file missing"):
-        RegionWorker(_cfg(), "us-east-1", tmp_path)
+        Region(_cfg(), "us-east-1", tmp_path)
 
 
 def test_material_of_another_region_is_refused(tmp_path):
     pki = make_pki(tmp_path / "tls", REGIONS)
     with pytest.raises(ValueError, match="material is for 'eu-west-1'"):
-        RegionWorker(_cfg(), "us-east-1", tmp_path, tls=pki.material("eu-west-1"))
+        Region(_cfg(), "us-east-1", tmp_path, tls=pki.material("eu-west-1"))
 
 
 def test_advertised_host_env_then_config_then_node_address(monkeypatch):

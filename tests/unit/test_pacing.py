@@ -196,7 +196,7 @@ def test_the_set_up_warm_up_changes_nothing_the_run_sees(tmp_path):
     round); the weights, the data stream and the random state after it are as without it."""
     from geofed.orchestrator.config import config_from_mapping
     from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-    from geofed.regions.worker import RegionWorker
+    from geofed.regions.region import Region
 
     cfg = config_from_mapping({
         "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 16},
@@ -205,11 +205,11 @@ def test_the_set_up_warm_up_changes_nothing_the_run_sees(tmp_path):
     })
     trained = []
     for warm in (False, True):
-        w = RegionWorker(cfg, "a", tmp_path / str(warm), transport=InMemoryTransport("a", InMemoryHub()))
+        w = Region(cfg, "a", tmp_path / str(warm), transport=InMemoryTransport("a", InMemoryHub()))
         try:
             torch.manual_seed(7)
             if warm:
-                step_s = w._warm_compute()
+                step_s = w.warm_compute()
                 assert 0 < step_s < 5.0
             w.inner_steps(5, 1.0)
             trained.append(([p.detach().clone() for p in w.params], torch.rand(3), w.batches_drawn))
@@ -272,14 +272,15 @@ def test_a_region_that_starts_late_ends_its_budget_with_the_others(tmp_path):
     catch-up queued ahead of it) computes for what is left, not for the whole budget."""
     from geofed.orchestrator.config import config_from_mapping
     from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-    from geofed.regions.worker import RegionWorker, RoundPlan
+    from geofed.regions.region import Region
+    from geofed.regions.worker import RoundPlan
 
     cfg = config_from_mapping({
         "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 16},
         "regions": {"names": ["a"]}, "network": {"emulation": {"mode": "none"}},
         "sync": {"pacing": {"mode": "time-budget"}},
     })
-    w = RegionWorker(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+    w = Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
     try:
         t0 = time.time()
         late = w.run_round(RoundPlan(round=0, H=100, budget_s=1.5, budget_until=t0 + 0.3, max_steps=100_000))

@@ -11,7 +11,7 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p.transport import TransportError
 from geofed.regions.exchange import ExchangeResult
-from geofed.regions.worker import RegionWorker
+from geofed.regions.region import Region
 
 REGIONS = ["us-east-1", "eu-west-1"]
 
@@ -20,7 +20,7 @@ def _workers(tmp_path):
     cfg = config_from_mapping({"task": {"kind": "mlp-digits", "hidden": 8}, "regions": {"names": REGIONS},
                                "network": {"emulation": {"mode": "none"}}})
     hub = InMemoryHub()
-    workers = {r: RegionWorker(cfg, r, tmp_path, transport=InMemoryTransport(r, hub)) for r in REGIONS}
+    workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub)) for r in REGIONS}
     for w in workers.values():
         w.start()
         w.connect({r: f"inmem:{r}" for r in workers})

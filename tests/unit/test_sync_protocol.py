@@ -1,5 +1,5 @@
 """The sync-algorithm seam: an algorithm needs only a SyncContext (params, an inner stepper, the
-exchange), not a RegionWorker. Here the context is built from plain functions: a quadratic
+exchange), not a Region. Here the context is built from plain functions: a quadratic
 loss as the stepper and an exchange that hands back what a second region sent."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.exchange import ExchangeResult
 from geofed.regions.sync import ALGORITHMS, Algorithm, AllReduceSync, Diloco, DilocoSync, GossipSync, mix
 from geofed.regions.sync.protocol import SyncAlgorithm, SyncContext
-from geofed.regions.worker import RegionWorker, RoundPlan
+from geofed.regions.region import Region
+from geofed.regions.worker import RoundPlan
 
 
 class _Quadratic:
@@ -103,7 +104,7 @@ def test_wire_shapes_decide_what_the_worker_decodes():
     assert ALGORITHMS["diloco"].wire_shapes(cfg.sync, shapes) == shapes
     # The context names only what an algorithm may use of its region, not the worker itself.
     assert "worker" not in {f.name for f in fields(SyncContext)}
-    assert RegionWorker._sync_context.__doc__
+    assert Region._sync_context.__doc__
 
 
 @pytest.mark.parametrize("cls", [Diloco, AllReduceSync, GossipSync])

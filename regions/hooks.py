@@ -1,0 +1,91 @@
+"""The RoundHook seam: where a cross-cutting feature enters a region's round (regions/region.py).
+
+A round of `Region.run_round` reads top to bottom:
+
+    plan        every hook's `plan`, in order: the plan the round runs
+    the round   the sync algorithm: inner steps -> payload -> [before_send] -> exchange -> outer step
+    after_round every hook's `after_round`: the round's metrics, or FloatingPointError to reject it
+    recover     only for a round that raised FloatingPointError: the first hook that returns
+                metrics ends the round with them; none: the error fails the round as before
+    the report  the region's own record (evaluation, links, refusals)
+    report      every hook's `report`: its keys added to that record, the last step before returning
+
+Every method is optional: a hook subclasses `RoundHook` and overrides what it needs; what it does
+not override is the no-op each docstring names. Gap filling (regions/gapfill.py), rollback
+(regions/rollback.py) and bench attack's hostile member (regions/adversary.py) are hooks; DP,
+secure aggregation and pacing still live in the algorithm and the region's round (to be moved).
+
+Two points beyond the issue's four (plan, before_send, exchange, after_round): `recover`, because
+a rollback has to see a round that raised, and `report`, because gap filling may only be armed
+once the round's evaluation is done (a fill step beside it would move the evaluation's random
+state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from .worker import RoundPlan
+
+Tensors = Sequence["torch.Tensor"]
+# regions/exchange.py's ExchangeResult. Not imported: mypy would then check the modules behind it
+# (the transport, secure aggregation), which are not typed yet; it stands for that class here.
+ExchangeResult = Any
+
+
+class RoundHook(Protocol):
+    """One cross-cutting feature of a region's round (module docstring: where each point is)."""
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        """Before the round: the plan it runs. No-op: `plan` unchanged."""
+        return plan
+
+    def before_send(self, round_: int, tensors: Tensors, out_peers: Sequence[str]) -> tuple[Tensors, Sequence[str]]:
+        """After the region has seen its own update (its norm is admission's reference) and before
+        it is encoded: what is sent, and to whom. No-op: both unchanged."""
+        return tensors, out_peers
+
+    def exchange(self, plan: RoundPlan, tensors: Tensors, *, stream: str) -> ExchangeResult | None:
+        """The round's exchange in place of the Exchanger's (push, collect until the deadline).
+        No-op: None, the Exchanger's exchange runs."""
+        return None
+
+    def after_round(self, plan: RoundPlan, metrics: dict[str, Any]) -> dict[str, Any]:
+        """After the algorithm's round (outer step done): its metrics, or FloatingPointError when the
+        round left the region unusable. No-op: `metrics` unchanged."""
+        return metrics
+
+    def recover(self, plan: RoundPlan, error: FloatingPointError, metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A round that raised `error` (in the algorithm or an after_round): the metrics it ends with
+        instead (`metrics`: what the round got to, None if it got none). No-op: None, the error stands."""
+        return None
+
+    def report(self, plan: RoundPlan, metrics: dict[str, Any]) -> None:
+        """The round's report is made: add this hook's keys to `metrics`; the last thing before the
+        region returns. No-op: nothing added."""
+        return None
+
+
+def overrides(hook: RoundHook, name: str) -> bool:
+    """Whether `hook` does something at point `name` (its class defines it past RoundHook's no-op)."""
+    return getattr(type(hook), name, None) is not getattr(RoundHook, name)
+
+
+class BeforeSend:
+    """The hooks' before_send folded into the one call the Exchanger makes between seeing the honest
+    update and encoding it (its `hostile` slot, named for its first user, regions/adversary.py)."""
+
+    def __init__(self, hooks: Sequence[RoundHook]):
+        self.hooks = hooks
+
+    def outgoing(self, round_: int, tensors: Tensors, out_peers: Sequence[str]) -> tuple[Tensors, Sequence[str]]:
+        for hook in self.hooks:
+            tensors, out_peers = hook.before_send(round_, tensors, out_peers)
+        return tensors, out_peers
+
+
+__all__ = ["BeforeSend", "RoundHook", "Tensors", "overrides"]
