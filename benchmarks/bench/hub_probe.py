@@ -1,6 +1,6 @@
 """What the links of a RegionNet really give: RTT, cold and warm pushes, the egress share of bulk flows.
 
-Plain TCP between the namespaces (measure.SinkServer in each, clients made in the sender's
+Plain TCP between the namespaces (wan_measure.SinkServer in each, clients made in the sender's
 namespace), every region pushing to every other at once as geofed's full-topology rounds do:
 
 * ``rtt_ms``: median of 1-byte round trips on a warm connection;
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from geofed.p2p.wan.kernel import socket_in_namespace
-from geofed.p2p.wan.measure import SinkServer, bulk, ping
+from .wan_measure import SinkServer, bulk, ping
 
 Pair = tuple[str, str]
 

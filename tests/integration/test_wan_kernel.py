@@ -13,7 +13,7 @@ import pytest
 
 from geofed.p2p.wan import EmulationConfig, LinkSpec, ScheduleEvent, WanEmulator
 from geofed.p2p.wan import kernel as kmod
-from geofed.p2p.wan.measure import SinkServer, bulk, connect, goodput_mbps, pattern_digest, ping
+from geofed.bench.wan_measure import SinkServer, bulk, connect, goodput_mbps, pattern_digest, ping
 
 REASON = kmod.kernel_unavailable()
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120),

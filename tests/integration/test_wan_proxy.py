@@ -14,7 +14,7 @@ import time
 import pytest
 
 from geofed.p2p.wan import EmulationConfig, LinkSpec, ScheduleEvent, WanEmulator
-from geofed.p2p.wan.measure import (PATTERN, SinkServer, bulk, connect, goodput_mbps, pattern_digest, ping,
+from geofed.bench.wan_measure import (PATTERN, SinkServer, bulk, connect, goodput_mbps, pattern_digest, ping,
                                     rate_between)
 from geofed.p2p.wan.shaper import MAX_READ, buffer_limit
 

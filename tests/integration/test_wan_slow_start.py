@@ -1,6 +1,6 @@
 """The proxy's TCP model over real loopback sockets: handshake, slow start, idle restart, the physical floor.
 
-A plain TCP client and sink (geofed.p2p.wan.measure); each transfer is sender-timed, from its
+A plain TCP client and sink (geofed.bench.wan_measure); each transfer is sender-timed, from its
 first byte to the sink's 1-byte receipt, as the gossip transport times a push.
 """
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from geofed.p2p.wan import EmulationConfig, LinkSpec, WanEmulator
-from geofed.p2p.wan.measure import SinkServer, bulk, connect, pattern_digest, ping
+from geofed.bench.wan_measure import SinkServer, bulk, connect, pattern_digest, ping
 from geofed.p2p.wan.window import transfer_s
 
 pytestmark = pytest.mark.timeout(120)

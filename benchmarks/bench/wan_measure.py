@@ -2,7 +2,7 @@
 
 `SinkServer` is a real TCP server (threads, blocking sockets) that logs when bytes arrive, so a
 caller can see throughput over time (a scheduled step, an outage). `python -m
-geofed.p2p.wan.measure` prints the accuracy table of docs/wan.md.
+geofed.bench.wan_measure` prints the accuracy table of docs/wan.md.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ def rate_between(log: Sequence[tuple[float, int]], t0: float, t1: float) -> floa
 
 
 def _row(mode: str, in_netns: bool, packet: bool, mbps: float, latency_ms: float, nbytes: int, repeats: int) -> list[str]:
-    from .config import EmulationConfig, LinkSpec
-    from .emulator import WanEmulator
+    from geofed.p2p.wan.config import EmulationConfig, LinkSpec
+    from geofed.p2p.wan.emulator import WanEmulator
     cfg = EmulationConfig(mode=mode, preset=None, endpoints_in_netns=in_netns, kernel_latency="packet" if packet else "proxy",
                           default=LinkSpec(latency_ms=latency_ms, bandwidth_mbps=mbps))
     with WanEmulator(cfg, ["a", "b"]) as emu:
@@ -190,7 +190,7 @@ def _row(mode: str, in_netns: bool, packet: bool, mbps: float, latency_ms: float
 
 
 def _kernel_row(emu, mbps: float, latency_ms: float, nbytes: int, repeats: int) -> list[str]:
-    from .kernel import socket_in_namespace
+    from geofed.p2p.wan.kernel import socket_in_namespace
     with SinkServer("0.0.0.0", sock=socket_in_namespace(emu.kernel.namespace("b"))) as sink:
         host, port = emu.route("a", "b", f"0.0.0.0:{sink.port}").split(":")
         sock = socket_in_namespace(emu.kernel.namespace("a"))
@@ -211,9 +211,9 @@ def _measure(sock: socket.socket, mode: str, mbps: float, latency_ms: float, nby
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m geofed.p2p.wan.measure`: print the accuracy table of docs/wan.md (measured RTT and
+    """`python -m geofed.bench.wan_measure`: print the accuracy table of docs/wan.md (measured RTT and
     goodput against the configured link)."""
-    p = argparse.ArgumentParser(prog="python -m geofed.p2p.wan.measure", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m geofed.bench.wan_measure", description=__doc__)
     p.add_argument("--mode", choices=["proxy", "kernel"], default="proxy")
     p.add_argument("--netns-endpoints", action="store_true", help="kernel mode: client and sink inside the namespaces")
     p.add_argument("--packet", action="store_true", help="kernel mode: kernel_latency packet (TUN delay line)")
