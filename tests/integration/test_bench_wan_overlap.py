@@ -66,7 +66,7 @@ def test_overlap_applies_each_exchange_one_round_late_and_keeps_own_progress(clu
     # The final round reports its own exchange too (flushed) and leaves no update behind.
     sent_per_exchange = m1["a"]["bytes_sent"]
     assert m2["a"]["bytes_sent"] == pytest.approx(2 * sent_per_exchange, rel=0.01)
-    assert w.algorithm._pending is None
+    assert not w.algorithm.overlap.in_flight
     models = [[p.detach() for p in c.workers[r].params] for r in REGIONS]
     assert all(torch.allclose(x, y) for x, y in zip(models[0], models[1]))
     assert all(torch.allclose(x, y) for x, y in zip(models[0], models[2]))
