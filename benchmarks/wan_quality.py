@@ -4,7 +4,7 @@ loss of the synchronised model after N inner steps per region, for variants of c
     python benchmarks/wan_quality.py [--base char-lm|gpt] [--variants NAME,...] [--seeds 0,1] [--steps 800]
                                      [--evals 500] [--set KEY=VALUE ...] [--parallel 2] [--json]
 
-Each variant runs the real RegionWorkers (sync algorithm, codecs with error feedback, fragments,
+Each variant runs the real Regions (sync algorithm, codecs with error feedback, fragments,
 overlap) over the in-memory transport (regions/inprocess.py), with fixed-H plans: what `geofed bench wan`
 runs minus the WAN, so only the algorithm moves the loss (a run repeats exactly for its seed). Each
 variant is a fresh process; `--parallel` runs that many at once (each uses about one core: the regions'

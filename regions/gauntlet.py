@@ -12,7 +12,7 @@ The bar is ``max(security.score_margin, SPREAD_MULTIPLE x the median increase of
 received updates)`` (increases below 0 read as 0). What separates honest from hostile updates is not
 the estimate's noise (the paired per-batch standard error of honest readings was below 0.03) but
 honest heterogeneity: a peer's local model is worse on this region's data than the global model,
-by little on IID data and by a lot early in a non-IID run. Measured in process (4 RegionWorkers,
+by little on IID data and by a lot early in a non-IID run. Measured in process (4 Regions,
 digits MLP, DiLoCo H 100, AdamW 0.003, outer 0.7/0.9, 20 rounds, 8 batches x 32, step 1,
 one repetition, seed 0), loss increases:
 
@@ -131,7 +131,7 @@ class Gauntlet:
 
     @classmethod
     def for_worker(cls, worker: Any) -> Gauntlet | None:
-        """The gauntlet of a RegionWorker where security.score_updates applies (module docstring),
+        """The gauntlet of a Region where security.score_updates applies (module docstring),
         else None."""
         cfg = worker.cfg
         sec = cfg.security

@@ -15,7 +15,7 @@ wall time the run's from round 0 (Ray start-up and placement excluded). The firs
 no network, so they run in this process and their wall time is compute only.
 
 `--in-process` runs the same two gossip arms through the same code without Ray, sockets or
-emulated links: the RegionWorkers of geofed.regions.inprocess over the in-memory transport,
+emulated links: the Regions of geofed.regions.inprocess over the in-memory transport,
 paced by the same Coordinator (`run_in_process`). Accuracy and rounds are those of the runtime
 (bit for bit while no message is lost), bytes within the framing; wall time is compute only.
 It is how settings are explored quickly; there is no second decentralized loop.
@@ -211,7 +211,7 @@ def halo_bytes_per_region(task, n_regions: int) -> float:
 def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
     """One run of a gossip arm in this process, the record run_once keeps of a runtime run.
 
-    The runtime's RegionWorkers (geofed.regions.inprocess) over the in-memory transport, planned
+    The runtime's Regions (geofed.regions.inprocess) over the in-memory transport, planned
     round by round by the runtime's Coordinator (policy, run.max_steps, the final round), the
     averaged model evaluated as the runner does. No evaluation rounds or checkpoints: they do
     not change what a run trains. `task`, built from cfg.task, is shared by the workers.

@@ -4,7 +4,7 @@
 ``local_only``: each region trains alone on its own subgraph (what it gets without its peers).
 Both train full batch (one step is one epoch) with Adam, as the bench's gossip arms do (AdamW
 with weight decay 0: the task's loss holds the L2 term). They are plain training loops, not a
-second decentralized loop: the decentralized arms are the runtime's own RegionWorkers, over
+second decentralized loop: the decentralized arms are the runtime's own Regions, over
 gRPC (geofed.bench.dfgl) or the in-memory transport (geofed.regions.inprocess).
 """
 

@@ -96,7 +96,7 @@ class StopSignals:
 @dataclass(frozen=True, kw_only=True)
 class Resync:
     """One region that missed an update and pulls the model from `donors` (checked, and combined
-    when several answer: regions/worker_state.py), none of which it missed or refused."""
+    when several answer: regions/region.py), none of which it missed or refused."""
 
     region: str
     donors: tuple[str, ...]  # the ones it heard from first; the joiner's rendezvous order spreads the load

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-# A module (all its parameters, in order) or an explicit list of parameters: RegionWorker
+# A module (all its parameters, in order) or an explicit list of parameters: Region
 # trains `params` (those that require grad).
 Params = nn.Module | Sequence[torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""GossipSync (CHOCO + gradient tracking) on real RegionWorkers over the in-memory transport
+"""GossipSync (CHOCO + gradient tracking) on real Regions over the in-memory transport
 (geofed.regions.inprocess, what `geofed bench dfgl --in-process` runs): the same mailbox,
 validator and exchanger as gRPC, without sockets or Ray, so lost messages and rejoins can be
 staged exactly. The runtime over gRPC is in test_dfgl_runtime.py."""

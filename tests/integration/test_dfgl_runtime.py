@@ -103,7 +103,7 @@ def test_bench_dfgl_json_document(cora, tmp_path, capsys, monkeypatch):
         assert run["rounds"] == 10 if arm == "gossip_uncompressed" else 1 <= run["rounds"] <= 2
     assert (tmp_path / "bench" / "report" / "report.html").is_file()
 
-    # In process (RegionWorkers on the in-memory transport, no Ray, no sockets): the same code,
+    # In process (Regions on the in-memory transport, no Ray, no sockets): the same code,
     # so the same models, rounds and (up to the framing) bytes.
     code = main(["bench", "dfgl", "--json", "--in-process", "--regions", "2", "--seeds", "1", "--epochs", "10",
                  "--out", str(tmp_path / "inproc")])

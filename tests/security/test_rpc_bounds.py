@@ -42,7 +42,7 @@ def pki(tmp_path_factory):
 
 
 def _mesh(pki, max_message_bytes=1 << 20, **server_kw):
-    """r0 serves a fresh 4 MiB state per call (as RegionWorker.state_bytes serializes one per
+    """r0 serves a fresh 4 MiB state per call (as Region.state_bytes serializes one per
     call); r1..r3 are honest transports."""
     ts = {r: GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=max_message_bytes,
                            **(server_kw if r == "r0" else {"max_state_bytes": 16 << 20})) for r in REGIONS}

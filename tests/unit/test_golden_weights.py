@@ -1,7 +1,7 @@
 """Golden weights: what fixed seeds train, recorded before the round's redesign (issue 40).
 
 The redesign moves every line of the round; "behaviour is unchanged" means the same seeds give the
-same weights. Each case below is a short in-process run (RegionWorkers over the in-memory transport,
+same weights. Each case below is a short in-process run (Regions over the in-memory transport,
 regions/inprocess.py: the runtime's code without Ray or sockets), and what it trained is compared
 with tests/unit/golden_weights.json:
 

@@ -1,5 +1,5 @@
 """Decentralized federated graph learning in one process, through the runtime's own code
-(RegionWorkers over the in-memory transport, paced by the Coordinator): a small Cora job beats
+(Regions over the in-memory transport, paced by the Coordinator): a small Cora job beats
 local-only, gradient tracking is what closes the non-IID gap, compression cuts bytes, a run
 repeats exactly, and `geofed bench dfgl --in-process` prints the bench's document."""
 
