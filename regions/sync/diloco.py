@@ -252,6 +252,11 @@ class DilocoSync:
             return self.parts[0].global_params
         return self.layout.assemble([g for p in self.parts for g in p.global_params])
 
+    @property
+    def global_params(self) -> list[torch.Tensor]:
+        """The global model (`eval_params`): the whole model's own tensors, or the fragments' assembled."""
+        return self.eval_params()
+
     def state_dict(self) -> dict[str, Any]:
         """The whole model: its global copy and outer optimizer state. Fragments: fragments.fragment_state."""
         if self.layout.n == 1:
