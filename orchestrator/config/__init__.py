@@ -22,7 +22,7 @@ from .privacy import PrivacySection, check_privacy_rules
 from .regionrefs import check_run_refs
 from .run import RunSection
 from .strict import ConfigError
-from .sync_parts import DeadlineSection, GossipSection, InnerOptimizer, OuterOptimizer, SyncSection
+from .sync_parts import OUTER_KINDS, DeadlineSection, GossipSection, InnerOptimizer, OuterOptimizer, SyncSection
 from .updates import CompressionSection, SecuritySection
 
 # The sections live in sibling modules by concern; this package is their one import surface.
@@ -141,6 +141,7 @@ def config_from_mapping(data: dict, overrides=(), *, source: str = "<config>") -
         _apply_overrides(data, overrides)
         cfg = strict.build(RunConfig, data)
         _check_plugin_task(cfg.task)
+        _check_plugin_outer(cfg.sync.outer)
         return cfg
     except ConfigError as exc:
         raise exc.with_source(source) from None
@@ -162,6 +163,20 @@ def _check_plugin_task(task: Any) -> None:
     except ValueError as exc:
         key, _, rest = str(exc).partition(": ")
         raise ConfigError(f"task.{key}", rest) from None
+
+
+def _check_plugin_outer(outer: Any) -> None:
+    """The same for a plug-in outer optimizer (sync.outer.kind: python:module:Name): its module is
+    imported, with torch, only when a config names one (regions/sync/outer.py)."""
+    if outer.kind in OUTER_KINDS:
+        return
+    from geofed.regions.sync.outer import load_outer_factory
+
+    try:
+        load_outer_factory(outer.kind, outer.path)
+    except ValueError as exc:
+        key, _, rest = str(exc).partition(": ")
+        raise ConfigError(key, rest) from None
 
 
 def to_mapping(cfg: Any) -> Any:

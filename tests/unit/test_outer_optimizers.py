@@ -185,3 +185,11 @@ def test_config_refuses_naming_the_key(outer, key):
 def test_the_retired_nesterov_key_still_loads_where_it_agrees():
     assert _cfg({"nesterov": True}).sync.outer.kind == "nesterov"
     assert _cfg({"kind": "sgd", "nesterov": False}).sync.outer.kind == "sgd"
+
+
+def test_the_config_refuses_an_unmarked_plug_in_when_it_loads(tmp_path):
+    (tmp_path / "unmarked_outer2.py").write_text("import torch\nclass Plain(torch.optim.SGD):\n    pass\n")
+    with pytest.raises(Exception, match="sync.outer.kind.*is not marked"):
+        _cfg({"kind": "python:unmarked_outer2:Plain", "path": str(tmp_path)})
+    with pytest.raises(Exception, match="sync.outer.kind.*cannot import"):
+        _cfg({"kind": "python:no_such_outer_module:Opt", "path": str(tmp_path)})
