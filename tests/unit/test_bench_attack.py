@@ -123,9 +123,9 @@ def test_a_poisoned_member_serves_a_random_state_on_fetch_state(tmp_path):
     with InProcessRegions(_cfg(), tmp_path) as group:
         group.workers[BAD].hostile = attach(Adversary(kind="poisoned"), group.workers[BAD])
         _rounds(group, 1)
-        honest = [g.clone() for g in group.workers[BAD].algorithm.global_params]
+        honest = [g.clone() for g in group.workers[BAD].algorithm.eval_params()]
         donor, _ = group.workers["a"].catch_up([BAD])
-        taken = group.workers["a"].algorithm.global_params
+        taken = group.workers["a"].algorithm.eval_params()
         assert donor == BAD and group.workers[BAD].hostile.take_acts() == {"poisoned_state": 1}
         assert all(torch.isfinite(t).all() for t in taken)
         assert not any(torch.allclose(t, h) for t, h in zip(taken, honest))
