@@ -165,22 +165,27 @@ class GrpcTransport(Transport):
              stream: str = UPDATE) -> TransferStats:
         """Stream a header and `payload` in chunk_bytes chunks to `peer` and wait for its ack; with
         `spread_s`, smaller chunks released evenly over that many seconds (p2p/spread.py). A side
-        stream's push carries the stream's tag in its round; PROBE and PING use their own methods.
+        stream's push carries the stream's tag in its round. PROBE: the same on the Probe method,
+        which the peer counts and drops (at most MAX_PROBE_BYTES; the stats carry round -1); PING:
+        one Ping (`_ping`).
 
         ValueError for a payload above max_message_bytes or a negative round (our bug, not the peer's);
         TransportError, with the peer's refusal reason or the gRPC status as ``reason``, otherwise.
         """
         if stream == PING:
             return self._ping(peer, timeout_s=timeout_s)
-        if stream == PROBE:
-            return self._probe(peer, len(payload), timeout_s=timeout_s)
         n = len(payload)
-        if n > self.mailbox.max_message_bytes:
-            raise ValueError(f"payload: {n} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
-        if round < 0:
-            raise ValueError(f"round: must be >= 0, got {round}")
-        round |= stream_tag(stream)
-        push = self.channels.get(peer, timeout_s).push
+        if stream == PROBE:
+            if not 0 < n <= MAX_PROBE_BYTES:
+                raise ValueError(f"payload: a probe needs 0 < bytes <= {MAX_PROBE_BYTES}, got {n}")
+            call, round, what = self.channels.get(peer, timeout_s).probe, 0, "probe"
+        else:
+            if n > self.mailbox.max_message_bytes:
+                raise ValueError(f"payload: {n} bytes exceeds max_message_bytes {self.mailbox.max_message_bytes}")
+            if round < 0:
+                raise ValueError(f"round: must be >= 0, got {round}")
+            round |= stream_tag(stream)
+            call, what = self.channels.get(peer, timeout_s).push, f"push of round {round} ({n} bytes)"
         header = gossip_pb2.PushMessage(
             header=gossip_pb2.PushHeader(sender=self.region, round=round, total_bytes=n)).SerializeToString()
         view, cs = memoryview(payload), spread_chunk_bytes(n, self.chunk_bytes, spread_s)
@@ -195,59 +200,28 @@ class GrpcTransport(Transport):
                 sizes[0] += len(msg) + 5
                 yield msg
 
-        chunks = -(-n // cs)
         start = time.monotonic()
         try:
             with self.spreading.track(clock):
-                ack = push(messages(), timeout=timeout_s)
+                ack = call(messages(), timeout=timeout_s)
         except grpc.RpcError as exc:
-            with self._lock:
-                self._send_failures[peer] += 1
-            raise _error(peer, f"push of round {round} ({n} bytes)", exc) from None
+            if stream != PROBE:
+                with self._lock:
+                    self._send_failures[peer] += 1
+            raise _error(peer, what, exc) from None
         seconds = time.monotonic() - start
         if ack.received_bytes != n:
-            raise TransportError(f"{peer} acknowledged {ack.received_bytes} of {n} bytes", peer=peer, reason="error")
+            raise TransportError(f"{peer} acknowledged {ack.received_bytes} of {n} bytes ({what})", peer=peer, reason="error")
         wire = len(header) + 5 + sizes[0]
         with self._lock:
-            self._sent_bytes[peer] += wire
-            self._sent_messages[peer] += 1
-        return TransferStats(peer=peer, round=round, payload_bytes=n, wire_bytes=wire, seconds=seconds,
-                             receiver_seconds=ack.receiver_seconds, chunks=chunks, cold=self.channels.note_warm(peer),
-                             spread_s=max(0.0, spread_s))
-
-    def _probe(self, peer: str, nbytes: int, *, timeout_s: float) -> TransferStats:
-        """Push `nbytes` (at most MAX_PROBE_BYTES) of zeros on the Probe method, which the peer counts
-        and drops; timed like a push. The stats carry round -1 and `cold` as a push's do.
-        """
-        if not 0 < nbytes <= MAX_PROBE_BYTES:
-            raise ValueError(f"nbytes: need 0 < nbytes <= {MAX_PROBE_BYTES}, got {nbytes}")
-        probe = self.channels.get(peer, timeout_s).probe
-        header = gossip_pb2.PushMessage(
-            header=gossip_pb2.PushHeader(sender=self.region, round=0, total_bytes=nbytes)).SerializeToString()
-        chunk = encode_chunk(memoryview(bytes(min(self.chunk_bytes, nbytes))))
-        size = min(self.chunk_bytes, nbytes)
-        full, rest = divmod(nbytes, size)
-
-        def messages() -> Iterator[bytes]:
-            yield header
-            for _ in range(full):
-                yield chunk
-            if rest:
-                yield encode_chunk(memoryview(bytes(rest)))
-
-        start = time.monotonic()
-        try:
-            ack = probe(messages(), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise _error(peer, "probe", exc) from None
-        seconds = time.monotonic() - start
-        if ack.received_bytes != nbytes:
-            raise TransportError(f"{peer} acknowledged {ack.received_bytes} of a {nbytes}-byte probe", peer=peer, reason="error")
-        wire = len(header) + 5 + full * (len(chunk) + 5) + (len(encode_chunk(memoryview(bytes(rest)))) + 5 if rest else 0)
-        with self._lock:
-            self._probe_bytes[peer] += wire
-        return TransferStats(peer=peer, round=-1, payload_bytes=nbytes, wire_bytes=wire, seconds=seconds,
-                             receiver_seconds=ack.receiver_seconds, chunks=full + bool(rest), cold=self.channels.note_warm(peer))
+            if stream == PROBE:
+                self._probe_bytes[peer] += wire
+            else:
+                self._sent_bytes[peer] += wire
+                self._sent_messages[peer] += 1
+        return TransferStats(peer=peer, round=-1 if stream == PROBE else round, payload_bytes=n, wire_bytes=wire,
+                             seconds=seconds, receiver_seconds=ack.receiver_seconds, chunks=-(-n // cs),
+                             cold=self.channels.note_warm(peer), spread_s=max(0.0, spread_s))
 
     def _ping(self, peer: str, *, timeout_s: float) -> TransferStats:
         """Round trip of one Ping with a fresh nonce (the stats' seconds); TransportError if the reply
