@@ -1,6 +1,6 @@
 """A hostile member: a real region whose own code misbehaves (`geofed bench attack`, issue 36).
 
-p2p/adversary.py's HostilePeer attacks from outside the run with a stolen certificate; this one is
+The bench's HostilePeer (benchmarks/bench/hostile_peer.py) attacks from outside the run with a stolen certificate; this one is
 a member of the run. It trains like the others and keeps its own model honest, and it lies at
 one point of the data path, chosen by its `Adversary` spec:
 
