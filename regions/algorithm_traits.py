@@ -21,12 +21,14 @@ class AlgorithmTraits:
     mixes_models: bool
     # One inner step a round whatever H says (all-reduce, the per-step baseline).
     per_step: bool
+    # Keeps its exchanged state in host memory and trains on the CPU (gossip's public copies).
+    cpu_only: bool
 
 
 TRAITS = {
-    "diloco": AlgorithmTraits(outer_step=True, mixes_models=False, per_step=False),
-    "allreduce": AlgorithmTraits(outer_step=False, mixes_models=False, per_step=True),
-    "gossip": AlgorithmTraits(outer_step=False, mixes_models=True, per_step=False),
+    "diloco": AlgorithmTraits(outer_step=True, mixes_models=False, per_step=False, cpu_only=False),
+    "allreduce": AlgorithmTraits(outer_step=False, mixes_models=False, per_step=True, cpu_only=False),
+    "gossip": AlgorithmTraits(outer_step=False, mixes_models=True, per_step=False, cpu_only=True),
 }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from geofed.compression import CodecSpec
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.tasks.configs import PluginTaskConfig, load_task_factory, task_config_class
 
 from . import paths, strict
@@ -59,16 +60,17 @@ class RunConfig:
         if self.regions.device.startswith("cuda") and self.regions.num_gpus <= 0:
             raise ValueError(f"regions.num_gpus: must be > 0 with regions.device {self.regions.device!r} "
                              f"(Ray hides the GPUs from an actor that reserves none)")
-        if self.regions.device.startswith("cuda") and self.sync.algorithm == "gossip":
+        traits = algorithm_traits(self.sync.algorithm)
+        if self.regions.device.startswith("cuda") and traits.cpu_only:
             raise ValueError("regions.device: gossip keeps its copies in host memory and runs on the CPU; "
                              "set regions.device to cpu or auto (auto trains gossip on the CPU)")
-        if self.sync.algorithm == "gossip" and self.sync.gossip.choco:
+        if traits.mixes_models and self.sync.gossip.choco:
             _check_choco_compression(self.compression)
         if self.sync.pacing.quorum > len(self.regions.names):
             raise ValueError(f"sync.pacing.quorum: {self.sync.pacing.quorum} is more than the "
                              f"{len(self.regions.names)} regions of regions.names")
         robust = self.security.robust_aggregation
-        if robust in ("trimmed-mean", "median") and (self.sync.algorithm == "gossip" or self.sync.topology != "full"):
+        if robust in ("trimmed-mean", "median") and (traits.mixes_models or self.sync.topology != "full"):
             raise ValueError(f"security.robust_aggregation: {robust} replaces the mix of full-topology diloco or "
                              f"allreduce, not {self.sync.algorithm} over {self.sync.topology} (use clip)")
         check_privacy_rules(self)
