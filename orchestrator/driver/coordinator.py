@@ -14,11 +14,10 @@ the policy:
 * loss, learning rate, model size, whether the exchange overlaps compute.
 
 With ``sync.fragments: N`` the policy's H is each fragment's sync period and a round runs
-``ceil(H/N)`` steps (regions/sync/fragments.py); the per-round record says so.
-
-``run.max_steps`` (when set) ends the run once every region has run that many inner steps:
-the last round's H is cut to fit and that round is marked final (the worker applies an
-overlapped exchange still in flight before it returns).
+``ceil(H/N)`` steps (regions/sync/fragments.py); the per-round record says so. The rules that cut
+a round's H after that (time-budget calibration, ``run.max_steps``, ``run.eval_at_steps``) are
+the plan stages (plan_stages.py), applied in order. The round that spends ``run.max_steps`` is
+marked final (the worker applies an overlapped exchange still in flight before it returns).
 """
 
 from __future__ import annotations
@@ -36,12 +35,12 @@ from geofed.regions.worker import RoundPlan
 from ..config import RunConfig
 from ..policies import LinkEstimate, Measurements, make_policy
 from ..policies.links import LinkView
+from .plan_stages import CALIBRATION_STEPS, Calibration, EvalMarks, Step, StepBudget
 
 OVERHEAD_WINDOW = 5  # rounds in the minimum of the per-round control-plane overhead
 STEP_WINDOW = 5      # rounds in the minimum of the step time (regions time-sharing cores read +-40% a round)
 WARMUP_ROUNDS = 2    # Ray's first calls and the first exchanges are slower: their overhead is not the run's
 MIN_OVERHEAD_SAMPLES = 3
-CALIBRATION_STEPS = 10  # time-budget: the steps of a round that measures regions without a step time
 
 
 class Coordinator:
@@ -65,8 +64,10 @@ class Coordinator:
         self.last_H = 0
         self.last_record: dict[str, Any] = {}
         self.steps_done = 0
-        self.max_steps = getattr(cfg.run, "max_steps", 0) or 0
-        self.eval_marks = tuple(getattr(cfg.run, "eval_at_steps", ()) or ())
+        self.budget = StepBudget(getattr(cfg.run, "max_steps", 0) or 0)
+        self.marks = EvalMarks(getattr(cfg.run, "eval_at_steps", ()) or ())
+        self.calibration = Calibration(self.region_step_time) if cfg.sync.pacing.mode == "time-budget" else None
+        self.stages = tuple(s for s in (self.calibration, self.budget, self.marks) if s is not None)
         self.at_eval_mark = False  # the last planned round ends on one of run.eval_at_steps
         self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
@@ -78,9 +79,18 @@ class Coordinator:
         self._warm_steps: dict[str, float] = {}  # region -> its set-up warm-up pass time (time-budget)
 
     @property
+    def max_steps(self) -> int:
+        """run.max_steps (0: none); a bench that ends a run early sets it to the steps done."""
+        return self.budget.max_steps
+
+    @max_steps.setter
+    def max_steps(self, steps: int) -> None:
+        self.budget.max_steps = steps
+
+    @property
     def done(self) -> bool:
         """The step budget (run.max_steps) is spent: the runner stops after this round."""
-        return bool(self.max_steps) and self.steps_done >= self.max_steps
+        return self.budget.spent(self.steps_done)
 
     @property
     def round_overhead_s(self) -> float | None:
@@ -106,37 +116,12 @@ class Coordinator:
         regions (such a member back on probation) take part, but nobody waits for their update."""
         self._note_overhead()
         links = self.round_links(round_, alive)
-        if self.cfg.sync.algorithm == "allreduce":
-            H, codecs, reason = 1, {}, "allreduce: every step"
-            self.last_record = {"H": 1, "codecs": {}, "reason": reason, "policy": {}}
-        else:
-            decision = self.policy.decide(self._measurements(round_, links))
-            H, reason = decision.H, decision.reason
-            n = self.cfg.sync.fragments
-            if n > 1:
-                # Streaming fragments: the policy's H is each parameter's sync period (a fragment's
-                # bytes are 1/N of the model, its round H/N steps: the same bytes per step and the
-                # same hiding condition), so a round runs H/N steps and syncs one fragment.
-                H, reason = max(1, math.ceil(H / n)), f"{reason} | H {H}/{n} fragments per round"
-            codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
-            self.last_record = decision.to_record()
-        calibrating = self.pacing.mode == "time-budget" and any(self.region_step_time(r) is None for r in alive)
-        if calibrating and H > CALIBRATION_STEPS:
-            # No step time of some region yet: a short round measures them all, instead of a
-            # barrier round of H steps that waits for the slowest.
-            reason, H = f"{reason} | H {H}->{CALIBRATION_STEPS}: time-budget calibration round", CALIBRATION_STEPS
-        left = self.max_steps - self.steps_done
-        # The last round takes what is left, also a remainder under H/2 (a round of a few steps
-        # would cost a whole exchange and report a loss over a handful of batches).
-        if self.max_steps and (H >= left or left - H < H // 2):
-            if left != H:
-                reason = f"{reason} | H {H}->{left}: what is left of run.max_steps={self.max_steps}"
-            H = left
-        mark = next((m for m in self.eval_marks if self.steps_done < m < self.steps_done + H), None)
-        if mark is not None:  # run.eval_at_steps: this round ends on the mark, the next goes on from there
-            reason, H = f"{reason} | H {H}->{mark - self.steps_done}: run.eval_at_steps {mark}", mark - self.steps_done
+        step, codecs = self._decide(round_, links)
+        for stage in self.stages:
+            step = stage.apply(step, alive=alive, steps_done=self.steps_done)
+        H, reason = step.H, step.reason
         self.steps_done += H
-        self.at_eval_mark = self.steps_done in self.eval_marks
+        self.at_eval_mark = self.marks.hit(self.steps_done)
         evaluate = evaluate or self.at_eval_mark
         final = self.done or round_ == self.cfg.run.rounds - 1
         self.last_reason, self.last_codecs, self.last_H = reason, codecs, H
@@ -147,7 +132,7 @@ class Coordinator:
         evaluators = self.evaluators(heard) if evaluate else ()
         sketch = evaluate and self.cfg.sync.algorithm != "gossip"  # gossip fetches the models themselves
         paced = self._pacing_fields(H, alive)
-        steps = self._calibration_steps(alive) if calibrating else {}
+        steps = self._calibration_steps(alive) if self.calibration and self.calibration.active(alive) else {}
         fill = not final and self._fills()
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
@@ -156,6 +141,24 @@ class Coordinator:
                                       optional=tuple(sorted(set(optional) & set(heard) - {region})), **paced)
         self._plan_t = self.clock.now()
         return plans
+
+    def _decide(self, round_: int, links: list[str]) -> tuple[Step, dict[str, CodecSpec]]:
+        """The policy's H and codecs for the round (all-reduce: every step, no codec)."""
+        if self.cfg.sync.algorithm == "allreduce":
+            reason = "allreduce: every step"
+            self.last_record = {"H": 1, "codecs": {}, "reason": reason, "policy": {}}
+            return Step(H=1, reason=reason), {}
+        decision = self.policy.decide(self._measurements(round_, links))
+        H, reason = decision.H, decision.reason
+        n = self.cfg.sync.fragments
+        if n > 1:
+            # Streaming fragments: the policy's H is each parameter's sync period (a fragment's
+            # bytes are 1/N of the model, its round H/N steps: the same bytes per step and the
+            # same hiding condition), so a round runs H/N steps and syncs one fragment.
+            H, reason = max(1, math.ceil(H / n)), f"{reason} | H {H}/{n} fragments per round"
+        codecs = {link: decision.codec_for(link) for link in links} if decision.codecs or decision.default_codec else {}
+        self.last_record = decision.to_record()
+        return Step(H=H, reason=reason), codecs
 
     def evaluators(self, alive: list[str]) -> list[str]:
         """Who evaluates in an eval round. DiLoCo and all-reduce: the first alive region, on its

@@ -85,7 +85,8 @@ class RegionHandles:
         comes (the loop's senders-done notices), not a probe period later."""
         if not refs:
             return {}
-        pending, out = dict(refs), {}
+        pending = dict(refs)
+        out: dict[str, Any] = {}
         probe = _Liveness(self.actors.handles, self.cfg.regions.heartbeat_timeout_s)
         t0 = t_last = time.monotonic()
         noted: set[str] = set()
