@@ -74,8 +74,11 @@ def _check_identity(advert: KeyAdvert, cert_pem: bytes, ca_pem: bytes, now: dt.d
     now = now or dt.datetime.now(dt.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise SecAggError("bad_signature", f"{advert.region}'s certificate is not valid now")
+    key = cert.public_key()
     try:
-        cert.public_key().verify(advert.signature, advert.payload(), ec.ECDSA(hashes.SHA256()))
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise TypeError("not an EC key")  # make_pki issues P-256 keys only
+        key.verify(advert.signature, advert.payload(), ec.ECDSA(hashes.SHA256()))
     except (InvalidSignature, ValueError, TypeError):
         raise SecAggError("bad_signature", f"{advert.region}'s key advert is not signed by its TLS key") from None
 

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from . import SecAggError
 
 RING_BITS = (8, 16, 32)
-_DTYPES = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4")}
+_DTYPES: dict[int, np.dtype] = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4")}
 _NONCE = bytes(16)  # every seed keys one stream only (HKDF binds it to run, round and pair)
 _LABEL = b"geofed-secagg-v1"
 CHUNK = 4096  # values per shared scale (int8's chunk)

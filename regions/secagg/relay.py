@@ -102,10 +102,10 @@ def rebuild(run_id: str, round: int, me: str, members: Sequence[str], shares: Ma
     member's share is in `relayed` (relayer -> {owner: share})."""
     keys, forged = {}, 0
     for owner, (mine, want) in sorted(shares.items()):
-        parts = [mine, *(relayed.get(j, {}).get(owner) for j in members if j not in (owner, me))]
-        if None in parts:
+        theirs = [relayed.get(j, {}).get(owner) for j in members if j not in (owner, me)]
+        if None in theirs:
             continue  # a member lost owner's masked update (or its relay is not in): KEY decides
-        key = combine(parts)
+        key = combine([mine, *(p for p in theirs if p is not None)])
         if check(run_id, round, owner, key) != want:
             forged += 1
             continue

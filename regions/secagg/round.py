@@ -56,17 +56,20 @@ model again. Refused side messages are counted by SecAggError.reason under `seca
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.robust import UpdateAdmission, l2_norm, max_abs
 from geofed.p2p.transport import Inbox, TransferStats, Transport, TransportError
 
@@ -125,8 +128,9 @@ class SecAggRound:
     hostile = None  # geofed bench attack only: a member whose contribution lies (regions/adversary.py)
 
     def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
-                 deadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
-                 drop_mid_round=lambda r: False, admission: UpdateAdmission | None = None):
+                 deadline: AdaptiveDeadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
+                 drop_mid_round: Callable[[int], bool] = lambda r: False,
+                 admission: UpdateAdmission | None = None):
         self.regions = sorted(regions)
         self.deadline, self.send_timeout_s = deadline, send_timeout_s
         self.side = SideChannel(transport, max_message_bytes=max_message_bytes)
@@ -143,7 +147,8 @@ class SecAggRound:
         self._refusals_reported: Counter[str] = Counter()
         tls = getattr(transport, "tls", None)
         self.tls_key = None if tls is None else tls.key_pem
-        self.cert, self.ca = (b"", None) if tls is None else (tls.cert_pem, tls.ca_pem)
+        self.cert: bytes = b"" if tls is None else tls.cert_pem
+        self.ca: bytes | None = None if tls is None else tls.ca_pem
         self.book = KeyBook()
         self.keys: RunKeys | None = None
         self.publics: dict[str, bytes] = {}
@@ -186,10 +191,17 @@ class SecAggRound:
         # Every survivor holds this same mean: the dropped are not "missing" for the resync.
         return [x.to(device=ref.device, dtype=ref.dtype) for x, ref in zip(mean, tensors)], m
 
-    def _round(self, round_: int, tensors, members: list[str], peers: list[str], m: dict):
+    @property
+    def run_keys(self) -> RunKeys:
+        """This region's keys for the run (made by its first round, before any other step uses them)."""
+        assert self.keys is not None, "no round has run yet"
+        return self.keys
+
+    def _round(self, round_: int, tensors: Sequence[torch.Tensor], members: list[str], peers: list[str],
+               m: dict[str, Any]) -> tuple[list[torch.Tensor], frozenset[str]]:
         if self.keys is None:
             self.keys = RunKeys.generate(run_id=self.run_id, region=self.region, round=round_,
-                                             tls_key_pem=self.tls_key)
+                                         tls_key_pem=self.tls_key)
         own = [t.detach().float().cpu() for t in tensors]
         if self.hostile is not None:
             own = self.hostile.masked(round_, own, peers)
@@ -215,7 +227,7 @@ class SecAggRound:
         q, spans = masks.quantize_all(own, scales, levels)
         if self.error_feedback:  # what the grid clipped or rounded away goes out next round
             self.residual = [o - d for o, d in zip(own, masks.dequantize_all(q, scales, spans, own))]
-        mine = self.keys.mask(q, {p: self.publics[p] for p in peers}, round=round_, bits=self.bits)
+        mine = self.run_keys.mask(q, {p: self.publics[p] for p in peers}, round=round_, bits=self.bits)
         grid = masks.digest(scales)
         masked, absmaxes, shares, sends = self._masked_exchange(round_, mine, grid, absmax, peers, m, refused)
         survivors = frozenset(masked)
@@ -295,27 +307,34 @@ class SecAggRound:
         """SETUP (step 1 when no scales were agreed ahead): every peer's absmax, keys filed."""
         t = time.monotonic()
         self.side.expect(round_, SETUP, peers)
-        advert = wire.encode_advert(self.keys.advert, self.cert)
+        advert = wire.encode_advert(self.run_keys.advert, self.cert)
         need = ",".join(sorted(p for p in peers if p not in self.publics)).encode()  # keys this region lacks
         setups = {p: wire.pack(absmax.astype("<f4").tobytes(), b"" if p in self.advert_delivered else advert, need)
                   for p in peers}
         with_advert = {p for p in peers if p not in self.advert_delivered}
         inbox, futures = self._round_trip(round_, SETUP, setups, m)
+        assert inbox is not None  # it received
         for p in with_advert:  # filed once its push is acknowledged (the next SETUP then sends none)
-            futures[p].add_done_callback(lambda f, p=p: f.exception() is None and self.advert_delivered.add(p))
+            futures[p].add_done_callback(functools.partial(self._advert_filed, p))
         peer_absmax = self._take_setups(inbox, members, absmax.size, with_advert)
         m["secagg_phase_s"]["setup"] = round(time.monotonic() - t, 6)
         if set(peer_absmax) != set(peers) or not set(peers) <= set(self.publics):
             raise Fallback(f"no scales or key from {sorted(set(peers) - (set(peer_absmax) & set(self.publics)))}")
         return peer_absmax
 
-    def _masked_exchange(self, round_: int, mine: np.ndarray, grid: bytes, absmax: np.ndarray, peers, m,
-                         refused=frozenset()):
+    def _advert_filed(self, peer: str, push: Future) -> None:
+        if push.exception() is None:
+            self.advert_delivered.add(peer)
+
+    def _masked_exchange(self, round_: int, mine: np.ndarray, grid: bytes, absmax: np.ndarray, peers: Sequence[str],
+                         m: dict[str, Any], refused: Collection[str] = frozenset()
+                         ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, tuple[bytes, bytes]],
+                                    dict[str, Future]]:
         """Step 2: push the masked update (its grid, the next round's absmax) and take the peers'.
         Returns ({survivor: masked}, {survivor: absmax}, {survivor: (this region's share of its
         self key, the key's check)}, {peer: the push's future})."""
         t = time.monotonic()
-        key = self.keys.self_key(round_)
+        key = self.run_keys.self_key(round_)
         check = relay.check(self.run_id, round_, self.region, key)
         body, tail = wire.encode_masked(mine), absmax.astype("<f4").tobytes()
         # Each peer's XOR share of the round's self key rides with the masked update: only a peer
@@ -350,7 +369,8 @@ class SecAggRound:
         m["secagg_phase_s"]["masked"] = round(time.monotonic() - t, 6)
         return masked, absmaxes, shares, sends
 
-    def _relay_exchange(self, round_: int, members: list[str], survivors: frozenset[str], shares, m):
+    def _relay_exchange(self, round_: int, members: list[str], survivors: frozenset[str],
+                        shares: dict[str, tuple[bytes, bytes]], m: dict[str, Any]) -> tuple[dict[str, bytes], set[str]]:
         """Step 3: relay this region's share of each survivor's self key to every other member
         (with whether it counted that member's own masked update) and rebuild the self keys whose
         every share came: ({owner: self key}, this region's included; {peers that counted ours})."""
@@ -363,6 +383,7 @@ class SecAggRound:
         # a lost region's taken if it came by then. Twice the deadline, as for KEY: a peer that lost
         # a masked update relays only once its own deadline is over.
         inbox, _ = self._round_trip(round_, RELAY, payloads, m, until=others, wait_s=2 * self.deadline.current())
+        assert inbox is not None  # it received
         relayed, counted = {}, set()
         for sender, raw in sorted(inbox.received.items()):
             try:
@@ -376,11 +397,11 @@ class SecAggRound:
         keys, forged = relay.rebuild(self.run_id, round_, self.region, members, shares, relayed)
         if forged:  # a forged share: the key comes by KEY or not at all
             self.refused["wrong_share"] += forged
-        keys[self.region] = self.keys.self_key(round_)
+        keys[self.region] = self.run_keys.self_key(round_)
         m["secagg_phase_s"]["relay"] = round(time.monotonic() - t, 6)
         return keys, counted
 
-    def _take_setups(self, inbox, members: list[str], nchunks: int, with_advert: set[str]) -> dict[str, np.ndarray]:
+    def _take_setups(self, inbox: Inbox, members: list[str], nchunks: int, with_advert: set[str]) -> dict[str, np.ndarray]:
         """Each peer's absmax, and its advert when it sent one (refused setups left out). A peer
         that lacks this region's key and was not sent it this round gets it next round."""
         out = {}
@@ -407,12 +428,13 @@ class SecAggRound:
     def _send_keys(self, round_: int, survivors: frozenset[str], sends: dict[str, Future], grid: bytes) -> None:
         """KEY: the self key to each survivor once it acknowledged the masked update (a worker
         waits for the ack: no ack, no key)."""
-        msg = wire.encode_reveal(self.run_id, round_, self.region, self_key=self.keys.self_key(round_), survivors=(),
+        msg = wire.encode_reveal(self.run_id, round_, self.region, self_key=self.run_keys.self_key(round_), survivors=(),
                                 grid=grid)
         for p in sorted(survivors - {self.region}):
             self.pending.append((round_, p, KEY, self._pool.submit(self._key_after_ack, sends[p], p, round_, msg)))
 
-    def _key_exchange(self, round_: int, survivors: frozenset[str], self_keys: dict[str, bytes], grid: bytes, m) -> dict[str, bytes]:
+    def _key_exchange(self, round_: int, survivors: frozenset[str], self_keys: dict[str, bytes], grid: bytes,
+                      m: dict[str, Any]) -> dict[str, bytes]:
         """The self keys the relays did not rebuild, by KEY; returns every self key held."""
         others = sorted(survivors - {self.region})
         self.side.expect(round_, KEY, others)
@@ -446,8 +468,8 @@ class SecAggRound:
             return None
         return self.side.send(peer, round_, KEY, msg, timeout_s=self.send_timeout_s)
 
-    def _unmask(self, round_: int, members, survivors: frozenset[str], masked, ackers: set[str], grid: bytes,
-                self_keys: dict[str, bytes], m):
+    def _unmask(self, round_: int, members: Sequence[str], survivors: frozenset[str], masked: dict[str, np.ndarray],
+                ackers: set[str], grid: bytes, self_keys: dict[str, bytes], m: dict[str, Any]) -> np.ndarray:
         """Step 4 (a region or a self key is missing): the exact integer sum of the survivors' updates."""
         t = time.monotonic()
         others = sorted(survivors - {self.region})
@@ -456,9 +478,10 @@ class SecAggRound:
         if dropped:
             self.side.expect(round_, RECOVER, others)
         reveals = {p: wire.encode_reveal(self.run_id, round_, self.region, survivors=survivors, grid=grid,
-                                        self_key=self.keys.self_key(round_) if p in ackers else b"")
+                                        self_key=self.run_keys.self_key(round_) if p in ackers else b"")
                    for p in others}
         inbox, _ = self._round_trip(round_, REVEAL, reveals, m)
+        assert inbox is not None  # it received
         self_keys = dict(self_keys)
         answers = {}
         for sender, raw in sorted(inbox.received.items()):
@@ -476,21 +499,21 @@ class SecAggRound:
             lost = set(members) - theirs
             if lost:  # it asks for the pair seeds of the regions it lost; answer for those this region lost too
                 answers[sender] = wire.encode_recover(self.run_id, round_, self.region, {
-                    d: self.keys.pair_seed(d, self.publics[d], round_) for d in lost if d not in survivors})
+                    d: self.run_keys.pair_seed(d, self.publics[d], round_) for d in lost if d not in survivors})
         if set(self_keys) != survivors:
             raise Fallback(f"no self key from {sorted(survivors - set(self_keys))}")
-        seeds = {(self.region, d): self.keys.pair_seed(d, self.publics[d], round_) for d in dropped}
+        seeds = {(self.region, d): self.run_keys.pair_seed(d, self.publics[d], round_) for d in dropped}
         if answers or dropped:
             inbox, _ = self._round_trip(round_, RECOVER, answers, m, receive=bool(dropped))
             for sender, raw in sorted((inbox.received if inbox is not None else {}).items()):
                 try:
-                    run_id, r, region, theirs = wire.decode_recover(raw)
+                    run_id, r, region, their_seeds = wire.decode_recover(raw)
                     if (run_id, r, region) != (self.run_id, round_, sender):
                         raise SecAggError("wrong_round", f"a recovery answer of {region!r} pushed by {sender!r}")
                 except SecAggError as exc:
                     self.refused[exc.reason] += 1
                     continue
-                seeds.update({(sender, d): seed for d, seed in theirs.items() if d in dropped})
+                seeds.update({(sender, d): seed for d, seed in their_seeds.items() if d in dropped})
         m["secagg_phase_s"]["reveal"] = round(time.monotonic() - t, 6)  # with the recovery answers
         missing = [(s, d) for s in survivors for d in dropped if (s, d) not in seeds]
         if missing:
@@ -521,14 +544,15 @@ class SecAggRound:
         self.pending = still
 
     @staticmethod
-    def _count_received(inbox, phase: int, m: dict) -> None:
+    def _count_received(inbox: Inbox, phase: int, m: dict[str, Any]) -> None:
         for sender, (nbytes, seconds) in inbox.timings.items():
             m["bytes_received"] += nbytes
             if phase == MASKED:
                 m["transfers"].append({"peer": sender, "direction": "recv", "bytes": nbytes, "seconds": round(seconds, 6)})
 
-    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict, *, receive: bool = True,
-                    until=None, wait_s: float | None = None):
+    def _round_trip(self, round_: int, phase: int, payloads: dict[str, bytes], m: dict[str, Any], *,
+                    receive: bool = True, until: Collection[str] | None = None,
+                    wait_s: float | None = None) -> tuple[Inbox | None, dict[str, Future]]:
         """Push each peer its payload and wait (the deadline) for the peers' of this phase; returns
         (the inbox, {peer: its push's future}). No ack is waited for: the pushes are counted when
         they end (`_harvest`), and only the masked update's acks decide anything."""
@@ -542,7 +566,7 @@ class SecAggRound:
         return inbox, futures
 
 
-def make_secagg(cfg: Any, region: str, transport: Transport, run_dir, *, deadline,
+def make_secagg(cfg: Any, region: str, transport: Transport, run_dir: Path, *, deadline: AdaptiveDeadline,
                 max_message_bytes: int, admission: UpdateAdmission | None = None) -> SecAggRound | None:
     """The region's SecAggRound when security.secure_aggregation is on (None otherwise). Absent
     regions of regions.emulation.availability with `mid_round` leave mid-round instead."""

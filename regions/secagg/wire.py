@@ -33,7 +33,8 @@ def _unpack(data: bytes | memoryview, kind: int) -> list[bytes]:
     data = bytes(data)
     if data[:4] != MAGIC or len(data) < 5 or data[4] != kind:
         raise SecAggError("malformed", f"not a secure-aggregation message of type {kind}")
-    fields, pos = [], 5
+    fields: list[bytes] = []
+    pos = 5
     while pos < len(data):
         if len(fields) >= MAX_FIELDS or pos + 4 > len(data):
             raise SecAggError("malformed", "too many fields or a truncated length")
