@@ -21,7 +21,7 @@ from .handles import RegionHandles, Results
 from .journal import Journal
 from .recovery import RunFailed, WithholdWatch, first_line, plan_resync
 
-log = logging.getLogger("geofed.orchestrator.driver.runner")
+log = logging.getLogger("geofed.orchestrator.driver.run")
 
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
 

@@ -12,7 +12,7 @@ from typing import Any
 from .progress import RunProgress
 from .rundir import Clock, JsonlLog
 
-log = logging.getLogger("geofed.orchestrator.driver.runner")
+log = logging.getLogger("geofed.orchestrator.driver.run")
 
 
 class Journal:

@@ -29,7 +29,7 @@ from .handles import RegionHandles, Results
 from .journal import Journal
 from .recovery import first_line
 
-log = logging.getLogger("geofed.orchestrator.driver.runner")
+log = logging.getLogger("geofed.orchestrator.driver.run")
 
 
 class Pacing:

@@ -31,7 +31,7 @@ from geofed.p2p.admission import Refusal
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.regions.adversary import Adversary
 from geofed.regions.exchange import Exchanger
 

@@ -20,7 +20,7 @@ import torch
 
 from geofed.compression import encode_update
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.mailbox import DONE_GRACE_S
 from geofed.p2p.tls import load_tls, make_pki
