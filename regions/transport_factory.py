@@ -6,7 +6,6 @@ RUN_DIR/tls is the fallback for workers built in-process (tests, benches)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,6 @@ from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.tls import TlsMaterial, load_tls
 
 from .limits import WireLimits
-
-log = logging.getLogger(__name__)
 
 
 def make_transport(cfg: Any, region: str, run_dir: Path, *, limits: WireLimits, tls: TlsMaterial | None = None,
@@ -27,8 +24,6 @@ def make_transport(cfg: Any, region: str, run_dir: Path, *, limits: WireLimits, 
         tls = None
     elif tls is None:
         tls = load_tls(run_dir / "tls", region)
-    if tls is None:
-        log.warning("region %s: security.tls is false: updates travel in plaintext and peers are not authenticated", region)
     port = 0
     if net.port_range is not None:
         port = net.port_range  # the transport tries each port of the range in turn
