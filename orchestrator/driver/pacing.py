@@ -66,7 +66,7 @@ class Pacing:
         alive = self.regions.alive
         absent = absent_regions(emulation, r, self.regions.names) & set(alive) if emulation.active else set()
         if absent and emulation.availability.mid_round:
-            # They take part and leave mid-round by themselves (regions/secagg_round.py).
+            # They take part and leave mid-round by themselves (regions/secagg/round.py).
             self.journal.event("drop_mid_round", regions=sorted(absent))
             absent = set()
         if absent:

@@ -222,7 +222,7 @@ class DilocoSync:
         return noised
 
     def _secure_exchange(self, plan: RoundPlan, part: Diloco, sent: list[torch.Tensor]) -> dict[str, Any]:
-        """Secure aggregation's exchange (regions/secagg_round.py) in place of exchange and mix: the
+        """Secure aggregation's exchange (regions/secagg/round.py) in place of exchange and mix: the
         masked sum gives the mean itself, which is applied as a mix is."""
         mixed, metrics = self.ctx.secagg.exchange(plan.round, sent, plan.alive)
         part.step(mixed)

@@ -64,7 +64,7 @@ class SyncContext:
     evaluate: Callable[..., dict[str, Any]]
     # hurry() -> None: this region's spread pushes in flight go out now (sync.spread_sends).
     hurry: Callable[[], None] = lambda: None
-    # security.secure_aggregation: the region's regions/secagg_round.py SecAggRound (None: off);
+    # security.secure_aggregation: the region's regions/secagg/round.py SecAggRound (None: off);
     # DiLoCo then exchanges through it instead of `exchange` and `mix`.
     secagg: Any = None
     dp_noise_seed: int | None = None  # privacy.dp.seeded_noise: run.seed, else None (the OS's randomness)
