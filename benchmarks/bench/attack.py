@@ -97,7 +97,7 @@ def _capped_runner(cfg: Any, run_dir: Path, *, hostile: dict | None, seconds: fl
     """A Runner that ends the run normally (final evaluation, summary) once `seconds` of training
     have passed, marking itself `cut`. Built on first use: Ray and torch load only for a run."""
     if not _RUNNER:
-        from geofed.orchestrator.driver.runner import Runner
+        from geofed.orchestrator.driver.run import Runner
 
         class CappedRunner(Runner):
             def __init__(self, *args, seconds: float, **kw):

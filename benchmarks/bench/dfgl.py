@@ -158,7 +158,7 @@ def run_bench(base: RunConfig, *, dataset: str, seeds: tuple[int, ...], epochs: 
     from .dfgl_baselines import centralized, local_only
     from geofed.regions.tasks import make_task
 
-    from geofed.orchestrator.driver.runner import prepare_task
+    from geofed.orchestrator.driver.run import prepare_task
 
     base = prepare_task(base, source="geofed bench dfgl")
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ def run_to_end(cfg: Any, parent: Path | str, *, source: str | None = None) -> tu
     returns (run directory, summary). With `source` (what the error names) the task is prepared
     first (prepare_task: a relative data path resolved, a bad one refused before Ray starts)."""
     from geofed.orchestrator.driver.rundir import new_run_dir
-    from geofed.orchestrator.driver.runner import Runner, prepare_task
+    from geofed.orchestrator.driver.run import Runner, prepare_task
 
     if source is not None:
         cfg = prepare_task(cfg, source=source)

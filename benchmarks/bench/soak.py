@@ -32,7 +32,7 @@ from .hostile_peer import HostilePeer
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 
 SLOPE_TARGET_MB_PER_MIN = 1.0
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]

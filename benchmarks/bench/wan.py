@@ -94,7 +94,7 @@ def main(argv: Sequence[str]) -> int:
     console = Console(stderr=True)
     from geofed.orchestrator.driver.cluster import PlacementError
     from geofed.orchestrator.driver.recovery import Interrupted
-    from geofed.orchestrator.driver.runner import RunFailed
+    from geofed.orchestrator.driver.run import RunFailed
 
     reps = args.reps or (1 if args.quick else 3)
     try:
@@ -186,7 +186,7 @@ def run_arm(arm: Arm, scenario: Scenario, out: Path, *, console: Console, index:
             label: str | None = None) -> ArmResult:
     """Run one arm as a real `geofed run` in its own run directory under `out`, and measure it."""
     from geofed.orchestrator.driver.rundir import new_run_dir
-    from geofed.orchestrator.driver.runner import Runner, prepare_task
+    from geofed.orchestrator.driver.run import Runner, prepare_task
 
     cfg = prepare_task(arm.cfg, source=f"bench wan arm {arm.name}")
     run_dir = new_run_dir(cfg, str(out / arm.name))

@@ -15,7 +15,7 @@ import pytest
 from geofed.bench import wan as bench_wan
 from geofed.bench.wan_arms import Scenario, base_mapping, build_arms
 from geofed.bench.wan_results import best_before_drop, measure
-from geofed.orchestrator.driver.runner import prepare_task
+from geofed.orchestrator.driver.run import prepare_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -7,7 +7,7 @@ import pytest
 
 from geofed.bench.plan_results import measure, predict_cell
 from geofed.orchestrator.config import config_from_mapping
-from geofed.orchestrator.driver.runner import Runner
+from geofed.orchestrator.driver.run import Runner
 from geofed.orchestrator.plan.inputs import probe_task
 from geofed.p2p.wan.prices import GB
 
