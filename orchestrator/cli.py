@@ -17,7 +17,7 @@ BENCH_MISSING = ("geofed bench: the benchmarks are not installed (a distribution
                  "wheel): from a clone of geofed, pip install -e ./benchmarks")
 
 
-# config_record.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
+# driver/rundir.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
 RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
                   "run.report", "run.trackers", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
                   "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")

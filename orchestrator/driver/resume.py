@@ -21,8 +21,7 @@ from geofed.regions.tasks.configs import PluginTaskConfig
 from ..config import RunConfig, config_from_mapping
 from .leftovers import reap_previous
 from .recovery import RunFailed, schedule_after
-from ..config.record import check_resume
-from .rundir import ensure_private_dir, read_json_file, read_jsonl, truncate_jsonl
+from .rundir import check_resume, ensure_private_dir, read_json_file, read_jsonl, truncate_jsonl
 from ..config.strict import ConfigError, build
 from ..config.yamlconfig import apply_override, parse_yaml, parse_yaml_file, read_config_bytes
 
@@ -39,7 +38,7 @@ class DriverCheckpoint(NamedTuple):
 def resume_config(run_dir: Path, overrides, allow: Sequence[str] = (), *, config: str | None = None,
                   trust_run_dir: bool = False) -> tuple[RunConfig, Path]:
     """The run's config: config.yaml, which must match the run's record of it, with the --set
-    overrides, of which only keys named in `allow` may change it (orchestrator/config/record.py).
+    overrides, of which only keys named in `allow` may change it (orchestrator/driver/rundir.py).
 
     A plug-in task config.yaml names (``task.kind: python:...``) is imported only once the user
     vouched for it: `config` (the user's own config) names the same plug-in, or `trust_run_dir`

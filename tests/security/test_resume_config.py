@@ -95,7 +95,7 @@ def test_a_run_directory_without_its_record_is_refused(run_dir):
 
 
 def test_the_help_lists_exactly_the_keys_that_may_change():
-    from geofed.orchestrator.config.record import SAFE_ON_RESUME
+    from geofed.orchestrator.driver.rundir import SAFE_ON_RESUME
 
     assert tuple(SAFE_ON_RESUME) == cli.RESUMABLE_KEYS
     help_text = cli._parser()._subparsers._group_actions[0].choices["run"].format_help()

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import RunConfig, config_from_mapping, strict
-from geofed.orchestrator.config.record import write_record
+from geofed.orchestrator.driver.rundir import write_record
 from geofed.orchestrator.config.strict import ConfigError
 from geofed.orchestrator.driver.resume import load_driver_checkpoint, resume_config
 from geofed.orchestrator.driver.rundir import write_config
