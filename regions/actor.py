@@ -94,10 +94,8 @@ class RegionActor:
         if self._pool is None:
             raise RuntimeError("adopt: this region actor is not pooled")
         t0, cpu0 = time.monotonic(), time.process_time()
-        if self.region is not None:
-            with self.region.gap_fill.paused():
-                self.region.close()
-            self.region = None
+        self.close()
+        self.region = None
         self._pool.assign(cfg=cfg, region=region, run_dir=run_dir, tls=tls)  # first: a restart from here on builds this run's region
         self.region = _build(cfg, region, run_dir, tls)
         self._start = {"process_s": None, "init_s": round(time.monotonic() - t0, 3),

@@ -3,7 +3,8 @@
 A round of `Region.run_round` reads top to bottom:
 
     plan        every hook's `plan`, in order: the plan the round runs
-    the round   the sync algorithm: inner steps -> payload -> [before_send] -> exchange -> outer step
+    the round   the sync algorithm: inner steps -> payload -> [before_send] -> exchange (a hook's
+                `exchange` in place of the Exchanger's, where one gives it) -> outer step
     after_round every hook's `after_round`: the round's metrics, or FloatingPointError to reject it
     recover     only for a round that raised FloatingPointError: the first hook that returns
                 metrics ends the round with them; none: the error fails the round as before
@@ -15,7 +16,7 @@ not override is the no-op each docstring names. Gap filling (regions/gapfill.py)
 (regions/rollback.py) and bench attack's hostile member (regions/adversary.py) are hooks; DP,
 secure aggregation and pacing still live in the algorithm and the region's round (to be moved).
 
-Two points beyond the issue's four (plan, before_send, exchange, after_round): `recover`, because
+Two points beyond plan, before_send, exchange and after_round: `recover`, because
 a rollback has to see a round that raised, and `report`, because gap filling may only be armed
 once the round's evaluation is done (a fill step beside it would move the evaluation's random
 state).
