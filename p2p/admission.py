@@ -29,7 +29,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from .transport import Arrival, Validator
+from .messages import Arrival, Validator
 
 log = logging.getLogger("geofed.p2p")
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .admission import Admission, Refusal, Ticket, held_bytes
-from .transport import Inbox, Validator
+from .messages import Inbox, Validator
 
 __all__ = ["DONE_GRACE_S", "OPTIONAL_GRACE_S", "SIDE_STREAMS", "UPDATE", "Mailbox", "Refusal", "Ticket",
            "held_bytes", "stream_tag"]
