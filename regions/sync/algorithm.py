@@ -54,4 +54,36 @@ class Algorithm(Protocol):
         ...
 
 
-__all__ = ["Algorithm", "PlanView", "Received"]
+class OuterPart(Algorithm, Protocol):
+    """One part of a DiLoCo-style algorithm (the whole model, or one fragment) as its wrappers see
+    it: overlap (regions/sync/overlap.py) hands a part's exchange over a round, fragments
+    (regions/sync/fragments.py) checkpoint the parts together. regions/sync/diloco.py's Diloco is one.
+    """
+
+    stream: str                          # the exchange stream its updates travel on ("" for the whole model)
+    global_params: list[torch.Tensor]    # the global copy the outer optimizer steps
+    outer_opt: torch.optim.Optimizer
+    start: list[torch.Tensor] | None     # where the unsent progress starts (overlap), else None
+
+    def mixed(self, plan: Any, own: Sequence[torch.Tensor], res: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The mix of `own` with what `res` brought, and the metrics of screening it."""
+        ...
+
+    def step(self, mixed: Sequence[torch.Tensor]) -> None:
+        """The outer optimizer's step on the global copy with the mixed pseudo-gradient."""
+        ...
+
+    def preview(self, mixed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What `step` would make of the global copy, on copies (nothing changes)."""
+        ...
+
+    def set_live(self, values: Sequence[torch.Tensor], *, start: bool = False) -> None:
+        """Copy `values` into the live tensors (and, `start`, mark them where progress starts)."""
+        ...
+
+    def rebase(self) -> None:
+        """Move the unsent progress onto the new global copy: ``local = global - (start - local)``."""
+        ...
+
+
+__all__ = ["Algorithm", "OuterPart", "PlanView", "Received"]

@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .algorithm import OuterPart
 from .protocol import Shapes
-
-if TYPE_CHECKING:
-    from .diloco import Diloco
-
 
 Piece = tuple[int, int, int]  # (parameter index, first row, end row) of a fragment's slice of a tensor
 
@@ -102,7 +99,7 @@ class Layout:
         return [ts[0] if len(ts) == 1 else torch.cat(ts) for _, ts in sorted(by_param.items())]
 
 
-def fragment_state(parts: Sequence[Diloco], *, region: str, overlap: bool) -> dict[str, Any]:
+def fragment_state(parts: Sequence[OuterPart], *, region: str, overlap: bool) -> dict[str, Any]:
     """Every piece's global copy and every fragment's outer optimizer state, the fragment count, whose
     state it is, and (overlap) where each piece's unsent progress starts; the live model is the worker's."""
     d: dict[str, Any] = {"global": [g.detach().clone() for p in parts for g in p.global_params],
@@ -112,7 +109,7 @@ def fragment_state(parts: Sequence[Diloco], *, region: str, overlap: bool) -> di
     return d
 
 
-def load_fragment_state(parts: Sequence[Diloco], d: dict[str, Any], *, region: str, overlap: bool) -> None:
+def load_fragment_state(parts: Sequence[OuterPart], d: dict[str, Any], *, region: str, overlap: bool) -> None:
     """Own state (checkpoint, rollback): global copies, outer states and starts; the live model was
     restored by the worker, unsent progress and all. A donor's (rejoin): every fragment restarts from
     the donor's global model. Refuses a state of another fragment count."""

@@ -42,7 +42,7 @@ from .common import exchange_metrics, no_exchange_metrics
 
 if TYPE_CHECKING:
     from ..worker import RoundPlan
-    from .diloco import Diloco
+    from .algorithm import OuterPart
     from .protocol import SyncContext
 
 
@@ -50,19 +50,19 @@ class Overlap:
     """The exchange in flight: at most one, of one part, handed over at a round's end."""
 
     def __init__(self, ctx: SyncContext, *, eager: bool,
-                 evaluate: Callable[[Diloco, list[torch.Tensor]], dict[str, Any]]):
+                 evaluate: Callable[[OuterPart, list[torch.Tensor]], dict[str, Any]]):
         self.ctx, self.eager, self.evaluate = ctx, eager, evaluate
         self.window = OverlapWindow(getattr(ctx.settings, "spread_sends", 0.0))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geofed-overlap")
         self._pending: Future | None = None
-        self._pending_of: tuple[Diloco, int, dict[str, Any]] | None = None  # its part, round and extra metrics
+        self._pending_of: tuple[OuterPart, int, dict[str, Any]] | None = None  # its part, round and extra metrics
 
     @property
     def in_flight(self) -> bool:
         """Whether an exchange waits to be applied."""
         return self._pending is not None
 
-    def hand_over(self, plan: RoundPlan, part: Diloco, sent: list[torch.Tensor], delta: list[torch.Tensor],
+    def hand_over(self, plan: RoundPlan, part: OuterPart, sent: list[torch.Tensor], delta: list[torch.Tensor],
                   metrics: Mapping[str, Any], *, extra: Mapping[str, Any]) -> dict[str, Any]:
         """Apply the exchange in flight, send `sent` (this round's, of `part`) in the background, and
         restart `part` from its global copy plus its unsent progress `delta` (eager: its own outer step
@@ -78,7 +78,7 @@ class Overlap:
             part.set_live([g - d for g, d in zip(part.global_params, delta)], start=True)
         return out
 
-    def _exchange_and_mix(self, plan: RoundPlan, part: Diloco, sent: list[torch.Tensor], window_s: float,
+    def _exchange_and_mix(self, plan: RoundPlan, part: OuterPart, sent: list[torch.Tensor], window_s: float,
                           spread_s: float) -> tuple[Any, list[torch.Tensor], dict[str, Any], dict[str, Any] | None]:
         res = self.ctx.exchange(plan, sent, stream=part.stream, spread_s=spread_s, window_s=window_s)
         mixed, more = part.mixed(plan, sent, res)
