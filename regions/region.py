@@ -38,6 +38,7 @@ from geofed.p2p.topology import make_topology
 
 from . import checkpoint
 from .adversary import attach
+from .algorithm_traits import algorithm_traits
 from .device import Precision, device_name, move_received, resolve_device, to_device
 from .emulation import Slowdown
 from .exchange import Exchanger
@@ -71,6 +72,7 @@ class Region:
         self.index = self.regions.index(region)
         torch.set_num_threads(cfg.regions.torch_threads)
         seed = cfg.run.seed
+        self.traits = algorithm_traits(cfg.sync.algorithm)  # what the algorithm does, asked instead of its name
         self.hooks: list[RoundHook] = []
         self._build_model_and_data(task, seed)
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
@@ -106,9 +108,9 @@ class Region:
         cfg, region = self.cfg, self.region
         # Regions of one process (regions/inprocess.py) may share one task built from cfg.task:
         # the data is loaded and partitioned once instead of once per region.
-        # Gossip keeps its public copies in host memory: auto trains it on the CPU (the config
-        # refuses an explicit cuda with gossip).
-        spec = "cpu" if cfg.sync.algorithm == "gossip" and cfg.regions.device == "auto" else cfg.regions.device
+        # An algorithm that keeps its state in host memory (gossip's public copies): auto trains it on
+        # the CPU (the config refuses an explicit cuda with it).
+        spec = "cpu" if self.traits.cpu_only and cfg.regions.device == "auto" else cfg.regions.device
         self.device = resolve_device(spec, region=region)
         self.precision = Precision(cfg.sync.inner.precision, self.device)
         self.slowdown = Slowdown(cfg.regions.emulation.slowdown.get(region, 1.0))
@@ -486,7 +488,7 @@ class Region:
         """security.robust_aggregation clip with clip_multiple on: each round's mix scales every peer
         update to the round's median norm (gossip mixes models, not updates: it clips on arrival)."""
         sec = self.cfg.security
-        return sec.robust_aggregation == "clip" and sec.clip_multiple > 0 and self.cfg.sync.algorithm != "gossip"
+        return sec.robust_aggregation == "clip" and sec.clip_multiple > 0 and not self.traits.mixes_models
 
     def _validate(self, sender: str, round_: int, payload: memoryview) -> list[torch.Tensor]:
         """Called by the transport for every incoming update: refuse (ValueError, or a Refusal
@@ -589,7 +591,7 @@ class Region:
         if before_round is not None:
             self.transport.mailbox.look_ahead(before_round)  # its peers push that round while this fetch runs
         own = self._shared_state()
-        want = STATE_DONORS if self.cfg.sync.algorithm in ("diloco", "allreduce") else 1
+        want = STATE_DONORS if not self.traits.mixes_models else 1
         try:
             got = fetch_checked_states(self.transport, peers, timeout_s=timeout_s, want=want,
                                        check=lambda peer, data: self._checked_state(peer, data, own, rounds_apart),
