@@ -51,6 +51,7 @@ import statistics
 import threading
 from collections import Counter, deque
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -233,7 +234,7 @@ class AdmissionPerLayout:
     of the model per round, and a fragment's update norm says nothing about another's (an embedding's
     against an output layer's), so each fragment keeps its own reference norm. Same interface."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         self._kwargs = kwargs
         self._by_layout: dict[tuple, UpdateAdmission] = {}
         self._lock = threading.Lock()

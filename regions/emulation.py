@@ -34,7 +34,7 @@ class AbsenceWindow:
     from_round: int = field(metadata=_doc("first round it is absent"))
     to_round: int = field(metadata=_doc("last round it is absent (inclusive)"))
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.from_round < 0 or self.to_round < self.from_round:
             raise ValueError(f"to_round: need 0 <= from_round <= to_round, got {self.from_round}..{self.to_round}")
 
@@ -54,7 +54,7 @@ class AvailabilityConfig:
         "absent regions leave mid-round instead of sitting the round out: they train and deal the round's "
         "secure-aggregation keys, then send nothing more (needs security.secure_aggregation; docs/privacy.md)"))
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not 0.0 <= self.absent_p < 1.0:
             raise ValueError(f"absent_p: must be in [0, 1), got {self.absent_p}")
 
@@ -69,7 +69,7 @@ class ComputeEmulation:
     availability: AvailabilityConfig = field(default_factory=AvailabilityConfig, metadata=_doc(
         "regions absent for some rounds (they neither train nor answer; not a crash)"))
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for region, factor in self.slowdown.items():
             if not 1.0 <= float(factor) <= 1000.0:
                 raise ValueError(f"slowdown.{region}: a factor in [1, 1000], got {factor}")
