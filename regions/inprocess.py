@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -74,9 +75,9 @@ class InProcessRegions:
                    for region, plan in plans.items()}
         return {region: f.result() for region, f in futures.items()}
 
-    def call(self, method: str, *args, regions=None) -> dict[str, Any]:
-        """`method(*args)` of every worker (or of `regions`), one after the other."""
-        return {r: getattr(self.workers[r], method)(*args) for r in (regions or self.workers)}
+    def call(self, fn: Callable[[Region], Any], *, regions=None) -> dict[str, Any]:
+        """`fn(region)` for every region (or those named in `regions`), one after the other; by region."""
+        return {r: fn(self.workers[r]) for r in (regions or self.workers)}
 
     def close(self) -> None:
         for w in self.workers.values():

@@ -235,10 +235,10 @@ def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
             metrics.extend(results.values())
             if coordinator.done:
                 break
-        group.call("finish_pending")
+        group.call(lambda r: r.finish_pending())
         wall_s = clock.now()
-        per_region = [e["value"] for e in group.call("evaluate").values()]
-        avg, consensus = evaluate_average(cfg, group.call("get_params"))
+        per_region = [e["value"] for e in group.call(lambda r: r.evaluate()).values()]
+        avg, consensus = evaluate_average(cfg, group.call(lambda r: r.get_params()))
     sent = sum(m["bytes_sent"] for m in metrics)
     resync = sum(m.get("resync_bytes", 0) for m in metrics)
     n = len(cfg.regions.names)

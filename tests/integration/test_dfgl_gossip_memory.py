@@ -48,7 +48,7 @@ class Cluster(InProcessRegions):
         return out
 
     def average_accuracy(self):
-        avg, _ = evaluate_average(self.cfg, self.call("get_params"))
+        avg, _ = evaluate_average(self.cfg, self.call(lambda r: r.get_params()))
         return avg["value"]
 
 

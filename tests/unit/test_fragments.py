@@ -133,11 +133,11 @@ def test_resume_mid_schedule_continues_exactly(tmp_path):
     want = _globals(whole)
     whole.close()
     first, _ = _train(tmp_path, cfg, 4, name="split", keep=True)  # rounds 0-3: round 4 is fragment 1
-    first.call("save_checkpoint")
+    first.call(lambda r: r.save_checkpoint())
     first.close()
     again = InProcessRegions(cfg, tmp_path / "split")
     try:
-        assert all(v["round"] == 3 for v in again.call("restore_checkpoint").values())
+        assert all(v["round"] == 3 for v in again.call(lambda r: r.restore_checkpoint()).values())
         _train(tmp_path, cfg, 3, name="split", start=4, group=again)
         got = _globals(again)
         for reg in REGIONS:

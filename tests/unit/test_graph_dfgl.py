@@ -92,10 +92,10 @@ def test_gossip_alone_reaches_consensus(cora_path, cora, tmp_path):
     cfg = _cfg(cora_path, "gossip_uncompressed", epochs=1, sets=["sync.gossip.tracking=false"])
     with InProcessRegions(cfg, tmp_path, task=cora) as group:
         group.run_round({r: RoundPlan(round=0, H=5) for r in group.regions})
-        _, apart = evaluate_average(cfg, group.call("get_params"))
+        _, apart = evaluate_average(cfg, group.call(lambda r: r.get_params()))
         for r in range(1, 31):
             group.run_round({reg: RoundPlan(round=r, H=1, lr_scale=0.0) for reg in group.regions})
-        _, together = evaluate_average(cfg, group.call("get_params"))
+        _, together = evaluate_average(cfg, group.call(lambda r: r.get_params()))
     assert apart > 1e-3 > together
 
 

@@ -52,7 +52,7 @@ def _run(tmp_path, cfg, rounds, monkeypatch, *, regions=REGIONS, name="run"):
         first = [g.clone() for g in c.workers["a"].algorithm.eval_params()]
         for r in range(rounds):
             c.run_round({reg: RoundPlan(round=r, H=3, final=r == rounds - 1) for reg in regions})
-        c.call("finish_pending")
+        c.call(lambda r: r.finish_pending())
         final = {reg: [g.clone() for g in w.algorithm.eval_params()] for reg, w in c.workers.items()}
         return first, sent, final, c.workers["a"].algorithm
 
