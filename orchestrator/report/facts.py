@@ -129,8 +129,9 @@ def _lr_text(inner: Any) -> str | None:
 
 
 def _outer_text(run: Run, outer: Any) -> str | None:
-    if run.algorithm not in (None, "diloco") or not isinstance(outer, dict) or outer.get("lr") is None:
-        return None  # only DiLoCo has an outer optimizer
+    has_outer = run.algorithm is None or (run.traits is not None and run.traits.outer_step)
+    if not has_outer or not isinstance(outer, dict) or outer.get("lr") is None:
+        return None  # only an algorithm with an outer step (DiLoCo) has an outer optimizer
     # sync.outer.kind; a record from before it has nesterov: true or false instead
     kind = outer.get("kind") or ("nesterov" if outer.get("nesterov") else "sgd")
     if kind not in ("nesterov", "sgd"):

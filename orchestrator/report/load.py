@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geofed.regions.algorithm_traits import TRAITS, AlgorithmTraits
 from geofed.regions.checkpoint import read_bounded
 from geofed.regions.inputfiles import InputFileError
 
@@ -93,6 +94,13 @@ class Run:
         sc = self.summary.get("config") if isinstance(self.summary.get("config"), dict) else {}
         sync = self.config.get("sync") if isinstance(self.config.get("sync"), dict) else {}
         return sc.get("algorithm") or sync.get("algorithm")
+
+    @property
+    def traits(self) -> AlgorithmTraits | None:
+        """What the run's algorithm can do; None when no algorithm is recorded or this geofed does
+        not know its name (a report loads any run directory)."""
+        name = self.algorithm
+        return TRAITS.get(name) if isinstance(name, str) else None
 
     @property
     def has_eval(self) -> bool:

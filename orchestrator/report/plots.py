@@ -115,7 +115,7 @@ def plot_eval(run: Run, out: Path) -> Plot | None:
             for ax, xs in ((ax_t, [t / div for _, t, _ in pts if t is not None]), (ax_r, [r for r, t, _ in pts if t is not None])):
                 ax.plot(xs, [v for _, t, v in pts if t is not None], lw=1.0, alpha=0.6,
                         **region_style(i, len(run.regions), region), **markers_for(len(xs)))
-    label = "averaged model" if run.algorithm == "gossip" else "synchronised model"
+    label = "averaged model" if run.traits is not None and run.traits.mixes_models else "synchronised model"
     timed = [(r, t, v) for r, t, v in avg_pts if t is not None]
     ax_t.plot([t / div for _, t, _ in timed], [v for *_, v in timed], color=MEAN_COLOR, lw=2.4, label=label, **markers_for(len(timed)))
     ax_r.plot([r for r, _, _ in avg_pts], [v for *_, v in avg_pts], color=MEAN_COLOR, lw=2.4, label=label, **markers_for(len(avg_pts)))

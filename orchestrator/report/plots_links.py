@@ -161,7 +161,7 @@ def plot_consensus(run: Run, out: Path) -> Plot | None:
     """consensus.png: the consensus distance per round (gossip); None when not recorded."""
     # DiLoCo and all-reduce over a full topology hold one model: their distance is float noise.
     pts = [(r.round, r.consensus_distance) for r in run.rounds if r.consensus_distance is not None]
-    if not pts or run.algorithm != "gossip":
+    if not pts or run.traits is None or not run.traits.mixes_models:
         return None
     fig = new_figure(11, 3.2)
     ax = fig.subplots()
