@@ -28,7 +28,7 @@ import copy
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,7 +36,6 @@ from .hooks import RoundHook
 from .sync.common import no_exchange_metrics
 
 if TYPE_CHECKING:
-    from .region import Region
     from .worker import RoundPlan
 
 log = logging.getLogger(__name__)
@@ -63,12 +62,26 @@ def copy_state(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+class Guarded(Protocol):
+    """What the hook reads and restores of its region (regions/region.py's Region is one)."""
+
+    cfg: Any
+    index: int
+    region: str
+    shard: Any
+    task: Any
+    model: torch.nn.Module
+    inner: torch.optim.Optimizer
+    algorithm: Any
+    params: list[torch.Tensor]
+
+
 class Rollback(RoundHook):
     """Keeps a region's state at the start of each round and undoes a round that leaves the model
     non-finite (see the module docstring).
     """
 
-    def __init__(self, w: Region):
+    def __init__(self, w: Guarded):
         self.w = w
         gen = torch.Generator().manual_seed(w.cfg.run.seed * 1000 + w.index + _PROBE_SEED)
         batch = next(w.shard.batches(gen))
