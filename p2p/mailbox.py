@@ -298,9 +298,9 @@ class Mailbox(Admission):
 
     def counters(self) -> dict:
         """The update's counters; a side stream's refusals added in, and kept apart under its name."""
-        out = self._own_counters()
+        out = self.own_counters()
         for name, box in list(self._streams.items()):
-            side = box._own_counters()
+            side = box.own_counters()
             refused = dict(out["refused"])
             for reason, n in side["refused"].items():
                 refused[reason] = refused.get(reason, 0) + n
@@ -309,7 +309,8 @@ class Mailbox(Admission):
                          "late_dropped": side["late_dropped"]}
         return out
 
-    def _own_counters(self) -> dict:
+    def own_counters(self) -> dict:
+        """This stream's counters alone (`counters` adds the side streams' in)."""
         with self._cond:
             return {
                 "bytes_received": dict(self.bytes_received),
