@@ -30,6 +30,7 @@ from collections.abc import Collection
 from typing import Any
 
 from geofed.compression import CodecSpec
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.worker import RoundPlan
 
 from ..config import RunConfig
@@ -51,6 +52,7 @@ class Coordinator:
 
     def __init__(self, cfg: RunConfig, *, model_numel: int, clock):
         self.cfg = cfg
+        self.traits = algorithm_traits(cfg.sync.algorithm)  # what the algorithm does, asked instead of its name
         self.regions = list(cfg.regions.names)
         self.model_numel = model_numel
         self.clock = clock
@@ -130,7 +132,7 @@ class Coordinator:
         muted = set(muted) & set(alive)
         heard = [r for r in alive if r not in muted] or list(alive)
         evaluators = self.evaluators(heard) if evaluate else ()
-        sketch = evaluate and self.cfg.sync.algorithm != "gossip"  # gossip fetches the models themselves
+        sketch = evaluate and not self.traits.mixes_models  # gossip fetches the models themselves
         paced = self._pacing_fields(H, alive)
         steps = self._calibration_steps(alive) if self.calibration and self.calibration.active(alive) else {}
         fill = not final and self._fills()
@@ -144,7 +146,7 @@ class Coordinator:
 
     def _decide(self, round_: int, links: list[str]) -> tuple[Step, dict[str, CodecSpec]]:
         """The policy's H and codecs for the round (all-reduce: every step, no codec)."""
-        if self.cfg.sync.algorithm == "allreduce":
+        if self.traits.per_step:
             reason = "allreduce: every step"
             self.last_record = {"H": 1, "codecs": {}, "reason": reason, "policy": {}}
             return Step(H=1, reason=reason), {}
@@ -165,7 +167,7 @@ class Coordinator:
         synchronised model, which every region holds alike (nothing crosses the wire); quorum
         rounds: the fastest one, which is in the quorum. Gossip: every region its own model; the
         driver then averages them (a fetch, counted)."""
-        if self.cfg.sync.algorithm == "gossip":
+        if self.traits.mixes_models:
             return list(alive)
         if self.pacing.mode == "quorum" and alive:
             unknown = float("inf")  # a region that never reported in time may be the slow one
@@ -178,7 +180,7 @@ class Coordinator:
         holds between rounds is its own unsynced progress; not with record-level DP (its accountant
         counts the planned steps) or fragments (their outer state is per fragment)."""
         cfg, p = self.cfg, self.pacing
-        return (p.mode == "time-budget" and p.fill_gaps and cfg.sync.overlap and cfg.sync.algorithm == "diloco"
+        return (p.mode == "time-budget" and p.fill_gaps and cfg.sync.overlap and self.traits.outer_step
                 and cfg.sync.fragments <= 1 and cfg.privacy.dp.mode == "off")
 
     def _calibration_steps(self, alive: list[str]) -> dict[str, int]:

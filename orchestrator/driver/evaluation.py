@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.sketch import consensus_from_sketches
 
 from ..config import RunConfig
@@ -57,7 +58,7 @@ class RunEvaluation:
         model it is (eval_round: with overlap it was evaluated during the next round, when its
         exchange completed) and when (eval_t); for gossip also the consensus distance and the
         fetch's bytes. Empty when nothing was evaluated."""
-        if self.cfg.sync.algorithm == "gossip":
+        if algorithm_traits(self.cfg.sync.algorithm).mixes_models:
             if not self.due(round_):
                 return {}
             params = fetch_params()

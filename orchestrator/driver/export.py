@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from geofed.regions import checkpoint
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.export import average_states, encode, named_result, params_of, trainable_names
 from geofed.regions.tasks import make_task
 from geofed.regions.tasks.base import PluginTaskConfig
@@ -129,7 +130,7 @@ def checkpoint_model(run_dir: Path, cfg: RunConfig, round_: int | None = None
     if r not in have:
         raise ConfigError("", f"no checkpoint of round {r}; rounds with checkpoints: "
                           + ", ".join(map(str, sorted(have))), source="--round")
-    regions = have[r] if cfg.sync.algorithm == "gossip" else _first_alive(run_dir, r, have[r])
+    regions = have[r] if algorithm_traits(cfg.sync.algorithm).mixes_models else _first_alive(run_dir, r, have[r])
     states: dict[Path, dict[str, torch.Tensor]] = {}
     for region in regions:
         path = checkpoint.checkpoint_path(run_dir / "checkpoints" / region, r)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.sync.common import merge_exchange_metrics
 
 from ..config import RunConfig
@@ -38,7 +39,7 @@ class Faults:
         s = cfg.sync
         # Quorum rounds leave the slowest out on purpose; its update comes late, not never. With
         # overlap the exchange in flight is applied first (flush_for_resync).
-        self.resync_on = (s.resync_after_miss and s.algorithm in ("diloco", "allreduce") and s.topology == "full"
+        self.resync_on = (s.resync_after_miss and not algorithm_traits(s.algorithm).mixes_models and s.topology == "full"
                           and s.pacing.mode != "quorum")
 
     def revive(self, r: int) -> int:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.privacy.budget import PrivacyBudget, accountant_from_state
 
 from .recovery import RunFailed
@@ -23,7 +24,7 @@ def planned_steps(cfg: Any) -> tuple[int, int]:
     target H; run.max_steps, when set, bounds the rounds."""
     policy = cfg.sync.policy
     H = getattr(policy, "H", None) or getattr(policy, "target_H", None) or getattr(policy, "initial_H", 1)
-    if cfg.sync.algorithm == "allreduce":
+    if algorithm_traits(cfg.sync.algorithm).per_step:
         H = 1
     rounds = cfg.run.rounds
     if cfg.run.max_steps:

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 from geofed.regions import checkpoint
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.export import average_states
 from geofed.regions.worker import rss_mb
 
@@ -315,7 +316,7 @@ class Runner:
         regions.finish_pending(regions.alive, timeout=self.cfg.sync.deadline.max_s * 2 + 120)
         self._checkpoint(last)
         per_region = regions.evaluate(regions.alive, timeout=600)
-        if self.cfg.sync.algorithm == "gossip":
+        if algorithm_traits(self.cfg.sync.algorithm).mixes_models:
             states = regions.result_state(regions.alive, timeout=600)
             params = params_by_region(self.cfg, states)
             self.evaluation.fetch_bytes += fetched_bytes(params)
