@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 
+from .algorithm_traits import algorithm_traits
 from .device import to_device
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class Gauntlet:
         else None."""
         cfg = worker.cfg
         sec = cfg.security
-        if (not sec.score_updates or sec.robust_aggregation == "none" or cfg.sync.algorithm != "diloco" or sec.secure_aggregation
+        if (not sec.score_updates or sec.robust_aggregation == "none" or not algorithm_traits(cfg.sync.algorithm).outer_step or sec.secure_aggregation
                 or getattr(cfg.sync, "fragments", 1) > 1):
             return None
         generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + worker.index + _SEED_OFFSET)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.secagg.codecs import secagg_codec_problem
 
 
@@ -88,7 +89,7 @@ def check_privacy_rules(cfg: Any) -> None:
     if dp.mode == "record" and cfg.sync.inner.precision == "fp16":
         raise ValueError("sync.inner.precision: fp16's loss scaling would scale privacy.dp.mode record's clipped, "
                          "noised gradients; use fp32 or bf16")
-    if dp.mode == "update" and cfg.sync.algorithm != "diloco":
+    if dp.mode == "update" and not algorithm_traits(cfg.sync.algorithm).outer_step:
         raise ValueError(f"privacy.dp.mode: update-level DP noises DiLoCo's pseudo-gradient; sync.algorithm is "
                          f"{cfg.sync.algorithm} (use mode record)")
 
@@ -103,7 +104,7 @@ def _check_secure_aggregation(cfg: Any) -> None:
     if c.ladder:
         raise ValueError("compression.ladder: security.secure_aggregation sums every region's update in one ring, "
                          "so a round has one codec for all links; per-link codecs (a ladder) are refused")
-    if cfg.sync.algorithm != "diloco" or cfg.sync.topology != "full":
+    if not algorithm_traits(cfg.sync.algorithm).outer_step or cfg.sync.topology != "full":
         raise ValueError(f"security.secure_aggregation: needs sync.algorithm diloco over sync.topology full (every "
                          f"region sums every update), got {cfg.sync.algorithm} over {cfg.sync.topology}")
     n = len(cfg.regions.names)
