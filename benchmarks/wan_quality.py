@@ -61,7 +61,7 @@ torch.set_num_threads(1)
 from geofed.bench.wan_arms import base_mapping
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.inprocess import InProcessRegions
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 H, steps, evals, sets, config = json.loads(sys.argv[1])
 base = base_mapping(config)

@@ -35,7 +35,7 @@ import torch
 from .hooks import RoundHook
 
 if TYPE_CHECKING:
-    from .worker import RoundPlan
+    from .messages import RoundPlan
 
 
 class GapFill(RoundHook):

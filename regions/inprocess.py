@@ -29,7 +29,7 @@ import torch
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 
 from .region import Region
-from .worker import RoundPlan
+from .messages import RoundPlan
 
 
 class InProcessRegions:

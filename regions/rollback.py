@@ -36,7 +36,7 @@ from .hooks import RoundHook
 from .sync.common import no_exchange_metrics
 
 if TYPE_CHECKING:
-    from .worker import RoundPlan
+    from .messages import RoundPlan
 
 log = logging.getLogger(__name__)
 MAX_IN_A_ROW = 3

@@ -31,7 +31,7 @@ from typing import Any
 
 from geofed.compression import CodecSpec
 from geofed.regions.algorithm_traits import algorithm_traits
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 from ..config import RunConfig
 from ..policies import LinkEstimate, Measurements, make_policy

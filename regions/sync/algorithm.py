@@ -20,7 +20,7 @@ import torch
 
 
 class PlanView(Protocol):
-    """The part of a round's plan (regions/worker.py: RoundPlan) every algorithm reads."""
+    """The part of a round's plan (regions/messages.py: RoundPlan) every algorithm reads."""
 
     @property
     def round(self) -> int: ...

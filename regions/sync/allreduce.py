@@ -14,7 +14,7 @@ from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
     from ..exchange import ExchangeResult
-    from ..worker import RoundPlan
+    from ..messages import RoundPlan
 
 
 class AllReduceSync:

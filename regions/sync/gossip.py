@@ -40,7 +40,7 @@ from .common import exchange_metrics
 from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
-    from ..worker import RoundPlan
+    from ..messages import RoundPlan
 
 log = logging.getLogger(__name__)
 KEEP_PUBLISHED = 2  # own public copies kept for resyncing peers: this round's and the last

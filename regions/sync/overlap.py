@@ -41,7 +41,7 @@ import torch
 from .common import exchange_metrics, no_exchange_metrics
 
 if TYPE_CHECKING:
-    from ..worker import RoundPlan
+    from ..messages import RoundPlan
     from .algorithm import OuterPart
     from .protocol import SyncContext
 

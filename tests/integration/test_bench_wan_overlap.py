@@ -8,7 +8,7 @@ import pytest
 import torch
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.inprocess import InProcessRegions
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 REGIONS = ["a", "b", "c"]
 

@@ -13,7 +13,7 @@ from geofed.orchestrator.driver.summary import evaluate_average
 from geofed.bench.dfgl_baselines import local_only
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks import make_task
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 REGIONS = ["a", "b", "c", "d"]
 

@@ -21,7 +21,7 @@ from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.exchange import ExchangeResult
 from geofed.p2p.robust import UpdateAdmission, coordinate_median, robust_mix, trim_count, trimmed_mean
 from geofed.regions.region import Region
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 pytestmark = pytest.mark.timeout(120)
 

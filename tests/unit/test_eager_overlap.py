@@ -7,7 +7,7 @@ import torch
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.inprocess import InProcessRegions
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 
 def _cfg(regions, overlap, momentum=0.5):

@@ -9,7 +9,7 @@ import torch
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.sync import DilocoSync, algorithm_class, split_fragments
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 REGIONS = ["a", "b", "c"]
 

@@ -12,7 +12,7 @@ import torch
 
 from geofed.regions.emulation import Slowdown
 from geofed.regions.gapfill import GapFill
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 
 class _Stepper:

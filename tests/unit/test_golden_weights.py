@@ -30,7 +30,7 @@ import torch
 
 from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.inprocess import InProcessRegions
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 GOLDEN = Path(__file__).with_name("golden_weights.json")
 WRITE = os.environ.get("GEOFED_WRITE_GOLDEN") == "1"

@@ -19,7 +19,7 @@ from geofed.bench.dfgl_baselines import centralized, local_only
 from geofed.regions.graph.tracking import GradientTracker, flat_grad, flat_params, load_flat_params
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks import make_task
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 torch.set_num_threads(1)
 

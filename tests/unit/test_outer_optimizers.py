@@ -18,7 +18,7 @@ from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.sync import Diloco, outer_optimizer
 from geofed.regions.sync import outer as outer_module
 from geofed.regions.sync.outer import load_outer_factory, make_outer_optimizer, preview_step
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 REGIONS = ["a", "b"]
 DOC = Path(__file__).resolve().parents[2] / "docs" / "outer-optimizers.md"

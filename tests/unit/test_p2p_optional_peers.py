@@ -133,7 +133,7 @@ def _payload() -> bytes:
 
 
 def test_only_delivered_or_never_made_pushes_are_reported_finished():
-    """What a region reports for the driver's notices (regions/worker.py, `pushes_done`), from a real
+    """What a region reports for the driver's notices (regions/region.py, `pushes_done`), from a real
     exchange: a push delivered (b) and one never made (d, not an out-peer this round) are finished;
     one that failed (c is gone) and one still in flight past the sender's wait (a, its link 1.6 s
     slow) are not, so the driver never tells a or c to stop waiting for this sender. Written with

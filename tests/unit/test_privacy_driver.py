@@ -12,7 +12,7 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.privacy import DpBudget, budget_from_state, budget_state, planned_steps
 from geofed.orchestrator.driver.recovery import RunFailed
 from geofed.regions.privacy.dp import dp_step, noise_generator
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 
 def _cfg(dp: dict, **sync):

@@ -13,7 +13,7 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.spread import MIN_CHUNK_BYTES, TICK_S, SpreadClock, spread_chunk_bytes
 from geofed.regions.inprocess import InProcessRegions
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 REGIONS = ["a", "b", "c"]
 

@@ -13,7 +13,7 @@ from geofed.orchestrator.config.strict import ConfigError
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks import make_task
 from geofed.regions.tasks.gpt import GPT, GPTConfig, GPTTask
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32, "max_chars": 60_000, "eval_sequences": 16}
 

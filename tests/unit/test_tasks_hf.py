@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from geofed.regions.inprocess import InProcessRegions
 from geofed.regions.tasks.hf import HFCausalLMConfig, HFCausalLMTask
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"architecture": "gpt2", "n_layer": 2, "n_head": 2, "d_model": 32, "context": 32, "max_chars": 60_000,

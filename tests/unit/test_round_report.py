@@ -1,0 +1,57 @@
+"""RoundReport (regions/messages.py): what a region reports of a round, typed, whose to_record() is
+the round's metrics.jsonl record, key for key and value for value (docs/RUNDIR.md).
+
+Real rounds in process (regions/inprocess.py) of every golden case (tests/unit/test_golden_weights.py:
+DiLoCo serial and overlapped, fragments, all-reduce, gossip/CHOCO, DP, secure aggregation), with an
+evaluation and a sketch in one of them, go through the report and back.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from geofed.regions.inprocess import InProcessRegions
+from geofed.regions.messages import RoundPlan, RoundReport
+from test_golden_weights import CASES, H, _cfg
+
+# The keys every region writes every round, whatever the algorithm (docs/RUNDIR.md, metrics.jsonl).
+ALWAYS = {"round", "region", "H", "codecs", "wall_s", "utilization", "rss_mb", "links", "train_loss", "steps",
+          "compute_s", "step_time_s", "bytes_sent", "bytes_received", "transfers", "peers_missing",
+          "send_failures", "wait_s", "sync_s", "refused", "refusals", "harmful", "quarantined", "clipped"}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_real_rounds_record_goes_through_the_report_unchanged(name, tmp_path):
+    regions, extra = CASES[name]
+    with InProcessRegions(_cfg(regions, extra), tmp_path / name) as group:
+        for r in range(3):
+            plans = {reg: RoundPlan(round=r, H=H, evaluate=r == 1 and reg == regions[0], sketch=r == 1, final=r == 2)
+                     for reg in regions}
+            for reg, m in group.run_round(plans).items():
+                report = RoundReport.from_metrics(m)
+                record = report.to_record()
+                assert record == {k: v for k, v in m.items() if k != "sketch"}, (name, r, reg)
+                assert ALWAYS <= set(record), ALWAYS - set(record)
+                assert (report.round, report.region, report.H) == (r, reg, H)
+                assert report.exchange.bytes_sent == m["bytes_sent"]
+                assert report.steps.train_loss == m["train_loss"]
+                assert (report.sketch is not None) == (r == 1)
+                assert (report.evaluation.eval is not None) == ("eval" in m)
+
+
+def test_an_optional_key_written_as_none_stays_in_the_record():
+    m = {"round": 0, "region": "a", "H": 1, "codecs": {}, "wall_s": 1.0, "utilization": 0.5, "rss_mb": 1.0,
+         "links": {}, "train_loss": None, "steps": 1, "compute_s": 0.5, "step_time_s": 0.5, "bytes_sent": 0,
+         "bytes_received": 0, "transfers": [], "peers_missing": [], "send_failures": {}, "wait_s": 0.0,
+         "sync_s": 0.0, "refused": 0, "refusals": {}, "harmful": {}, "quarantined": {}, "clipped": {},
+         "lr": None, "exchange_round": None, "fragment": 2}
+    report = RoundReport.from_metrics(m)
+    assert report.to_record() == m
+    assert report.steps.lr is None and report.extra == {"lr": None, "exchange_round": None, "fragment": 2}
+
+
+def test_a_report_without_a_key_every_round_has_is_refused():
+    with pytest.raises(TypeError, match="bytes_sent"):
+        RoundReport.from_metrics({"round": 0, "region": "a", "H": 1, "codecs": {}, "wall_s": 1.0, "utilization": 0.5,
+                                  "rss_mb": 1.0, "links": {}, "train_loss": 0.1, "steps": 1, "compute_s": 0.5,
+                                  "step_time_s": 0.5})
