@@ -135,7 +135,7 @@ class RoundReport:
     security: SecurityStats
     sketch: Any = None  # a count sketch of the synchronised model (plan.sketch); never in the record
     # The driver's clock (seconds since the run started) when the round began and was reported:
-    # set by the driver (dataclasses.replace) once the report is in, before it is logged.
+    # the driver adds them before it logs the record (absent from a region's own report).
     t_start: float | None = None
     t_end: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -160,11 +160,6 @@ class RoundReport:
         record.update({k: v for k, v in (("t_start", self.t_start), ("t_end", self.t_end)) if v is not None})
         record.update(self.extra)
         return record
-
-    def with_record(self, record: Mapping[str, Any]) -> RoundReport:
-        """This round's report made from `record` (its own, amended: a flushed exchange merged in,
-        the driver's marks); the sketch, which no record carries, is kept."""
-        return dataclasses.replace(RoundReport.from_metrics(record), sketch=self.sketch)
 
 
 _PARTS: dict[str, Any] = {"steps": StepStats, "exchange": ExchangeStats, "evaluation": EvalStats,

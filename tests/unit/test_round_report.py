@@ -55,3 +55,14 @@ def test_a_report_without_a_key_every_round_has_is_refused():
         RoundReport.from_metrics({"round": 0, "region": "a", "H": 1, "codecs": {}, "wall_s": 1.0, "utilization": 0.5,
                                   "rss_mb": 1.0, "links": {}, "train_loss": 0.1, "steps": 1, "compute_s": 0.5,
                                   "step_time_s": 0.5})
+
+
+def test_the_drivers_marks_are_typed_and_go_back_into_the_record():
+    m = {"round": 0, "region": "a", "H": 1, "codecs": {}, "wall_s": 1.0, "utilization": 0.5, "rss_mb": 1.0,
+         "links": {}, "train_loss": 0.1, "steps": 1, "compute_s": 0.5, "step_time_s": 0.5, "bytes_sent": 0,
+         "bytes_received": 0, "transfers": [], "peers_missing": [], "send_failures": {}, "wait_s": 0.0,
+         "sync_s": 0.0, "refused": 0, "refusals": {}, "harmful": {}, "quarantined": {}, "clipped": {},
+         "t_start": 1.5, "t_end": 2.5}
+    report = RoundReport.from_metrics(m)
+    assert (report.t_start, report.t_end, report.extra) == (1.5, 2.5, {})
+    assert report.to_record() == m
