@@ -52,3 +52,40 @@ def test_estimate_within_10_percent_after_3_transfers_and_follows_a_step(tmp_pat
         finally:
             a.close()
             b.close()
+
+
+def test_a_probe_reads_the_shaped_link_and_counts_its_wire_bytes(tmp_path):
+    """What a set-up probe teaches the estimator (issue 40: the probe became a push on the Probe
+    method through send's streaming code): its bytes are the wire's (header, chunks, framing),
+    counted once as probe bytes and never as update bytes; its seconds run from the first byte to
+    the ack, so bytes over (seconds - RTT) is the link's rate; only a channel's first is cold."""
+    pki = make_pki(tmp_path / "tls", ["a", "b"])
+    cfg = EmulationConfig(mode="proxy", preset=None,
+                          default=LinkSpec(latency_ms=20.0, bandwidth_mbps=16.0, jitter_ms=0.0, loss=0.0))
+    a, b = (GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=4 << 20) for r in ("a", "b"))
+    with WanEmulator(cfg, ["a", "b"]) as emu:
+        try:
+            addr_a, addr_b = a.start(), b.start()
+            a.connect({"b": emu.route("a", "b", addr_b)})
+            b.connect({"a": addr_a})
+            prober = LinkProber(a)
+            prober.measure_rtt("b", warm_up=True)
+            est = prober.estimator("b")
+            assert 0.035 < est.rtt_s < 0.1
+            warm = prober.probe("b", 256 << 10, timeout_s=30)
+            assert warm.cold and warm.round == -1
+            nbytes = 600_000
+            for _ in range(3):
+                stats = prober.probe("b", nbytes, timeout_s=30)
+                assert not stats.cold and stats.payload_bytes == nbytes and stats.chunks == 1
+                assert nbytes < stats.bytes == stats.wire_bytes < nbytes + 64
+                assert stats.seconds > est.rtt_s + nbytes * 8 / 16e6 * 0.9  # at most the link's rate
+                prober.observe("b", stats, concurrent=1)
+            sent = a.stats()
+            assert sent["probe_bytes_sent"]["b"] == warm.bytes + 3 * stats.bytes
+            assert b.stats()["probe_bytes_received"]["a"] == warm.payload_bytes + 3 * nbytes
+            assert "b" not in sent["bytes_sent"]
+            assert est.bandwidth_bps / 1e6 == pytest.approx(16.0, rel=0.10)
+        finally:
+            a.close()
+            b.close()
