@@ -2,7 +2,7 @@
 
 Four real Regions (digits MLP, DiLoCo over the full topology) in this process over the
 in-memory transport (the gRPC transport's twin: same mailbox, admission, exchanger and mix), one of
-them hostile by regions/adversary.py's hooks. For each aggregation setting and attack it prints the
+them hostile by benchmarks/bench/adversary.py's hooks. For each aggregation setting and attack it prints the
 honest regions' final accuracy (the synchronised model of region a), the lowest accuracy after
 round 3 (a dip), the wall time and the updates clipped / refused by the honest regions.
 
@@ -25,12 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
+from geofed.bench.adversary import Adversary
 from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.regions.adversary import Adversary
+from geofed.regions.messages import RoundPlan
 from geofed.regions.region import Region
-from geofed.regions.worker import RoundPlan
 
 REGIONS = ["a", "b", "c", "d"]  # d turns hostile
 SETTINGS = {"old": {"robust_aggregation": "clip", "clip_multiple": 0.0},
@@ -63,7 +62,7 @@ def run_one(setting: str, attack: str, *, rounds: int, H: int, seed: int) -> dic
     hub = InMemoryHub()
     with tempfile.TemporaryDirectory() as tmp:
         workers = {r: Region(cfg, r, Path(tmp), transport=InMemoryTransport(r, hub),
-                                   hostile=ATTACKS[attack] if r == "d" else None) for r in REGIONS}
+                                   plugin=ATTACKS[attack] if r == "d" else None) for r in REGIONS}
         for w in workers.values():
             w.start()
         for w in workers.values():

@@ -11,7 +11,7 @@ import ray
 
 from .region import Region
 from .warm import WarmSlot, load_assignment, process_age_s
-from .worker import RoundPlan
+from .messages import RoundPlan
 
 # Per-node override of the address peers dial (a node behind NAT, a public IP): set in the
 # environment of that node's `ray start`, which Ray's worker processes inherit.
@@ -55,7 +55,7 @@ class RegionActor:
     """
 
     def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, str] | None = None,
-                 hostile=None):
+                 plugin=None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
         # actor and the Ray job of the run that creates it.
@@ -68,7 +68,7 @@ class RegionActor:
                                                      "job": pool["job"]}
             self._pool = WarmSlot(pool["name"], held)
             cfg, region, run_dir, tls = held["cfg"], held["region"], held["run_dir"], held["tls"]
-        self.region: Region | None = _build(cfg, region, run_dir, tls, hostile=hostile)  # hostile: geofed bench attack only
+        self.region: Region | None = _build(cfg, region, run_dir, tls, plugin=plugin)  # plugin: a bench's, no config key
         # cpu_s: this process's CPU from its start (Ray's worker, the imports, the build): what a
         # region's start costs whatever else the host is doing, where process_s and init_s are wall time.
         self._start: dict[str, Any] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3),
@@ -190,8 +190,8 @@ class RegionActor:
                 "start": self._start}
 
 
-def _build(cfg: Any, region: str, run_dir: str, tls, *, hostile=None) -> Region:
-    return Region(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg), hostile=hostile)
+def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None) -> Region:
+    return Region(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg), plugin=plugin)
 
 
 GRPC_LOG_ENV = "GRPC_VERBOSITY"

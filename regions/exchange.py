@@ -72,7 +72,9 @@ class Exchanger:
         # Sees every update this region sends (its norm is the reference no peer controls:
         # geofed.p2p.robust.UpdateAdmission.observe_own).
         self.observe_own: Callable[[Sequence[torch.Tensor]], None] | None = None
-        self.hostile = None  # geofed bench attack only: a member that lies about its update (regions/adversary.py)
+        # The hooks' before_send (regions/hooks.py BeforeSend): what is sent and to whom, after
+        # observe_own has seen the region's own update (None: sent as it is).
+        self.before_send: Any = None
         self._stalled: dict[str, tuple[int, Future]] = {}  # peer -> (round, push still running)
         # Pushes left running that then succeeded, (peer, round, stats): reported with the next
         # exchange, so a link that only got slow still teaches its estimator and the policy.
@@ -112,8 +114,8 @@ class Exchanger:
         self.transport.mailbox.expect(round_, list(in_peers))
         if self.observe_own is not None and out_peers:
             self.observe_own(tensors)
-        if self.hostile is not None:
-            tensors, out_peers = self.hostile.outgoing(round_, tensors, out_peers)
+        if self.before_send is not None:
+            tensors, out_peers = self.before_send.outgoing(round_, tensors, out_peers)
         payloads, own_decoded = self._encode(tensors, out_peers, codecs, default_codec, stream)
         skipped = self._still_stalled()
         spread_s = min(max(0.0, spread_s), self.send_timeout_s / 2)

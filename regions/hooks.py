@@ -3,8 +3,9 @@
 A round of `Region.run_round` reads top to bottom:
 
     plan        every hook's `plan`, in order: the plan the round runs
-    the round   the sync algorithm: inner steps -> payload -> [before_send] -> exchange (a hook's
-                `exchange` in place of the Exchanger's, where one gives it) -> outer step
+    the round   the sync algorithm: inner steps -> payload -> [payload] -> [aggregate] or
+                ([before_send] -> exchange (a hook's `exchange` in place of the Exchanger's, where one
+                gives it) -> mix) -> outer step
     after_round every hook's `after_round`: the round's metrics, or FloatingPointError to reject it
     recover     only for a round that raised FloatingPointError: the first hook that returns
                 metrics ends the round with them; none: the error fails the round as before
@@ -12,9 +13,18 @@ A round of `Region.run_round` reads top to bottom:
     report      every hook's `report`: its keys added to that record, the last step before returning
 
 Every method is optional: a hook subclasses `RoundHook` and overrides what it needs; what it does
-not override is the no-op each docstring names. Gap filling (regions/gapfill.py), rollback
-(regions/rollback.py) and bench attack's hostile member (regions/adversary.py) are hooks; DP,
-secure aggregation and pacing still live in the algorithm and the region's round (to be moved).
+not override is the no-op each docstring names. The features that are hooks, each whole in its
+module (the driver's side of a feature, where it has one, is named in that module's docstring):
+
+    gap filling             regions/gapfill.py        GapFill: plan, after_round, report
+    rollback                regions/rollback.py       Rollback: plan, after_round, recover
+    pacing (step weight)    regions/pacing.py         StepWeight: payload
+    differential privacy    regions/privacy/dp.py     DpHook: plan (record mode), payload (update mode)
+    secure aggregation      regions/secagg/round.py   SecureAggregation: aggregate
+
+Quorum's stale mix is still in DiLoCo's mix (regions/sync/diloco.py, pacing.mix_stale). A plug-in outside the wheel uses the same seam: `geofed bench
+attack`'s member (benchmarks/bench/adversary.py) is a before_send and report hook, given to a Region
+as its `plugin`.
 
 Two points beyond plan, before_send, exchange and after_round: `recover`, because
 a rollback has to see a round that raised, and `report`, because gap filling may only be armed
@@ -30,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from .worker import RoundPlan
+    from .messages import RoundPlan
 
 Tensors = Sequence["torch.Tensor"]
 # regions/exchange.py's ExchangeResult. Not imported: mypy would then check the modules behind it
@@ -44,6 +54,19 @@ class RoundHook(Protocol):
     def plan(self, plan: RoundPlan) -> RoundPlan:
         """Before the round: the plan it runs. No-op: `plan` unchanged."""
         return plan
+
+    def payload(self, plan: RoundPlan, tensors: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
+        """After the inner steps, on the update the region contributes to the round: what it sends
+        and what it mixes as its own (an algorithm with an outer step calls it, DiLoCo). A hook that
+        changes it returns new tensors (with overlap `tensors` is also the region's own unsynced
+        progress) and may add its keys to `metrics`. No-op: `tensors` unchanged."""
+        return tensors
+
+    def aggregate(self, plan: RoundPlan, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]] | None:
+        """The round's mean of every region's `tensors` and its metrics, in place of the exchange and
+        the mix (secure aggregation: the masked sum gives the mean itself, which an algorithm with an
+        outer step applies as a mix). The first hook that gives one ends the point. No-op: None."""
+        return None
 
     def before_send(self, round_: int, tensors: Tensors, out_peers: Sequence[str]) -> tuple[Tensors, Sequence[str]]:
         """After the region has seen its own update (its norm is admission's reference) and before
@@ -77,8 +100,8 @@ def overrides(hook: RoundHook, name: str) -> bool:
 
 
 class BeforeSend:
-    """The hooks' before_send folded into the one call the Exchanger makes between seeing the honest
-    update and encoding it (its `hostile` slot, named for its first user, regions/adversary.py)."""
+    """The hooks' before_send folded into the one call the Exchanger makes between seeing the
+    region's own update and encoding it (Exchanger.before_send)."""
 
     def __init__(self, hooks: Sequence[RoundHook]):
         self.hooks = hooks

@@ -20,17 +20,25 @@
   instead (deadline-and-drop). A region that finished late takes the current model from a peer
   (one state fetch) before its next round.
 
-The functions here are pure: what a region computes from its own numbers and the plan.
+The functions here are pure: what a region computes from its own numbers and the plan. The
+region's side of a paced round is `StepWeight`, a round hook (regions/hooks.py) on the update a
+region contributes; quorum's stale mix is applied by DiLoCo's mix (regions/sync/diloco.py) with
+`mix_stale`. The driver's side (the budget from the step times, quorum's closing of a round, who
+is dispatched) is orchestrator/driver/pacing.py's Pacing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from .hooks import RoundHook
 
 if TYPE_CHECKING:  # annotations only: the config loader imports this module without torch
     import torch
+
+    from .messages import RoundPlan
 
 
 def _doc(text: str) -> dict:
@@ -138,6 +146,21 @@ def update_scale(pacing: PacingSection, steps: int, norm_steps: float | None, *,
     return None, 1.0
 
 
+class StepWeight(RoundHook):
+    """sync.pacing time-budget's step weight (or FedNova's factor, `update_scale`) on the update a
+    region contributes (its own share of the mix too); the metric that reports it is added. The
+    region's own unsynced progress (overlap) stays what it trained: a scaled update is a new list."""
+
+    def __init__(self, settings: PacingSection):
+        self.settings = settings
+
+    def payload(self, plan: RoundPlan, tensors: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
+        key, scale = update_scale(self.settings, metrics["steps"], plan.norm_steps, filled=metrics.get("fill_steps", 0))
+        if key is not None:
+            metrics[key] = round(scale, 4)
+        return tensors if scale == 1.0 else [t * scale for t in tensors]
+
+
 def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence[torch.Tensor]]], *,
               round_: int, n_regions: int, exponent: float) -> tuple[list[torch.Tensor], list[float]]:
     """Fold late pseudo-gradients into a round's mean: (mixed + sum_s w_s/n x delta_s) / (1 + sum_s w_s/n),
@@ -156,4 +179,4 @@ def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence
     return out, [w * n_regions for w in weights]
 
 
-__all__ = ["PacingSection", "budget_over", "fednova_scale", "mix_stale", "stale_weight", "update_scale"]
+__all__ = ["PacingSection", "StepWeight", "budget_over", "fednova_scale", "mix_stale", "stale_weight", "update_scale"]

@@ -9,8 +9,9 @@ the mix the algorithm calls back (SyncContext), evaluation, and the region's sta
 restore, catch-up from a peer).
 
 Cross-cutting features are hooks, each whole in its module: gap filling (regions/gapfill.py, which
-also stops its thread at the actor's boundary), rollback (regions/rollback.py) and bench attack's
-hostile member (regions/adversary.py).
+also stops its thread at the actor's boundary) and rollback (regions/rollback.py). A plug-in
+(`plugin`, no config key) reaches the round only through add_hook, serve_state and secure
+aggregation's contribution_hooks: geofed bench attack's member (benchmarks/bench/adversary.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, fair_share_cl
 from geofed.p2p.topology import make_topology
 
 from . import checkpoint
-from .adversary import attach
 from .algorithm_traits import algorithm_traits
 from .device import Precision, device_name, move_received, resolve_device, to_device
 from .emulation import Slowdown
@@ -47,8 +47,8 @@ from .gapfill import GapFill
 from .gauntlet import Gauntlet, harmful_refusals
 from .hooks import BeforeSend, RoundHook, overrides
 from .limits import wire_limits
-from .pacing import budget_over
-from .privacy.dp import dp_noise_seed, dp_step, noise_generator
+from .pacing import StepWeight, budget_over
+from .privacy.dp import DpHook, dp_noise_seed
 from .rollback import Rollback
 from .sketch import count_sketch
 from .sync import algorithm_class, mix
@@ -56,7 +56,7 @@ from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
 from .tasks import make_task
 from .transport_factory import make_transport
-from .worker import RoundPlan, rss_mb
+from .messages import RoundPlan, rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Region:
     not import orchestrator)."""
 
     def __init__(self, cfg: Any, region: str, run_dir: str | Path, *, transport=None, tls=None,
-                 advertised_host: str | None = None, task=None, hostile=None):
+                 advertised_host: str | None = None, task=None, plugin=None):
         self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
         self.regions = list(cfg.regions.names)
         self.index = self.regions.index(region)
@@ -92,15 +92,16 @@ class Region:
         if sec.rollback_on_nonfinite:
             self.add_hook(Rollback(self))
         self.completed_round = -1
-        self.dp_plan: RoundPlan | None = None
-        self.dp_generator = noise_generator(dp_noise_seed(cfg), region=self.index, stream="record")
+        self.add_hook(StepWeight(cfg.sync.pacing))  # before DP: the weighted update is the one clipped
+        self.dp = DpHook(seed=dp_noise_seed(cfg), region=self.index)
+        self.add_hook(self.dp)
         self._eval_model: torch.nn.Module | None = None
         self._refusals_reported: dict[str, int] = {}
         self._pushes_done: tuple[int, list[str]] | None = None
         self._failed_resyncs = 0
         self.model.train()
-        # `hostile` (an Adversary): geofed bench attack's member whose own code lies; no config sets it.
-        self.hostile = None if hostile is None else attach(hostile, self)
+        # `plugin(region)`: called on the built region, its result kept (a bench's hook factory).
+        self.plugin = None if plugin is None else plugin(self)
 
     def _build_model_and_data(self, task, seed: int) -> None:
         """The device, the task, the model (one init everywhere), this region's shard and data
@@ -155,26 +156,42 @@ class Region:
         self.exchanger.observe_own = self.admission.observe_own
         self.secagg = None
         if cfg.security.secure_aggregation:  # its modules (key agreement, cryptography) cost every actor's start ~0.3 s
-            from .secagg.round import make_secagg
+            from .secagg.round import SecureAggregation, make_secagg
 
             self.secagg = make_secagg(cfg, self.region, self.transport, self.run_dir, deadline=self.exchanger.deadline,
                                       admission=self.admission,
                                       max_message_bytes=self.limits.max_message_bytes)
+            if self.secagg is not None:
+                self.add_hook(SecureAggregation(self.secagg))
 
     def _sync_context(self) -> SyncContext:
         """The algorithm's view of this region (bound methods: a subclass's overrides apply)."""
         return SyncContext(region=self.region, index=self.index, params=self.params, shapes=self.shapes,
                            settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
-                           evaluate=self.evaluate_params, secagg=self.secagg, hurry=lambda: self.exchanger.hurry(),
-                           dp_noise_seed=dp_noise_seed(self.cfg),
+                           evaluate=self.evaluate_params, hurry=lambda: self.exchanger.hurry(),
+                           payload=self.payload_hooks, aggregate=self.aggregate_hooks,
                            screen=None if self.gauntlet is None else self.gauntlet.screen)
 
     def add_hook(self, hook: RoundHook) -> None:
         """Run `hook` at its points of every round from now on, after the hooks added before it."""
         self.hooks.append(hook)
         if overrides(hook, "before_send"):
-            self.exchanger.hostile = BeforeSend([h for h in self.hooks if overrides(h, "before_send")])
+            self.exchanger.before_send = BeforeSend([h for h in self.hooks if overrides(h, "before_send")])
+
+    def payload_hooks(self, plan: RoundPlan, tensors: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
+        """The hooks' `payload` point, in order (SyncContext.payload)."""
+        for hook in self.hooks:
+            tensors = hook.payload(plan, tensors, metrics)
+        return tensors
+
+    def aggregate_hooks(self, plan: RoundPlan, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]] | None:
+        """The first hook's `aggregate` that gives one (SyncContext.aggregate), else None."""
+        for hook in self.hooks:
+            out = hook.aggregate(plan, tensors)
+            if out is not None:
+                return out
+        return None
 
     def serve_state(self, provider) -> None:
         """What FetchState serves a rejoining peer: `provider()` (state_bytes, unless a hook lies)."""
@@ -226,7 +243,6 @@ class Region:
         t_start = time.time()
         for hook in self.hooks:
             plan = hook.plan(plan)
-        self.dp_plan = plan if plan.dp_mode == "record" and plan.dp_noise is not None else None
         late_s = 0.0
         if plan.budget_s is not None and plan.budget_until is not None:
             # A region that starts late (a catch-up queued ahead of its round, a slow dispatch)
@@ -353,10 +369,8 @@ class Region:
         self.inner.zero_grad(set_to_none=False)
         batch = to_device(next(self.batches), self.device)
         self.batches_drawn += 1
-        if self.dp_plan is not None:  # record-level DP: clipped per-example gradients plus noise
-            return dp_step(self.model, self.task.loss, batch, clip=self.dp_plan.dp_clip,
-                           noise_multiplier=self.dp_plan.dp_noise, expected_batch=self.cfg.sync.inner.batch_size,
-                           generator=self.dp_generator)
+        if self.dp.recording is not None:  # record-level DP: clipped per-example gradients plus noise
+            return self.dp.record_step(self.model, self.task.loss, batch, expected_batch=self.cfg.sync.inner.batch_size)
         with self.precision.autocast():
             loss = self.task.loss(self.model, batch)
         self.precision.backward(loss, self.inner)

@@ -5,7 +5,7 @@
 
 Every run is a real `geofed run` (Ray actors, mutual-TLS gRPC, no WAN emulation) of 4 regions
 training the digits MLP with DiLoCo, the issue's control run. In each attack arm one region
-(eu-west-1) is a hostile member: a real region whose own code misbehaves (regions/adversary.py),
+(eu-west-1) is a hostile member: a real region whose own code misbehaves (benchmarks/bench/adversary.py),
 carried to its actor at creation (Runner's `hostile` argument; no config key can set it):
 
 * ``withhold``: it never pushes its update, yet receives the others' and answers heartbeats;

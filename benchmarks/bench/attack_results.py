@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geofed.regions.adversary import Adversary
+from geofed.bench.adversary import Adversary
 
 from .wan_reps import interleaved_schedule, median_spread
 

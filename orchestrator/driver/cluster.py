@@ -2,7 +2,7 @@
 
 Only the control plane travels through Ray: coordinator calls, small metrics, and once per actor
 its TLS material. Updates (pseudo-gradients, gossip, rejoin state) go region to region over
-geofed's own mutual-TLS gRPC (regions/worker.py -> p2p/grpc_transport.py), never through Ray's
+geofed's own mutual-TLS gRPC (regions/region.py -> p2p/grpc_transport.py), never through Ray's
 object store.
 """
 
@@ -180,7 +180,7 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
     need not be on a shared filesystem, and a restarted actor gets the same material again.
     """
     rc = cfg.regions
-    hostile = hostile or {}  # region -> Adversary: geofed bench attack only (regions/adversary.py)
+    hostile = hostile or {}  # region -> the Region actor's plugin: geofed bench attack only (benchmarks/bench/adversary.py)
     if hostile and cfg.ray.warm_pool_s > 0:
         raise ValueError("hostile regions need ray.warm_pool_s 0: a pooled actor would outlive its run")
     if pin:
@@ -208,7 +208,7 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
                 cfg, region, run_dir, tls=tls[region], pool={"name": name, "job": job})
         else:
             handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region],
-                                                            **({"hostile": hostile[region]} if region in hostile else {}))
+                                                            **({"plugin": hostile[region]} if region in hostile else {}))
     actors = RegionActors(handles, pooled=pooled)
     try:
         actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting)

@@ -17,7 +17,7 @@ import ray
 from geofed.regions import checkpoint
 from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.export import average_states
-from geofed.regions.worker import rss_mb
+from geofed.regions.messages import rss_mb
 
 from ..config import RunConfig
 from ..config.strict import ConfigError
@@ -63,8 +63,8 @@ def prepare_task(cfg: RunConfig, *, source: str) -> RunConfig:
 class Runner:
     """The driver of one run: set-up, then rounds until run.rounds, run.max_steps, run.target or
     privacy.dp.target_epsilon ends the run, surviving region faults. Call run(), then shutdown()
-    whatever happened. `hostile`: region -> regions.adversary.Adversary, for `geofed bench attack`
-    (no config can set it)."""
+    whatever happened. `hostile`: region -> a callable of its built Region (the actor's `plugin`),
+    for `geofed bench attack`'s geofed.bench.adversary.Adversary (no config can set it)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False,
                  verbose: bool = False, hostile: dict | None = None):
@@ -206,7 +206,7 @@ class Runner:
 
     def _notice_done(self, r: int, region: str, m: dict[str, Any], waiting: Collection[str]) -> None:
         """`region` reported round r: the regions still in it whose receive may wait for its update
-        learn that it is done (regions/worker.py, senders_done): a member that withholds costs them a
+        learn that it is done (regions/region.py, senders_done): a member that withholds costs them a
         short grace, not a deadline (issue 36, N2). Only pushes it says were delivered or never made
         count: one still in flight (a slow link) is not cut."""
         done = m.get("pushes_done") or {}

@@ -9,6 +9,12 @@
 torch.func rather than Opacus: no dependency and no module wrapping, and it works on any task
 whose `loss(model, batch)` takes a tensor or a tuple of tensors with the examples along dim 0
 (a batch of one is a valid batch). Models with batch norm mix examples and are refused.
+
+A region's side of both is `DpHook`, a round hook (regions/hooks.py): it reads the round's plan
+(mode, clip, noise multiplier) and either makes the region's inner steps DP-SGD steps (record) or
+clips and noises the update the region contributes (update). The driver's side, the accountant that
+picks the noise multiplier, spends the budget and ends the run at target_epsilon, is
+orchestrator/driver/privacy.py's DpBudget; the config and its rules are orchestrator/config/privacy.py.
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+
+from ..hooks import RoundHook
+
+if TYPE_CHECKING:
+    from ..messages import RoundPlan
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -155,3 +166,39 @@ def dp_noise_seed(cfg: Any) -> int | None:
     randomness). `cfg` is the run config (duck-typed)."""
     dp = getattr(getattr(cfg, "privacy", None), "dp", None)
     return int(cfg.run.seed) if getattr(dp, "seeded_noise", False) else None
+
+
+class DpHook(RoundHook):
+    """privacy.dp in a region's round (module docstring). `seed`: dp_noise_seed's (None: the OS's
+    randomness); `region`: the region's index, so every region draws noise of its own."""
+
+    def __init__(self, *, seed: int | None, region: int):
+        self.seed, self.region = seed, region
+        self.record_generator = noise_generator(seed, region=region, stream="record")
+        self.update_generator: torch.Generator | None = None  # made on the first noised update
+        self.recording: RoundPlan | None = None  # this round's plan while it runs record-level DP
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        self.recording = plan if plan.dp_mode == "record" and plan.dp_noise is not None else None
+        return plan
+
+    def record_step(self, model: nn.Module, loss: LossFn, batch: Any, *, expected_batch: float) -> float:
+        """One inner step's gradients under record-level DP (dp_step); only while `recording`."""
+        plan = self.recording
+        assert plan is not None and plan.dp_noise is not None, "record_step outside a record-level DP round"
+        return dp_step(model, loss, batch, clip=plan.dp_clip, noise_multiplier=plan.dp_noise,
+                       expected_batch=expected_batch, generator=self.record_generator)
+
+    def payload(self, plan: RoundPlan, tensors: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
+        """Update-level DP on what leaves the region: clipped to plan.dp_clip, Gaussian noise of
+        plan.dp_noise x clip (local DP: secure aggregation's 1/n noise share is not wired). A copy:
+        with overlap, `tensors` stays the region's own unsynced progress."""
+        if plan.dp_mode != "update" or plan.dp_noise is None:
+            return tensors
+        if self.update_generator is None:
+            self.update_generator = noise_generator(self.seed, region=self.region, stream="update")
+        noised = [t.clone() for t in tensors]
+        out = clip_and_noise_update(noised, clip=plan.dp_clip, noise_multiplier=plan.dp_noise,
+                                    generator=self.update_generator)
+        metrics["dp_update_norm"], metrics["dp_clip_scale"] = round(out["update_norm"], 6), round(out["clip_scale"], 6)
+        return noised

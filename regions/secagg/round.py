@@ -1,4 +1,5 @@
-"""Secure aggregation in DiLoCo's round (``security.secure_aggregation``; docs/privacy.md).
+"""Secure aggregation in DiLoCo's round (``security.secure_aggregation``; docs/privacy.md): the
+round hook `SecureAggregation` (its `aggregate` point) runs `SecAggRound.exchange`.
 
 Keys cross each link once per run (keys.py). One round of region i, after its inner steps; every
 message goes over the run's transport on its ``secagg`` side stream (`SideChannel`: one side round
@@ -64,7 +65,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,9 +74,13 @@ from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.robust import UpdateAdmission, l2_norm, max_abs
 from geofed.p2p.transport import Inbox, TransferStats, Transport, TransportError
 
+from ..hooks import RoundHook
 from . import SecAggError, masks, relay, wire
 from .keys import KeyBook, RunKeys, verify_run_advert
 from .masks import CHUNK
+
+if TYPE_CHECKING:
+    from ..messages import RoundPlan
 
 STREAM = "secagg"  # the transport's side stream (p2p/mailbox.py, SIDE_STREAMS)
 PHASES = 6              # side messages per round: scales (+ keys), masked update, relay, self key, reveal, recovery
@@ -125,8 +130,6 @@ class SecAggRound:
     region's AdaptiveDeadline; `drop_mid_round(round)` emulates a region that leaves after its
     inner steps (after SETUP when the round runs one), before its masked update."""
 
-    hostile = None  # geofed bench attack only: a member whose contribution lies (regions/adversary.py)
-
     def __init__(self, *, region: str, regions: Sequence[str], transport: Transport, run_id: str, bits: int,
                  deadline: AdaptiveDeadline, send_timeout_s: float, error_feedback: bool, max_message_bytes: int,
                  drop_mid_round: Callable[[int], bool] = lambda r: False,
@@ -154,6 +157,10 @@ class SecAggRound:
         self.publics: dict[str, bytes] = {}
         self.advert_delivered: set[str] = set()  # peers that filed this region's advert
         self.residual: list[torch.Tensor] | None = None
+        # contribution(round, own update, peers) -> the update that is quantised, masked and sent (its
+        # absmax sets the shared scales); the error-feedback residual is added after, so it stays what
+        # the update the algorithm gave left behind. A seam for plug-ins (the bench's attack member).
+        self.contribution_hooks: list[Callable[[int, list[torch.Tensor], Sequence[str]], list[torch.Tensor]]] = []
         # (round, its members, every member's chunk absmax, a row each in members' order): the next
         # round's scales, agreed ahead
         self.ahead: tuple[int, tuple[str, ...], np.ndarray] | None = None
@@ -203,8 +210,8 @@ class SecAggRound:
             self.keys = RunKeys.generate(run_id=self.run_id, region=self.region, round=round_,
                                          tls_key_pem=self.tls_key)
         own = [t.detach().float().cpu() for t in tensors]
-        if self.hostile is not None:
-            own = self.hostile.masked(round_, own, peers)
+        for hook in self.contribution_hooks:
+            own = hook(round_, own, peers)
         if self.residual is not None:
             own = [o + r for o, r in zip(own, self.residual)]
         self.side.expect(round_, MASKED, peers)
@@ -564,6 +571,19 @@ class SecAggRound:
         if inbox is not None:
             self._count_received(inbox, phase, m)
         return inbox, futures
+
+
+class SecureAggregation(RoundHook):
+    """security.secure_aggregation in a region's round (regions/hooks.py): the round's mean is the
+    unmasked sum of SecAggRound's exchange, in place of the exchange and the mix. The config's rules
+    (full topology, an outer step, int8/int4/randomk codecs, no overlap or fragments) are
+    orchestrator/config/privacy.py's; the driver has no side of its own."""
+
+    def __init__(self, secagg: SecAggRound):
+        self.secagg = secagg
+
+    def aggregate(self, plan: RoundPlan, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        return self.secagg.exchange(plan.round, tensors, plan.alive)
 
 
 def make_secagg(cfg: Any, region: str, transport: Transport, run_dir: Path, *, deadline: AdaptiveDeadline,

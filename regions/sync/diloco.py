@@ -6,8 +6,9 @@ Two classes. `Diloco` is the algorithm on a list of live tensors (the Algorithm 
 regions/sync/algorithm.py): the global copy of those tensors and their outer optimizer, what a round
 sends (`payload`) and what it makes of the mix (`apply`, or `step` then `rebase` when the exchange
 was overlapped). `DilocoSync` is the region's round, read top to bottom: inner steps, the payload of
-this round's part, the hooks on what is sent (pacing's step weight, update-level DP), then one of
-three ways to exchange it: secure aggregation's masked sum, the plain exchange and `apply`, or the
+this round's part, the round hooks' `payload` point on it (SyncContext.payload: pacing's step weight,
+update-level DP; regions/hooks.py), then one of three ways to exchange it: a hook's `aggregate`
+(SyncContext.aggregate: secure aggregation's masked sum), the plain exchange and `apply`, or the
 overlapped exchange (regions/sync/overlap.py). The parts are the whole model, one `Diloco`, or with
 ``sync.fragments: N`` one `Diloco` per fragment, fragment ``round % N`` synced per round
 (regions/sync/fragments.py, Streaming DiLoCo).
@@ -31,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..algorithm_traits import algorithm_traits
-from ..pacing import mix_stale, update_scale
-from ..privacy.dp import clip_and_noise_update, noise_generator
+from ..pacing import mix_stale
 from .common import exchange_metrics
 from .fragments import Layout, fragment_state, load_fragment_state
 from .outer import make_outer_optimizer, preview_step
@@ -41,7 +41,7 @@ from .protocol import Shapes, SyncContext
 
 if TYPE_CHECKING:
     from ..exchange import ExchangeResult
-    from ..worker import RoundPlan
+    from ..messages import RoundPlan
 
 
 class Diloco:
@@ -156,7 +156,6 @@ class DilocoSync:
         if self.overlap is not None:
             for part in self.parts:
                 part.start = [v.detach().clone() for v in part.live]
-        self._dp_generator: torch.Generator | None = None  # privacy.dp.mode update, made on first use
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:
@@ -184,10 +183,11 @@ class DilocoSync:
         if self.layout.n > 1:
             metrics["fragment"] = f
         delta = part.payload(plan, part.live)
-        sent = self._dp_noised(plan, self._paced(plan, delta, metrics), metrics)
+        sent = ctx.payload(plan, delta, metrics)  # new tensors if a hook changes them (overlap keeps `delta`)
         t0 = time.monotonic()
-        if ctx.secagg is not None:  # the config refuses overlap and fragments with it
-            metrics.update(self._secure_exchange(plan, part, sent))
+        aggregated = ctx.aggregate(plan, sent)  # secure aggregation's mean (SyncContext.aggregate)
+        if aggregated is not None:
+            metrics.update(self._apply_mean(part, *aggregated))
         elif self.overlap is None:
             res = ctx.exchange(plan, sent, stream=part.stream)
             metrics.update(part.apply(plan, sent, res))
@@ -198,33 +198,8 @@ class DilocoSync:
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
 
-    def _paced(self, plan: RoundPlan, delta: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
-        """Time-budget rounds: the step weight (or FedNova's factor) on what is sent (regions/pacing.py);
-        the region's own unsynced progress (overlap) stays what it trained."""
-        key, scale = update_scale(self.ctx.settings.pacing, metrics["steps"], plan.norm_steps,
-                                  filled=metrics.get("fill_steps", 0))
-        if key is not None:
-            metrics[key] = round(scale, 4)
-        return delta if scale == 1.0 else [d * scale for d in delta]
-
-    def _dp_noised(self, plan: RoundPlan, sent: list[torch.Tensor], metrics: dict[str, Any]) -> list[torch.Tensor]:
-        """Update-level DP on what leaves the region: clipped to plan.dp_clip, Gaussian noise of
-        plan.dp_noise x clip (local DP: secure aggregation's 1/n noise share is not wired). A copy:
-        with overlap, `delta` stays the region's own unsynced progress."""
-        if plan.dp_mode != "update" or plan.dp_noise is None:
-            return sent
-        if self._dp_generator is None:
-            self._dp_generator = noise_generator(self.ctx.dp_noise_seed, region=self.ctx.index, stream="update")
-        noised = [t.clone() for t in sent]
-        out = clip_and_noise_update(noised, clip=plan.dp_clip, noise_multiplier=plan.dp_noise,
-                                    generator=self._dp_generator)
-        metrics["dp_update_norm"], metrics["dp_clip_scale"] = round(out["update_norm"], 6), round(out["clip_scale"], 6)
-        return noised
-
-    def _secure_exchange(self, plan: RoundPlan, part: Diloco, sent: list[torch.Tensor]) -> dict[str, Any]:
-        """Secure aggregation's exchange (regions/secagg/round.py) in place of exchange and mix: the
-        masked sum gives the mean itself, which is applied as a mix is."""
-        mixed, metrics = self.ctx.secagg.exchange(plan.round, sent, plan.alive)
+    def _apply_mean(self, part: Diloco, mixed: list[torch.Tensor], metrics: dict[str, Any]) -> dict[str, Any]:
+        """A hook's aggregate (secure aggregation's masked sum gives the mean itself) applied as a mix is."""
         part.step(mixed)
         part.set_live(part.global_params)
         return metrics

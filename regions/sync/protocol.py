@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..exchange import ExchangeResult
-    from ..worker import RoundPlan
+    from ..messages import RoundPlan
 
 Shapes = list[tuple[int, ...]]
 
@@ -64,10 +64,15 @@ class SyncContext:
     evaluate: Callable[..., dict[str, Any]]
     # hurry() -> None: this region's spread pushes in flight go out now (sync.spread_sends).
     hurry: Callable[[], None] = lambda: None
-    # security.secure_aggregation: the region's regions/secagg/round.py SecAggRound (None: off);
-    # DiLoCo then exchanges through it instead of `exchange` and `mix`.
-    secagg: Any = None
-    dp_noise_seed: int | None = None  # privacy.dp.seeded_noise: run.seed, else None (the OS's randomness)
+    # aggregate(plan, tensors) -> (mean, metrics) or None: the round hooks' `aggregate` point
+    # (regions/hooks.py; secure aggregation's masked sum), in place of `exchange` and `mix` where a hook
+    # gives one. The config refuses secure aggregation with overlap and fragments.
+    aggregate: Callable[[RoundPlan, list[torch.Tensor]], tuple[list[torch.Tensor], dict[str, Any]] | None] = \
+        lambda plan, tensors: None
+    # payload(plan, tensors, metrics) -> tensors: the round hooks' `payload` point (regions/hooks.py) on
+    # the update the region contributes (pacing's step weight, update-level DP); an outer step calls it.
+    payload: Callable[[RoundPlan, list[torch.Tensor], dict[str, Any]], list[torch.Tensor]] = \
+        lambda plan, tensors, metrics: tensors
     # screen(plan, theta, result) -> result without the updates refused as harmful (regions/gauntlet.py):
     # security.score_updates scores each received update against theta, the model its outer step starts from.
     screen: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], ExchangeResult] | None = None

@@ -3,7 +3,7 @@ data before it counts (regions/gauntlet.py), and one that makes the receiver's l
 as `harmful`, counted by sender, and not taken for a network miss.
 
 Four real Regions (digits MLP, DiLoCo over the full topology) over the in-memory transport,
-the gRPC transport's twin; region d runs regions/adversary.py's hooks (its own code lies).
+the gRPC transport's twin; region d runs benchmarks/bench/adversary.py's hooks (its own code lies).
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
+from geofed.bench.adversary import Adversary
 from geofed.bench.attack_results import account
 from geofed.orchestrator.config import ConfigError, config_from_mapping, load_config
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.regions.adversary import Adversary
 from geofed.regions.exchange import ExchangeResult
+from geofed.regions.messages import RoundPlan
 from geofed.regions.region import Region
-from geofed.regions.worker import RoundPlan
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,7 +45,7 @@ def _run(tmp_path, adversary, rounds=3, *, turn=None, **security):
     cfg = _cfg(**security)
     hub = InMemoryHub()
     workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
-                               hostile=adversary if r == "d" else None) for r in FOUR}
+                               plugin=adversary if r == "d" else None) for r in FOUR}
     out = {r: [] for r in FOUR}
     try:
         for w in workers.values():
@@ -56,7 +55,7 @@ def _run(tmp_path, adversary, rounds=3, *, turn=None, **security):
         with ThreadPoolExecutor(len(FOUR)) as pool:
             for r in range(rounds):
                 if turn is not None and r == turn[0]:
-                    workers["d"].hostile.spec = turn[1]
+                    workers["d"].plugin.spec = turn[1]
                 plan = RoundPlan(round=r, H=60)
                 for reg, m in zip(FOUR, pool.map(lambda reg, p=plan: workers[reg].run_round(p), FOUR)):
                     out[reg].append(m)
@@ -90,7 +89,7 @@ def test_regions_that_refuse_the_same_update_keep_one_model(tmp_path):
     cfg = _cfg()
     hub = InMemoryHub()
     workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
-                               hostile=Adversary(kind="scale", factor=-9.0) if r == "d" else None) for r in FOUR}
+                               plugin=Adversary(kind="scale", factor=-9.0) if r == "d" else None) for r in FOUR}
     try:
         for w in workers.values():
             w.start()
@@ -217,7 +216,6 @@ def test_an_honest_sender_refused_once_is_not_quarantined_and_release_asks_for_h
     """One harmful reading of an honest sender (borderline, non-IID) must not shut it out; two in
     three rounds do, until 8 harmless ones in a row (16 the second time)."""
     import torch
-
     from geofed.regions.gauntlet import Gauntlet, Score
 
     model = torch.nn.Linear(2, 1)

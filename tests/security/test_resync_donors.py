@@ -247,7 +247,7 @@ def test_honest_regions_refuse_a_poisoned_donor_state_count_it_and_keep_accuracy
 
     def poison(actor):  # runs in the region's actor: its FetchState serves a random finite state
         import torch as _torch
-        from geofed.regions.adversary import poisoned_state_bytes
+        from geofed.bench.adversary import poisoned_state_bytes
 
         gen = _torch.Generator().manual_seed(7)
         region = actor.region

@@ -4,7 +4,7 @@ filled the sum, every region rolled back 3 rounds in a row and the driver exited
 
 Here the real secure-aggregation round (regions/secagg/round.py) runs on real tensors over the
 in-memory transport, the gRPC transport's twin; in the last test four real Regions (digits
-MLP, DiLoCo) run it, one of them hostile by a hook in its own code (regions/adversary.py: its
+MLP, DiLoCo) run it, one of them hostile by a hook in its own code (benchmarks/bench/adversary.py: its
 update x1e30 before it is masked, the way the attack did it).
 """
 
@@ -15,15 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
+from geofed.bench.adversary import Adversary
 from geofed.orchestrator.config import config_from_mapping
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.p2p.robust import UpdateAdmission
-from geofed.regions.adversary import Adversary
-from geofed.regions.secagg.round import SecAggRound
+from geofed.regions.messages import RoundPlan
 from geofed.regions.region import Region
-from geofed.regions.worker import RoundPlan
+from geofed.regions.secagg.round import SecAggRound
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -138,7 +137,7 @@ def test_a_x1e30_member_in_a_secure_aggregation_run_is_refused_counted_and_the_r
     cfg = _worker_cfg()
     hub = InMemoryHub()
     workers = {r: Region(cfg, r, tmp_path, transport=InMemoryTransport(r, hub),
-                               hostile=Adversary(kind="secagg", factor=1e30) if r == "d" else None)
+                               plugin=Adversary(kind="secagg", factor=1e30) if r == "d" else None)
                for r in REGIONS}
     for w in workers.values():
         w.start()

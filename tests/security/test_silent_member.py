@@ -22,17 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from geofed.bench.adversary import Adversary
 from geofed.compression import CodecSpec
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.coordinator import Coordinator
 from geofed.orchestrator.driver.recovery import WithholdWatch
+from geofed.orchestrator.driver.run import Runner
+from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.p2p.admission import Refusal
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
-from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.run import Runner
-from geofed.regions.adversary import Adversary
 from geofed.regions.exchange import Exchanger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -237,7 +236,7 @@ def _live_config():
 @pytest.mark.timeout(240)
 def test_a_member_that_never_pushes_is_left_out_and_rounds_keep_their_length(tmp_path):
     """The issue's attack, live: a member that withholds every update and serves a random finite state
-    (regions/adversary.py `poisoned`). Before (main at 47fce88): every honest region resynced from it
+    (benchmarks/bench/adversary.py `poisoned`). Before (main at 47fce88): every honest region resynced from it
     each round and every honest receiver waited out a deadline widened x1.5 per round (3, 4.5, 6.75,
     10.1, 12 s here)."""
     runner = Runner(_live_config(), tmp_path, show_progress=False, hostile={SILENT: Adversary(kind="poisoned")})

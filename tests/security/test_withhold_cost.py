@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from geofed.bench.adversary import Adversary
 from geofed.compression import encode_update
-from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.orchestrator.driver.run import Runner
+from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.p2p.grpc_transport import GrpcTransport
 from geofed.p2p.mailbox import DONE_GRACE_S
 from geofed.p2p.tls import load_tls, make_pki
 from geofed.p2p.validate import update_validator
-from geofed.regions.adversary import Adversary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from reliability_harness import events, small_config

@@ -1,9 +1,9 @@
-"""`geofed bench attack` (issue 36, item 7): the hostile member's hooks (regions/adversary.py) on real
+"""`geofed bench attack` (issue 36, item 7): the hostile member's hooks (benchmarks/bench/adversary.py) on real
 workers over the in-memory transport, and the bench's arms, order, accounting, medians and targets
 (benchmarks/bench/attack_results.py) on synthetic run directories.
 
 New code: none of these existed before (each test failed with ModuleNotFoundError on
-geofed.regions.adversary / geofed.bench.attack_results).
+geofed.bench.adversary / geofed.bench.attack_results).
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from geofed.bench import attack_results as ar
+from geofed.bench.adversary import Adversary, HostileMember, attach, poisoned_state_bytes
 from geofed.bench.attack import arm_config, main
 from geofed.orchestrator.config import config_from_mapping
-from geofed.regions.adversary import Adversary, HostileMember, attach, poisoned_state_bytes
 from geofed.regions.inprocess import InProcessRegions
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 REGIONS = ["a", "b", "c"]
 BAD = "b"
@@ -98,7 +97,7 @@ def test_poisoned_state_keeps_the_layout_and_replaces_every_float():
 def test_a_withholding_member_receives_everything_and_the_others_miss_it(tmp_path):
     with InProcessRegions(_cfg(), tmp_path) as group:
         member = attach(Adversary(kind="withhold"), group.workers[BAD])
-        group.workers[BAD].hostile = member
+        group.workers[BAD].plugin = member
         out = _rounds(group, 2)
     for res in out:
         assert res[BAD]["peers_missing"] == [] and res[BAD]["bytes_sent"] == 0
@@ -110,7 +109,7 @@ def test_a_scaled_update_reaches_the_peers_as_sent(tmp_path):
     """x1e10 on a first update of ~0.01 values: past security.max_update_value (1e6), so each honest
     region refuses it as out_of_bounds; the member's own model stays its honest one."""
     with InProcessRegions(_cfg(), tmp_path) as group:
-        group.workers[BAD].hostile = attach(Adversary(kind="scale", factor=1e10), group.workers[BAD])
+        group.workers[BAD].plugin = attach(Adversary(kind="scale", factor=1e10), group.workers[BAD])
         res = _rounds(group, 1)[0]
     assert res[BAD]["hostile"] == {"scaled": 2}
     for r in REGIONS:
@@ -121,14 +120,39 @@ def test_a_scaled_update_reaches_the_peers_as_sent(tmp_path):
 
 def test_a_poisoned_member_serves_a_random_state_on_fetch_state(tmp_path):
     with InProcessRegions(_cfg(), tmp_path) as group:
-        group.workers[BAD].hostile = attach(Adversary(kind="poisoned"), group.workers[BAD])
+        group.workers[BAD].plugin = attach(Adversary(kind="poisoned"), group.workers[BAD])
         _rounds(group, 1)
         honest = [g.clone() for g in group.workers[BAD].algorithm.eval_params()]
         donor, _ = group.workers["a"].catch_up([BAD])
         taken = group.workers["a"].algorithm.eval_params()
-        assert donor == BAD and group.workers[BAD].hostile.take_acts() == {"poisoned_state": 1}
+        assert donor == BAD and group.workers[BAD].plugin.take_acts() == {"poisoned_state": 1}
         assert all(torch.isfinite(t).all() for t in taken)
         assert not any(torch.allclose(t, h) for t, h in zip(taken, honest))
+
+
+def test_the_member_plugs_in_through_the_regions_plugin_and_the_core_names_no_attacker(tmp_path):
+    """Region(plugin=Adversary(...)) attaches the member through public seams (add_hook,
+    serve_state, contribution_hooks); no code name in regions/, p2p/ or compression/ says hostile or
+    adversary (they said so in the Exchanger's and SecAggRound's slots before the bench's move)."""
+    import tokenize
+
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.region import Region
+
+    region = Region(_cfg(), "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()),
+                    plugin=Adversary(kind="withhold"))
+    try:
+        assert isinstance(region.plugin, HostileMember) and region.exchanger.before_send is not None
+    finally:
+        region.close()
+    root = Path(__file__).resolve().parents[2]
+    names = []
+    for room in ("regions", "p2p", "compression"):
+        for f in sorted((root / room).rglob("*.py")):
+            with f.open("rb") as fh:
+                names += [f"{f.name}:{t.start[0]} {t.string}" for t in tokenize.tokenize(fh.readline)
+                          if t.type == tokenize.NAME and any(w in t.string.lower() for w in ("hostile", "adversar"))]
+    assert names == []
 
 
 # ---- the bench's arms and order ----------------------------------------------------------

@@ -273,7 +273,7 @@ def test_a_region_that_starts_late_ends_its_budget_with_the_others(tmp_path):
     from geofed.orchestrator.config import config_from_mapping
     from geofed.p2p.memory import InMemoryHub, InMemoryTransport
     from geofed.regions.region import Region
-    from geofed.regions.worker import RoundPlan
+    from geofed.regions.messages import RoundPlan
 
     cfg = config_from_mapping({
         "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 16},
@@ -310,3 +310,18 @@ def test_time_budget_updates_are_weighted_by_their_steps_unless_fednova_is_on():
     assert update_scale(nova, 100, 77.5) == ("fednova_scale", pytest.approx(0.775))
     with pytest.raises(ValueError):
         PacingSection(weighting="median")
+
+
+def test_the_step_weight_is_a_round_hook_on_the_update_the_region_contributes():
+    """StepWeight (regions/pacing.py) at the hooks' payload point: the update scaled, the metric
+    added, the input left as it was (with overlap it is the region's own unsynced progress); a
+    region runs it before DP's hook, so the weighted update is the one clipped."""
+    from geofed.regions.messages import RoundPlan
+    from geofed.regions.pacing import StepWeight
+
+    hook = StepWeight(PacingSection(mode="time-budget"))
+    delta, metrics = [torch.ones(3)], {"steps": 10}
+    out = hook.payload(RoundPlan(round=0, H=1, norm_steps=20.0), delta, metrics)
+    assert torch.equal(out[0], torch.full((3,), 0.5)) and torch.equal(delta[0], torch.ones(3))
+    assert metrics["step_weight"] == 0.5
+    assert hook.payload(RoundPlan(round=0, H=1), delta, {"steps": 10}) is delta  # no expectation: unchanged

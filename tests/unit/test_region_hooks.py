@@ -15,7 +15,7 @@ from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 from geofed.regions.exchange import ExchangeResult
 from geofed.regions.hooks import BeforeSend, RoundHook, overrides
 from geofed.regions.region import Region
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 
 def _cfg(names=("a",), **security):
@@ -60,6 +60,26 @@ def test_the_points_run_in_order_and_what_a_hook_returns_is_what_the_round_uses(
     assert m["steps"] == 6 and m["recorded"] == 6 and m["H"] == 6
 
 
+def test_the_payload_point_runs_every_hook_in_order_pacing_before_dp(region):
+    """Pacing's step weight and DP are the region's hooks (regions/pacing.py, regions/privacy/dp.py):
+    the weighted update is the one clipped, and a hook added later sees what they made."""
+    from geofed.regions.pacing import StepWeight
+    from geofed.regions.privacy.dp import DpHook
+
+    kinds = [type(h) for h in region.hooks]
+    assert kinds.index(StepWeight) < kinds.index(DpHook) and region.dp in region.hooks
+
+    class Double(RoundHook):
+        def payload(self, plan, tensors, metrics):
+            return [2 * t for t in tensors]
+
+    region.add_hook(Double())
+    plan = RoundPlan(round=0, H=1, dp_mode="update", dp_clip=1.0, dp_noise=0.0)
+    metrics = {"steps": 1}
+    out = region.payload_hooks(plan, [torch.full((4,), 1.0)], metrics)  # norm 2 clipped to 1, then doubled
+    assert torch.allclose(out[0], torch.full((4,), 1.0)) and metrics["dp_clip_scale"] == 0.5
+
+
 def test_a_method_a_hook_leaves_out_is_a_no_op():
     class Nothing(RoundHook):
         pass
@@ -70,7 +90,9 @@ def test_a_method_a_hook_leaves_out_is_a_no_op():
     assert h.exchange(plan, [], stream="") is None and h.recover(plan, FloatingPointError(), None) is None
     tensors, peers = [torch.zeros(1)], ["b"]
     assert h.before_send(0, tensors, peers) == (tensors, peers) and h.report(plan, metrics) is None
-    assert not any(overrides(h, name) for name in ("plan", "before_send", "exchange", "after_round", "recover", "report"))
+    assert h.payload(plan, tensors, metrics) is tensors and h.aggregate(plan, tensors) is None
+    assert not any(overrides(h, name) for name in ("plan", "payload", "aggregate", "before_send", "exchange", "after_round", "recover",
+                                                    "report"))
     assert overrides(_Recorder(), "plan") and not overrides(_Recorder(), "before_send")
 
 
@@ -134,9 +156,9 @@ def test_before_send_changes_what_peers_receive_and_exchange_replaces_the_exchan
             w.connect({r: "inmem" for r in regions})
         regions["b"].transport.mailbox.set_validator(validate_b)
         regions["a"].add_hook(Zeroes())
-        assert isinstance(regions["a"].exchanger.hostile, BeforeSend)
+        assert isinstance(regions["a"].exchanger.before_send, BeforeSend)
         regions["b"].add_hook(Alone())
-        assert regions["b"].exchanger.hostile is None  # no hook of b changes what it sends
+        assert regions["b"].exchanger.before_send is None  # no hook of b changes what it sends
         with ThreadPoolExecutor(2) as pool:
             out = dict(zip("ab", pool.map(lambda r: regions[r].run_round(RoundPlan(round=0, H=2)), "ab")))
         assert got["a"] and all(not t.any() for t in got["a"])  # a trained, yet sent zeros

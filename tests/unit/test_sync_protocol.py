@@ -15,7 +15,7 @@ from geofed.regions.exchange import ExchangeResult
 from geofed.regions.sync import ALGORITHMS, Algorithm, AllReduceSync, Diloco, DilocoSync, GossipSync, mix
 from geofed.regions.sync.protocol import SyncAlgorithm, SyncContext
 from geofed.regions.region import Region
-from geofed.regions.worker import RoundPlan
+from geofed.regions.messages import RoundPlan
 
 
 class _Quadratic:
@@ -67,6 +67,10 @@ def test_diloco_runs_on_a_context_alone():
 
 
 def test_diloco_update_level_dp_clips_and_noises_what_is_sent():
+    """DP is a round hook (regions/privacy/dp.py DpHook): DiLoCo's round calls the hooks' payload
+    point (SyncContext.payload), which the region folds from its hooks."""
+    from geofed.regions.privacy.dp import DpHook
+
     cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"outer": {"lr": 1.0, "momentum": 0.0}}})
     x = torch.zeros(4, requires_grad=True)
     sent = []
@@ -77,7 +81,7 @@ def test_diloco_update_level_dp_clips_and_noises_what_is_sent():
         sent.append([t.clone() for t in tensors])
         return inner_exchange(plan, tensors, **kw)
 
-    algo = DilocoSync(SyncContext(**{**ctx.__dict__, "exchange": exchange}))
+    algo = DilocoSync(SyncContext(**{**ctx.__dict__, "exchange": exchange, "payload": DpHook(seed=0, region=0).payload}))
     metrics = algo.run_round(RoundPlan(round=0, H=1, dp_mode="update", dp_clip=0.1, dp_noise=0.0))
     # delta = -0.5 per coordinate (norm 1.0), clipped to norm 0.1; noise 0 leaves it exact.
     assert torch.allclose(sent[0][0], torch.full((4,), -0.05)) and metrics["dp_update_norm"] == pytest.approx(1.0)

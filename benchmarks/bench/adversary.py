@@ -1,5 +1,9 @@
 """A hostile member: a real region whose own code misbehaves (`geofed bench attack`, issue 36).
 
+Bench-only, so it lives with the bench, not in the wheel's regions room: it plugs into a Region
+through public seams only (Region.add_hook with a RoundHook's before_send and report,
+SecAggRound.contribution_hooks, Region.serve_state), and the core names none of it.
+
 The bench's HostilePeer (benchmarks/bench/hostile_peer.py) attacks from outside the run with a stolen certificate; this one is
 a member of the run. It trains like the others and keeps its own model honest, and it lies at
 one point of the data path, chosen by its `Adversary` spec:
@@ -17,8 +21,9 @@ one point of the data path, chosen by its `Adversary` spec:
 - ``secagg``: under secure aggregation, its masked contribution is its update times `factor`
   (1e30: finite, and it sets every region's shared scale).
 
-Only the Python API carries it (``Runner(hostile={region: Adversary(...)})`` -> the region
-actor's creation argument): there is no config key, so no config file can turn a region hostile.
+Only the Python API carries it (``Runner(hostile={region: Adversary(...)})`` -> the region actor's
+creation argument `plugin`, which the built Region calls: ``Adversary(...)(region)`` attaches the
+member): there is no config key, so no config file can turn a region hostile.
 
 Each act is counted by the hostile region itself (``take_acts``: one per push withheld or
 altered, per state served, per masked contribution sent to a peer) and reported in its round
@@ -38,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .hooks import RoundHook
+from geofed.regions.hooks import RoundHook
 
 __all__ = ["KINDS", "Adversary", "HostileMember", "attach", "poisoned_state_bytes"]
 
@@ -67,6 +72,10 @@ class Adversary:
     @property
     def withholds(self) -> bool:
         return self.kind in ("withhold", "poisoned")
+
+    def __call__(self, region: Any) -> HostileMember:
+        """Region's `plugin` call point: turn the built `region` hostile (attach)."""
+        return attach(self, region)
 
 
 class HostileMember:
@@ -168,7 +177,7 @@ def attach(spec: Adversary, region: Any) -> HostileMember:
     member = HostileMember(spec, norm_multiple=region.cfg.security.norm_multiple, seed=region.cfg.run.seed)
     region.add_hook(_MemberHook(member))
     if region.secagg is not None:
-        region.secagg.hostile = member
+        region.secagg.contribution_hooks.append(member.masked)
     region.serve_state(member.state_provider(region.state_bytes))
     return member
 
