@@ -100,6 +100,6 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     # A check that passes everything proves nothing: an upward import in a p2p file is found.
     fake = ROOT / "p2p" / "_layering_probe.py"
     monkeypatch.setattr(Path, "rglob", lambda self, pat: iter([fake]) if self == ROOT / "p2p" else iter([]))
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "from ..regions import worker\n")
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "from ..regions import messages\n")
     with pytest.raises(AssertionError, match="imports geofed.regions"):
         test_no_room_imports_a_room_above_it("p2p")
