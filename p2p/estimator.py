@@ -333,13 +333,6 @@ class LinkEstimator:
             return None
         return int(max(2 * bw * rtt, bw * max(exposed_s, self.busy_factor * self.noise_s)) / 8)
 
-    def predict_s(self, nbytes: int) -> float | None:
-        """Expected sender-timed duration of a transfer: RTT + bytes / bandwidth."""
-        bw, rtt = self.bandwidth_bps, self.rtt_s
-        if bw is None:
-            return None
-        return (rtt or 0.0) + nbytes * 8 / bw
-
     def snapshot(self) -> dict[str, Any]:
         """The estimate for the round's metrics (Mbit/s, ms; None where unknown): what the policy is given."""
         bw, rtt = self.bandwidth_bps, self.rtt_s
