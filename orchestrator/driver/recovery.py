@@ -61,7 +61,7 @@ class StopSignals:
 
     def __init__(self, notify=None):
         self.signum: int | None = None
-        self._notify = notify
+        self.notify = notify  # called with the signal's name, in the handler: no Ray calls, no locks
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Self:
@@ -85,8 +85,8 @@ class StopSignals:
         if self.signum is not None:
             raise KeyboardInterrupt  # the second signal: stop now
         self.signum = signum
-        if self._notify is not None:
-            self._notify(signal.Signals(signum).name)
+        if self.notify is not None:
+            self.notify(signal.Signals(signum).name)
 
     @property
     def requested(self) -> bool:

@@ -111,7 +111,7 @@ class Runner:
         summary (also in summary.json). A stop signal checkpoints and raises Interrupted between rounds.
         """
         with self.stop:
-            self.stop._notify = self._on_signal
+            self.stop.notify = self._on_signal
             if self.show_progress:
                 print(f"geofed: setting up {len(self.cfg.regions.names)} regions (Ray, region actors, TLS, link "
                       f"probes); run directory {self.run_dir}", file=sys.stderr, flush=True)

@@ -1,0 +1,152 @@
+"""The rooms' boundaries, read from the source with ast (docs/architecture.md, "House rules"):
+
+- no module imports a private name (``_x``, or a module ``_x``) from another room;
+- no module reaches into another object's private attribute (``other._x``; ``self._x`` and
+  ``cls._x`` are the object's own), apart from the third-party names listed with their reason;
+- no import cycle inside a room: every import counts, lazy ones inside functions and ones under
+  ``TYPE_CHECKING`` too, because each is a place where two modules know each other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROOMS = ["orchestrator", "regions", "p2p", "compression"]
+
+# obj._x reads that are not ours to rename, with why they are needed.
+THIRD_PARTY_PRIVATE = {
+    "_BatchNorm": "torch's batch-norm base class (DP refuses models with batch norm)",
+    "_internal_kv_put": "Ray's internal KV store: the warm pool's handshake (no public API)",
+    "_internal_kv_get": "Ray's internal KV store: the warm pool's handshake (no public API)",
+    "_internal_kv_del": "Ray's internal KV store: the warm pool's handshake (no public API)",
+}
+
+
+def _modules() -> dict[str, tuple[Path, list[str]]]:
+    """module name -> (file, the package its relative imports resolve against)."""
+    out = {}
+    for room in ROOMS:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            parts = ["geofed", *path.relative_to(ROOT).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+                package = parts
+            else:
+                package = parts[:-1]
+            out[".".join(parts)] = (path, package)
+    return out
+
+
+def _imports(tree: ast.AST, package: list[str]) -> list[tuple[int, str, str | None]]:
+    """(line, absolute module, imported name or None) of every import, relative ones resolved."""
+    out: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out += [(node.lineno, module, a.name) for a in node.names]
+    return out
+
+
+def _where(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(modules) -> list[str]:
+    bad = []
+    for name, (path, package) in modules.items():
+        room = name.split(".")[1]
+        for line, module, attr in _imports(ast.parse(path.read_text(), str(path)), package):
+            parts = module.split(".")
+            if parts[0] != "geofed" or len(parts) < 2 or parts[1] == room or parts[1] not in ROOMS:
+                continue
+            if any(_private(p) for p in parts[2:] + ([attr] if attr else [])):
+                bad.append(f"{_where(path)}:{line} imports {module}{'.' + attr if attr else ''}")
+    return bad
+
+
+def private_attribute_reads(modules) -> list[str]:
+    bad = []
+    for path, _ in modules.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)) or node.attr in THIRD_PARTY_PRIVATE:
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            bad.append(f"{_where(path)}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+def import_cycles(modules) -> list[list[str]]:
+    graph = nx.DiGraph()
+    for name, (path, package) in modules.items():
+        room = name.split(".")[1]
+        for _, module, attr in _imports(ast.parse(path.read_text(), str(path)), package):
+            if module.split(".")[1:2] != [room]:
+                continue
+            target = f"{module}.{attr}" if attr and f"{module}.{attr}" in modules else module
+            if target in modules and target != name:
+                graph.add_edge(name, target)
+    return sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
+
+
+def test_no_module_imports_a_private_name_from_another_room():
+    bad = private_imports(_modules())
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_reads_another_objects_private_attribute():
+    bad = private_attribute_reads(_modules())
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_inside_a_room():
+    cycles = import_cycles(_modules())
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("source, finds", [
+    ("from geofed.p2p.wan.kernel import _run\n", "imports geofed.p2p.wan.kernel._run"),
+    ("from geofed.p2p._hidden import x\n", "imports geofed.p2p._hidden.x"),
+])
+def test_the_private_import_check_sees_one(tmp_path, monkeypatch, source, finds):
+    # A check that passes everything proves nothing.
+    fake = tmp_path / "probe.py"
+    fake.write_text(source)
+    bad = private_imports({"geofed.regions.probe": (fake, ["geofed", "regions"])})
+    assert bad and finds in bad[0]
+
+
+def test_the_cycle_check_sees_a_lazy_and_a_type_checking_import(tmp_path):
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("def f():\n    from . import b\n")
+    b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n")
+    c.write_text("x = 1\n")
+    pkg = ["geofed", "p2p"]
+    mods = {"geofed.p2p.a": (a, pkg), "geofed.p2p.b": (b, pkg), "geofed.p2p.c": (c, pkg)}
+    assert import_cycles(mods) == [["geofed.p2p.a", "geofed.p2p.b"]]
+
+
+def test_the_attribute_check_sees_a_reach_into_another_object(tmp_path):
+    fake = tmp_path / "probe.py"
+    fake.write_text("class A:\n    def f(self, ex):\n        return self._own, ex._pool, super()._x\n")
+    assert [line.split(" ")[-1] for line in private_attribute_reads({"m": (fake, [])})] == ["ex._pool"]
