@@ -1,10 +1,9 @@
-"""The rooms' boundaries, read from the source with ast (docs/architecture.md, "House rules"):
+"""The rooms' boundaries, read from the source with ast (docs/architecture.md, "House rules"; import
+direction and cycles: test_layering.py):
 
 - no module imports a private name (``_x``, or a module ``_x``) from another room;
 - no module reaches into another object's private attribute (``other._x``; ``self._x`` and
   ``cls._x`` are the object's own), apart from the third-party names listed with their reason;
-- no import cycle inside a room: every import counts, lazy ones inside functions and ones under
-  ``TYPE_CHECKING`` too, because each is a place where two modules know each other.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,19 +94,6 @@ def private_attribute_reads(modules) -> list[str]:
     return bad
 
 
-def import_cycles(modules) -> list[list[str]]:
-    graph = nx.DiGraph()
-    for name, (path, package) in modules.items():
-        room = name.split(".")[1]
-        for _, module, attr in _imports(ast.parse(path.read_text(), str(path)), package):
-            if module.split(".")[1:2] != [room]:
-                continue
-            target = f"{module}.{attr}" if attr and f"{module}.{attr}" in modules else module
-            if target in modules and target != name:
-                graph.add_edge(name, target)
-    return sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
-
-
 def test_no_module_imports_a_private_name_from_another_room():
     bad = private_imports(_modules())
     assert not bad, "\n".join(bad)
@@ -117,11 +102,6 @@ def test_no_module_imports_a_private_name_from_another_room():
 def test_no_module_reads_another_objects_private_attribute():
     bad = private_attribute_reads(_modules())
     assert not bad, "\n".join(bad)
-
-
-def test_no_import_cycle_inside_a_room():
-    cycles = import_cycles(_modules())
-    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
 
 
 @pytest.mark.parametrize("source, finds", [
@@ -134,16 +114,6 @@ def test_the_private_import_check_sees_one(tmp_path, monkeypatch, source, finds)
     fake.write_text(source)
     bad = private_imports({"geofed.regions.probe": (fake, ["geofed", "regions"])})
     assert bad and finds in bad[0]
-
-
-def test_the_cycle_check_sees_a_lazy_and_a_type_checking_import(tmp_path):
-    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
-    a.write_text("def f():\n    from . import b\n")
-    b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n")
-    c.write_text("x = 1\n")
-    pkg = ["geofed", "p2p"]
-    mods = {"geofed.p2p.a": (a, pkg), "geofed.p2p.b": (b, pkg), "geofed.p2p.c": (c, pkg)}
-    assert import_cycles(mods) == [["geofed.p2p.a", "geofed.p2p.b"]]
 
 
 def test_the_attribute_check_sees_a_reach_into_another_object(tmp_path):

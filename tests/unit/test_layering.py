@@ -10,6 +10,7 @@ import ast
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,3 +104,67 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "from ..regions import messages\n")
     with pytest.raises(AssertionError, match="imports geofed.regions"):
         test_no_room_imports_a_room_above_it("p2p")
+
+
+CORE = ORDER[1:]  # the installed rooms; the bench is a distribution of its own
+
+
+def _modules() -> dict[str, tuple[Path, list[str]]]:
+    """module name -> (file, the package its relative imports resolve against), of the core rooms."""
+    out = {}
+    for room in CORE:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            parts = ["geofed", *path.relative_to(ROOT).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+                package = parts
+            else:
+                package = parts[:-1]
+            out[".".join(parts)] = (path, package)
+    return out
+
+
+def _named_imports(tree: ast.AST, package: list[str]) -> list[tuple[int, str, str | None]]:
+    """(line, absolute module, imported name or None) of every import, relative ones resolved."""
+    out: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out += [(node.lineno, module, a.name) for a in node.names]
+    return out
+
+
+def import_cycles(modules) -> list[list[str]]:
+    graph = nx.DiGraph()
+    for name, (path, package) in modules.items():
+        room = name.split(".")[1]
+        for _, module, attr in _named_imports(ast.parse(path.read_text(), str(path)), package):
+            if module.split(".")[1:2] != [room]:
+                continue
+            target = f"{module}.{attr}" if attr and f"{module}.{attr}" in modules else module
+            if target in modules and target != name:
+                graph.add_edge(name, target)
+    return sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
+
+
+def test_no_import_cycle_inside_a_room():
+    cycles = import_cycles(_modules())
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_lazy_and_a_type_checking_import(tmp_path):
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("def f():\n    from . import b\n")
+    b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n")
+    c.write_text("x = 1\n")
+    pkg = ["geofed", "p2p"]
+    mods = {"geofed.p2p.a": (a, pkg), "geofed.p2p.b": (b, pkg), "geofed.p2p.c": (c, pkg)}
+    assert import_cycles(mods) == [["geofed.p2p.a", "geofed.p2p.b"]]
