@@ -12,6 +12,7 @@ no other test sees this file's codec, topology, policy or marks.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -384,3 +385,24 @@ def test_a_round_hook_runs_on_a_real_region(tmp_path):
     models = {r: torch.cat([g.flatten() for g in w.algorithm.eval_params()]) for r, w in group.workers.items()}
     assert torch.allclose(models["b"], models["c"], atol=1e-6) and not torch.allclose(models["a"], models["b"])
 
+
+
+# ---- the doc itself ----------------------------------------------------------------------------------
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+_PATH = re.compile(r"(?P<path>(?:[\w.-]+/)+(?:[\w.-]+\.(?:py|md|yaml|toml|json))?)(?::\s*(?P<name>[A-Za-z_]\w*)(?:\.\w+)*)?")
+
+
+def test_every_path_the_doc_names_exists_and_holds_the_name_it_gives():
+    """A `folder/file.py` (or `folder/file.py: Name`) in backticks in docs/architecture.md exists (and
+    defines or mentions Name): a stale path there sends a new reader nowhere."""
+    root, stale = DOC.parents[1], []
+    for span in re.findall(r"`([^`\n]+)`", DOC.read_text()):
+        m = _PATH.fullmatch(span.strip())
+        if m is None or "NAME" in span:
+            continue
+        path = root / m["path"]
+        if not path.exists():
+            stale.append(span)
+        elif m["name"] and path.is_file() and not re.search(rf"\b{m['name']}\b", path.read_text()):
+            stale.append(span)
+    assert not stale, f"docs/architecture.md names what is not there: {stale}"
