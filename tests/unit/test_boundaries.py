@@ -12,9 +12,7 @@ import ast
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ["orchestrator", "regions", "p2p", "compression"]
+from source_tree import ROOMS, ROOT, modules, named_imports
 
 # obj._x reads that are not ours to rename, with why they are needed.
 THIRD_PARTY_PRIVATE = {
@@ -23,39 +21,6 @@ THIRD_PARTY_PRIVATE = {
     "_internal_kv_get": "Ray's internal KV store: the warm pool's handshake (no public API)",
     "_internal_kv_del": "Ray's internal KV store: the warm pool's handshake (no public API)",
 }
-
-
-def _modules() -> dict[str, tuple[Path, list[str]]]:
-    """module name -> (file, the package its relative imports resolve against)."""
-    out = {}
-    for room in ROOMS:
-        for path in sorted((ROOT / room).rglob("*.py")):
-            if "_pb2" in path.name:
-                continue
-            parts = ["geofed", *path.relative_to(ROOT).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-                package = parts
-            else:
-                package = parts[:-1]
-            out[".".join(parts)] = (path, package)
-    return out
-
-
-def _imports(tree: ast.AST, package: list[str]) -> list[tuple[int, str, str | None]]:
-    """(line, absolute module, imported name or None) of every import, relative ones resolved."""
-    out: list[tuple[int, str, str | None]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name, None) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            out += [(node.lineno, module, a.name) for a in node.names]
-    return out
 
 
 def _where(path: Path) -> str:
@@ -70,7 +35,7 @@ def private_imports(modules) -> list[str]:
     bad = []
     for name, (path, package) in modules.items():
         room = name.split(".")[1]
-        for line, module, attr in _imports(ast.parse(path.read_text(), str(path)), package):
+        for line, module, attr in named_imports(ast.parse(path.read_text(), str(path)), package):
             parts = module.split(".")
             if parts[0] != "geofed" or len(parts) < 2 or parts[1] == room or parts[1] not in ROOMS:
                 continue
@@ -95,12 +60,12 @@ def private_attribute_reads(modules) -> list[str]:
 
 
 def test_no_module_imports_a_private_name_from_another_room():
-    bad = private_imports(_modules())
+    bad = private_imports(modules())
     assert not bad, "\n".join(bad)
 
 
 def test_no_module_reads_another_objects_private_attribute():
-    bad = private_attribute_reads(_modules())
+    bad = private_attribute_reads(modules())
     assert not bad, "\n".join(bad)
 
 

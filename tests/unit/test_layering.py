@@ -12,6 +12,7 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
+from source_tree import modules, named_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ["bench", "orchestrator", "regions", "p2p", "compression"]  # each may import only those after it
@@ -106,47 +107,11 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
         test_no_room_imports_a_room_above_it("p2p")
 
 
-CORE = ORDER[1:]  # the installed rooms; the bench is a distribution of its own
-
-
-def _modules() -> dict[str, tuple[Path, list[str]]]:
-    """module name -> (file, the package its relative imports resolve against), of the core rooms."""
-    out = {}
-    for room in CORE:
-        for path in sorted((ROOT / room).rglob("*.py")):
-            if "_pb2" in path.name:
-                continue
-            parts = ["geofed", *path.relative_to(ROOT).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-                package = parts
-            else:
-                package = parts[:-1]
-            out[".".join(parts)] = (path, package)
-    return out
-
-
-def _named_imports(tree: ast.AST, package: list[str]) -> list[tuple[int, str, str | None]]:
-    """(line, absolute module, imported name or None) of every import, relative ones resolved."""
-    out: list[tuple[int, str, str | None]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name, None) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            out += [(node.lineno, module, a.name) for a in node.names]
-    return out
-
-
 def import_cycles(modules) -> list[list[str]]:
     graph = nx.DiGraph()
     for name, (path, package) in modules.items():
         room = name.split(".")[1]
-        for _, module, attr in _named_imports(ast.parse(path.read_text(), str(path)), package):
+        for _, module, attr in named_imports(ast.parse(path.read_text(), str(path)), package):
             if module.split(".")[1:2] != [room]:
                 continue
             target = f"{module}.{attr}" if attr and f"{module}.{attr}" in modules else module
@@ -156,7 +121,7 @@ def import_cycles(modules) -> list[list[str]]:
 
 
 def test_no_import_cycle_inside_a_room():
-    cycles = import_cycles(_modules())
+    cycles = import_cycles(modules())
     assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
 
 
