@@ -85,3 +85,47 @@ def test_the_attribute_check_sees_a_reach_into_another_object(tmp_path):
     fake = tmp_path / "probe.py"
     fake.write_text("class A:\n    def f(self, ex):\n        return self._own, ex._pool, super()._x\n")
     assert [line.split(" ")[-1] for line in private_attribute_reads({"m": (fake, [])})] == ["ex._pool"]
+
+
+# Class decorators that add (dataclass fields, a registry entry, isinstance support) and never
+# rewrite the class's methods. Anything else is refused: a decorator that wraps every public method
+# (the old @pausing of the region) hides what a call does from its reader.
+ALLOWED_CLASS_DECORATORS = ("dataclass", "register", "runtime_checkable")
+
+
+def class_shapes(found_modules) -> tuple[list[str], list[str]]:
+    """(classes of the driver's and the regions' rooms with more than one base besides Protocol,
+    classes anywhere in the core rooms with a decorator not in ALLOWED_CLASS_DECORATORS)."""
+    mixins, decorated = [], []
+    for name, (path, _) in found_modules.items():
+        room = name.split(".")[1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [ast.unparse(b) for b in node.bases if ast.unparse(b) not in ("Protocol", "ABC")]
+            if room in ("orchestrator", "regions") and len(bases) > 1:
+                mixins.append(f"{_where(path)}:{node.lineno} {node.name}({', '.join(bases)})")
+            for d in node.decorator_list:
+                text = ast.unparse(d)
+                if not text.startswith(ALLOWED_CLASS_DECORATORS):
+                    decorated.append(f"{_where(path)}:{node.lineno} @{text} {node.name}")
+    return mixins, decorated
+
+
+def test_no_mixins_on_the_driver_or_the_region():
+    mixins, _ = class_shapes(modules())
+    assert not mixins, "classes with several bases (mixins share state through self):\n" + "\n".join(mixins)
+
+
+def test_no_class_decorator_rewrites_methods():
+    _, decorated = class_shapes(modules())
+    assert not decorated, "\n".join(decorated)
+
+
+def test_the_shape_check_sees_a_mixin_and_a_rewriting_decorator(tmp_path):
+    fake = tmp_path / "probe.py"
+    fake.write_text("@pausing\nclass RegionWorker(LocalSteps, RegionState):\n    pass\n\n"
+                    "class Fine(Base, Protocol):\n    pass\n")
+    mixins, decorated = class_shapes({"geofed.regions.probe": (fake, ["geofed", "regions"])})
+    assert [m.split(" ", 1)[1] for m in mixins] == ["RegionWorker(LocalSteps, RegionState)"]
+    assert [d.split(" ")[1] for d in decorated] == ["@pausing"]
