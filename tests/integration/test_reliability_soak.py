@@ -2,10 +2,14 @@
 jitter, short outages of every link, of a pair both ways and of one link in reset mode. Nothing
 hangs; resident memory does not grow beyond the bound below; every round is accounted for.
 
-RSS bound: after a 20-round warm-up, each region's resident memory grows by at most
-REGION_RSS_GROWTH_MB and the driver's by at most DRIVER_RSS_GROWTH_MB to the end of the run
-(measured here: about 2 MB each over 180 rounds). The long soak is slow-marked; a 4-region,
-50-round one always runs.
+RSS bound: after a warm-up, each region's resident memory grows by at most REGION_RSS_GROWTH_MB
+and the driver's by at most DRIVER_RSS_GROWTH_MB to the end of the run (measured before the round's
+redesign: about 2 MB each over 180 rounds after a 20-round warm-up). Since the redesign a region's
+RSS rises 7-15 MB more between rounds 20 and 50 and then stays flat or falls (2026-12-06, fresh-clone
+CI at ea4a43d, 8 regions, every 30th round from round 20: 559, 574, 587, 587, 576, 576 MB for the
+region that grew most; round 50 to the end: +2 MB): a plateau, not a leak, so the 200-round soak
+measures from round 50 (LONG_WARMUP); the 50-round one keeps 20. The long soak is slow-marked; a
+4-region, 50-round one always runs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ pytestmark = [pytest.mark.usefixtures("ray_session")]
 R8 = ["us-east-1", "us-west-2", "eu-west-1", "eu-central-1", "ap-northeast-1", "ap-southeast-1", "ap-southeast-2",
       "sa-east-1"]
 WARMUP = 20
+LONG_WARMUP = 50  # the 200-round soak's (module docstring)
 REGION_RSS_GROWTH_MB = 16
 DRIVER_RSS_GROWTH_MB = 32
 MAX_S = 3.0
@@ -71,11 +76,12 @@ def _check(run_dir, summary: dict, regions: list[str], rounds: int) -> None:
     assert summary["consensus_distance"] < 1e-4
     assert summary["eval"]["value"] > 0.85
     # Memory: flat after the warm-up.
+    warmup = LONG_WARMUP if rounds >= 4 * LONG_WARMUP else WARMUP
     for region in regions:
         rss = [m["rss_mb"] for m in sorted(metrics, key=lambda m: m["round"]) if m["region"] == region]
-        assert rss[-1] - rss[WARMUP] <= REGION_RSS_GROWTH_MB, (region, rss[WARMUP], rss[-1])
+        assert rss[-1] - rss[warmup] <= REGION_RSS_GROWTH_MB, (region, rss[warmup], rss[-1])
     driver = [r["driver_rss_mb"] for r in rounds_log]
-    assert driver[-1] - driver[WARMUP] <= DRIVER_RSS_GROWTH_MB, (driver[WARMUP], driver[-1])
+    assert driver[-1] - driver[warmup] <= DRIVER_RSS_GROWTH_MB, (driver[warmup], driver[-1])
 
 
 @pytest.mark.timeout(300)
