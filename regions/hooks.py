@@ -5,7 +5,7 @@ A round of `Region.run_round` reads top to bottom:
     plan        every hook's `plan`, in order: the plan the round runs
     the round   the sync algorithm: inner steps -> payload -> [payload] -> [aggregate] or
                 ([before_send] -> exchange (a hook's `exchange` in place of the Exchanger's, where one
-                gives it) -> mix) -> outer step
+                gives it) -> mix -> [mix]) -> outer step
     after_round every hook's `after_round`: the round's metrics, or FloatingPointError to reject it
     recover     only for a round that raised FloatingPointError: the first hook that returns
                 metrics ends the round with them; none: the error fails the round as before
@@ -19,12 +19,12 @@ module (the driver's side of a feature, where it has one, is named in that modul
     gap filling             regions/gapfill.py        GapFill: plan, after_round, report
     rollback                regions/rollback.py       Rollback: plan, after_round, recover
     pacing (step weight)    regions/pacing.py         StepWeight: payload
+    quorum's late updates   regions/pacing.py         StaleMix: mix
     differential privacy    regions/privacy/dp.py     DpHook: plan (record mode), payload (update mode)
     secure aggregation      regions/secagg/round.py   SecureAggregation: aggregate
 
-Quorum's stale mix is still in DiLoCo's mix (regions/sync/diloco.py, pacing.mix_stale). A plug-in outside the wheel uses the same seam: `geofed bench
-attack`'s member (benchmarks/bench/adversary.py) is a before_send and report hook, given to a Region
-as its `plugin`.
+A plug-in outside the wheel uses the same seam: `geofed bench attack`'s member
+(benchmarks/bench/adversary.py) is a before_send and report hook, given to a Region as its `plugin`.
 
 Two points beyond plan, before_send, exchange and after_round: `recover`, because
 a rollback has to see a round that raised, and `report`, because gap filling may only be armed
@@ -67,6 +67,13 @@ class RoundHook(Protocol):
         the mix (secure aggregation: the masked sum gives the mean itself, which an algorithm with an
         outer step applies as a mix). The first hook that gives one ends the point. No-op: None."""
         return None
+
+    def mix(self, plan: RoundPlan, mixed: list[torch.Tensor], res: ExchangeResult,
+            metrics: dict[str, Any]) -> list[torch.Tensor]:
+        """After the mix of the exchange `res`, before the outer step (an algorithm with an outer step
+        calls it, DiLoCo): the mean the outer step applies (quorum folds late updates into it); a hook
+        may add its keys to `metrics`. No-op: `mixed` unchanged."""
+        return mixed
 
     def before_send(self, round_: int, tensors: Tensors, out_peers: Sequence[str]) -> tuple[Tensors, Sequence[str]]:
         """After the region has seen its own update (its norm is admission's reference) and before

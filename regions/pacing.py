@@ -21,9 +21,9 @@
   (one state fetch) before its next round.
 
 The functions here are pure: what a region computes from its own numbers and the plan. The
-region's side of a paced round is `StepWeight`, a round hook (regions/hooks.py) on the update a
-region contributes; quorum's stale mix is applied by DiLoCo's mix (regions/sync/diloco.py) with
-`mix_stale`. The driver's side (the budget from the step times, quorum's closing of a round, who
+region's side of a paced round is two round hooks (regions/hooks.py): `StepWeight` on the update a
+region contributes, and `StaleMix`, quorum's late updates folded into the mix (`mix_stale`) before
+the outer step. The driver's side (the budget from the step times, quorum's closing of a round, who
 is dispatched) is orchestrator/driver/pacing.py's Pacing.
 """
 
@@ -161,6 +161,25 @@ class StepWeight(RoundHook):
         return tensors if scale == 1.0 else [t * scale for t in tensors]
 
 
+class StaleMix(RoundHook):
+    """sync.pacing quorum's late updates (late_updates: apply): the ones the exchange kept (`res.stale`,
+    each at most max_staleness rounds old) folded into the round's mean by their staleness
+    (`mix_stale`); `stale_applied` reports each one's peer, round and weight."""
+
+    def __init__(self, settings: PacingSection):
+        self.settings = settings
+
+    def mix(self, plan: RoundPlan, mixed: list[torch.Tensor], res: Any, metrics: dict[str, Any]) -> list[torch.Tensor]:
+        if not res.stale:
+            return mixed
+        # n counts the updates the round's own mix holds (own + received), what a stale weight is 1/n of.
+        mixed, weights = mix_stale(mixed, [(r, t) for _, r, t in res.stale], round_=plan.round,
+                                   n_regions=1 + len(res.received), exponent=self.settings.staleness_exponent)
+        metrics["stale_applied"] = [{"peer": p, "round": r, "weight": round(w, 4)}
+                                    for (p, r, _), w in zip(res.stale, weights)]
+        return mixed
+
+
 def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence[torch.Tensor]]], *,
               round_: int, n_regions: int, exponent: float) -> tuple[list[torch.Tensor], list[float]]:
     """Fold late pseudo-gradients into a round's mean: (mixed + sum_s w_s/n x delta_s) / (1 + sum_s w_s/n),
@@ -179,4 +198,4 @@ def mix_stale(mixed: Sequence[torch.Tensor], stale: Sequence[tuple[int, Sequence
     return out, [w * n_regions for w in weights]
 
 
-__all__ = ["PacingSection", "StepWeight", "budget_over", "fednova_scale", "mix_stale", "stale_weight", "update_scale"]
+__all__ = ["PacingSection", "StaleMix", "StepWeight", "budget_over", "fednova_scale", "mix_stale", "stale_weight", "update_scale"]

@@ -47,7 +47,7 @@ from .gapfill import GapFill
 from .gauntlet import Gauntlet, harmful_refusals
 from .hooks import BeforeSend, RoundHook, overrides
 from .limits import wire_limits
-from .pacing import StepWeight, budget_over
+from .pacing import StaleMix, StepWeight, budget_over
 from .privacy.dp import DpHook, dp_noise_seed
 from .rollback import Rollback
 from .sketch import count_sketch
@@ -93,6 +93,8 @@ class Region:
             self.add_hook(Rollback(self))
         self.completed_round = -1
         self.add_hook(StepWeight(cfg.sync.pacing))  # before DP: the weighted update is the one clipped
+        if cfg.sync.pacing.mode == "quorum" and cfg.sync.pacing.late_updates == "apply":
+            self.add_hook(StaleMix(cfg.sync.pacing))  # the mailbox keeps late updates only then
         self.dp = DpHook(seed=dp_noise_seed(cfg), region=self.index)
         self.add_hook(self.dp)
         self._eval_model: torch.nn.Module | None = None
@@ -170,7 +172,7 @@ class Region:
                            settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
                            evaluate=self.evaluate_params, hurry=lambda: self.exchanger.hurry(),
-                           payload=self.payload_hooks, aggregate=self.aggregate_hooks,
+                           payload=self.payload_hooks, aggregate=self.aggregate_hooks, mix_hooks=self.mix_hooks,
                            screen=None if self.gauntlet is None else self.gauntlet.screen)
 
     def add_hook(self, hook: RoundHook) -> None:
@@ -184,6 +186,12 @@ class Region:
         for hook in self.hooks:
             tensors = hook.payload(plan, tensors, metrics)
         return tensors
+
+    def mix_hooks(self, plan: RoundPlan, mixed: list[torch.Tensor], res: Any, metrics: dict[str, Any]) -> list[torch.Tensor]:
+        """The hooks' `mix` point, in order (SyncContext.mix_hooks)."""
+        for hook in self.hooks:
+            mixed = hook.mix(plan, mixed, res, metrics)
+        return mixed
 
     def aggregate_hooks(self, plan: RoundPlan, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]] | None:
         """The first hook's `aggregate` that gives one (SyncContext.aggregate), else None."""

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..algorithm_traits import algorithm_traits
-from ..pacing import mix_stale
 from .common import exchange_metrics
 from .fragments import Layout, fragment_state, load_fragment_state
 from .outer import make_outer_optimizer, preview_step
@@ -72,16 +71,11 @@ class Diloco:
         return metrics
 
     def mixed(self, plan: RoundPlan, own: Sequence[torch.Tensor], res: ExchangeResult) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        """The round's mean pseudo-gradient (less what the gauntlet refuses, plus late updates folded
-        in by their staleness) and the metrics that say so."""
+        """The round's mean pseudo-gradient (less what the gauntlet refuses), then the round hooks' `mix`
+        point on it (quorum's late updates, pacing.StaleMix), and the metrics that say so."""
         ctx, metrics = self.ctx, {}
         plan, res = self._screened(plan, res)
-        mixed = ctx.mix(plan, own, res)
-        if res.stale:
-            mixed, weights = mix_stale(mixed, [(r, t) for _, r, t in res.stale], round_=plan.round,
-                                       n_regions=1 + len(res.received), exponent=ctx.settings.pacing.staleness_exponent)
-            metrics["stale_applied"] = [{"peer": p, "round": r, "weight": round(w, 4)}
-                                        for (p, r, _), w in zip(res.stale, weights)]
+        mixed = ctx.mix_hooks(plan, ctx.mix(plan, own, res), res, metrics)
         return mixed, metrics
 
     def _screened(self, plan: RoundPlan, res: ExchangeResult) -> tuple[RoundPlan, ExchangeResult]:

@@ -73,6 +73,10 @@ class SyncContext:
     # the update the region contributes (pacing's step weight, update-level DP); an outer step calls it.
     payload: Callable[[RoundPlan, list[torch.Tensor], dict[str, Any]], list[torch.Tensor]] = \
         lambda plan, tensors, metrics: tensors
+    # mix_hooks(plan, mixed, result, metrics) -> tensors: the round hooks' `mix` point (regions/hooks.py)
+    # on the round's mean before the outer step (quorum's late updates); an outer step calls it.
+    mix_hooks: Callable[[RoundPlan, list[torch.Tensor], ExchangeResult, dict[str, Any]], list[torch.Tensor]] = \
+        lambda plan, mixed, res, metrics: mixed
     # screen(plan, theta, result) -> result without the updates refused as harmful (regions/gauntlet.py):
     # security.score_updates scores each received update against theta, the model its outer step starts from.
     screen: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], ExchangeResult] | None = None

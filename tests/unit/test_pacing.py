@@ -13,7 +13,7 @@ from geofed.orchestrator.config.strict import ConfigError
 from geofed.p2p.mailbox import Mailbox, Refusal
 from geofed.regions.emulation import (AbsenceWindow, AvailabilityConfig, ComputeEmulation, Slowdown,
                                       absent_regions)
-from geofed.regions.pacing import PacingSection, budget_over, fednova_scale, mix_stale, stale_weight
+from geofed.regions.pacing import PacingSection, StaleMix, budget_over, fednova_scale, mix_stale, stale_weight
 
 REGIONS = ["a", "b", "c", "d"]
 
@@ -62,6 +62,38 @@ def test_staleness_weights_and_the_renormalised_mean():
     # (2 + 2 + 0.5 * 8) / (2 + 0.5) = 3.2
     assert weights == [pytest.approx(0.5)] and torch.allclose(out[0], torch.full((3,), 3.2))
     assert mix_stale(mixed, [], round_=7, n_regions=2, exponent=0.5)[1] == []
+
+
+def test_stale_mix_hook_folds_late_updates_into_the_mean_and_reports_them(tmp_path):
+    """Quorum's late updates are the `mix` point of a round hook (pacing.StaleMix): the mean the outer
+    step applies is mix_stale's, `stale_applied` says whose; a round with none keeps its mean. A quorum
+    region with late_updates: apply has the hook, others do not."""
+    from types import SimpleNamespace
+
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.messages import RoundPlan
+    from geofed.regions.region import Region
+
+    hook, plan = StaleMix(PacingSection(mode="quorum")), RoundPlan(round=7, H=1)
+    mixed = [torch.full((3,), 2.0)]
+    res = SimpleNamespace(received={"b": [torch.full((3,), 2.0)]}, stale=[("c", 4, [torch.full((3,), 8.0)])])
+    metrics: dict = {}
+    out = hook.mix(plan, mixed, res, metrics)
+    assert torch.allclose(out[0], torch.full((3,), 3.2))
+    assert metrics == {"stale_applied": [{"peer": "c", "round": 4, "weight": 0.5}]}
+    assert hook.mix(plan, mixed, SimpleNamespace(received={}, stale=[]), metrics) is mixed
+
+    def hooks_of(pacing):
+        cfg = config_from_mapping({"run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 8},
+                                   "regions": {"names": ["a", "b"]}, "network": {"emulation": {"mode": "none"}},
+                                   "sync": {"pacing": pacing}})
+        region = Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+        region.close()
+        return [type(h) for h in region.hooks]
+
+    assert StaleMix in hooks_of({"mode": "quorum"})
+    assert StaleMix not in hooks_of({"mode": "quorum", "late_updates": "drop"})
+    assert StaleMix not in hooks_of({"mode": "barrier"})
 
 
 def test_fednova_scale():

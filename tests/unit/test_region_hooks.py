@@ -91,8 +91,9 @@ def test_a_method_a_hook_leaves_out_is_a_no_op():
     tensors, peers = [torch.zeros(1)], ["b"]
     assert h.before_send(0, tensors, peers) == (tensors, peers) and h.report(plan, metrics) is None
     assert h.payload(plan, tensors, metrics) is tensors and h.aggregate(plan, tensors) is None
-    assert not any(overrides(h, name) for name in ("plan", "payload", "aggregate", "before_send", "exchange", "after_round", "recover",
-                                                    "report"))
+    assert h.mix(plan, tensors, None, metrics) is tensors
+    assert not any(overrides(h, name) for name in ("plan", "payload", "aggregate", "mix", "before_send", "exchange",
+                                                    "after_round", "recover", "report"))
     assert overrides(_Recorder(), "plan") and not overrides(_Recorder(), "before_send")
 
 
