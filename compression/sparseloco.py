@@ -32,8 +32,9 @@ from .sparse import _k
 
 _EXACT_BELOW = 1 << 18  # torch.topk per row is quick enough below; per-row thresholds above
 _STRIDE = 8  # the per-row threshold is estimated on every 8th value
-_ROWS_PER_PASS = 64  # rows per compare pass: 1 MiB of fp32 at chunk 4096, inside L2
+_PASS = 1 << 18  # elements per compare pass: 1 MiB of fp32 (64 rows at chunk 4096), inside L2
 _SMALLEST = np.float32(1e-45)  # zeros are never candidates (an all-zero update would make all n one)
+_MAG = np.uint64(0x7FFFFFFF)  # the bits of |value| in an fp32
 
 
 def _rows(n: int, chunk: int, fraction: float) -> list[tuple[int, int, int, int]]:
@@ -58,6 +59,19 @@ def _nchunks(n: int, chunk: int) -> int:
 def _pack_bits(values: np.ndarray, bits: int, out: torch.Tensor) -> None:
     """Write each of `values` (< 2^bits) as `bits` little-endian bits, back to back, into `out`."""
     if values.size == 0:
+        return
+    group = 8 // math.gcd(bits, 8)  # values that fill whole bytes: 2 of 12 bits make 3
+    if group * bits <= 64:
+        # each group or-ed into one little-endian uint64 whose low bytes are the group's: a
+        # tenth of the memory of one byte per bit (padding values are 0, so are padding bits)
+        flat = np.zeros(-(-values.size // group) * group, np.uint64)
+        flat[: values.size] = values
+        v = flat.reshape(-1, group)
+        w = v[:, 0].copy()
+        for i in range(1, group):
+            w |= v[:, i] << np.uint64(bits * i)
+        packed = w.view(np.uint8).reshape(-1, 8)[:, : group * bits // 8].reshape(-1)
+        out.copy_(torch.from_numpy(packed[: out.numel()]))
         return
     planes = (values[:, None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1
     out.copy_(torch.from_numpy(np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little")))
@@ -106,8 +120,8 @@ class SparseLoCo(SparseLoCoParams, Codec):
         c0 = 0
         for start, rows, length, k in _rows(x.numel(), self.chunk, self.fraction):
             block = x[start: start + rows * length].view(rows, length)
-            idx = rows_topk(block, k)
-            vals = block.gather(1, idx).double()  # float64: sums of ~3e38 values must not overflow
+            idx, kept = rows_topk(block, k)
+            vals = kept.double()  # float64: sums of ~3e38 values must not overflow
             hi, neg, lo_mag, hi_mag = _two_levels(vals)
             mags.view(-1, 2)[c0: c0 + rows, 0].copy_(lo_mag)
             mags.view(-1, 2)[c0: c0 + rows, 1].copy_(hi_mag)
@@ -164,42 +178,59 @@ class SparseLoCo(SparseLoCoParams, Codec):
             residual.index_add_(0, idx, vals, alpha=-1)
 
 
-def rows_topk(block: torch.Tensor, k: int) -> torch.Tensor:
-    """(rows, k) int64: the column indices of each row's k largest |values| (exact), sorted per row."""
+def rows_topk(block: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, k) int64 column indices of each row's k largest |values| (exact), sorted per row,
+    and the (rows, k) values there. Among equal |values| at the k-th place the lowest columns win
+    (on the sampled path; torch.topk's choice on the exact one)."""
     rows, length = block.shape
     if rows * length <= _EXACT_BELOW or 2 * k * _STRIDE > length:
-        return torch.topk(block.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-    # torch.topk over 6100 rows of 4096 took ~160 ms (plus ~60 for the abs) of a ~290 ms encode
-    # at 25M floats; this takes about half. A per-row threshold from a strided sample keeps
-    # ~2k candidates per row; where at least k reach it the row's top k are among them (its
-    # k-th largest |value| is then >= the threshold), picked by one sort of all candidates by
-    # (row, |value| descending). Rows the sample overestimated fall back to torch.topk.
+        idx = torch.topk(block.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        return idx, block.gather(1, idx)
+    # A per-row threshold from a strided sample keeps ~2k candidates per row; where at least k
+    # reach it the row's top k are among them (its k-th largest |value| is then >= the
+    # threshold). Each candidate becomes one uint64 (row, |value| descending, column, sign), so
+    # a sort of every row's candidates at once ranks them, within a cache-sized pass of rows,
+    # and the kept keys carry their values: no gather from the update afterwards. Rows the
+    # sample overestimated fall back to torch.topk. At 25M floats this took ~60 ms of CPU
+    # where torch.topk over the rows took ~160 ms and an argsort of all candidates ~80.
     xn = block.numpy()
-    sample = np.abs(xn[:, ::_STRIDE])
-    m = sample.shape[1]
+    bits = length.bit_length() - 1
+    m = xn[0, ::_STRIDE].size
     j = max(0, m - math.ceil(2 * k * m / length))
-    thr = np.maximum(np.partition(sample, j, axis=1)[:, j], _SMALLEST)
-    parts = []
-    mag = np.empty((min(rows, _ROWS_PER_PASS), length), np.float32)
-    for s in range(0, rows, _ROWS_PER_PASS):
-        e = min(rows, s + _ROWS_PER_PASS)
+    step = max(1, min(rows, _PASS // length))
+    mag = np.empty((step, length), np.float32)
+    hit = np.empty((step, length), np.bool_)
+    keys, owner = [], []
+    for s in range(0, rows, step):
+        e = min(rows, s + step)
         a = np.abs(xn[s:e], out=mag[: e - s])
-        parts.append(np.flatnonzero(a >= thr[s:e, None]) + s * length)
-    cand = np.concatenate(parts)
-    row = cand // length
-    counts = np.bincount(row, minlength=rows)
-    # |value| >= 0 as fp32 bits orders like the value: one uint64 key sorts by row, then largest first
-    bits = np.abs(xn.reshape(-1)[cand]).view(np.uint32).astype(np.uint64)
-    order = np.argsort((row.astype(np.uint64) << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - bits))
-    rank = np.arange(cand.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        thr = np.maximum(np.partition(a[:, ::_STRIDE], j, axis=1)[:, j], _SMALLEST)
+        cand = np.flatnonzero(np.greater_equal(a, thr[:, None], out=hit[: e - s]))
+        u = xn[s:e].reshape(-1)[cand].view(np.uint32).astype(np.uint64)
+        # (row, |value| descending, column, sign) in one uint64: one sort ranks each row's candidates
+        row = cand >> bits
+        key = (row.astype(np.uint64) << np.uint64(48)) | ((_MAG - (u & _MAG)) << np.uint64(17))
+        key |= ((cand & (length - 1)).astype(np.uint64) << np.uint64(1)) | (u >> np.uint64(31))
+        key.sort()
+        keys.append(key)
+        owner.append(np.bincount(row, minlength=e - s))
+    key = np.concatenate(keys)
+    counts = np.concatenate(owner)
     good = counts >= k
-    out = torch.empty(rows, k, dtype=torch.int64)
+    top = key[((np.cumsum(counts) - counts)[good, None] + np.arange(k)).reshape(-1)]
+    # back to column order: (column, sign, |value|) sorts each row by column
+    low = ((top & np.uint64(0x1FFFF)) << np.uint64(31)) | (_MAG - ((top >> np.uint64(17)) & _MAG))
+    low = np.sort(low.reshape(-1, k), axis=1)
+    idx = torch.empty(rows, k, dtype=torch.int64)
+    vals = torch.empty(rows, k)
     g = torch.from_numpy(good)
-    chosen = cand[order][(rank < k) & np.repeat(good, counts)] % length
-    out[g] = torch.from_numpy(np.sort(chosen.reshape(-1, k), axis=1))
+    idx[g] = torch.from_numpy((low >> np.uint64(32)).astype(np.int64))
+    vals[g] = torch.from_numpy((low & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32))
     if not good.all():
-        out[~g] = torch.topk(block[~g].abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-    return out
+        i = torch.topk(block[~g].abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        idx[~g] = i
+        vals[~g] = block[~g].gather(1, i)
+    return idx, vals
 
 
 def _two_levels(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -159,7 +159,7 @@ def test_empty_small_and_all_zero_updates():
         assert torch.isfinite(got).all() and got.shape == x.shape
 
 
-@pytest.mark.parametrize("case", ["normal", "scales", "spiky", "sparse"])
+@pytest.mark.parametrize("case", ["normal", "scales", "spiky", "sparse", "ties"])
 def test_the_sampled_per_row_threshold_path_is_exact(case):
     from geofed.compression.sparseloco import rows_topk
 
@@ -171,9 +171,19 @@ def test_the_sampled_per_row_threshold_path_is_exact(case):
         y[:, :100] *= 100  # the sample misses most spikes: rows fall back to torch.topk
     elif case == "sparse":
         y[::2, 30:] = 0  # fewer nonzeros than k in half the rows: zeros are never candidates
-    got = rows_topk(y, 41)
+    elif case == "ties":
+        y[::3] = torch.tensor([0.5, -0.5]).repeat(2048)  # every value of the row ties: the lowest columns win
+        y[1::3, 1000:2000] = y[1::3, 1000:2000].round()  # ties at the k-th magnitude
+    got, values = rows_topk(y, 41)
+    assert torch.equal(values, y.gather(1, got))  # the values come with the indices, bit for bit
     want = torch.topk(y.abs(), 41, dim=1).indices.sort(dim=1).values
-    if case == "sparse":
+    if case == "ties":
+        kth = torch.topk(y.abs(), 41, dim=1).values[:, -1:]
+        assert bool((y.abs().gather(1, got) >= kth).all())  # a top k, whichever of the tied values
+        assert all(len(set(r.tolist())) == 41 for r in got)
+        assert torch.equal(got[::3], torch.arange(41).expand(len(got[::3]), 41))
+        assert torch.equal(got[2::3], want[2::3])
+    elif case == "sparse":
         assert torch.equal(got[1::2], want[1::2])
         assert all(set(range(30)) <= set(r.tolist()) and len(set(r.tolist())) == 41 for r in got[::2])
     else:
