@@ -10,6 +10,7 @@ document, the direction of the ratios, H after a drop) does not depend on the ta
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from geofed.bench import wan as bench_wan
@@ -90,19 +91,32 @@ def test_drop_small_H_rises_after_the_drop(tmp_path):
     # even after the drop): the policy must answer the drop with H.
     base["compression"]["ladder"] = ["int8", "int4"]
     # H set by the sync alone (the control plane's share, which sets it in the bench, can already
-    # cover the slower sync), settled before the drop
-    base["sync"]["policy"].update(initial_H=60, H_min=10, target_comm_fraction=0.5)
-    sc = Scenario(name="drop", bandwidth_scale=0.5, drop_at_s=4.0, target_loss=0.02, max_steps=1500,
+    # cover the slower sync), settled before the drop. H follows margin * D / step: the margin of 4
+    # keeps D (not the round's overhead) deciding, and target_H 400 keeps int8 before the drop.
+    # At 12.5 Mbit/s an int8 update (154 kB) is over the link's bandwidth-delay product (~125 kB),
+    # so the updates themselves measure the drop; at 25 Mbit/s they were under it and only a
+    # re-probe could, which the regions put off while their pings read a busy host: on a loaded
+    # host the drop went unseen for 50 s and H stayed 48 to the end of the run.
+    base["sync"]["policy"].update(initial_H=60, H_min=10, target_comm_fraction=0.5, overlap_margin=4, target_H=400)
+    sc = Scenario(name="drop", bandwidth_scale=0.25, drop_at_s=5.0, target_loss=0.02, max_steps=1500,
                   fixed_H=(100,), allreduce=False)
     doc, results, _ = bench_wan.run_bench(sc, tmp_path / "bench", base=base)
     assert doc["scenario"] == "drop" and doc["ratios"]["time_vs_allreduce"] is None
     fixed, ad = results
     # at_s counts from the emulator's start; set-up (servers, connections, the link probes) comes first
-    assert ad.drop_at_s is not None and 1.5 < ad.drop_at_s < 4.0
+    assert ad.drop_at_s is not None and 1.5 < ad.drop_at_s < 5.0
     settled = [h for s, e, h in ad.H_rounds if e <= ad.drop_at_s and s > 0]  # round 0 is initial_H
     after = [h for s, _, h in ad.H_rounds if s >= ad.drop_at_s + 1.0]  # estimates follow within a few rounds
     assert settled and after, ad.H_rounds
     assert max(after) > 1.25 * settled[-1], ad.H_rounds
+    # ... and it rose for the drop, not for a slower step: the estimates it rose on had fallen
+    rounds = [json.loads(line) for line in (Path(ad.run_dir) / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == len(ad.H_rounds)
+    last_settled = max(i for i, (s, e, _) in enumerate(ad.H_rounds) if e <= ad.drop_at_s and s > 0)
+    rose = next(r for r, (s, _, h) in zip(rounds, ad.H_rounds) if s >= ad.drop_at_s + 1.0 and h == max(after))
+    def slowest(r):
+        return min(link["bandwidth_mbps"] for link in r["policy"]["links"].values())
+    assert slowest(rose) < slowest(rounds[last_settled]) / 3, (rounds[last_settled]["reason"], rose["reason"])
     assert best_before_drop([fixed]) is fixed
     again = measure(fixed.run_dir, name=fixed.name, kind="fixed", H=100, target_loss=sc.target_loss,
                     drop_at_s=fixed.drop_at_s)
