@@ -1,0 +1,59 @@
+"""`geofed bench memory` without Ray: its arguments, its arms' configs, and how it reads a region
+process's peak memory from outside (VmHWM of the pids in the run's events.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from geofed.bench.cli import main as bench_main
+from geofed.bench.memory import ARMS, SIZES, PeakWatch, arm_config, count_params, main, vm_hwm
+
+
+@pytest.mark.parametrize("argv, what", [(["--sizes", "2M"], "--sizes: unknown 2M"),
+                                        (["--arms", "serial,lazy"], "--arms: unknown lazy"),
+                                        (["--sizes", ","], "--sizes: unknown (none given)"),
+                                        (["--rounds", "0"], "--rounds and --H must be >= 1")])
+def test_bad_sizes_and_arms_are_refused_by_name(argv, what, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert what in err
+
+
+def test_the_bench_command_lists_memory(capsys):
+    assert bench_main(["-h"]) == 0
+    assert "memory" in capsys.readouterr().out
+
+
+def test_every_arm_is_a_valid_run_config_and_the_sizes_are_what_they_say(tinyshakespeare_txt):
+    for arm in ARMS:
+        cfg = arm_config(arm, "1M", rounds=2, H=1)
+        assert cfg.compression.codec.kind == "int8" and cfg.run.rounds == 2
+    assert arm_config("secagg", "1M", rounds=2, H=1).security.secure_aggregation
+    assert arm_config("checkpoint", "1M", rounds=2, H=1).run.checkpoint_every == 1
+    for size, want in [("1M", 1e6), ("10M", 1e7), ("30M", 3e7), ("100M", 1e8)]:
+        n = count_params(arm_config("serial", size, rounds=1, H=1))  # on the meta device: no memory
+        assert 0.9 * want <= n <= 1.1 * want, (size, n)
+    assert set(SIZES) == {"1M", "10M", "30M", "100M"}
+
+
+def test_peak_watch_reads_the_high_water_mark_of_the_pids_the_run_names(tmp_path):
+    assert vm_hwm(os.getpid()) > 10 << 20
+    assert vm_hwm(2 ** 22 + 12345) is None  # no such process
+    run = tmp_path / "run"
+    run.mkdir()
+    with PeakWatch(run, rounds=2) as watch:
+        time.sleep(0.3)
+        assert watch.peak == {} and watch.at_last_round is None  # no "started" event yet
+        (run / "events.jsonl").write_text(json.dumps({"event": "started", "regions": {"a": {"pid": os.getpid()}}}) + "\n")
+        (run / "rounds.jsonl").write_text("{}\n")
+        time.sleep(0.3)
+        assert watch.peak["a"] > 0 and watch.at_last_round is None  # one round of two logged
+        (run / "rounds.jsonl").write_text("{}\n{}\n")
+        deadline = time.monotonic() + 5
+        while watch.at_last_round is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert watch.at_last_round is not None and watch.at_last_round["a"] <= watch.peak["a"]
