@@ -75,8 +75,8 @@ def run_one(setting: str, attack: str, *, rounds: int, H: int, seed: int) -> dic
                     plan = RoundPlan(round=r, H=H)
                     res = dict(zip(REGIONS, pool.map(lambda reg, p=plan: workers[reg].run_round(p), REGIONS)))
                     for reg in ("a", "b", "c"):
-                        clipped += sum((res[reg].get("clipped") or {}).values())
-                        refused += sum((res[reg].get("refusals") or {}).values())
+                        clipped += sum(res[reg].security.clipped.values())
+                        refused += sum(res[reg].security.refusals.values())
                     accs.append(workers["a"].evaluate_synced()["value"])
             wall = time.monotonic() - t0
         finally:

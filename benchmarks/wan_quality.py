@@ -78,7 +78,7 @@ with tempfile.TemporaryDirectory() as d, InProcessRegions(cfg, d) as c:
         res = c.run_round({g: RoundPlan(round=r, H=h, final=at, evaluate=at) for g in regions})
         done, r = done + h, r + 1
         if at:
-            out[done] = next(m["eval"]["value"] for m in res.values() if "eval" in m)
+            out[done] = next(m.evaluation.eval["value"] for m in res.values() if m.evaluation.eval is not None)
 print(json.dumps(out))
 '''
 

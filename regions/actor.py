@@ -11,7 +11,7 @@ import ray
 
 from .region import Region
 from .warm import WarmSlot, load_assignment, process_age_s
-from .messages import RoundPlan
+from .messages import RoundPlan, RoundReport
 
 # Per-node override of the address peers dial (a node behind NAT, a public IP): set in the
 # environment of that node's `ray start`, which Ray's worker processes inherit.
@@ -132,7 +132,7 @@ class RegionActor:
     def probe(self) -> dict[str, Any]:
         return self._paused(lambda r: r.probe())
 
-    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+    def run_round(self, plan: RoundPlan) -> RoundReport:
         return self._paused(lambda r: r.run_round(plan))
 
     def catch_up(self, peers: list[str], **kwargs: Any) -> tuple[str, int]:

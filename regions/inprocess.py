@@ -29,7 +29,7 @@ import torch
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 
 from .region import Region
-from .messages import RoundPlan
+from .messages import RoundPlan, RoundReport
 
 
 class InProcessRegions:
@@ -68,8 +68,8 @@ class InProcessRegions:
         self.workers[region] = w
         return w
 
-    def run_round(self, plans: dict[str, RoundPlan]) -> dict[str, dict[str, Any]]:
-        """Every planned region runs its round, concurrently; their metrics by region."""
+    def run_round(self, plans: dict[str, RoundPlan]) -> dict[str, RoundReport]:
+        """Every planned region runs its round, concurrently; their reports by region."""
         # No gap filling: the workers share this process's cores and torch's global generator.
         futures = {region: self._pool.submit(self.workers[region].run_round, dataclasses.replace(plan, fill=False))
                    for region, plan in plans.items()}

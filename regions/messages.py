@@ -1,5 +1,6 @@
 """What the driver and a region say to each other across the Ray boundary: `RoundPlan`, what one
-round asks of a region (the region itself is regions/region.py; its actor regions/actor.py).
+round asks of a region, and `RoundReport`, what the region reports of it (the region itself is
+regions/region.py; its actor regions/actor.py).
 
 `rss_mb` is here too: both sides put their own process's memory in their records with it
 (metrics.jsonl's `rss_mb`, rounds.jsonl's `driver_rss_mb`).
@@ -81,12 +82,22 @@ class ExchangeStats:
     peers_missing: list[str]
     send_failures: dict[str, Any]
     wait_s: float
-    sync_s: float
+    # Everything between the end of the round's compute and its end; a round rolled back in its inner
+    # steps (regions/rollback.py) never got there and has none.
+    sync_s: float | None = None
     late_dropped: int | None = None
     overlap_wait_s: float | None = None
+    # Overlap: the round whose exchange completed in this one (None in the first round: none did).
+    exchange_round: int | None = None
     # Whose pushes this region finished in which round ({"round", "peers"}): the driver tells their
     # receivers to stop waiting for it (issue 36, N2). Not in a round without pushes.
     pushes_done: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, metrics: Mapping[str, Any]) -> ExchangeStats:
+        """The stats of an exchange outside a round's report (a flushed one, Region.flush_exchange:
+        regions/sync/common.exchange_metrics' keys)."""
+        return _take(cls, dict(metrics))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +149,7 @@ class RoundReport:
     # the driver adds them before it logs the record (absent from a region's own report).
     t_start: float | None = None
     t_end: float | None = None
+    late: bool | None = None  # the driver's: reported after its quorum round closed (None: in time)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -147,7 +159,7 @@ class RoundReport:
         parts = {name: _take(part, rest) for name, part in _PARTS.items()}
         top = {f.name: rest.pop(f.name) for f in dataclasses.fields(cls)
                if f.name in rest and f.name not in _PARTS and f.name != "extra"
-               and not (f.name in ("t_start", "t_end") and rest[f.name] is None)}
+               and not (f.name in _DRIVER_KEYS and rest[f.name] is None)}
         return cls(**top, **parts, extra=rest)
 
     def to_record(self) -> dict[str, Any]:
@@ -157,11 +169,12 @@ class RoundReport:
                                   "links": self.links}
         for name in _PARTS:
             record.update(_present(getattr(self, name)))
-        record.update({k: v for k, v in (("t_start", self.t_start), ("t_end", self.t_end)) if v is not None})
+        record.update({k: getattr(self, k) for k in _DRIVER_KEYS if getattr(self, k) is not None})
         record.update(self.extra)
         return record
 
 
+_DRIVER_KEYS = ("t_start", "t_end", "late")  # set by the driver, in the record only once set
 _PARTS: dict[str, Any] = {"steps": StepStats, "exchange": ExchangeStats, "evaluation": EvalStats,
                           "security": SecurityStats}
 

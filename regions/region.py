@@ -56,7 +56,7 @@ from .sync.common import merge_exchange_metrics
 from .sync.protocol import SyncAlgorithm, SyncContext
 from .tasks import make_task
 from .transport_factory import make_transport
-from .messages import RoundPlan, rss_mb
+from .messages import RoundPlan, RoundReport, rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +245,11 @@ class Region:
                 "completed_round": self.completed_round, "rss_mb": rss_mb()}
 
     # -- one round -------------------------------------------------------------------------
-    def run_round(self, plan: RoundPlan) -> dict[str, Any]:
+    def run_round(self, plan: RoundPlan) -> RoundReport:
         """Run one planned round (hooks: regions/hooks.py), evaluate if planned, and return the
-        region's metrics record for it (losses, exchange, links, codecs, refusals)."""
+        region's report of it (regions/messages.py: losses, exchange, links, codecs, refusals; its
+        to_record() is the round's metrics.jsonl record). Inside the round the algorithm and the hooks
+        fill a metrics dict; the report is made of it last."""
         t_start = time.time()
         for hook in self.hooks:
             plan = hook.plan(plan)
@@ -271,11 +273,11 @@ class Region:
             metrics["eval_s"] = round(time.monotonic() - t_eval, 6)
         _take_pending_eval(metrics)
         if plan.sketch:
-            metrics["sketch"] = self.sketch()  # the runner takes it out before metrics.jsonl
+            metrics["sketch"] = self.sketch()  # the report's `sketch`, never in its record
         self._report(plan, metrics, wall=time.time() - t_start)
         for hook in self.hooks:
             hook.report(plan, metrics)
-        return metrics
+        return RoundReport.from_metrics(metrics)
 
     def _round(self, plan: RoundPlan) -> dict[str, Any]:
         """The algorithm's round (inner steps -> payload -> exchange -> outer step) and the hooks'

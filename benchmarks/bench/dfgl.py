@@ -232,7 +232,7 @@ def run_in_process(cfg: RunConfig, *, task=None) -> dict[str, Any]:
         for r in range(cfg.run.rounds):
             results = group.run_round(coordinator.plan(r, alive=group.regions, evaluate=False))
             coordinator.observe(results)
-            metrics.extend(results.values())
+            metrics.extend(m.to_record() for m in results.values())
             if coordinator.done:
                 break
         group.call(lambda r: r.finish_pending())

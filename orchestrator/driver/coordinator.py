@@ -26,12 +26,12 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from geofed.compression import CodecSpec
 from geofed.regions.algorithm_traits import algorithm_traits
-from geofed.regions.messages import RoundPlan
+from geofed.regions.messages import RoundPlan, RoundReport
 
 from ..config import RunConfig
 from ..policies import LinkEstimate, Measurements, make_policy
@@ -257,32 +257,31 @@ class Coordinator:
         # time-budget: each region's warm-up pass time; their ratios size the calibration round.
         self._warm_steps = {r: m["warm_step_s"] for r, m in results.items() if m.get("warm_step_s")}
 
-    def observe(self, results: dict[str, dict[str, Any]]) -> None:
-        """Fold one round of region metrics into the measurements the policy sees next."""
+    def observe(self, results: Mapping[str, RoundReport]) -> None:
+        """Fold one round's region reports into the measurements the policy sees next."""
         if not results:
             return
         for region, m in results.items():
-            step = m.get("step_time_steady_s") or m["step_time_s"]  # without the round's first step
+            step = m.steps.step_time_steady_s or m.steps.step_time_s  # without the round's first step
             self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(step)
         if self.pacing.mode == "time-budget":
             # The budget is H steps of the median region: the policy sizes H on its step time.
-            self._steps.append(statistics.median(m["step_time_s"] for m in results.values()))
+            self._steps.append(statistics.median(m.steps.step_time_s for m in results.values()))
         else:
-            self._steps.append(max(m["step_time_s"] for m in results.values()))
+            self._steps.append(max(m.steps.step_time_s for m in results.values()))
         self.step_time_s = min(self._steps)
-        losses = [m["train_loss"] for m in results.values() if m.get("train_loss") is not None]
+        losses = [m.steps.train_loss for m in results.values() if m.steps.train_loss is not None]
         self.loss = sum(losses) / len(losses) if losses else self.loss
-        self.last_sync_s = max(m.get("sync_s", 0.0) for m in results.values())
-        self._round_wall = max(m.get("wall_s", 0.0) for m in results.values())
+        self.last_sync_s = max(m.exchange.sync_s or 0.0 for m in results.values())
+        self._round_wall = max(m.wall_s for m in results.values())
         self._rounds_seen += 1
-        self.link_view.observe_round(results)
+        self.link_view.observe_round({region: {"links": m.links} for region, m in results.items()})
 
-    def observe_late(self, region: str, m: dict[str, Any]) -> None:
+    def observe_late(self, region: str, m: RoundReport) -> None:
         """A round that ended after its quorum round closed: its step time and links still count."""
-        if m.get("step_time_s") is not None:
-            step = m.get("step_time_steady_s") or m["step_time_s"]  # without the round's first step
-            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(step)
-        self.link_view.observe_round({region: m})
+        step = m.steps.step_time_steady_s or m.steps.step_time_s  # without the round's first step
+        self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(step)
+        self.link_view.observe_round({region: {"links": m.links}})
 
     @property
     def links(self) -> dict[str, LinkEstimate]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from geofed.regions.algorithm_traits import algorithm_traits
+from geofed.regions.messages import RoundReport
 from geofed.regions.sketch import consensus_from_sketches
 
 from ..config import RunConfig
@@ -52,7 +53,7 @@ class RunEvaluation:
         """`round_` evaluates whatever run.eval_every says: it ends on one of run.eval_at_steps."""
         self._forced.add(round_)
 
-    def of_round(self, round_: int, results: Mapping[str, Mapping[str, Any]], alive: list[str],
+    def of_round(self, round_: int, results: Mapping[str, RoundReport], alive: list[str],
                  fetch_params: Callable[[], dict[str, list[torch.Tensor]]], *, t_end: float) -> dict[str, Any]:
         """A round's evaluation record for rounds.jsonl: eval_avg, the round whose synchronised
         model it is (eval_round: with overlap it was evaluated during the next round, when its
@@ -70,32 +71,32 @@ class RunEvaluation:
             self.last = avg
             return {"eval_avg": avg, "eval_round": round_, "eval_t": round(t_end, 4), "consensus_distance": consensus,
                     "eval_fetch_bytes": n}
-        sketches = [results[r].pop("sketch") for r in alive if "sketch" in results.get(r, {})]
+        sketches = [results[r].sketch for r in alive if r in results and results[r].sketch is not None]
         out: dict[str, Any] = {"consensus_distance": consensus_from_sketches(sketches)} if sketches else {}
-        evaluator = next((r for r in alive if "eval" in results.get(r, {})), None)
+        evaluator = next((r for r in alive if r in results and results[r].evaluation.eval is not None), None)
         if evaluator is not None:
-            m = results[evaluator]
-            ev = dict(m["eval"])
+            m = results[evaluator].evaluation
+            ev = dict(m.eval or {})
             self.last = {k: ev[k] for k in ("metric", "value", "higher_is_better")}
             out.update(eval_avg=self.last, eval_region=evaluator, eval_round=ev.get("round", round_),
-                       eval_t=round(t_end - m.get("eval_age_s", 0.0), 4))
+                       eval_t=round(t_end - (m.eval_age_s or 0.0), 4))
             # A flush in this round (a resync under overlap) also completed the next model's exchange:
             # the earlier model's evaluation is kept beside it.
             earlier = [{"round": e.get("round"), "value": e["value"], "t": round(t_end - e.get("age_s", 0.0), 4)}
-                       for e in m.get("evals_earlier", []) if "value" in e]
+                       for e in m.evals_earlier or [] if "value" in e]
             if earlier:
                 out["evals_earlier"] = earlier
         return out
 
-    def note_round(self, round_: int, results: Mapping[str, Mapping[str, Any]], *, steps: int) -> None:
+    def note_round(self, round_: int, results: Mapping[str, RoundReport], *, steps: int) -> None:
         """What the run had cost by the end of `round_`: inner steps per region, and the bytes of
         each exchange by the round it belongs to (with overlap, round r's exchange is reported
         with round r + 1's metrics: its exchange_round says so)."""
         self._steps[round_] = steps
         for m in results.values():
-            er = m.get("exchange_round", round_)
+            er = m.exchange.exchange_round
             er = round_ if er is None else er
-            self._bytes[er] = self._bytes.get(er, 0) + int(m.get("bytes_sent", 0))
+            self._bytes[er] = self._bytes.get(er, 0) + int(m.exchange.bytes_sent)
 
     def _cost(self, round_: int) -> tuple[int | None, int]:
         return self._steps.get(round_), sum(b for r, b in self._bytes.items() if r <= round_)
@@ -112,7 +113,7 @@ class RunEvaluation:
     def check(self, record: Mapping[str, Any]) -> bool:
         """Whether this evaluation record reached the target (the first time: its cost is kept)."""
         ev = record.get("eval_avg")
-        if self.hit is not None or not self.reached(ev):
+        if self.hit is not None or ev is None or not self.reached(ev):
             return False
         r = record["eval_round"]
         steps, sent = self._cost(r)

@@ -8,17 +8,19 @@ one that did not. Members whose updates never arrive are muted (recovery.Withhol
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
 from geofed.regions.algorithm_traits import algorithm_traits
+from geofed.regions.messages import ExchangeStats, RoundReport
 from geofed.regions.sync.common import merge_exchange_metrics
 
 from ..config import RunConfig
-from .handles import RegionHandles, Results
+from .handles import RegionHandles, Reports
 from .journal import Journal
 from .recovery import RunFailed, WithholdWatch, first_line, plan_resync
 
@@ -125,14 +127,15 @@ class Faults:
                           f"(checkpoint {restored['round']}, state of round {state_round} from {donor})", style="green")
         return sent
 
-    def flush_for_resync(self, r: int, results: Results) -> None:
+    def flush_for_resync(self, r: int, results: Reports) -> None:
         """Overlap: a round reports the exchange of the round before, so a miss shows while this
         round's exchange is still in flight, and a donor's global model and outer state would lack
         the update that the receiver's pending exchange still applies. Every region that reported
         applies its exchange in flight first (its metrics join the round's; its misses count for
         the resync): then donor and receiver stand at the same round boundary, no exchange pending,
-        and the receiver takes exactly the donor's state. It costs the overlap of this one round."""
-        if not (self.resync_on and self.cfg.sync.overlap and any(m.get("peers_missing") for m in results.values())):
+        and the receiver takes exactly the donor's state. It costs the overlap of this one round.
+        `results` gets each flushed region's report with the flush merged in."""
+        if not (self.resync_on and self.cfg.sync.overlap and any(m.exchange.peers_missing for m in results.values())):
             return
         regions = [reg for reg in self.regions.alive if reg in results]
         flushed = self.regions.flush_exchange(regions, timeout=self.cfg.sync.deadline.max_s * 2 + 120)
@@ -141,8 +144,10 @@ class Faults:
                 continue  # nothing was in flight (the last round flushes its own)
             more = dict(more)
             exchange_round = more.pop("exchange_round", None)
-            merge_exchange_metrics(results[region], more)
-            results[region]["flushed_exchange_round"] = exchange_round
+            # Merged as records: the flush's evaluation moves the round's to evals_earlier (merge_exchange_metrics).
+            record = merge_exchange_metrics(results[region].to_record(), more)
+            record["flushed_exchange_round"] = exchange_round
+            results[region] = dataclasses.replace(RoundReport.from_metrics(record), sketch=results[region].sketch)
         self.journal.event("overlap_flushed", regions=sorted(flushed), exchange_round=r, why="miss",
                            missing={reg: m.get("peers_missing") for reg, m in flushed.items() if m.get("peers_missing")})
 
@@ -161,7 +166,7 @@ class Faults:
             self.journal.event("overlap_flushed", regions=sorted(flushed), exchange_round=r - 1, why="rejoin",
                                bytes_sent=sent,
                                missing={reg: m["peers_missing"] for reg, m in flushed.items() if m.get("peers_missing")})
-            self.resync(r - 1, flushed)
+            self._resync(r - 1, {reg: ExchangeStats.of(m) for reg, m in flushed.items()})
         return [p for p in donors if p in self.regions.alive], sent
 
     # -- members whose updates never arrive (issue 36, N2) ---------------------------------------
@@ -185,7 +190,7 @@ class Faults:
             self.journal.event("member_probation", region=region)
         return self.withhold.muted(r) & alive, back
 
-    def watch_withholding(self, r: int, results: Results, participants: list[str],
+    def watch_withholding(self, r: int, results: Reports, participants: list[str],
                           round_links: Callable[[int, list[str]], list[str]]) -> None:
         """A region that reported the round but whose update most of its expecting peers missed
         (withheld, or refused) for WithholdWatch.after rounds in a row is muted: left out of the plan
@@ -196,20 +201,23 @@ class Faults:
         for link in round_links(r, [reg for reg in participants if reg not in muted]):
             src, dst = link.split("->", 1)
             expecting.setdefault(src, set()).add(dst)
-        for rec in self.withhold.observe(r, results, expecting):
+        for rec in self.withhold.observe(r, {reg: m.exchange for reg, m in results.items()}, expecting):
             self.journal.count("members_muted")
             self.journal.event("member_muted", **rec)
             self.journal.note(f"region {rec['region']}: its update missed by {len(rec['missed_by'])} of "
                               f"{len(rec['expected_by'])} peers in round {r} (withheld or refused); left out of the "
                               f"next {rec['rounds_out']} rounds")
 
-    def resync(self, r: int, results: Results) -> None:
+    def resync(self, r: int, results: Reports) -> None:
         """Regions that missed an update this round take the model of one that did not (never of one
         whose update they missed, nor of a muted member)."""
+        self._resync(r, {reg: m.exchange for reg, m in results.items()})
+
+    def _resync(self, r: int, exchanges: Mapping[str, ExchangeStats]) -> None:
         if not self.resync_on:
             return
         regions = self.regions
-        jobs = plan_resync(results, [reg for reg in regions.names if reg in regions.alive],
+        jobs = plan_resync(exchanges, [reg for reg in regions.names if reg in regions.alive],
                            left_out=self.withhold.muted(r))
         timeout = self.cfg.sync.deadline.max_s
         try:

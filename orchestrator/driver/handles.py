@@ -6,7 +6,8 @@ its region (elastic: the run carries on without it; fail-fast: RunFailed). While
 gather probes the regions it waits on (a heartbeat served on each actor's own thread): one silent
 for regions.heartbeat_timeout_s is stalled (SIGSTOP, swap, a hung host) and left out like a
 failed one, without a restart; its pending call is its probe (faults.py revives it). What each
-method returns is what the region's method returns (dicts), region by region.
+method returns is what the region's method returns, region by region: a round's RoundReport
+(regions/messages.py, `Reports`), dicts for the other calls.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from geofed.regions.messages import RoundPlan, RoundReport
 
 from ..config import RunConfig
 from .cluster import RegionActors
@@ -24,6 +26,7 @@ from .journal import Journal
 from .recovery import RunFailed, first_line
 
 Results = dict[str, dict[str, Any]]
+Reports = dict[str, RoundReport]  # a round's reports by region (run_round's refs, gathered)
 OnResult = Callable[[str, Any, Collection[str]], None]
 
 
@@ -234,8 +237,8 @@ class RegionHandles:
         return self.gather(refs, what, timeout=timeout)
 
     # -- one region, not waited for here (the caller waits, or watches the ref) ---------------
-    def run_round(self, region: str, plan: Any) -> Any:
-        """Start `region`'s round; the ref of its metrics."""
+    def run_round(self, region: str, plan: RoundPlan) -> ray.ObjectRef[RoundReport]:
+        """Start `region`'s round; the ref of its RoundReport (gathered: `Reports`)."""
         return self.actors.handles[region].run_round.remote(plan)
 
     def catch_up_ref(self, region: str, donors: list[str], *, timeout_s: float | None = None,

@@ -17,15 +17,17 @@ for it, `drain` and `catch_up_behind` at the end of the run.
 from __future__ import annotations
 
 import logging
+import dataclasses
 import time
 from collections.abc import Callable, Collection
 from typing import Any
 
 import ray
 from geofed.regions.emulation import absent_regions
+from geofed.regions.messages import RoundReport
 
 from ..config import RunConfig
-from .handles import RegionHandles, Results
+from .handles import RegionHandles, Reports
 from .journal import Journal
 from .recovery import first_line
 
@@ -34,11 +36,11 @@ log = logging.getLogger("geofed.orchestrator.driver.run")
 
 class Pacing:
     """Who runs a round (absent and busy regions sit it out) and how a quorum round is gathered.
-    `on_late(region, metrics)`: the loop's bookkeeping of a round that reported after it closed
+    `on_late(region, report)`: the loop's bookkeeping of a round that reported after it closed
     (the coordinator's measurements, metrics.jsonl, the bytes sent)."""
 
     def __init__(self, cfg: RunConfig, regions: RegionHandles, journal: Journal, *,
-                 on_late: Callable[[str, dict[str, Any]], None]):
+                 on_late: Callable[[str, RoundReport], None]):
         self.cfg, self.regions, self.journal, self.on_late = cfg, regions, journal, on_late
         self.mode = cfg.sync.pacing.mode
         self._inflight: dict[Any, tuple[str, int]] = {}   # ref -> (region, round) still running
@@ -97,7 +99,7 @@ class Pacing:
         return refs
 
     def gather(self, refs: dict[Any, str], r: int, *, timeout: float,
-               on_result: Callable[[str, Any, Collection[str]], None] | None = None) -> Results:
+               on_result: Callable[[str, Any, Collection[str]], None] | None = None) -> Reports:
         """The round's results: a barrier (or time-budget) round waits for every region (the
         handle's gather); a quorum round for `quorum` of them (gather_quorum)."""
         if self.mode == "quorum":
@@ -106,14 +108,14 @@ class Pacing:
         self._current = set(results)
         return results
 
-    def _gather_quorum(self, refs: dict[Any, str], r: int, *, timeout: float) -> Results:
+    def _gather_quorum(self, refs: dict[Any, str], r: int, *, timeout: float) -> Reports:
         """Results of this round's regions once `quorum` of them are in and the grace has passed;
         the rest stay in flight. Late results of earlier rounds that come in meanwhile are logged."""
         pacing = self.cfg.sync.pacing
         k = pacing.quorum_of(len(refs))
         for ref, region in refs.items():
             self._inflight[ref] = (region, r)
-        out: dict[str, dict[str, Any]] = {}
+        out: Reports = {}
         t0 = time.monotonic()
         end = t0 + timeout
         while self._inflight and time.monotonic() < end:
@@ -168,16 +170,15 @@ class Pacing:
             self._collect_late(block=True, timeout=max(1.0, end - time.monotonic()))
         self._check_catch_ups()
 
-    def _late_result(self, region: str, m: dict[str, Any]) -> None:
+    def _late_result(self, region: str, m: RoundReport) -> None:
         """A region's round that ended after its round closed: logged, its bytes and links counted;
         the region missed outer updates meanwhile and catches up before its next round."""
         now = round(self.journal.clock.now(), 4)
-        m["t_start"], m["t_end"], m["late"] = round(now - m["wall_s"], 4), now, True
-        m.pop("sketch", None)
+        m = dataclasses.replace(m, t_start=round(now - m.wall_s, 4), t_end=now, late=True, sketch=None)
         self.stats["late_rounds"] += 1
         self.on_late(region, m)
         self._behind.add(region)
-        self.journal.event("late_round", region=region, of_round=m.get("round"), wall_s=round(m["wall_s"], 3))
+        self.journal.event("late_round", region=region, of_round=m.round, wall_s=round(m.wall_s, 3))
 
     def _check_catch_ups(self) -> None:
         """Catch-ups that ended: a failed one is logged; the region trains on its own model until

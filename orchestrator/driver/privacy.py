@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from geofed.regions.algorithm_traits import algorithm_traits
+from geofed.regions.messages import RoundReport
 from geofed.regions.privacy.budget import PrivacyBudget, accountant_from_state
 
 from .recovery import RunFailed
@@ -107,12 +108,12 @@ class DpBudget:
         return {reg: dataclasses.replace(p, dp_mode=dp.mode, dp_clip=dp.clip, dp_noise=budget.noise_multiplier)
                 for reg, p in plans.items()}
 
-    def spend(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def spend(self, results: Mapping[str, RoundReport]) -> dict[str, Any]:
         """After a round: its steps spent (the most any region took: each region's records are
         accounted on their own); the fields of the round's record."""
         if self.budget is None or not results:
             return {}
-        self.budget.spend(max(int(m.get("steps", m.get("H", 1))) for m in results.values()))
+        self.budget.spend(max(int(m.steps.steps) for m in results.values()))
         return self.budget.metrics()
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,10 +20,13 @@ import threading
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 # What a killed driver left running lives in leftovers.py; its names stay importable from here.
 from .leftovers import DRIVER_FILE, marked_processes, process_tree, reap_previous, record_processes  # noqa: F401
+
+if TYPE_CHECKING:  # annotations only: the CLI's light commands import this module without torch
+    from geofed.regions.messages import ExchangeStats
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -102,12 +105,12 @@ class Resync:
     donors: tuple[str, ...]  # the ones it heard from first; the joiner's rendezvous order spreads the load
 
 
-def suspects(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> set[str]:
+def suspects(results: Mapping[str, ExchangeStats], order: Sequence[str]) -> set[str]:
     """Regions that more than half of the other reporting regions missed this round: each withheld
     its update or had it refused (or its uplink is down). Such a region missed nothing itself, as it
     received everyone's, so by miss counts alone it would be everyone's donor (issue 36, N1)."""
     reporters = [r for r in order if r in results]
-    missed_by = Counter(p for r in reporters for p in set(results[r].get("peers_missing") or ()))
+    missed_by = Counter(p for r in reporters for p in set(results[r].peers_missing))
     found = {d for d in reporters if 2 * missed_by[d] > len(reporters) - 1}
     # Half the run or more at once is a network event (an outage of every link), not members
     # withholding (n >= 2f + 1): suspecting them all left no donor, nobody resynced, and the short
@@ -115,9 +118,9 @@ def suspects(results: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> 
     return set() if 2 * len(found) >= len(reporters) else found
 
 
-def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str], *,
+def plan_resync(results: Mapping[str, ExchangeStats], order: Sequence[str], *,
                 left_out: Collection[str] = ()) -> list[Resync]:
-    """Who pulls the model from whom after a round.
+    """Who pulls the model from whom after a round (`results`: each reporting region's exchange).
 
     With DiLoCo or all-reduce over a full topology every region that received every update holds
     the same model; a region that missed one folded the missing weight into its own update and
@@ -135,7 +138,7 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str], 
     are neither donors nor resynced.
     """
     results = {r: m for r, m in results.items() if r not in left_out}
-    missing = {r: set(m.get("peers_missing") or ()) for r, m in results.items()}
+    missing = {r: set(m.peers_missing) for r, m in results.items()}
     if not any(missing.values()):
         return []
     reporters = [r for r in order if r in missing]
@@ -149,7 +152,7 @@ def plan_resync(results: Mapping[str, Mapping[str, Any]], order: Sequence[str], 
     for r in reporters:
         if r in donors or not (missing[r] or r in suspect):
             continue
-        heard = {t.get("peer") for t in results[r].get("transfers") or () if t.get("direction") == "recv"}
+        heard = {t.get("peer") for t in results[r].transfers if t.get("direction") == "recv"}
         eligible = [d for d in donors if d != r and d not in missing[r]]
         ranked = [d for d in eligible if d in heard] + [d for d in eligible if d not in heard]
         if not ranked:
@@ -200,9 +203,10 @@ class WithholdWatch:
         self.on_probation |= due
         return due
 
-    def observe(self, round_: int, results: Mapping[str, Mapping[str, Any]],
+    def observe(self, round_: int, results: Mapping[str, ExchangeStats],
                 expecting: Mapping[str, Collection[str]]) -> list[dict[str, Any]]:
-        """Fold in one round: `expecting[x]` are the regions that expected x's update this round.
+        """Fold in one round (`results`: each reporting region's exchange): `expecting[x]` are the
+        regions that expected x's update this round.
         Returns one record per region muted now ({"region", "rounds_out", "missed_by", "expected_by"})."""
         muted_now = []
         out = self.muted(round_)
@@ -213,8 +217,8 @@ class WithholdWatch:
             # A miss is evidence against x only from a region whose own network worked this round:
             # it received most of its other in-neighbours. When everyone missed everyone (an outage,
             # a stalled driver), nobody withheld anything (the short soak muted all four regions).
-            missed = [r for r in by if x in set(results[r].get("peers_missing") or ())
-                      and 2 * len(set(results[r].get("peers_missing") or ()) - {x}) < max(1, len(heard_by[r] - {x}))]
+            missed = [r for r in by if x in set(results[r].peers_missing)
+                      and 2 * len(set(results[r].peers_missing) - {x}) < max(1, len(heard_by[r] - {x}))]
             if len(by) >= 2 and 2 * len(missed) > len(by):
                 withheld[x] = (by, missed)
         if 2 * len(withheld) >= len(results):
@@ -231,7 +235,7 @@ class WithholdWatch:
             self.streak[x] += 1
             # Strong evidence: every peer that expected x missed it, and each of them received all
             # its other in-neighbours (no network trouble of theirs to blame): mute after strong_after.
-            strong = len(missed) == len(by) and all(set(results[r].get("peers_missing") or ()) <= {x} for r in by)
+            strong = len(missed) == len(by) and all(set(results[r].peers_missing) <= {x} for r in by)
             if self.streak[x] >= (self.strong_after if strong else self.after) or x in self.on_probation:
                 rounds_out = min(self.max_out, self.first_out * 2 ** self.tries[x])
                 self.tries[x] += 1

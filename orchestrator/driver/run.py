@@ -17,7 +17,7 @@ import ray
 from geofed.regions import checkpoint
 from geofed.regions.algorithm_traits import algorithm_traits
 from geofed.regions.export import average_states
-from geofed.regions.messages import rss_mb
+from geofed.regions.messages import RoundReport, rss_mb
 
 from ..config import RunConfig
 from ..config.strict import ConfigError
@@ -27,7 +27,7 @@ from .emulation import configured_link
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .export import params_by_region, write_model
 from .faults import Faults
-from .handles import RegionHandles, Results
+from .handles import RegionHandles, Reports
 from .journal import Journal
 from .pacing import Pacing
 from .privacy import DpBudget
@@ -169,7 +169,7 @@ class Runner:
         self.faults.watch_withholding(r, results, participants, coordinator.round_links)
         t_end = self.clock.now()
         coordinator.observe(results)
-        self.bytes_sent += sum(m["bytes_sent"] for m in results.values())
+        self.bytes_sent += sum(m.exchange.bytes_sent for m in results.values())
         self.evaluation.note_round(r, results, steps=coordinator.steps_done)
         extra = {**self.evaluation.of_round(r, results, regions.alive, self._fetch_params, t_end=t_end),
                  **self.dp.spend(results)}
@@ -186,41 +186,41 @@ class Runner:
         journal.progress.update(round_=r, loss=coordinator.loss, H=coordinator.last_H, mb_sent=self.bytes_sent / 1e6,
                                 note=f"down: {','.join(sorted(regions.dead))}" if regions.dead else "",
                                 codec=",".join(codecs),
-                                utilization=sum(m["utilization"] for m in results.values()) / max(1, len(results)),
+                                utilization=sum(m.utilization for m in results.values()) / max(1, len(results)),
                                 elapsed_s=t_end, steps_done=coordinator.steps_done)
 
-    def _run_round(self, r: int, plans: dict[str, Any]) -> Results:
+    def _run_round(self, r: int, plans: dict[str, Any]) -> Reports:
         refs = self.pacing.dispatch(plans, self.faults.muted(r))
         results = self.pacing.gather(refs, r, timeout=self.cfg.sync.deadline.max_s * 3 + 600,
                                      on_result=lambda region, m, waiting: self._notice_done(r, region, m, waiting))
         now = round(self.clock.now(), 4)
         for region, m in results.items():
-            m["t_start"], m["t_end"] = round(now - m["wall_s"], 4), now
-            self.journal.count("peers_left_out", len(m.get("peers_missing", [])))
-            if m.get("refusals"):
-                self.journal.event("refused", region=region, by_reason=m["refusals"])
-            if m.get("rolled_back"):  # a non-finite round undone (regions/rollback.py)
+            results[region] = dataclasses.replace(m, t_start=round(now - m.wall_s, 4), t_end=now)
+            self.journal.count("peers_left_out", len(m.exchange.peers_missing))
+            if m.security.refusals:
+                self.journal.event("refused", region=region, by_reason=m.security.refusals)
+            if m.security.rolled_back:  # a non-finite round undone (regions/rollback.py)
                 self.journal.count("rollbacks")
-                self.journal.event("rolled_back", region=region, **m["rolled_back"])
+                self.journal.event("rolled_back", region=region, **m.security.rolled_back)
         return results
 
-    def _notice_done(self, r: int, region: str, m: dict[str, Any], waiting: Collection[str]) -> None:
+    def _notice_done(self, r: int, region: str, m: RoundReport, waiting: Collection[str]) -> None:
         """`region` reported round r: the regions still in it whose receive may wait for its update
         learn that it is done (regions/region.py, senders_done): a member that withholds costs them a
         short grace, not a deadline (issue 36, N2). Only pushes it says were delivered or never made
         count: one still in flight (a slow link) is not cut."""
-        done = m.get("pushes_done") or {}
+        done = m.exchange.pushes_done or {}
         if done.get("round") != r:
             return  # an overlapped round reports an earlier exchange
         for peer in sorted(set(done.get("peers") or ()) & set(waiting)):
             self.regions.senders_done(peer, r, [region])
 
-    def _late(self, region: str, m: dict[str, Any]) -> None:
+    def _late(self, region: str, m: RoundReport) -> None:
         """A round that reported after its quorum round closed (pacing.py): its step time and
         links still count, its record goes to metrics.jsonl."""
-        self.bytes_sent += m.get("bytes_sent", 0)
+        self.bytes_sent += m.exchange.bytes_sent
         self.coordinator.observe_late(region, m)
-        self.ready.metrics_log.write(m)
+        self.ready.metrics_log.write(m.to_record())
 
     def _connect(self) -> None:
         regions = self.regions
@@ -229,18 +229,18 @@ class Runner:
     def _fetch_params(self) -> dict[str, Any]:
         return self.regions.get_params(self.regions.alive, timeout=600)
 
-    def _log_round(self, r: int, results: Results, t_start: float, t_end: float, extra: dict | None = None) -> None:
+    def _log_round(self, r: int, results: Reports, t_start: float, t_end: float, extra: dict | None = None) -> None:
         for region in self.regions.names:
             if region in results:
-                self.ready.metrics_log.write(results[region])
+                self.ready.metrics_log.write(results[region].to_record())
         links = {}
         for m in results.values():
-            for link, est in m.get("links", {}).items():
+            for link, est in m.links.items():
                 entry = dict(est)
                 if self.emulator is not None:
                     entry.update(configured_link(self.emulator, *link.split("->", 1)))
                 links[link] = entry
-        losses = [m["train_loss"] for m in results.values()]
+        losses = [m.steps.train_loss for m in results.values()]
         c = self.coordinator
         record = {
             "round": r, "t_start": t_start, "t_end": t_end, "H": c.last_H,
@@ -248,8 +248,8 @@ class Runner:
             "reason": c.last_reason, "policy": c.last_record.get("policy", {}),
             "links": links, "alive": list(self.regions.alive), "regions_reported": sorted(results),
             "mean_train_loss": sum(losses) / len(losses) if losses else None,
-            "utilization": sum(m["utilization"] for m in results.values()) / max(1, len(results)),
-            "bytes_sent": sum(m["bytes_sent"] for m in results.values()), "driver_rss_mb": rss_mb(),
+            "utilization": sum(m.utilization for m in results.values()) / max(1, len(results)),
+            "bytes_sent": sum(m.exchange.bytes_sent for m in results.values()), "driver_rss_mb": rss_mb(),
             **(extra or {})}
         self.ready.rounds_log.write(record)
         self.ready.trackers.log_round(record)

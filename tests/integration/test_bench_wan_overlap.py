@@ -28,7 +28,8 @@ def _cfg(*, overlap: bool, momentum: float = 0.5, codec: str = "identity", hidde
 
 class Cluster(InProcessRegions):
     def round(self, r: int, H: int, *, final: bool = False) -> dict[str, dict]:
-        return self.run_round({reg: RoundPlan(round=r, H=H, final=final) for reg in REGIONS})
+        return {reg: m.to_record() for reg, m in self.run_round({reg: RoundPlan(round=r, H=H, final=final)
+                                                                  for reg in REGIONS}).items()}
 
 
 @pytest.fixture

@@ -31,13 +31,13 @@ from geofed.regions.region import Region
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from reliability_harness import BackgroundRun, events, small_config
+from support.reports import exchange
 
 ORDER = ["a", "b", "c", "d"]
 
 
 def _m(missing=(), heard=()):
-    return {"peers_missing": list(missing),
-            "transfers": [{"peer": p, "direction": "recv"} for p in heard] + [{"peer": "x", "direction": "send"}]}
+    return exchange(missing=missing, heard=heard)
 
 
 # -- the plan: who may be a donor -----------------------------------------------------------------

@@ -36,13 +36,14 @@ from geofed.regions.exchange import Exchanger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from reliability_harness import events, small_config
+from support.reports import exchange
 
 REGIONS = ["a", "b", "c", "d"]
 EVERYONE = {r: set(REGIONS) - {r} for r in REGIONS}
 
 
 def _round(missing_x: bool, x: str = "a"):
-    return {r: {"peers_missing": [x] if missing_x and r != x else []} for r in REGIONS}
+    return {r: exchange(missing=[x] if missing_x and r != x else []) for r in REGIONS}
 
 
 # -- the driver's watch ----------------------------------------------------------------------------
@@ -77,14 +78,14 @@ def test_strong_evidence_mutes_after_one_round_weak_evidence_after_two():
     (rec,) = w.observe(0, _round(True), EVERYONE)
     assert rec["region"] == "a" and w.muted(1) == {"a"}
     weak = WithholdWatch(after=2, first_out=2)
-    most = {r: {"peers_missing": ["a"] if r in ("b", "c") else []} for r in REGIONS}  # d heard a
+    most = {r: exchange(missing=["a"] if r in ("b", "c") else []) for r in REGIONS}  # d heard a
     assert weak.observe(0, most, EVERYONE) == []
     (rec,) = weak.observe(1, most, EVERYONE)
     assert rec["region"] == "a" and rec["missed_by"] == ["b", "c"]
     # a and b both silent: c and d missed half their in-neighbours, which a split of the network
     # gives as well (n >= 2f + 1 does not hold for two of four): nobody is muted, however long.
-    both = {"a": {"peers_missing": ["b"]}, "b": {"peers_missing": ["a"]},
-            "c": {"peers_missing": ["a", "b"]}, "d": {"peers_missing": ["a", "b"]}}
+    both = {"a": exchange(missing=["b"]), "b": exchange(missing=["a"]),
+            "c": exchange(missing=["a", "b"]), "d": exchange(missing=["a", "b"])}
     two = WithholdWatch(after=2, first_out=2)
     assert [two.observe(r, both, EVERYONE) for r in range(4)] == [[], [], [], []]
 
@@ -94,7 +95,7 @@ def test_a_round_where_everyone_missed_everyone_mutes_nobody():
     watch: a round in which every region missed every other (its outage) muted all four regions, whose
     next rounds then ran alone. A miss is evidence against a member only from a region that received
     most of its other in-neighbours."""
-    everyone_missed = {r: {"peers_missing": [p for p in REGIONS if p != r]} for r in REGIONS}
+    everyone_missed = {r: exchange(missing=[p for p in REGIONS if p != r]) for r in REGIONS}
     w = WithholdWatch(after=2, first_out=2)
     assert [w.observe(r, everyone_missed, EVERYONE) for r in range(4)] == [[], [], [], []]
     assert w.muted(4) == set()
@@ -105,9 +106,9 @@ def test_a_round_where_everyone_missed_everyone_mutes_nobody():
 
 def test_one_cut_link_or_a_two_region_run_mutes_nobody():
     w = WithholdWatch(after=1)
-    one_link = {r: {"peers_missing": ["a"] if r == "b" else []} for r in REGIONS}  # a -> b down
+    one_link = {r: exchange(missing=["a"] if r == "b" else []) for r in REGIONS}  # a -> b down
     assert w.observe(0, one_link, EVERYONE) == []
-    two = {"a": {"peers_missing": []}, "b": {"peers_missing": ["a"]}}
+    two = {"a": exchange(missing=[]), "b": exchange(missing=["a"])}
     assert w.observe(1, two, {"a": {"b"}, "b": {"a"}}) == []  # a withholder and a cut link look alike
 
 

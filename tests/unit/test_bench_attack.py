@@ -37,7 +37,9 @@ def _cfg():
 
 
 def _rounds(group, n, start=0):
-    return [group.run_round({r: RoundPlan(round=i, H=3) for r in REGIONS}) for i in range(start, start + n)]
+    """n rounds' records by region (the hostile member's `hostile` key is in their extra)."""
+    return [{reg: m.to_record() for reg, m in group.run_round({r: RoundPlan(round=i, H=3) for r in REGIONS}).items()}
+            for i in range(start, start + n)]
 
 
 # ---- the spec and the hooks --------------------------------------------------------------

@@ -25,13 +25,13 @@ from geofed.orchestrator.driver.recovery import (
     schedule_after,
 )
 from geofed.p2p.wan.config import LinkSpec, ScheduleEvent
+from support.reports import exchange
 
 ORDER = ["a", "b", "c", "d"]
 
 
 def _m(missing=(), heard=()):
-    return {"peers_missing": list(missing),
-            "transfers": [{"peer": p, "direction": "recv"} for p in heard] + [{"peer": "x", "direction": "send"}]}
+    return exchange(missing=missing, heard=heard)
 
 
 def test_no_resync_when_nobody_missed_anything():

@@ -44,7 +44,7 @@ def test_eager_regions_end_on_one_model_and_learn(tmp_path):
     got, res = _train(tmp_path, ["a", "b", "c"], "eager", rounds=6)
     for reg in ("b", "c"):
         assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(got["a"], got[reg]))
-    assert res["a"]["eval"]["value"] > 0.6 and res["a"]["exchange_round"] == 5  # the last round flushes its own
+    assert res["a"].evaluation.eval["value"] > 0.6 and res["a"].exchange.exchange_round == 5  # the last round flushes its own
     delayed, _ = _train(tmp_path, ["a", "b", "c"], True, rounds=6)
     assert not all(torch.allclose(x, y, atol=1e-4) for x, y in zip(got["a"], delayed["a"]))  # it is another run
 

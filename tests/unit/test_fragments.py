@@ -31,8 +31,9 @@ def _train(tmp_path, cfg, rounds, *, name, H=4, start=0, group=None, keep=False)
     c = group or InProcessRegions(cfg, tmp_path / name)
     out = []
     for r in range(start, start + rounds):
-        out.append(c.run_round({reg: RoundPlan(round=r, H=H, final=(r == start + rounds - 1) and not keep)
-                                for reg in REGIONS}))
+        reports = c.run_round({reg: RoundPlan(round=r, H=H, final=(r == start + rounds - 1) and not keep)
+                               for reg in REGIONS})
+        out.append({reg: m.to_record() for reg, m in reports.items()})  # fragment keys live in the record's extra
     return c, out
 
 
@@ -92,11 +93,11 @@ def test_two_fragments_each_synced_every_other_round(tmp_path):
             res = c.run_round({reg: RoundPlan(round=r, H=4) for reg in REGIONS})
             now = [[g.clone() for g in part.global_params] for part in algo.parts]
             f = r % 2
-            assert res["a"]["fragment"] == f
+            assert res["a"].extra["fragment"] == f
             changed = [k for k in range(2) if not all(torch.equal(x, y) for x, y in zip(before[k], now[k]))]
             assert changed == [f], (r, changed)  # only this round's fragment moved
             # identity codec: 4 bytes a float, to 2 peers, plus the wire format's headers
-            assert 8 * numel[f] <= res["a"]["bytes_sent"] < 8 * numel[f] + 2048
+            assert 8 * numel[f] <= res["a"].exchange.bytes_sent < 8 * numel[f] + 2048
             before = now
         g = _globals(c)
         for reg in ("b", "c"):  # one global model everywhere (up to the order of the mix's sum)

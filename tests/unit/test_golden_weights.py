@@ -78,7 +78,7 @@ def _train(name: str, tmp_path: Path) -> dict[str, list[torch.Tensor]]:
         for r in range(ROUNDS):
             results = group.run_round({reg: RoundPlan(round=r, H=H, final=r == ROUNDS - 1) for reg in regions})
             for reg, m in results.items():
-                assert not m.get("peers_missing"), (name, r, reg, m.get("peers_missing"))
+                assert not m.exchange.peers_missing, (name, r, reg, m.exchange.peers_missing)
         group.call(lambda r: r.finish_pending())
         return {reg: [p.detach().float().clone() for p in w.params] + [g.detach().float().clone()
                                                                         for g in w.algorithm.eval_params()]

@@ -14,6 +14,7 @@ from geofed.p2p.mailbox import Mailbox, Refusal
 from geofed.regions.emulation import (AbsenceWindow, AvailabilityConfig, ComputeEmulation, Slowdown,
                                       absent_regions)
 from geofed.regions.pacing import PacingSection, StaleMix, budget_over, fednova_scale, mix_stale, stale_weight
+from support.reports import report
 
 REGIONS = ["a", "b", "c", "d"]
 
@@ -273,7 +274,7 @@ def test_a_time_budget_run_calibrates_with_fewer_steps_for_a_slower_region_then_
                                                   "c": CALIBRATION_STEPS, "d": round(CALIBRATION_STEPS / 4)}
     assert all(p.budget_s is None for p in plans.values())
     # Round 0 measured: the budget is H steps of the median region's steady step time.
-    c.observe({r: {"step_time_s": 0.05, "step_time_steady_s": s, "train_loss": 1.0, "wall_s": 0.1}
+    c.observe({r: report(region=r, step_time_s=0.05, step_time_steady_s=s, train_loss=1.0, wall_s=0.1)
                for r, s in zip(alive, (0.01, 0.01, 0.01, 0.04))})
     plans = c.plan(1, alive=alive, evaluate=False)
     assert {p.H for p in plans.values()} == {100}
@@ -316,9 +317,9 @@ def test_a_region_that_starts_late_ends_its_budget_with_the_others(tmp_path):
     try:
         t0 = time.time()
         late = w.run_round(RoundPlan(round=0, H=100, budget_s=1.5, budget_until=t0 + 0.3, max_steps=100_000))
-        assert late["compute_s"] < 0.8 and late["budget_late_s"] >= 1.0
+        assert late.steps.compute_s < 0.8 and late.steps.budget_late_s >= 1.0
         on_time = w.run_round(RoundPlan(round=1, H=100, budget_s=0.3, budget_until=time.time() + 0.3, max_steps=100_000))
-        assert 0.2 <= on_time["compute_s"] < 0.8 and on_time.get("budget_late_s", 0.0) < 0.05
+        assert 0.2 <= on_time.steps.compute_s < 0.8 and (on_time.steps.budget_late_s or 0.0) < 0.05
     finally:
         w.close()
 

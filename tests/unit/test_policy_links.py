@@ -9,6 +9,7 @@ from geofed.orchestrator.policies import BandwidthPolicyConfig
 from geofed.orchestrator.policies.cost import H_for_sync, budget_for_H
 from geofed.orchestrator.policies import LinkEstimate
 from geofed.orchestrator.policies.links import LinkView
+from support.reports import report
 
 
 def test_the_view_keeps_each_links_last_known_figures():
@@ -59,8 +60,8 @@ def _coordinator(policy, *, max_steps=0, rounds=100, overlap=True, eval_at_steps
 def _metrics(*, wall, step=0.005, H=20):
     def one(src, dst):
         # 100 kB updates at 40 Mbit/s over 80 ms: a sync of 0.1 s
-        return {"step_time_s": step, "train_loss": 1.0, "wall_s": wall, "sync_s": 0.0, "steps": H,
-                "links": {f"{src}->{dst}": {"rtt_ms": 80.0, "bandwidth_mbps": 40.0}}}
+        return report(region=src, step_time_s=step, train_loss=1.0, wall_s=wall, sync_s=0.0, steps=H,
+                      links={f"{src}->{dst}": {"rtt_ms": 80.0, "bandwidth_mbps": 40.0}})
     return {"a": one("a", "b"), "b": one("b", "a")}
 
 

@@ -13,6 +13,7 @@ from geofed.orchestrator.driver.privacy import DpBudget, budget_from_state, budg
 from geofed.orchestrator.driver.recovery import RunFailed
 from geofed.regions.privacy.dp import dp_step, noise_generator
 from geofed.regions.messages import RoundPlan
+from support.reports import report
 
 
 def _cfg(dp: dict, **sync):
@@ -55,7 +56,7 @@ def test_plans_carry_the_noise_and_epsilon_grows_then_the_budget_stops(accountan
         if plans is None:
             break
         assert {(p.dp_mode, p.dp_clip, p.dp_noise) for p in plans.values()} == {("update", 0.5, 1.0)}
-        eps.append(d.spend({reg: {"steps": 5} for reg in plans})["dp_epsilon"])
+        eps.append(d.spend({reg: report(steps=5) for reg in plans})["dp_epsilon"])
     assert [round(e, 2) for e in eps] == expected
     assert d.stopped["round"] == 2 and d.journal.events[-1]["event"] == "privacy_budget_reached"
     assert d.summary()["epsilon"] == pytest.approx(eps[-1])
@@ -65,7 +66,7 @@ def test_warn_goes_on_and_the_checkpoint_keeps_the_accountant(capsys):
     d = _budget(_cfg({"mode": "update", "noise_multiplier": 1.0, "target_epsilon": 5.0, "on_target": "warn"}))
     for r in range(3):
         assert d.plans(r, _plans(r)) is not None
-        d.spend({"a": {"steps": 5}})
+        d.spend({"a": report(steps=5)})
     assert "past privacy.dp.target_epsilon" in capsys.readouterr().err
     assert [e["event"] for e in d.journal.events].count("privacy_budget_exceeded") == 2
     again = _budget(d.cfg)
@@ -80,7 +81,7 @@ def test_a_first_round_past_the_target_fails_the_run_and_off_changes_nothing():
         d.plans(0, _plans(0))
     off = _budget(_cfg({}))
     plans = _plans(0)
-    assert off.plans(0, plans) is plans and off.spend({"a": {"steps": 5}}) == {}
+    assert off.plans(0, plans) is plans and off.spend({"a": report(steps=5)}) == {}
     assert off.summary() is None and off.state_dict() == {}
 
 
@@ -89,7 +90,7 @@ def test_record_level_plans_the_rate_on_the_smallest_shard():
     assert d.budget.sample_rate == pytest.approx(0.1)
     for r in range(6):
         d.plans(r, _plans(r))
-        d.spend({"a": {"steps": 5}, "b": {"steps": 5}})
+        d.spend({"a": report(steps=5), "b": report(steps=5)})
     assert 3.5 < d.budget.epsilon() <= 4.0 + 1e-6 and d.budget.accountant.steps == 30
 
 

@@ -66,7 +66,8 @@ def _run(cfg, tmp_path: Path, rounds: int = 2, *, hooks=None) -> tuple[list[dict
         for region, hook in (hooks or {}).items():
             group.workers[region].add_hook(hook)
         for r in range(rounds):
-            out.append(group.run_round({reg: RoundPlan(round=r, H=2, final=r == rounds - 1) for reg in REGIONS}))
+            reports = group.run_round({reg: RoundPlan(round=r, H=2, final=r == rounds - 1) for reg in REGIONS})
+            out.append({reg: m.to_record() for reg, m in reports.items()})
     return out, group
 
 
@@ -228,7 +229,7 @@ def test_a_sync_policy_is_chosen_by_sync_policy_kind(tmp_path, countdown):
             plans = coordinator.plan(r, alive=REGIONS, evaluate=False)
             metrics = group.run_round(plans)
             coordinator.observe(metrics)
-            steps.append({m["steps"] for m in metrics.values()})
+            steps.append({m.steps.steps for m in metrics.values()})
     assert steps == [{3}, {2}] and coordinator.last_reason.startswith("countdown")
 
 

@@ -57,7 +57,7 @@ def test_the_points_run_in_order_and_what_a_hook_returns_is_what_the_round_uses(
     region.add_hook(rec)
     m = region.run_round(RoundPlan(round=0, H=3))
     assert rec.calls == ["plan", "after_round:6", "report"]  # the planned H doubled: 6 steps ran
-    assert m["steps"] == 6 and m["recorded"] == 6 and m["H"] == 6
+    assert m.steps.steps == 6 and m.extra["recorded"] == 6 and m.H == 6  # a hook's own key is in extra
 
 
 def test_the_payload_point_runs_every_hook_in_order_pacing_before_dp(region):
@@ -113,7 +113,7 @@ def test_a_non_finite_round_goes_to_recover_and_without_one_it_fails(tmp_path):
             region.run_round(RoundPlan(round=0, H=1))
         region.add_hook(Recovers())
         m = region.run_round(RoundPlan(round=1, H=1))
-        assert m["recovered"] == "rejected by the hook" and m["round"] == 1
+        assert m.extra["recovered"] == "rejected by the hook" and m.round == 1
     finally:
         region.close()
 
@@ -126,7 +126,7 @@ def test_with_rollback_on_a_rejected_round_is_rolled_back(region):
 
     region.add_hook(Rejects())
     m = region.run_round(RoundPlan(round=0, H=2))
-    assert m["rolled_back"]["why"] == "rejected by the hook" and m["steps"] == 0
+    assert m.security.rolled_back["why"] == "rejected by the hook" and m.steps.steps == 0
 
 
 def test_before_send_changes_what_peers_receive_and_exchange_replaces_the_exchange(tmp_path):
@@ -164,7 +164,7 @@ def test_before_send_changes_what_peers_receive_and_exchange_replaces_the_exchan
             out = dict(zip("ab", pool.map(lambda r: regions[r].run_round(RoundPlan(round=0, H=2)), "ab")))
         assert got["a"] and all(not t.any() for t in got["a"])  # a trained, yet sent zeros
         assert sent["b"] and any(t.any() for t in sent["b"])  # b's own update went to its hook...
-        assert out["b"]["bytes_sent"] == 0 and out["a"]["peers_missing"] == ["b"]  # ...and nowhere else
+        assert out["b"].exchange.bytes_sent == 0 and out["a"].exchange.peers_missing == ["b"]  # ...and nowhere else
     finally:
         for w in regions.values():
             w.close()

@@ -90,7 +90,7 @@ def test_spreading_changes_when_bytes_go_not_what_is_trained(tmp_path, overlap, 
         try:
             out = [c.run_round({reg: RoundPlan(round=r, H=6, final=(r == 4)) for reg in REGIONS}) for r in range(5)]
             models[spread] = {reg: [g.clone() for g in w.algorithm.eval_params()] for reg, w in c.workers.items()}
-            records[spread] = [t for rec in out for m in rec.values() for t in m.get("transfers", [])
+            records[spread] = [t for rec in out for m in rec.values() for t in m.exchange.transfers
                                if t["direction"] == "send"]
         finally:
             c.close()

@@ -78,8 +78,8 @@ def test_gpt_learns_on_tinyshakespeare_across_two_regions_in_two_rounds(text, tm
         before = c.workers["a"].evaluate_synced()["value"]
         for r in range(2):
             res = c.run_round({reg: RoundPlan(round=r, H=30, evaluate=(r == 1), final=(r == 1)) for reg in ("a", "b")})
-        after = res["a"]["eval"]["value"]
-    assert res["a"]["eval"]["metric"] == "loss"
+        after = res["a"].evaluation.eval["value"]
+    assert res["a"].evaluation.eval["metric"] == "loss"
     assert after < before - 0.5, (before, after)  # ln 256 = 5.5 at the start
 
 
