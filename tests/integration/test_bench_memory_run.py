@@ -22,7 +22,7 @@ def test_one_arm_at_1m_gives_a_finite_positive_bytes_per_param(tmp_path, capsys,
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     doc = json.loads(captured.out)
-    assert doc["floor_bytes_per_param"] == 32
+    assert doc["floor_bytes_per_param"] == 32 and doc["failed"] == []
     (row,) = doc["rows"]
     assert {"arm", "params", "peak_rss_bytes", "baseline_rss_bytes", "bytes_per_param"} <= set(row)
     assert row["arm"] == "serial" and 0.9e6 < row["params"] < 1.1e6

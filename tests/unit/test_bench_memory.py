@@ -57,3 +57,27 @@ def test_peak_watch_reads_the_high_water_mark_of_the_pids_the_run_names(tmp_path
         while watch.at_last_round is None and time.monotonic() < deadline:
             time.sleep(0.05)
     assert watch.at_last_round is not None and watch.at_last_round["a"] <= watch.peak["a"]
+
+
+def test_a_failed_arm_is_named_and_the_other_arms_still_give_rows(tmp_path, monkeypatch, capsys, tinyshakespeare_txt):
+    from contextlib import nullcontext
+
+    import geofed.bench.memory as memory
+    import geofed.bench.runs as runs
+    from geofed.orchestrator.driver.recovery import RunFailed
+
+    def fake_measure(arm, size, out, **kw):
+        if arm == "secagg":
+            raise RunFailed("region eu-west-1 failed in round 1: payload exceeds max_message_bytes")
+        return {"arm": arm, "size": size, "params": kw["params"], "peak_rss_bytes": 3 << 20,
+                "baseline_rss_bytes": kw["baseline"], "bytes_per_param": 1.0}
+
+    monkeypatch.setattr(runs, "bench_ray", lambda cfg: nullcontext())
+    monkeypatch.setattr(memory, "idle_actor_baseline", lambda: 1 << 20)
+    monkeypatch.setattr(memory, "measure", fake_measure)
+    rc = main(["--sizes", "1M", "--arms", "serial,secagg,export", "--json", "--out", str(tmp_path / "b")])
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert rc == 1 and [r["arm"] for r in doc["rows"]] == ["serial", "export"]
+    assert doc["failed"] == [{"arm": "secagg", "size": "1M", "error": "region eu-west-1 failed in round 1: payload exceeds max_message_bytes"}]
+    assert "1M secagg FAILED" in captured.err and "1 run(s) failed" in captured.err
