@@ -63,7 +63,8 @@ class SecuritySection:
     score_margin: float = field(default=0.5, metadata=_doc(
         "score_updates: the least loss increase (the task's loss units, nats for the built-in tasks) that refuses an "
         "update as harmful; honest updates measured at most +0.11 (digits IID) and +3.7 in early non-IID rounds, "
-        "where the round's median sets the bar"))
+        "where the round's median sets the bar. A quarantined sender's harmless update counts toward its release only "
+        "where it and its reverse read more than this apart (regions/gauntlet.py)"))
     trim_fraction: float = field(default=0.25, metadata=_doc(
         "trimmed-mean: values dropped at each end of every coordinate, as a fraction of the regions present "
         "(at least 1 when 3 or more)"))

@@ -58,7 +58,7 @@ def _run(tmp_path, adversary, rounds=3, *, turn=None, **security):
                     workers["d"].plugin.spec = turn[1]
                 plan = RoundPlan(round=r, H=60)
                 for reg, m in zip(FOUR, pool.map(lambda reg, p=plan: workers[reg].run_round(p), FOUR)):
-                    out[reg].append(m)
+                    out[reg].append(m.to_record())  # records: the bench's `account` reads them, `hostile` is in extra
     finally:
         for w in workers.values():
             w.close()
@@ -99,7 +99,7 @@ def test_regions_that_refuse_the_same_update_keep_one_model(tmp_path):
             for r in range(2):
                 plan = RoundPlan(round=r, H=60)
                 results = dict(zip(FOUR, pool.map(lambda reg, p=plan: workers[reg].run_round(p), FOUR)))
-                assert all(results[reg]["harmful"] == {"d": 1} for reg in "abc")
+                assert all(results[reg].security.harmful == {"d": 1} for reg in "abc")
         a = workers["a"].algorithm.global_params
         for reg in "bc":
             other = workers[reg].algorithm.global_params
@@ -228,7 +228,7 @@ def test_an_honest_sender_refused_once_is_not_quarantined_and_release_asks_for_h
     assert not g.in_quarantine("b")  # rounds 2-4: one harmful of three
     g.record(5, [Score(sender="b", round=5, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
     assert g.in_quarantine("b")  # rounds 4-5: two of three
-    harmless = [Score(sender="b", round=0, loss_before=1.0, loss_after=1.0, spread=0.0)]
+    harmless = [Score(sender="b", round=0, loss_before=1.0, loss_after=1.0, spread=0.0, loss_reversed=2.0)]
     for r in range(6, 13):
         g.record(r, harmless, set())
     g.record(13, [Score(sender="b", round=13, loss_before=1.0, loss_after=3.0, spread=0.0)], {"b"})
