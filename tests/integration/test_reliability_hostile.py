@@ -44,6 +44,10 @@ WINDOW = 8  # security.round_window
 MAX_MB = 4  # network.max_message_mb
 SHAPES = [(32, 64), (32,), (10, 32), (10,)]  # the digits MLP with 32 hidden units
 RSS_BOUND_MB = 64
+# The attacks end within ~20 rounds of the run's start (13 rounds at load 38 on 2 cores); the run
+# must outlive them by the handshake grace and a few rounds, and train on long enough to halve
+# its loss. 300 rounds left ~280 idle rounds after the attacks (20 s of CI's 47).
+ROUNDS = 120
 
 
 class Attacker:
@@ -229,12 +233,19 @@ def _target_log(pid: int) -> str:
 
 
 def test_hostile_input_against_a_running_region(tmp_path):
-    cfg = small_config(regions=REGIONS, rounds=300, H=10,
+    cfg = small_config(regions=REGIONS, rounds=ROUNDS, H=10,
                        network={"emulation": {"mode": "proxy", "preset": None,
                                               "default": {"latency_ms": 20, "bandwidth_mbps": 100, "jitter_ms": 0,
                                                           "loss": 0}},
                                 "max_message_mb": MAX_MB},
+                       # The outer step is plain averaging (SGD, lr 1, no momentum): with DiLoCo's Nesterov
+                       # 0.7/0.9 the ring's loss fell to 0.5 by round 6, then swung to 16-24 and back (to 650
+                       # once), so whether it had halved by the last round was chance (1.06 against a bound of
+                       # 1.14 after 300 rounds, 2.27 at round 119); momentum 0.5 (with or without cosine decay)
+                       # still rose to 1-2 after round 70. What is under test here is the service, not the
+                       # outer optimiser.
                        sync={"topology": "ring", "policy": {"kind": "fixed", "H": 10}, "inner": {"lr": 0.003},
+                             "outer": {"kind": "sgd", "lr": 1.0, "momentum": 0.0},
                              "deadline": {"initial_s": 3.0, "min_s": 1.0, "max_s": 4.0}},
                        security={"round_window": WINDOW})
     run = BackgroundRun(cfg, tmp_path).start()
@@ -282,7 +293,7 @@ def test_hostile_input_against_a_running_region(tmp_path):
         assert "refused a message from" in text and f"{reason}:" in text, reason
     # It kept training: every round has the target's metrics, and its loss fell.
     metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["region"] == TARGET]
-    assert [m["round"] for m in metrics] == list(range(300))
+    assert [m["round"] for m in metrics] == list(range(ROUNDS))
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] * 0.5
     # ...as well as the regions nobody attacked.
     evals = {r: v["value"] for r, v in summary["eval_per_region"].items()}
