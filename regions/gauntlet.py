@@ -28,8 +28,9 @@ refused (0 of 180 IID, 0 of 180 non-IID undisturbed; 4: 3 of 180 non-IID), every
 was (60 of 60 each), x-9 57 of 60 (IID) and 39 of 60 (non-IID; the others were the ~0 updates).
 
 What does not hold (bench attack, docs/reliability.md): once the loss on the region's own shard is
-about 0 (digits memorised by round 5 at H 300) the readings lose their power and later flips fall
-back to the clip; each region judges alone, so a borderline update refused by some regions and
+about 0 (digits memorised by round 5 at H 300) the readings lose their power: a member quarantined
+before stays so (below), but one that starts lying only then falls back to the clip (counted only
+where clipped); each region judges alone, so a borderline update refused by some regions and
 admitted by others sets their models apart.
 
 Where it applies: DiLoCo (overlap modes included), unless security.robust_aggregation is ``none``
@@ -52,7 +53,8 @@ and harmful; honest updates on IID data read 0.00-0.29 apart from round 1 on, an
 Dirichlet (alpha 0.3) partition (both ways: there an honest update often reads worse than its
 reverse on another region's data, so the test is the distance, not its sign). Before, 8 harmless
 readings of any kind released the member, and its later acts passed unread and uncounted until it
-was caught again (bench attack flip_x-9 57, 51, 60 and scale_x+9 60, 54, 60 of 60 acts counted).
+was caught again (bench attack flip_x-9 57, 51, 60 and scale_x+9 60, 54, 60 of 60 acts counted;
+with this rule 60, 60, 60 and 59, 58, 60, the 3 missing ones pushes that arrived late, unscored).
 The quarantine is this region's alone, like every refusal, and is not kept across a resume. Its
 cost is the false one: bench attack's undisturbed runs refused an honest sender as harmful 2-3
 times late in a run (each region's loss on its own batches is then about 0 and a rise of 0.5 is a
