@@ -9,7 +9,11 @@ RSS rises 7-15 MB more between rounds 20 and 50 and then stays flat or falls (20
 CI at ea4a43d, 8 regions, every 30th round from round 20: 559, 574, 587, 587, 576, 576 MB for the
 region that grew most; round 50 to the end: +2 MB): a plateau, not a leak, so the 200-round soak
 measures from round 50 (LONG_WARMUP); the 50-round one keeps 20. The long soak is slow-marked; a
-4-region, 50-round one always runs.
+4-region, 50-round one always runs. Its window (rounds 20-50) holds two of the schedule's outages (a
+pair at round 25, a link at 37). The first raises a region's RSS once, then it is flat (2026-12-06,
+load 40, each of the 4 regions: 440 -> 450-456 MB by round 6, flat to round 27, +6-12 MB over rounds
+27-33, then within 0.2 MB to round 50); in another run at that load one region rose 21 MB in all. So
+the short soak allows SHORT_RSS_GROWTH_MB: a real leak of 0.8 MB a round still fails it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ R8 = ["us-east-1", "us-west-2", "eu-west-1", "eu-central-1", "ap-northeast-1", "
 WARMUP = 20
 LONG_WARMUP = 50  # the 200-round soak's (module docstring)
 REGION_RSS_GROWTH_MB = 16
+SHORT_RSS_GROWTH_MB = 24  # the 50-round soak's, whose window holds two outages (module docstring)
 DRIVER_RSS_GROWTH_MB = 32
 MAX_S = 3.0
 
@@ -76,10 +81,11 @@ def _check(run_dir, summary: dict, regions: list[str], rounds: int) -> None:
     assert summary["consensus_distance"] < 1e-4
     assert summary["eval"]["value"] > 0.85
     # Memory: flat after the warm-up.
-    warmup = LONG_WARMUP if rounds >= 4 * LONG_WARMUP else WARMUP
+    long = rounds >= 4 * LONG_WARMUP
+    warmup, bound = (LONG_WARMUP, REGION_RSS_GROWTH_MB) if long else (WARMUP, SHORT_RSS_GROWTH_MB)
     for region in regions:
         rss = [m["rss_mb"] for m in sorted(metrics, key=lambda m: m["round"]) if m["region"] == region]
-        assert rss[-1] - rss[warmup] <= REGION_RSS_GROWTH_MB, (region, rss[warmup], rss[-1])
+        assert rss[-1] - rss[warmup] <= bound, (region, rss[warmup], rss[-1])
     driver = [r["driver_rss_mb"] for r in rounds_log]
     assert driver[-1] - driver[warmup] <= DRIVER_RSS_GROWTH_MB, (driver[warmup], driver[-1])
 
