@@ -5,7 +5,8 @@ with the least compressing codec the run may use (compression.codec and ladder).
 bigger is refused before a byte is read, and the memory one peer can make it hold follows:
 
 - ``max_message_bytes`` = that largest encoding x MESSAGE_MARGIN, at least 1 MiB
-  (``network.max_message_mb`` overrides);
+  (``network.max_message_mb`` overrides); with secure aggregation the masked update, at
+  ``security.secagg_bits`` per value, counts as an encoding;
 - ``peer_budget_bytes``: 2 messages in flight + ``round_window + 1`` decoded updates waiting for
   their round (fp32, 4 bytes per value) (``network.peer_memory_mb`` overrides);
 - ``max_state_bytes``: the largest state a donor may send on FetchState (the model, the outer
@@ -57,6 +58,10 @@ def wire_limits(cfg: Any, shapes: Sequence[tuple[int, ...]]) -> WireLimits:
         message = net.max_message_mb * MiB
     else:
         largest = max(encoded_bytes(spec, shapes) for spec in (comp.codec, *comp.ladder))
+        if cfg.security.secure_aggregation:
+            # The masked update is security.secagg_bits per value whatever the codec (regions/secagg/):
+            # at 32 bits a 1M-parameter model's 4.2 MB was refused against an int8-sized cap.
+            largest = max(largest, math.ceil(decoded // 4 * cfg.security.secagg_bits / 8) + _HEADER_SLACK)
         message = max(MiB, math.ceil(largest * MESSAGE_MARGIN))
     window = cfg.security.round_window
     budget = net.peer_memory_mb * MiB if net.peer_memory_mb is not None else 2 * message + (window + 1) * decoded

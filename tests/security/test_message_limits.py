@@ -42,6 +42,20 @@ def test_the_default_message_cap_follows_the_model_not_a_gigabyte():
     assert wire_limits(tracking, GossipSync.wire_shapes(tracking.sync, big)).max_message_bytes == pytest.approx(2 * lim.max_message_bytes, rel=0.01)
 
 
+def test_secure_aggregation_sizes_the_cap_for_its_masked_update():
+    # The masked update is secagg_bits per value whatever the codec: a 1M-parameter model's 32-bit
+    # masks (4.2 MB) were refused against the int8-sized cap (found by geofed bench memory, issue 39).
+    big = [(1_000_000,)]
+    plain = wire_limits(_cfg(compression={"codec": "int8"}), big).max_message_bytes
+    for bits in (8, 16, 32):
+        lim = wire_limits(_cfg(compression={"codec": "int8"},
+                               security={"secure_aggregation": True, "secagg_bits": bits}), big)
+        assert lim.max_message_bytes >= bits // 8 * 1_000_000 * 1.5
+        assert lim.max_message_bytes >= plain
+    assert wire_limits(_cfg(compression={"codec": "int8"}, security={"secure_aggregation": True}), big
+                       ).max_message_bytes == pytest.approx(1.5 * 4e6, rel=0.01)
+
+
 def test_the_memory_budget_and_the_longest_call_are_bounded():
     lim = wire_limits(_cfg(), [(10_000_000,)])
     # 2 messages in flight + round_window + 1 decoded (fp32) updates waiting.
