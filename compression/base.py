@@ -16,7 +16,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,7 +61,14 @@ class Codec(CodecParams, ABC):
     Subclasses are frozen keyword-only dataclasses registered with `@register`, each a subclass of
     its kind's parameter class (params.py: fields, defaults, range checks and the class flags
     linear, lossless, elementwise, sparse and contractive, without torch), adding only the work.
+
+    `blockwise`: `encode_into` never raises on finite input and `subtract_decoded` decodes block by
+    block, using no `scratch`. Error feedback then adds the update into the residual in place
+    instead of into a second model-sized buffer (4 B/param less, issue 39); the price is that an
+    encode that failed anyway would leave the residual corrected, which such a codec never does.
     """
+
+    blockwise: ClassVar[bool] = False
 
     # ---- description -------------------------------------------------------------------
     @property
@@ -121,7 +128,8 @@ class Codec(CodecParams, ABC):
         self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape], scratch: torch.Tensor
     ) -> None:
         """residual -= decode(sections), in place (error feedback); `scratch` is a reusable
-        buffer like `residual` (fresh pages cost more than the decode). Sparse codecs override."""
+        buffer like `residual` (fresh pages cost more than the decode), empty for a `blockwise`
+        codec, which overrides this. Sparse codecs override it too."""
         self.decode_into(sections, shapes, scratch)
         residual.sub_(scratch)
 

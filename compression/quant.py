@@ -119,6 +119,7 @@ class Int8(Int8Params, _ChunkedQuant):
     """
 
     levels: ClassVar[int] = 127
+    blockwise: ClassVar[bool] = True
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -137,6 +138,20 @@ class Int8(Int8Params, _ChunkedQuant):
             o = out[s:e]
             o.copy_(q[s:e])
             _scale_rows(o, scales, s, self.chunk)
+
+    def subtract_decoded(
+        self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape], scratch: torch.Tensor
+    ) -> None:
+        """residual -= decode(sections), one cache-sized block at a time (`scratch` unused): the same
+        values as a whole decode, without its model-sized buffer."""
+        q, scales = sections
+        n = residual.numel()
+        buf = torch.empty(min(n, max(1, _BLOCK // self.chunk) * self.chunk))
+        for s, e in _blocks(n, self.chunk):
+            o = buf[: e - s]
+            o.copy_(q[s:e])
+            _scale_rows(o, scales, s, self.chunk)
+            residual[s:e].sub_(o)
 
 
 @register

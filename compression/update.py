@@ -136,11 +136,17 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
     views = wire.section_views(buf, header)
     # With EF, x = residual + update is built in the scratch buffer; once encoded, the two
     # buffers swap roles, so a failed encode leaves the residual untouched and nothing is copied.
-    x = _corrected(tensors, state.residual_buffer(n), state.scratch(n)) if ef else _flatten(tensors, n)
+    # A blockwise codec (it cannot fail) corrects the residual in place: no scratch at all.
+    in_place = ef and codec.blockwise
+    if ef:
+        residual = state.residual_buffer(n)
+        x = _corrected(tensors, residual, residual if in_place else state.scratch(n))
+    else:
+        x = _flatten(tensors, n)
     state.input_absmax = None if ef else absmax
     codec.encode_into(x, shapes, views, state)
     decoded = None
-    if ef:
+    if ef and not in_place:
         state.store["scratch"], state.residual = state.residual, x
     if want_decoded:
         flat = torch.empty(n)
@@ -149,7 +155,7 @@ def _encode(codec: Codec, tensors: Sequence[torch.Tensor], state: CodecState | N
         if ef:
             x.sub_(flat)  # corrected - sent is what is left
     elif ef:
-        codec.subtract_decoded(x, views, shapes, state.scratch(n))
+        codec.subtract_decoded(x, views, shapes, torch.empty(0) if in_place else state.scratch(n))
     wire.seal(buf)
     payload = buf
     state.counter += 1

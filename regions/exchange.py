@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from geofed.compression import CodecSpec, CodecState, encode_and_decode, make_codec, spec_key
+from geofed.compression import CodecSpec, CodecState, decode_update, encode_update, make_codec, spec_key
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.estimator import LinkEstimator
 from geofed.p2p.prober import LinkProber
@@ -34,7 +34,7 @@ class ExchangeResult:
     """
 
     received: dict[str, list[torch.Tensor]]  # sender -> decoded tensors
-    own_decoded: dict[str, list[torch.Tensor]]  # peer -> what that peer decodes of my payload
+    own_decoded: Mapping[str, list[torch.Tensor]]  # peer -> what that peer decodes of my payload (OwnDecoded)
     missing: list[str]
     transfers: list[dict] = field(default_factory=list)
     bytes_sent: int = 0
@@ -49,6 +49,29 @@ class ExchangeResult:
         that failed or is still in flight is not finished: its peer may be about to receive it, so
         the driver's "senders done" notice (the mailbox's senders_done) must not cut it."""
         return sorted(p for p in out_neighbours if p not in self.send_failures)
+
+
+class OwnDecoded(Mapping[str, list[torch.Tensor]]):
+    """Peer -> what that peer decodes of this region's payload, decoded from the payload on first
+    use (by decode_update, the receivers' own path: the same values). Only CHOCO gossip reads it;
+    decoding every exchange cost DiLoCo a model-sized fp32 buffer a round for nothing (issue 39)."""
+
+    def __init__(self, payloads: Mapping[str, bytes], *, numel: int):
+        self._payloads = dict(payloads)
+        self._max_bytes = max(1, 4 * numel, *(len(p) for p in self._payloads.values()))
+        self._decoded: dict[int, list[torch.Tensor]] = {}  # by payload: peers on one codec share it
+
+    def __getitem__(self, peer: str) -> list[torch.Tensor]:
+        payload = self._payloads[peer]
+        if id(payload) not in self._decoded:
+            self._decoded[id(payload)] = decode_update(payload, max_bytes=self._max_bytes)
+        return self._decoded[id(payload)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._payloads)
+
+    def __len__(self) -> int:
+        return len(self._payloads)
 
 
 class Exchanger:
@@ -202,18 +225,19 @@ class Exchanger:
         self.transport.spreading.hurry()
 
     def _encode(self, tensors, out_peers, codecs, default_codec, stream=""):
-        """One encode per distinct codec: peers on the same codec share its bytes and its EF state."""
-        by_key: dict[str, tuple[bytes, list[torch.Tensor]]] = {}
-        payloads, own = {}, {}
+        """One encode per distinct codec: peers on the same codec share its bytes and its EF state.
+        What each peer decodes of them is decoded only if asked for (OwnDecoded)."""
+        by_key: dict[str, bytes] = {}
+        payloads = {}
         for peer in out_peers:
             spec = codecs.get(peer, default_codec)
             key = spec.key
             if key not in by_key:
                 state_key = f"{key}@{stream}" if stream else key
                 state = self.states.setdefault(state_key, CodecState(error_feedback=self.error_feedback))
-                by_key[key] = encode_and_decode(make_codec(spec), tensors, state)
-            payloads[peer], own[peer] = by_key[key]
-        return payloads, own
+                by_key[key] = encode_update(make_codec(spec), tensors, state)
+            payloads[peer] = by_key[key]
+        return payloads, OwnDecoded(payloads, numel=sum(t.numel() for t in tensors))
 
     def _still_stalled(self) -> dict[str, int]:
         """Peers whose push from an earlier round is still running -> that round."""
