@@ -81,6 +81,10 @@ class OuterPart(Algorithm, Protocol):
         """Copy `values` into the live tensors (and, `start`, mark them where progress starts)."""
         ...
 
+    def restart_behind(self, delta: Sequence[torch.Tensor]) -> None:
+        """``local = global - delta`` in place, marked where progress starts (delayed overlap's restart)."""
+        ...
+
     def rebase(self) -> None:
         """Move the unsent progress onto the new global copy: ``local = global - (start - local)``."""
         ...

@@ -50,8 +50,7 @@ class Diloco:
     def __init__(self, ctx: SyncContext, live: list[torch.Tensor], *, stream: str = ""):
         self.ctx, self.live, self.stream = ctx, live, stream
         self.global_params = [v.detach().clone() for v in live]
-        for g in self.global_params:
-            g.grad = torch.zeros_like(g)
+        # No .grad between steps: `step` lends the mix as the gradient (a model's worth less).
         self.outer_opt = make_outer_optimizer(ctx.settings.outer, self.global_params)
         # With overlap the next pseudo-gradient starts where the region last restarted its model, not
         # at the global copy (None: at the global copy).
@@ -96,10 +95,16 @@ class Diloco:
         return dataclasses.replace(plan, alive=tuple(r for r in alive if r not in refused)), screened
 
     def step(self, mixed: Sequence[torch.Tensor]) -> None:
-        """The outer optimizer's step on the global copy, `mixed` as its gradient."""
+        """The outer optimizer's step on the global copy, `mixed` as its gradient (lent, not copied:
+        the mix is the round's own and is dropped after the step)."""
         for g, m in zip(self.global_params, mixed):
-            g.grad.copy_(m)
-        self.outer_opt.step()
+            m = m.detach()
+            g.grad = m if (m.dtype, m.device) == (g.dtype, g.device) else m.to(g)
+        try:
+            self.outer_opt.step()
+        finally:
+            for g in self.global_params:
+                g.grad = None
 
     def preview(self, mixed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """What `step(mixed)` would make of the global copy; nothing changes (outer.preview_step)."""
@@ -111,15 +116,35 @@ class Diloco:
             for v, x in zip(self.live, values):
                 v.copy_(x)
         if start:
+            self.mark_start()
+
+    def mark_start(self) -> None:
+        """The next pseudo-gradient starts from the live tensors as they are now (copied into the
+        start buffers where there are some: nothing else holds them, fragment_state copies)."""
+        if self.start is None:
             self.start = [v.detach().clone() for v in self.live]
+            return
+        with torch.no_grad():
+            for s, v in zip(self.start, self.live):
+                s.copy_(v)
+
+    def restart_behind(self, delta: Sequence[torch.Tensor]) -> None:
+        """Delayed overlap's restart: live = global - delta (the progress not yet synced), in place,
+        and the next pseudo-gradient starts there."""
+        with torch.no_grad():
+            for v, g, d in zip(self.live, self.global_params, delta):
+                torch.sub(g, d, out=v)
+        self.mark_start()
 
     def rebase(self) -> None:
         """After an overlapped step: live = global - the progress not yet sent (start - live), kept as
         the next pseudo-gradient's, which now starts at the global copy."""
         assert self.start is not None, "rebase without overlap"
-        unsent = [s - v for s, v in zip(self.start, self.live)]
-        self.set_live([g - u for g, u in zip(self.global_params, unsent)])
-        self.start = [g.detach().clone() for g in self.global_params]
+        with torch.no_grad():  # in place, the same two subtractions: no model-sized temporaries
+            for v, s, g in zip(self.live, self.start, self.global_params):
+                torch.sub(s, v, out=v)
+                torch.sub(g, v, out=v)
+                s.copy_(g)
 
     def state_dict(self) -> dict[str, Any]:
         """The global copy (copied) and the outer optimizer's state_dict (its momentum, moments)."""

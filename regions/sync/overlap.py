@@ -75,20 +75,24 @@ class Overlap:
         if self.eager:
             part.set_live(part.preview(sent), start=True)
         else:
-            part.set_live([g - d for g, d in zip(part.global_params, delta)], start=True)
+            part.restart_behind(delta)
         return out
 
     def _exchange_and_mix(self, plan: RoundPlan, part: OuterPart, sent: list[torch.Tensor], window_s: float,
-                          spread_s: float) -> tuple[Any, list[torch.Tensor], dict[str, Any], dict[str, Any] | None]:
+                          spread_s: float) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, Any], dict[str, Any] | None]:
         res = self.ctx.exchange(plan, sent, stream=part.stream, spread_s=spread_s, window_s=window_s)
         mixed, more = part.mixed(plan, sent, res)
+        # The result keeps the exchange's metrics, not the exchange: its decoded updates (a model's
+        # worth per peer) would otherwise live on through the next round's compute until flush.
+        done = exchange_metrics(res)
+        del res
         # The synchronised model of this round exists now, a round before it is applied: an eval
         # round evaluates it here, off the training thread, so time to target counts from when it
         # existed (the global copy and its optimizer stay untouched until flush has waited).
         ev = None
         if plan.evaluate:
             ev = {**self.evaluate(part, mixed), "round": plan.round, "t_done": time.monotonic()}
-        return res, mixed, more, ev
+        return done, mixed, more, ev
 
     def flush(self) -> dict[str, Any]:
         """Wait for the exchange in flight, step its part's global copy with the mean and rebase the
@@ -98,13 +102,13 @@ class Overlap:
         t0 = time.monotonic()
         part, exchange_round, extra = self._pending_of
         try:
-            res, mixed, more, ev = self._pending.result(timeout=self.ctx.settings.deadline.max_s * 2 + 60)
+            done, mixed, more, ev = self._pending.result(timeout=self.ctx.settings.deadline.max_s * 2 + 60)
         finally:
             self._pending, self._pending_of = None, None
         waited = time.monotonic() - t0
         part.step(mixed)
         part.rebase()
-        out = {**exchange_metrics(res), **more, "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6),
+        out = {**done, **more, "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6),
                **extra}
         if ev is not None:
             out["eval_pending"] = ev  # the worker reports it with its age
