@@ -1,4 +1,8 @@
-"""The Ray actor of a region: a plain Region (regions/region.py) plus where it runs. Nothing else lives here."""
+"""The Ray actor of a region: a plain Region (regions/region.py) plus where it runs. Nothing else lives here.
+
+With `train_fn` (the loop API, regions/loop.py) the actor runs the user's function on a thread of
+its own (a LoopHost) and holds the Region its ctx.sync builds; `finish_loop` at the end of the run
+releases the loop and returns what it passed to ctx.report."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 
 import ray
 
+from .loop import LoopHost, RegionContext
 from .region import Region
 from .warm import WarmSlot, load_assignment, process_age_s
 from .messages import RoundPlan, RoundReport
@@ -55,7 +60,7 @@ class RegionActor:
     """
 
     def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, str] | None = None,
-                 plugin=None):
+                 plugin=None, train_fn: Callable[[RegionContext], Any] | None = None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
         # actor and the Ray job of the run that creates it.
@@ -68,7 +73,10 @@ class RegionActor:
                                                      "job": pool["job"]}
             self._pool = WarmSlot(pool["name"], held)
             cfg, region, run_dir, tls = held["cfg"], held["region"], held["run_dir"], held["tls"]
-        self.region: Region | None = _build(cfg, region, run_dir, tls, plugin=plugin)  # plugin: a bench's, no config key
+        # train_fn: the user's function (the loop API), built like `plugin`: the region built around its model
+        self.region: Region | None
+        self._loop: LoopHost | None
+        self.region, self._loop = _build(cfg, region, run_dir, tls, plugin=plugin, train_fn=train_fn)  # plugin: a bench's, no config key
         # cpu_s: this process's CPU from its start (Ray's worker, the imports, the build): what a
         # region's start costs whatever else the host is doing, where process_s and init_s are wall time.
         self._start: dict[str, Any] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3),
@@ -88,7 +96,8 @@ class RegionActor:
         """A pooled actor taken by the run of Ray job `job`; False when another run holds it."""
         return self._pool is not None and self._pool.claim(job)
 
-    def adopt(self, cfg: Any, region: str, run_dir: str, *, tls=None) -> dict[str, Any]:
+    def adopt(self, cfg: Any, region: str, run_dir: str, *, tls=None,
+              train_fn: Callable[[RegionContext], Any] | None = None) -> dict[str, Any]:
         """A claimed pooled actor becomes `region` of a new run: the old region is closed and a
         fresh one built in this process (no state of the last run survives); returns node_info."""
         if self._pool is None:
@@ -97,7 +106,7 @@ class RegionActor:
         self.close()
         self.region = None
         self._pool.assign(cfg=cfg, region=region, run_dir=run_dir, tls=tls)  # first: a restart from here on builds this run's region
-        self.region = _build(cfg, region, run_dir, tls)
+        self.region, self._loop = _build(cfg, region, run_dir, tls, train_fn=train_fn)
         self._start = {"process_s": None, "init_s": round(time.monotonic() - t0, 3),
                        "cpu_s": round(time.process_time() - cpu0, 3), "reused": True}
         return self.node_info()
@@ -171,8 +180,16 @@ class RegionActor:
     def info(self) -> dict[str, Any]:
         return self._paused(lambda r: r.info())
 
+    def finish_loop(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The run is over (the loop API): the user's loop sees should_stop, its function is waited
+        for (LoopHost.finish); what it passed to ctx.report ({} without a loop). Raises what it raised."""
+        return {} if self._loop is None else self._loop.finish(timeout_s)
+
     def close(self) -> None:
         """Close the region (a pooled actor keeps running without one until adopted or ended)."""
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
         if self.region is not None:
             with self.region.gap_fill.paused():
                 self.region.close()
@@ -190,8 +207,23 @@ class RegionActor:
                 "start": self._start}
 
 
-def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None) -> Region:
-    return Region(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg), plugin=plugin)
+def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
+           train_fn: Callable[[RegionContext], Any] | None = None) -> tuple[Region, LoopHost | None]:
+    """The region (and, with `train_fn`, the LoopHost running it: its ctx.sync builds the region)."""
+    host_address = advertised_host(cfg)
+    if train_fn is None:
+        return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin), None
+
+    def build(**injected: Any) -> Region:
+        return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin, **injected)
+
+    host = LoopHost(train_fn, cfg, region, run_dir, build=build)
+    host.start()
+    try:
+        return host.wait_region(), host
+    except BaseException:
+        host.close()
+        raise
 
 
 GRPC_LOG_ENV = "GRPC_VERBOSITY"

@@ -7,6 +7,11 @@ each: an exchange blocks until the in-neighbours' messages arrive, so regions ca
 The caller plans the rounds: the orchestrator's Coordinator in ``geofed bench dfgl
 --in-process``, hand-made RoundPlans in tests.
 
+With `train_fn` (the loop API, regions/loop.py) each region's inner steps are taken by the user's
+function, one LoopHost (a thread) per region; their functions run one after another up to
+`ctx.sync` (a model built from torch's global generator is then each region's own), and a round's
+steps run under the generator lock below, with the region's own generator swapped in.
+
 One process has one global torch generator, and a task may draw from it while it trains (the
 GCN's dropout does). A region in its own process has its own; here every worker method that
 touches it (a training step, an evaluation, a checkpoint) runs under one lock with its region's
@@ -28,6 +33,7 @@ import torch
 
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 
+from .loop import LoopHost, LoopTimeouts, RegionContext
 from .region import Region
 from .messages import RoundPlan, RoundReport
 
@@ -41,8 +47,11 @@ class InProcessRegions:
     or cut links (InMemoryHub.set_link).
     """
 
-    def __init__(self, cfg: Any, run_dir: str | Path, *, task=None, hub: InMemoryHub | None = None):
+    def __init__(self, cfg: Any, run_dir: str | Path, *, task=None, hub: InMemoryHub | None = None,
+                 train_fn: Callable[[RegionContext], Any] | None = None, timeouts: LoopTimeouts | None = None):
         self.cfg, self.run_dir, self.task = cfg, Path(run_dir), task
+        self.train_fn, self.timeouts = train_fn, timeouts or LoopTimeouts()
+        self.hosts: dict[str, LoopHost] = {}
         self.hub = hub if hub is not None else InMemoryHub()
         self.regions = list(cfg.regions.names)
         self.workers: dict[str, Region] = {}
@@ -57,16 +66,43 @@ class InProcessRegions:
 
     def restart(self, region: str) -> Region:
         """A fresh worker for `region`, as a restarted process would have: nothing of the old one."""
-        old = self.workers.pop(region, None)
+        old, old_host = self.workers.pop(region, None), self.hosts.pop(region, None)
+        if old_host is not None:
+            old_host.close()
         if old is not None:
             old.close()
         transport = InMemoryTransport(region, self.hub, round_window=self.cfg.security.round_window)
-        w = _OwnGeneratorRegion(self.cfg, region, self.run_dir, transport=transport, task=self.task,
-                                rng_lock=self._rng_lock)
+        if self.train_fn is None:
+            w = _OwnGeneratorRegion(self.cfg, region, self.run_dir, transport=transport, task=self.task,
+                                    rng_lock=self._rng_lock)
+        else:
+            w = self._start_loop(region, transport)
         w.start()
         w.connect({r: f"inmem:{r}" for r in self.regions})
         self.workers[region] = w
         return w
+
+    def _start_loop(self, region: str, transport: InMemoryTransport) -> Region:
+        """The user's function for `region` on its thread, up to its ctx.sync: the Region it built."""
+        host: LoopHost
+
+        def build(**injected: Any) -> Region:
+            w = _OwnGeneratorRegion(self.cfg, region, self.run_dir, transport=transport, rng_lock=self._rng_lock,
+                                    **injected)
+            host.stepper.guard = w._as_own
+            return w
+
+        host = LoopHost(self.train_fn, self.cfg, region, self.run_dir, build=build, timeouts=self.timeouts)
+        self.hosts[region] = host
+        host.start()
+        return host.wait_region()
+
+    def finish(self, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """The run is over (the loop API): every user loop is told to stop (should_stop) and its
+        function waited for; what each passed to ctx.report, by region. Raises what one raised."""
+        for host in self.hosts.values():
+            host.stepper.stop()
+        return {region: host.finish(timeout_s) for region, host in self.hosts.items()}
 
     def run_round(self, plans: dict[str, RoundPlan]) -> dict[str, RoundReport]:
         """Every planned region runs its round, concurrently; their reports by region."""
@@ -80,6 +116,8 @@ class InProcessRegions:
         return {r: fn(self.workers[r]) for r in (regions or self.workers)}
 
     def close(self) -> None:
+        for host in self.hosts.values():
+            host.close()
         for w in self.workers.values():
             w.close()
         self._pool.shutdown(wait=True)

@@ -12,6 +12,11 @@ Cross-cutting features are hooks, each whole in its module: gap filling (regions
 also stops its thread at the actor's boundary) and rollback (regions/rollback.py). A plug-in
 (`plugin`, no config key) reaches the round only through add_hook, serve_state and secure
 aggregation's contribution_hooks: geofed bench attack's member (benchmarks/bench/adversary.py).
+
+Loop mode (the loop API, regions/loop.py): `model=` and `optimizer=` are the user's, `stepper=` (a
+LoopStepper) takes the inner steps in the user's loop, `evaluate=` is the user's metric, and
+`user_state=` the user's objects that checkpoints keep under "user". There is then no task and no
+shard: the data is the user's (the built-in data stream is neither drawn nor checkpointed).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,7 @@ from .gapfill import GapFill
 from .gauntlet import Gauntlet, harmful_refusals
 from .hooks import BeforeSend, RoundHook, overrides
 from .limits import wire_limits
+from .loop import eval_result, gap_fill_skipped, refuse_in_loop_mode
 from .pacing import StaleMix, StepWeight, budget_over
 from .privacy.dp import DpHook, dp_noise_seed
 from .rollback import Rollback
@@ -66,15 +72,28 @@ class Region:
     not import orchestrator)."""
 
     def __init__(self, cfg: Any, region: str, run_dir: str | Path, *, transport=None, tls=None,
-                 advertised_host: str | None = None, task=None, plugin=None):
+                 advertised_host: str | None = None, task=None, plugin=None, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, stepper: Any = None,
+                 evaluate: Callable[[torch.nn.Module], Any] | None = None, user_state: dict[str, Any] | None = None,
+                 examples: int | None = None):
         self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
+        self.loop_mode = model is not None  # the loop API (module docstring)
+        if self.loop_mode:
+            if optimizer is None:
+                raise ValueError("Region: model= needs the optimizer= that steps it")
+            refuse_in_loop_mode(cfg)
+        self.user_state = dict(user_state or {})
+        self._user_evaluate, self._examples = evaluate, examples
         self.regions = list(cfg.regions.names)
         self.index = self.regions.index(region)
         torch.set_num_threads(cfg.regions.torch_threads)
         seed = cfg.run.seed
         self.traits = algorithm_traits(cfg.sync.algorithm)  # what the algorithm does, asked instead of its name
         self.hooks: list[RoundHook] = []
-        self._build_model_and_data(task, seed)
+        if self.loop_mode:
+            self._adopt_model(model, optimizer)
+        else:
+            self._build_model_and_data(task, seed)
         self.topology = make_topology(cfg.sync.topology, len(self.regions), seed=seed)
         algorithm_cls = algorithm_class(cfg.sync)
         # What one message holds (gossip with tracking: params + tracker): the receiver's decode
@@ -87,7 +106,11 @@ class Region:
                                        norm_multiple=sec.norm_multiple, clip=not self._clips_at_mix())
         self._open_transport(transport, tls=tls, advertised_host=advertised_host)
         self._make_exchanger()
-        self.gauntlet = Gauntlet.for_worker(self)  # security.score_updates: None where it does not apply
+        self.gauntlet = None if self.loop_mode else Gauntlet.for_worker(self)  # None where it does not apply
+        if self.loop_mode and cfg.security.score_updates:
+            log.info("region %s: security.score_updates is off with the loop API (it scores updates with the "
+                     "task's loss on the region's data, which are the user's)", region)
+        self.stepper = self if stepper is None else stepper  # SyncContext.stepper
         self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
         if sec.rollback_on_nonfinite:
             self.add_hook(Rollback(self))
@@ -102,24 +125,19 @@ class Region:
         self._pushes_done: tuple[int, list[str]] | None = None
         self._failed_resyncs = 0
         self.model.train()
+        if stepper is not None:  # an InnerStepper that is a round hook too (LoopStepper)
+            self.add_hook(stepper)  # last: it sees the plan the round runs (Sync.round, .H, .lr_scale)
         # `plugin(region)`: called on the built region, its result kept (a bench's hook factory).
         self.plugin = None if plugin is None else plugin(self)
 
     def _build_model_and_data(self, task, seed: int) -> None:
         """The device, the task, the model (one init everywhere), this region's shard and data
         stream, and the inner optimizer: __init__'s first part, in this order (it draws seeds)."""
-        cfg, region = self.cfg, self.region
+        cfg = self.cfg
+        self._place()
+        self.add_hook(self.gap_fill)
         # Regions of one process (regions/inprocess.py) may share one task built from cfg.task:
         # the data is loaded and partitioned once instead of once per region.
-        # An algorithm that keeps its state in host memory (gossip's public copies): auto trains it on
-        # the CPU (the config refuses an explicit cuda with it).
-        spec = "cpu" if self.traits.cpu_only and cfg.regions.device == "auto" else cfg.regions.device
-        self.device = resolve_device(spec, region=region)
-        self.precision = Precision(cfg.sync.inner.precision, self.device)
-        self.slowdown = Slowdown(cfg.regions.emulation.slowdown.get(region, 1.0))
-        self.gap_fill = GapFill(self)
-        self.add_hook(self.gap_fill)
-        self._carried: tuple[list[float], list[float]] = ([], [])  # steps taken for the next round (gap fill)
         self.task = task if task is not None else make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=seed,
                                                             device=str(self.device))
         # Same init everywhere (seed, not seed + index): DiLoCo starts every region from one model.
@@ -132,6 +150,30 @@ class Region:
         self.batches = self._batch_stream()
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
+
+    def _place(self) -> None:
+        """Where and how the region computes: its device, precision, emulated slowdown and gap filler."""
+        cfg = self.cfg
+        # An algorithm that keeps its state in host memory (gossip's public copies): auto trains it on
+        # the CPU (the config refuses an explicit cuda with it).
+        spec = "cpu" if self.traits.cpu_only and cfg.regions.device == "auto" else cfg.regions.device
+        self.device = resolve_device(spec, region=self.region)
+        self.precision = Precision(cfg.sync.inner.precision, self.device)
+        self.slowdown = Slowdown(cfg.regions.emulation.slowdown.get(self.region, 1.0))
+        self.gap_fill = GapFill(self)
+        self._carried: tuple[list[float], list[float]] = ([], [])  # steps taken for the next round (gap fill)
+
+    def _adopt_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Loop mode's first part in place of _build_model_and_data: the user's model and optimizer,
+        no task, shard or data stream (the user's loop draws its own batches)."""
+        self._place()  # its gap filler is no hook: never armed (regions/loop.py); the actor pauses it around calls
+        gap_fill_skipped(self.cfg, self.region)
+        self.task, self.shard = None, None
+        self.model = model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.batches_drawn = 0
+        self.inner = optimizer
 
     def _open_transport(self, transport, *, tls, advertised_host: str | None) -> None:
         """The transport (built here unless injected), wired to this region's validator, pacing and state."""
@@ -169,7 +211,7 @@ class Region:
     def _sync_context(self) -> SyncContext:
         """The algorithm's view of this region (bound methods: a subclass's overrides apply)."""
         return SyncContext(region=self.region, index=self.index, params=self.params, shapes=self.shapes,
-                           settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self, exchange=self.exchange,
+                           settings=self.cfg.sync, seed=self.cfg.run.seed, stepper=self.stepper, exchange=self.exchange,
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
                            evaluate=self.evaluate_params, hurry=lambda: self.exchanger.hurry(),
                            payload=self.payload_hooks, aggregate=self.aggregate_hooks, mix_hooks=self.mix_hooks,
@@ -221,7 +263,7 @@ class Region:
         records = (self.exchanger.probe_links(peers, duration_s=net.probe_s, max_bytes=net.probe_max_mb << 20)
                    if net.probe_s > 0 and peers else [])
         out = {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region)}
-        if self.cfg.sync.pacing.mode == "time-budget":
+        if self.cfg.sync.pacing.mode == "time-budget" and not self.loop_mode:  # the loop's batches are the user's
             out["warm_step_s"] = self.warm_compute()
         return out
 
@@ -241,7 +283,8 @@ class Region:
         return {"region": self.region, "pid": os.getpid(), "host": socket.gethostname(),
                 "device": str(self.device), "device_name": device_name(self.device),
                 "precision": self.precision.name,
-                "params": sum(p.numel() for p in self.params), "examples": self.shard.num_examples,
+                "params": sum(p.numel() for p in self.params),
+                "examples": self.shard.num_examples if self.shard is not None else self._examples,
                 "completed_round": self.completed_round, "rss_mb": rss_mb()}
 
     # -- one round -------------------------------------------------------------------------
@@ -538,8 +581,7 @@ class Region:
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
         """The task's metric of the region's live model as it stands (evaluate_synced: the synchronised one)."""
-        r = self.task.evaluate(self.model)
-        return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
+        return self._evaluate_model(self.model)
 
     def evaluate_synced(self) -> dict[str, Any]:
         """The metric of the algorithm's synchronised model (DiLoCo: the global model after the
@@ -560,11 +602,21 @@ class Region:
                 dst.copy_(src)  # running statistics are the region's own (they are not synced)
         rng = torch.get_rng_state() if restore_rng else None
         try:
-            r = self.task.evaluate(self._eval_model)
+            return self._evaluate_model(self._eval_model)
         finally:
             if rng is not None:
                 torch.set_rng_state(rng)  # a task may sample while evaluating: training must not see it
-        return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
+
+    def _evaluate_model(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The task's metric of `model`; in loop mode the user's evaluate(model), or without one the
+        last round's train_loss (lower is better)."""
+        if not self.loop_mode:
+            r = self.task.evaluate(model)
+            return {"metric": r.metric, "value": r.value, "higher_is_better": r.higher_is_better}
+        if self._user_evaluate is not None:
+            return eval_result(self._user_evaluate(model))
+        loss = getattr(self.stepper, "last_loss", None)
+        return {"metric": "train_loss", "value": math.nan if loss is None else loss, "higher_is_better": False}
 
     def sketch(self) -> torch.Tensor:
         """A count sketch of the synchronised model (regions/sketch.py): 32 KiB, whatever its size."""
@@ -582,12 +634,17 @@ class Region:
     # -- state: checkpoints, restore, catch-up --------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a restore needs to go on exactly: model, inner optimizer, algorithm, exchanger (codec
-        and link state), the data stream's position and the global RNG.
+        and link state), the data stream's position and the global RNG. Loop mode: the user's objects
+        (`user_state`, by name) in place of the data stream's position.
         """
-        return {"round": self.completed_round, "model": self.model.state_dict(), "inner": self.inner.state_dict(),
-                "algorithm": self.algorithm.state_dict(), "exchanger": self.exchanger.state_dict(),
-                "data": {"start": self._data_start, "drawn": self.batches_drawn},
-                "torch_rng": torch.get_rng_state(), "precision": self.precision.state_dict()}  # dropout and other draws from the global generator
+        state = {"round": self.completed_round, "model": self.model.state_dict(), "inner": self.inner.state_dict(),
+                 "algorithm": self.algorithm.state_dict(), "exchanger": self.exchanger.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "precision": self.precision.state_dict()}  # dropout and other draws from the global generator
+        if self.loop_mode:  # the data is the user's: its position is in the user's objects, if registered
+            state["user"] = {name: obj.state_dict() for name, obj in self.user_state.items()}
+        else:
+            state["data"] = {"start": self._data_start, "drawn": self.batches_drawn}
+        return state
 
     def state_bytes(self) -> bytes:
         """What FetchState serves to a rejoining peer: the model and the algorithm's shared state."""
@@ -681,7 +738,15 @@ class Region:
         self.inner.load_state_dict(state["inner"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.exchanger.load_state_dict(state.get("exchanger", {}))
-        self._seek_data(state["data"]["start"], int(state["data"]["drawn"]))
+        if self.loop_mode:
+            saved = state.get("user", {})
+            missing = sorted(set(self.user_state) - set(saved))
+            if missing:
+                raise ValueError(f"region {self.region}: the checkpoint holds no state for {missing} (ctx.sync state=)")
+            for name, obj in self.user_state.items():
+                obj.load_state_dict(saved[name])
+        else:
+            self._seek_data(state["data"]["start"], int(state["data"]["drawn"]))
         torch.set_rng_state(state["torch_rng"])
         self.precision.load_state_dict(state.get("precision") or {})
         self._set_completed(int(state["round"]))

@@ -83,9 +83,11 @@ class Rollback(RoundHook):
 
     def __init__(self, w: Guarded):
         self.w = w
-        gen = torch.Generator().manual_seed(w.cfg.run.seed * 1000 + w.index + _PROBE_SEED)
-        batch = next(w.shard.batches(gen))
-        self.probe_batch = batch[:PROBE_ROWS] if isinstance(batch, torch.Tensor) and batch.dim() >= 2 else batch
+        self.probe_batch: Any = None  # the loop API (regions/loop.py): no task, no shard; the loss and weights are checked
+        if w.task is not None:
+            gen = torch.Generator().manual_seed(w.cfg.run.seed * 1000 + w.index + _PROBE_SEED)
+            batch = next(w.shard.batches(gen))
+            self.probe_batch = batch[:PROBE_ROWS] if isinstance(batch, torch.Tensor) and batch.dim() >= 2 else batch
         self._state: dict[str, Any] | None = None
         self.in_a_row = 0
         self.total = 0
@@ -98,8 +100,10 @@ class Rollback(RoundHook):
         return plan
 
     def probe_loss(self) -> float:
-        """The model's loss on the fixed probe batch, in eval mode and without gradients."""
+        """The model's loss on the fixed probe batch, in eval mode and without gradients (0.0 without one)."""
         w = self.w
+        if self.probe_batch is None:
+            return 0.0
         was_training = w.model.training
         w.model.eval()
         try:
@@ -143,7 +147,7 @@ class Rollback(RoundHook):
         log.warning("region %s rolled back round %d (%s); dropped the updates of %s", w.region, plan.round, error,
                     dropped or "nobody")
         metrics = {**no_exchange_metrics(), **(partial or {})}
-        metrics.update({"train_loss": loss, "steps": 0, "compute_s": (partial or {}).get("compute_s", 0.0),
+        metrics.update({"train_loss": loss if self.probe_batch is not None else None, "steps": 0, "compute_s": (partial or {}).get("compute_s", 0.0),
                         "step_time_s": (partial or {}).get("step_time_s", 0.0),
                         "rolled_back": {"why": str(error), "dropped": dropped, "restore_s": round(time.monotonic() - t0, 6)}})
         return metrics

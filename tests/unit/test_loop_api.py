@@ -1,0 +1,312 @@
+"""The loop API's region side (regions/loop.py, issue 38): the user's loop takes the inner steps.
+
+In process (InProcessRegions over the in-memory transport): the loop API trains the weights the
+Task path trains for the same seeds; the hand-off never hangs (a loop that raises, returns early
+or stops taking steps); the user's objects go through checkpoints; time budgets and max_steps
+hold; what loop mode cannot do is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from geofed.orchestrator.config import config_from_mapping
+from geofed.regions.inprocess import InProcessRegions
+from geofed.regions.loop import LoopStepper, LoopTimeouts, RegionContext
+from geofed.regions.messages import RoundPlan
+from geofed.regions.region import Region
+from geofed.regions.tasks import make_task
+from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+
+REGIONS = ["a", "b", "c"]
+ROUNDS, H = 5, 4
+QUICK = LoopTimeouts(start_s=60.0, step_s=20.0, park_s=120.0, finish_s=20.0)
+
+
+def _cfg(regions=REGIONS, **sync):
+    m: dict = {"run": {"name": "loop", "seed": 7, "rounds": ROUNDS},
+               "task": {"kind": "mlp-digits", "hidden": 16},
+               "regions": {"names": regions},
+               "network": {"emulation": {"mode": "none"}},
+               "compression": {"codec": "fp16"},
+               "sync": {"policy": {"kind": "fixed", "H": H}, "inner": {"lr": 0.01}, "outer": {"momentum": 0.5},
+                        "deadline": {"initial_s": 30.0, "max_s": 60.0}, **sync}}
+    return config_from_mapping(m, source="test_loop_api")
+
+
+class Loader:
+    """A user's data loader with a position (what `state=` is for): the task's shard, seeded as a
+    Region seeds its stream, at most `limit` batches."""
+
+    def __init__(self, ctx: RegionContext, task, limit: int | None = None):
+        self.shard = task.shard(ctx.region_index, ctx.num_regions, ctx.seed)
+        self.seed = ctx.seed * 1000 + ctx.region_index
+        self.limit, self.drawn = limit, 0
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        stream = self.shard.batches(gen)
+        for _ in range(self.drawn):  # a restored position replays to the same batch
+            next(stream)
+        while self.limit is None or self.drawn < self.limit:
+            self.drawn += 1
+            yield next(stream)
+
+    def state_dict(self):
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, d):
+        self.drawn = int(d["drawn"])
+
+
+def task_loop(limit: int | None = None, *, fail_at: int | None = None, log: list | None = None):
+    """The user's function: the Task's own model, an equal AdamW, the shard's batches and its loss."""
+
+    def train_region(ctx: RegionContext) -> None:
+        cfg = ctx.config
+        task = make_task(cfg.task, batch_size=cfg.sync.inner.batch_size, seed=ctx.seed, device="cpu")
+        model = task.build_model(ctx.seed)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sync.inner.lr,
+                                weight_decay=cfg.sync.inner.weight_decay)
+        loader = Loader(ctx, task, limit)
+        sync = ctx.sync(model, opt, state={"loader": loader}, examples=loader.shard.num_examples)
+        for k, batch in enumerate(loader):
+            if fail_at is not None and k == fail_at and ctx.region == "b":
+                raise KeyError("the user's own bug")
+            opt.zero_grad(set_to_none=False)
+            loss = task.loss(model, batch)
+            loss.backward()
+            opt.step()
+            if log is not None:
+                log.append((ctx.region, sync.round, sync.H))
+            sync.step(loss=float(loss.detach()))
+            if sync.should_stop:
+                break
+        ctx.report(batches=loader.drawn, stopped=sync.should_stop)
+
+    return train_region
+
+
+def _run(group: InProcessRegions, rounds=ROUNDS, regions=REGIONS, start=0, **plan):
+    reports = []
+    for r in range(start, rounds):
+        reports.append(group.run_round({reg: RoundPlan(round=r, H=H, final=r == rounds - 1, **plan)
+                                        for reg in regions}))
+    return reports
+
+
+def _weights(group: InProcessRegions) -> dict[str, list[torch.Tensor]]:
+    group.call(lambda r: r.finish_pending())
+    return {reg: [p.detach().clone() for p in w.params] + [g.detach().clone() for g in w.algorithm.eval_params()]
+            for reg, w in group.workers.items()}
+
+
+def _train(tmp_path: Path, cfg, train_fn=None):
+    with InProcessRegions(cfg, tmp_path, train_fn=train_fn, timeouts=QUICK) as group:
+        reports = _run(group)
+        weights = _weights(group)
+        finished = group.finish() if train_fn is not None else {}
+    return weights, reports, finished
+
+
+def test_the_loop_api_trains_the_task_paths_weights(tmp_path):
+    """Serial DiLoCo, 5 rounds, 3 regions: bit for bit the weights of the Task path."""
+    cfg = _cfg(overlap=False)
+    want, task_reports, _ = _train(tmp_path / "task", cfg)
+    got, loop_reports, finished = _train(tmp_path / "loop", cfg, task_loop())
+    for reg in REGIONS:
+        assert all(torch.equal(a, b) for a, b in zip(got[reg], want[reg], strict=True)), reg
+    for a, b in zip(task_reports, loop_reports, strict=True):
+        for reg in REGIONS:
+            assert b[reg].steps.steps == a[reg].steps.steps == H
+            assert b[reg].steps.train_loss == pytest.approx(a[reg].steps.train_loss, rel=1e-6)
+    # Every loop saw should_stop after the run and returned; its report is what it passed.
+    assert finished == {reg: {"batches": ROUNDS * H, "stopped": True} for reg in REGIONS}
+
+
+def test_the_loop_api_with_delayed_overlap_matches_within_tolerance(tmp_path):
+    """sync.overlap true (delayed): the exchange thread runs beside the user's steps. The same
+    steps in the same order: equal to float rounding (measured: bit-identical here)."""
+    cfg = _cfg(overlap=True)
+    want, _, _ = _train(tmp_path / "task", cfg)
+    got, _, _ = _train(tmp_path / "loop", cfg, task_loop())
+    for reg in REGIONS:
+        for a, b in zip(got[reg], want[reg], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loop_that_raises_fails_the_round_with_its_error(tmp_path):
+    # Short deadlines: the other regions' rounds wait for the failed region's update until theirs.
+    cfg = _cfg(deadline={"initial_s": 1.0, "min_s": 0.5, "max_s": 2.0})
+    with InProcessRegions(cfg, tmp_path, train_fn=task_loop(fail_at=6), timeouts=QUICK) as group:
+        _run(group, rounds=1)
+        with pytest.raises(KeyError, match="the user's own bug") as info:
+            _run(group, rounds=2, start=1)
+        # The user's traceback, not only its message: the frame that raised is the user's function.
+        frames = [f.name for f in __import__("traceback").extract_tb(info.value.__traceback__)]
+        assert "train_region" in frames
+
+
+def test_a_loop_that_runs_out_of_data_ends_its_rounds_with_the_steps_taken(tmp_path):
+    """6 batches for rounds of 4: round 0 takes 4, round 1 takes 2 and says the loop ended, round 2
+    takes none and still exchanges; the run ends cleanly."""
+    with InProcessRegions(_cfg(), tmp_path, train_fn=task_loop(limit=6), timeouts=QUICK) as group:
+        t0 = time.monotonic()
+        reports = _run(group, rounds=3)
+        assert time.monotonic() - t0 < 15  # no wait ran to a deadline
+        finished = group.finish()
+    for reg in REGIONS:
+        r0, r1, r2 = (reports[r][reg] for r in range(3))
+        assert r0.steps.steps == 4 and "loop_ended" not in r0.extra
+        assert r1.steps.steps == 2 and r1.extra["loop_ended"] is True and math.isfinite(r1.steps.train_loss)
+        assert r2.steps.steps == 0 and r2.steps.train_loss is None and r2.extra["loop_ended"] is True
+        assert not r2.exchange.peers_missing  # it still took part in the exchange
+        assert finished[reg] == {"batches": 6, "stopped": False}
+
+
+def test_should_stop_and_the_round_the_loop_sees(tmp_path):
+    seen: list = []
+    with InProcessRegions(_cfg(), tmp_path, train_fn=task_loop(log=seen), timeouts=QUICK) as group:
+        _run(group, rounds=2)
+        finished = group.finish()
+    for reg in REGIONS:
+        assert [(r, h) for g, r, h in seen if g == reg] == [(0, H)] * H + [(1, H)] * H
+        assert finished[reg]["stopped"] is True
+
+
+def test_a_loop_that_stops_stepping_fails_the_round_at_its_deadline(tmp_path):
+    release = threading.Event()
+
+    def stuck(ctx):
+        model = torch.nn.Linear(2, 1)
+        sync = ctx.sync(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        sync.step(loss=1.0)
+        release.wait(30)  # hangs (a dead data source, a deadlock)
+
+    timeouts = LoopTimeouts(start_s=20.0, step_s=0.5, park_s=30.0, finish_s=5.0)
+    with InProcessRegions(_cfg(regions=["a"]), tmp_path, train_fn=stuck, timeouts=timeouts) as group:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="took no step for 0.5 s"):
+            group.run_round({"a": RoundPlan(round=0, H=H)})
+        assert time.monotonic() - t0 < 5
+        release.set()
+
+
+def test_a_function_that_never_calls_sync_is_an_error_not_a_hang(tmp_path):
+    with pytest.raises(RuntimeError, match="without calling ctx.sync"):
+        InProcessRegions(_cfg(regions=["a"]), tmp_path, train_fn=lambda ctx: None, timeouts=QUICK)
+
+    def broken(ctx):
+        raise ImportError("no such model")
+
+    with pytest.raises(ImportError, match="no such model"):
+        InProcessRegions(_cfg(regions=["a"]), tmp_path, train_fn=broken, timeouts=QUICK)
+
+
+def test_user_state_and_the_optimizer_go_through_a_checkpoint(tmp_path):
+    """Region.state_dict -> load_state_dict on a fresh region: the user's loader position, the
+    user's optimizer state and the model come back; the built-in data stream is not in it."""
+    cfg = _cfg(regions=["a"])
+    with InProcessRegions(cfg, tmp_path / "one", train_fn=task_loop(), timeouts=QUICK) as group:
+        _run(group, rounds=2, regions=["a"])
+        state = group.workers["a"].state_dict()
+        model_before = [p.detach().clone() for p in group.workers["a"].params]
+        adam_before = group.workers["a"].inner.state_dict()
+    assert "data" not in state and state["user"] == {"loader": {"drawn": 2 * H}}
+    with InProcessRegions(cfg, tmp_path / "two", train_fn=task_loop(), timeouts=QUICK) as fresh:
+        w = fresh.workers["a"]
+        assert w.user_state["loader"].drawn == 0
+        w.load_state_dict(state)
+        assert w.user_state["loader"].drawn == 2 * H
+        assert all(torch.equal(a, b) for a, b in zip(w.params, model_before))
+        restored = w.inner.state_dict()
+        assert restored["state"][0]["step"] == adam_before["state"][0]["step"] == 2 * H
+        assert torch.equal(restored["state"][0]["exp_avg"], adam_before["state"][0]["exp_avg"])
+        # The restored loader resumes at its position: the next round draws batches 9..12.
+        _run(fresh, rounds=3, regions=["a"], start=2)
+        assert w.user_state["loader"].drawn == 3 * H
+        fresh.finish()
+
+
+def _stepper_region(tmp_path, stepper: LoopStepper, cfg, evaluate=None):
+    """A Region in loop mode around `stepper`, over a one-region in-memory hub."""
+    model = torch.nn.Linear(4, 1)
+    return Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()), model=model,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stepper=stepper, evaluate=evaluate)
+
+
+def _user_thread(stepper: LoopStepper, step_s: float, counted: list[int]) -> threading.Thread:
+    from geofed.regions.loop import Sync
+
+    def loop():
+        sync = Sync(stepper)
+        stepper.wait_first()
+        while not sync.should_stop:
+            time.sleep(step_s)
+            counted.append(1)
+            sync.step(loss=1.0)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_loop_stepper_honours_a_time_budget_and_max_steps():
+    stepper = LoopStepper("a", timeouts=QUICK)
+    counted: list[int] = []
+    thread = _user_thread(stepper, 0.02, counted)
+    # A budget of ~10 steps, max_steps far above it: the budget ends the round.
+    m = stepper.inner_steps(4, 1.0, budget_s=0.2, max_steps=100)
+    assert 5 <= m["steps"] <= 11 and m["compute_s"] <= 0.2 + 0.05, m
+    # max_steps ends it before a long budget.
+    m = stepper.inner_steps(4, 1.0, budget_s=30.0, max_steps=3)
+    assert m["steps"] == 3 and m["train_loss"] == 1.0
+    # Without a budget: H steps.
+    assert stepper.inner_steps(4, 1.0)["steps"] == 4
+    stepper.stop()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_non_finite_loss_raises_in_the_rounds_thread_with_metrics():
+    stepper = LoopStepper("a", timeouts=QUICK)
+
+    def loop():
+        stepper.wait_first()
+        stepper.step(1.0)
+        stepper.step(float("nan"))
+
+    threading.Thread(target=loop, daemon=True).start()
+    with pytest.raises(FloatingPointError) as info:
+        stepper.inner_steps(4, 1.0)
+    assert info.value.metrics["steps"] == 2  # ended at the bad step, not H steps later
+    stepper.stop()
+
+
+@pytest.mark.parametrize("sync, key", [
+    ({"algorithm": "allreduce"}, "sync.algorithm"),
+    ({"algorithm": "gossip", "topology": "ring", "gossip": {"tracking": True, "choco": False}}, "sync.gossip.tracking"),
+])
+def test_what_loop_mode_cannot_do_is_refused_by_name(tmp_path, sync, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        _stepper_region(tmp_path, LoopStepper("a"), _cfg(regions=["a"], **sync))
+
+
+def test_loop_mode_has_no_task_and_evaluates_with_the_users_function(tmp_path):
+    cfg = _cfg(regions=["a"])
+    cases = [(None, "train_loss", False), (lambda m: {"metric": "acc", "value": 0.5, "higher_is_better": True}, "acc", True),
+             (lambda m: 0.25, "eval", False)]
+    for evaluate, metric, higher in cases:
+        w = _stepper_region(tmp_path, LoopStepper("a"), cfg, evaluate=evaluate)
+        try:
+            assert w.task is None and w.shard is None and w.gauntlet is None
+            for got in (w.evaluate(), w.evaluate_synced()):
+                assert (got["metric"], got["higher_is_better"]) == (metric, higher)
+        finally:
+            w.close()
