@@ -147,8 +147,11 @@ class Diloco:
                 s.copy_(g)
 
     def state_dict(self) -> dict[str, Any]:
-        """The global copy (copied) and the outer optimizer's state_dict (its momentum, moments)."""
-        return {"global": [g.detach().clone() for g in self.global_params], "outer": self.outer_opt.state_dict()}
+        """The global copy and the outer optimizer's state_dict (its momentum, moments): references,
+        as torch's own state_dicts are. Whoever keeps one copies it (rollback's copy_state); a
+        checkpoint and FetchState write it at once. A copy here cost a model's worth at every round
+        start, on top of rollback's own (issue 39)."""
+        return {"global": [g.detach() for g in self.global_params], "outer": self.outer_opt.state_dict()}
 
     def load_state_dict(self, d: Any) -> None:
         """Restore the global copy and the outer optimizer's state; the live tensors are the caller's."""

@@ -101,11 +101,12 @@ class Layout:
 
 def fragment_state(parts: Sequence[OuterPart], *, region: str, overlap: bool) -> dict[str, Any]:
     """Every piece's global copy and every fragment's outer optimizer state, the fragment count, whose
-    state it is, and (overlap) where each piece's unsent progress starts; the live model is the worker's."""
-    d: dict[str, Any] = {"global": [g.detach().clone() for p in parts for g in p.global_params],
+    state it is, and (overlap) where each piece's unsent progress starts; the live model is the worker's.
+    References, as Diloco.state_dict's: whoever keeps it copies it."""
+    d: dict[str, Any] = {"global": [g.detach() for p in parts for g in p.global_params],
                          "fragments": len(parts), "outer": [p.outer_opt.state_dict() for p in parts], "region": region}
     if overlap:
-        d["start"] = [s.detach().clone() for p in parts for s in p.start]
+        d["start"] = [s.detach() for p in parts for s in p.start]
     return d
 
 

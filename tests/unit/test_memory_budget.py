@@ -83,3 +83,22 @@ def test_an_overlapped_exchange_keeps_no_received_update_and_the_outer_step_no_g
         assert all(g.grad is None for g in algo.parts[0].global_params)
     finally:
         algo.close()
+
+
+def test_the_algorithm_state_is_lent_not_copied():
+    """Rollback copies the state it keeps (copy_state); a copy inside state_dict made that two, a
+    model's worth more at every round's start. A checkpoint of it still restores a model that moves on."""
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"overlap": True, "fragments": 2}})
+    x, y = torch.zeros(8, requires_grad=True), torch.zeros(3, requires_grad=True)
+    ctx = SyncContext(region="a", index=0, params=[x, y], shapes=[(8,), (3,)], settings=cfg.sync, seed=0,
+                      stepper=_Quadratic([x], torch.ones(8), lr=0.5), exchange=None, mix=None,
+                      in_weights=lambda r: {}, fetch_state=lambda peer, **kw: b"", evaluate=None)
+    algo = DilocoSync(ctx)
+    try:
+        state = algo.state_dict()
+        held = [g for p in algo.parts for g in p.global_params]
+        assert all(s.data_ptr() == g.data_ptr() for s, g in zip(state["global"], held))
+        algo.load_state_dict({**state, "global": [g.clone() for g in state["global"]]})  # its own, as rollback restores it
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in held)
+    finally:
+        algo.close()
