@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,16 +174,21 @@ def region_tls(cfg: RunConfig, run_dir: str | Path) -> dict[str, TlsMaterial | N
     return {r: load_tls(Path(run_dir) / "tls", r) for r in cfg.regions.names}
 
 
-def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: dict | None = None) -> RegionActors:
+def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: dict | None = None,
+                         train_fn: Callable[[Any], None] | None = None) -> RegionActors:
     """One actor per region; with `pin`, each only on nodes labelled with its region.
 
     Each actor gets its region's TLS material in its creation arguments: the driver's RUN_DIR
-    need not be on a shared filesystem, and a restarted actor gets the same material again.
+    need not be on a shared filesystem, and a restarted actor gets the same material again. So
+    does `train_fn`, the loop API's function (orchestrator/trainer.py): a restarted actor runs it
+    again and its Region restores as a task's does.
     """
     rc = cfg.regions
     hostile = hostile or {}  # region -> the Region actor's plugin: geofed bench attack only (benchmarks/bench/adversary.py)
-    if hostile and cfg.ray.warm_pool_s > 0:
-        raise ValueError("hostile regions need ray.warm_pool_s 0: a pooled actor would outlive its run")
+    if (hostile or train_fn is not None) and cfg.ray.warm_pool_s > 0:
+        raise ValueError("hostile regions and a training function need ray.warm_pool_s 0: a pooled actor would "
+                         "outlive its run")
+    loop = {"train_fn": train_fn} if train_fn is not None else {}
     if pin:
         wait_for_labels(cfg)
     cpus = region_cpus(cfg, pin=pin)
@@ -207,11 +213,11 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
             handles[region] = cls.options(name=name, namespace=POOL_NAMESPACE, lifetime="detached").remote(
                 cfg, region, run_dir, tls=tls[region], pool={"name": name, "job": job})
         else:
-            handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region],
+            handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region], **loop,
                                                             **({"plugin": hostile[region]} if region in hostile else {}))
     actors = RegionActors(handles, pooled=pooled)
     try:
-        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting)
+        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting, looping=bool(loop))
     except BaseException:
         actors.kill()
         raise
@@ -261,10 +267,11 @@ def check_label_cpus(cfg: RunConfig, cpus: float) -> None:
 
 
 def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig, *,
-               started: dict[str, Any] | None = None) -> dict[str, dict]:
+               started: dict[str, Any] | None = None, looping: bool = False) -> dict[str, dict]:
     """node_info of every actor once all answer (`started`: region -> a call already made that
     returns it, a warm actor's adopt); PlacementError naming the regions that did not start within
-    `timeout_s`, or the actor that failed to.
+    `timeout_s`, or the actor that failed to. `looping`: each actor runs the loop API's function,
+    and has started once that function called ctx.sync (the likelier culprit: said first).
     """
     started = started or {}
     refs = {(started[r] if r in started else h.node_info.remote()): r for r, h in handles.items()}
@@ -272,6 +279,11 @@ def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig, *,
     if pending:
         missing = sorted(refs[p] for p in pending)
         seen = node_labels(cfg.regions.label_key)
+        if looping:
+            raise PlacementError(
+                f"region actors not started within {timeout_s:.0f}s (regions.start_timeout_s): {', '.join(missing)}; "
+                f"the training function must call ctx.sync(model, optimizer) within that time in every region "
+                f"(a function that loads its data first may need a larger regions.start_timeout_s)")
         raise PlacementError(
             f"region actors not started within {timeout_s:.0f}s (regions.start_timeout_s): {', '.join(missing)}; "
             f"nodes by {cfg.regions.label_key}: {_fmt_seen(seen)} (a labelled node may lack the free CPUs "

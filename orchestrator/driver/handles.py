@@ -229,6 +229,11 @@ class RegionHandles:
     def flush_exchange(self, regions: Iterable[str], *, timeout: float) -> Results:
         return self._each(regions, "flush_exchange", lambda h: h.flush_exchange.remote(), timeout=timeout)
 
+    def finish_loop(self, regions: Iterable[str], *, timeout: float) -> Results:
+        """The loop API's end (regions/loop.py): each region's loop sees should_stop and its function
+        returns; region -> what it passed to ctx.report ({} without a training function)."""
+        return self._each(regions, "finish_loop", lambda h: h.finish_loop.remote(), timeout=timeout)
+
     def catch_up(self, donors_of: dict[str, list[str]], what: str, *, timeout_s: float | None,
                  timeout: float) -> dict[str, tuple[str, int]]:
         """Each region takes the model of the first of its donors that gives it; region -> (donor, its round)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -164,3 +164,32 @@ def reap_previous_driver(run_dir: Path) -> list[dict]:
         print(f"geofed: ended {len(reaped)} processes the previous driver of {run_dir} left running: "
               f"{', '.join(sorted({p['name'] for p in reaped}))}", file=sys.stderr)
     return reaped
+
+
+def train_fn_name(train_fn: Callable[..., Any] | None) -> str | None:
+    """`module:qualname` of the loop API's function (what the run records), None for a task's run."""
+    if train_fn is None:
+        return None
+    module = getattr(train_fn, "__module__", None) or "?"
+    return f"{module}:{getattr(train_fn, '__qualname__', type(train_fn).__name__)}"
+
+
+def check_resume_mode(run_dir: Path, train_fn: str | None) -> None:
+    """ConfigError when a resume would swap who takes the inner steps: a loop-API run (its `started`
+    event names the user's function, orchestrator/trainer.py) resumed without one (`geofed run
+    --resume`), or a task's run resumed with one; its checkpoints hold the other's state. A
+    function of another name is taken (the script may have renamed it) and said on stderr."""
+    started = next((e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e.get("event") == "started"), None)
+    if started is None:
+        return  # killed before its set-up ended: no checkpoint either, nothing to mismatch
+    recorded = started.get("train_fn")
+    if recorded is None and train_fn is not None:
+        raise ConfigError("", f"this run trains its task with the built-in stepper; resume it with geofed run "
+                          f"--resume {run_dir} (not with a training function, {train_fn})", source=str(run_dir))
+    if recorded is not None and train_fn is None:
+        raise ConfigError("", f"this run trains with the function {recorded}: run the script that started it "
+                          f"again, with Trainer({recorded.rpartition(':')[2]}, resume={str(run_dir)!r}).fit() "
+                          "(the run directory holds no code)", source=str(run_dir))
+    if recorded != train_fn:
+        print(f"geofed: resuming with the training function {train_fn}; the run started with {recorded}",
+              file=sys.stderr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +33,12 @@ from .pacing import Pacing
 from .privacy import DpBudget
 from .progress import RunProgress
 from .recovery import Interrupted, RunFailed, StopSignals, signal_name
+from .resume import train_fn_name
 from .rundir import Clock, read_jsonl, release_run_dir, write_json
 from .setup import Opened, Ready, probe_links, route, set_up
 from .summary import build_summary, evaluate_average
 
-__all__ = ["Runner", "RunFailed", "prepare_task"]
+__all__ = ["Runner", "RunFailed", "prepare_task", "round_record"]
 
 
 def prepare_task(cfg: RunConfig, *, source: str) -> RunConfig:
@@ -60,16 +61,44 @@ def prepare_task(cfg: RunConfig, *, source: str) -> RunConfig:
     return cfg
 
 
+def round_record(r: int, results: Reports, coordinator: Coordinator, *, t_start: float, t_end: float,
+                 alive: list[str], emulator: Any = None, extra: dict | None = None) -> dict[str, Any]:
+    """Round r's rounds.jsonl record (docs/RUNDIR.md): the plan, the links as measured (and as
+    configured, when emulated), the regions that reported, mean loss, utilisation and bytes."""
+    links = {}
+    for m in results.values():
+        for link, est in m.links.items():
+            entry = dict(est)
+            if emulator is not None:
+                entry.update(configured_link(emulator, *link.split("->", 1)))
+            links[link] = entry
+    # None: a round without steps (the loop API's loop returned early, regions/loop.py)
+    losses = [m.steps.train_loss for m in results.values() if m.steps.train_loss is not None]
+    c = coordinator
+    return {
+        "round": r, "t_start": t_start, "t_end": t_end, "H": c.last_H,
+        "codecs": {k: v.key for k, v in c.last_codecs.items()},
+        "reason": c.last_reason, "policy": c.last_record.get("policy", {}),
+        "links": links, "alive": list(alive), "regions_reported": sorted(results),
+        "mean_train_loss": sum(losses) / len(losses) if losses else None,
+        "utilization": sum(m.utilization for m in results.values()) / max(1, len(results)),
+        "bytes_sent": sum(m.exchange.bytes_sent for m in results.values()), "driver_rss_mb": rss_mb(),
+        **(extra or {})}
+
+
 class Runner:
     """The driver of one run: set-up, then rounds until run.rounds, run.max_steps, run.target or
     privacy.dp.target_epsilon ends the run, surviving region faults. Call run(), then shutdown()
     whatever happened. `hostile`: region -> a callable of its built Region (the actor's `plugin`),
-    for `geofed bench attack`'s geofed.bench.adversary.Adversary (no config can set it)."""
+    for `geofed bench attack`'s geofed.bench.adversary.Adversary (no config can set it).
+    `train_fn`: the user's training loop, run in every region actor (orchestrator/trainer.py; None:
+    the task's built-in stepper)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, show_progress: bool = True, resume: bool = False,
-                 verbose: bool = False, hostile: dict | None = None):
+                 verbose: bool = False, hostile: dict | None = None, train_fn: Callable[[Any], None] | None = None):
         self.cfg, self.run_dir, self.resume, self.verbose = cfg, Path(run_dir), resume, verbose
         self.hostile = dict(hostile or {})
+        self.train_fn = train_fn
         self.show_progress = show_progress
         self.clock = Clock()  # from launch until set-up is done, then from round 0
         self.journal = Journal(self.clock)
@@ -134,7 +163,7 @@ class Runner:
 
     def _set_up(self) -> None:
         ready = self.ready = set_up(self.cfg, self.run_dir, self.opened, self.journal, resume=self.resume,
-                                    verbose=self.verbose, stop=self.stop, hostile=self.hostile)
+                                    verbose=self.verbose, stop=self.stop, hostile=self.hostile, train_fn=self.train_fn)
         self.regions, self.coordinator = ready.regions, ready.coordinator
         self.faults = Faults(self.cfg, self.regions, self.journal, reconnect=self._connect)
         self.pacing = Pacing(self.cfg, self.regions, self.journal, on_late=self._late)
@@ -233,24 +262,8 @@ class Runner:
         for region in self.regions.names:
             if region in results:
                 self.ready.metrics_log.write(results[region].to_record())
-        links = {}
-        for m in results.values():
-            for link, est in m.links.items():
-                entry = dict(est)
-                if self.emulator is not None:
-                    entry.update(configured_link(self.emulator, *link.split("->", 1)))
-                links[link] = entry
-        losses = [m.steps.train_loss for m in results.values()]
-        c = self.coordinator
-        record = {
-            "round": r, "t_start": t_start, "t_end": t_end, "H": c.last_H,
-            "codecs": {k: v.key for k, v in c.last_codecs.items()},
-            "reason": c.last_reason, "policy": c.last_record.get("policy", {}),
-            "links": links, "alive": list(self.regions.alive), "regions_reported": sorted(results),
-            "mean_train_loss": sum(losses) / len(losses) if losses else None,
-            "utilization": sum(m.utilization for m in results.values()) / max(1, len(results)),
-            "bytes_sent": sum(m.exchange.bytes_sent for m in results.values()), "driver_rss_mb": rss_mb(),
-            **(extra or {})}
+        record = round_record(r, results, self.coordinator, t_start=t_start, t_end=t_end, alive=self.regions.alive,
+                              emulator=self.emulator, extra=extra)
         self.ready.rounds_log.write(record)
         self.ready.trackers.log_round(record)
 
@@ -329,14 +342,18 @@ class Runner:
             avg_eval = per_region.get(first) if first else None
             consensus = consensus_from_sketches([sketches[r] for r in alive if r in sketches])
             states = regions.result_state([first] if first else [], timeout=600)
-        summary = self._write_summary(avg_eval, per_region, consensus)
+        # Last: the loop API's functions run on once told the run is over (their ctx.report), while
+        # every call above uses the model their loops hold parked.
+        reports = regions.finish_loop(regions.alive, timeout=120) if self.train_fn is not None else {}
+        summary = self._write_summary(avg_eval, per_region, consensus, reports=reports)
         self.outcome = "FINISHED"
         if states:
             write_model(self.run_dir / "model.safetensors", self.cfg, average_states(list(states.values())),
                         round_=last, regions=list(states), eval_=avg_eval)
         return summary
 
-    def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None) -> dict[str, Any]:
+    def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None,
+                       reports: dict[str, dict] | None = None) -> dict[str, Any]:
         idle = [reg for reg in self.regions.alive if reg not in self.pacing.busy]  # a stop does not wait for a round in flight
         stats = self.regions.transport_stats(idle, timeout=60)
         tail = self.regions.take_refusals(idle, timeout=60)  # refused since each one's last round
@@ -351,6 +368,9 @@ class Runner:
         summary["interrupted"] = interrupted
         summary["pacing"] = {"mode": self.pacing.mode, **self.pacing.stats}
         summary["privacy"] = self.dp.summary()
+        summary["reports"] = reports or {}  # the loop API's ctx.report, by region (none on a stop: no loop returned)
+        if self.train_fn is not None:  # the model is the training function's; the config's task was not trained
+            summary["config"]["task"] = f"train_fn {train_fn_name(self.train_fn)}"
         write_json(self.run_dir / "summary.json", summary)
         return summary
 

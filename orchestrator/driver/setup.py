@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from .emulation import start_emulation
 from .handles import RegionHandles
 from .journal import Journal
 from .recovery import StopSignals, marked_processes, record_processes
-from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver
+from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, train_fn_name
 from .rundir import JsonlLog, ensure_private_dir, lock_run_dir
 from .trackers import Trackers
 
@@ -87,8 +88,9 @@ class Ready:
 
 
 def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, resume: bool, verbose: bool,
-           stop: StopSignals, hostile: dict | None) -> Ready:
-    """TLS, Ray, the region actors and their servers, the emulator, the connections and the logs."""
+           stop: StopSignals, hostile: dict | None, train_fn: Callable[[Any], None] | None = None) -> Ready:
+    """TLS, Ray, the region actors and their servers, the emulator, the connections and the logs.
+    `train_fn`: the user's training loop each region actor runs (None: the task's built-in stepper)."""
     ensure_private_dir(run_dir)  # 0700, also for a Runner started without new_run_dir
     lock_run_dir(run_dir)  # held until shutdown(); new_run_dir or --resume may hold it already
     timer = PhaseTimer(journal)
@@ -100,7 +102,8 @@ def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, r
         opened.ray = init_ray(cfg, verbose=verbose)
     timer.mark("ray")
     stop.reclaim()
-    opened.actors = create_region_actors(cfg, str(run_dir), pin=bool(cfg.ray.address), hostile=hostile)
+    opened.actors = create_region_actors(cfg, str(run_dir), pin=bool(cfg.ray.address), hostile=hostile,
+                                         train_fn=train_fn)
     timer.mark("actors")
     if opened.ray.started_here:
         record_processes(run_dir, token)
@@ -116,7 +119,9 @@ def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, r
     opened.logs += [metrics_log, rounds_log]
     journal.open(run_dir / "events.jsonl")
     opened.trackers = Trackers(cfg, run_dir)
-    journal.event("started", driver_pid=os.getpid(), resume=resume,
+    # train_fn: the loop API's function by name (a resume checks it: orchestrator/driver/resume.py)
+    looping = {"train_fn": train_fn_name(train_fn)} if train_fn is not None else {}
+    journal.event("started", driver_pid=os.getpid(), resume=resume, **looping,
                   regions={r: {"pid": i.get("pid"), "grpc_address": i.get("grpc_address"), "node_ip": i.get("node_ip"),
                                "start": i.get("start")}
                            for r, i in opened.actors.info.items()})

@@ -1,0 +1,158 @@
+"""Trainer (orchestrator/trainer.py, issue 38): its arguments checked before anything starts, what
+the driver cannot run with a training function refused by key, a resume that would swap who takes
+the inner steps refused, and `in_process=True`: the driver's Coordinator over InProcessRegions,
+with the run directory's records and the loops' reports. (Over Ray: tests/integration/test_loop_api_ray.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from geofed.orchestrator import Trainer
+from geofed.orchestrator.config import ConfigError, config_from_mapping
+from geofed.orchestrator.driver.resume import check_resume_mode
+from geofed.orchestrator.driver.rundir import read_jsonl
+from support import user_loop
+
+
+def _fn(ctx) -> None:
+    pass
+
+
+def _mapping(**sync) -> dict:
+    return {"run": {"name": "t", "rounds": 3, "seed": 5, "report": False},
+            "task": {"kind": "mlp-digits", "hidden": 16},
+            "regions": {"names": ["us-east-1", "eu-west-1"]},
+            "network": {"emulation": {"mode": "none"}},
+            "compression": {"codec": "fp16"},
+            "sync": {"policy": {"kind": "fixed", "H": 4}, "inner": {"lr": 0.003}, "outer": {"momentum": 0.5},
+                     "deadline": {"initial_s": 30.0, "max_s": 60.0}, **sync}}
+
+
+def _cfg(**sync):
+    return config_from_mapping(_mapping(**sync))
+
+
+@pytest.mark.parametrize("bad", [42, "train.py", [_fn]])
+def test_a_train_fn_that_is_not_a_function_is_refused(bad):
+    with pytest.raises(TypeError, match="train_fn must be a function taking the region's context"):
+        Trainer(bad)
+
+
+def _no_args() -> None:
+    pass
+
+
+def _two_args(ctx, other) -> None:
+    pass
+
+
+@pytest.mark.parametrize("fn", [_no_args, _two_args, lambda: None])
+def test_a_train_fn_with_the_wrong_arguments_is_refused_by_name(fn):
+    with pytest.raises(TypeError, match=r"must take exactly one argument, the region's context"):
+        Trainer(fn)
+
+
+@pytest.mark.parametrize("fn", [_fn, lambda ctx, extra=1: None, lambda *a: None, type("Loop", (), {"__call__": lambda self, ctx: None})()])
+def test_any_callable_taking_the_context_is_taken(fn):
+    Trainer(fn)
+
+
+def test_other_arguments_are_checked_before_anything_starts(tmp_path):
+    with pytest.raises(TypeError, match="overrides must be a sequence"):
+        Trainer(_fn, overrides="run.rounds=2")
+    with pytest.raises(TypeError, match="config must be a YAML path, a RunConfig or None"):
+        Trainer(_fn, config={"run": {"rounds": 2}})
+    with pytest.raises(ValueError, match="in_process runs keep no checkpoints"):
+        Trainer(_fn, resume=tmp_path, in_process=True)
+    with pytest.raises(ConfigError, match="allow_config_change: only with resume=RUN_DIR"):
+        Trainer(_fn, allow_config_change=["run.rounds"])
+
+
+def test_a_config_error_names_the_file_and_the_dotted_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  rounds: 2\nsync:\n  policy:\n    kind: fixed\n    HH: 5\n")
+    with pytest.raises(ConfigError) as info:
+        Trainer(_fn, str(path)).fit()
+    assert str(path) in str(info.value) and "sync.policy.HH" in str(info.value)
+    with pytest.raises(ConfigError, match=r"sync\.policy\.H"):
+        Trainer(_fn, _cfg(), overrides=("sync.policy.H=-3",)).fit()
+    assert not list(tmp_path.glob("t-*"))  # no run directory for a run that never started
+
+
+def test_a_config_for_a_function_needs_no_task(tmp_path):
+    """A training function brings its model and data: the config's task may be left out (a task's run needs one)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  rounds: 2\nray:\n  warm_pool_s: 60\n")
+    with pytest.raises(ConfigError, match=f"{path}: ray.warm_pool_s: must be 0 with a training function"):
+        Trainer(_fn, str(path)).fit()  # past the config's load: refused for what it asks, not for a task
+    with pytest.raises(ConfigError, match=f"{path}: task: required key is missing"):
+        Trainer(None, str(path)).fit()
+
+
+@pytest.mark.parametrize(("overrides", "key"), [(("sync.algorithm=gossip", "sync.gossip.choco=false"), "sync.algorithm"),
+                                                (("ray.warm_pool_s=60",), "ray.warm_pool_s")])
+def test_what_the_driver_cannot_run_with_a_function_is_refused_by_key(tmp_path, overrides, key):
+    with pytest.raises(ConfigError, match=rf"<RunConfig>: {key}: "):
+        Trainer(_fn, _cfg(), overrides=overrides, out=tmp_path / "run").fit()
+    assert not (tmp_path / "run").exists()
+
+
+def _events(run_dir: Path, **started) -> None:
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "events.jsonl").write_text(json.dumps({"event": "started", "resume": False, **started}) + "\n")
+
+
+def test_a_resume_that_swaps_who_takes_the_steps_is_refused(tmp_path, capsys):
+    _events(tmp_path / "loop", train_fn="train:train_region")
+    with pytest.raises(ConfigError, match=r"trains with the function train:train_region: run the script"):
+        check_resume_mode(tmp_path / "loop", None)  # geofed run --resume of a loop-API run
+    check_resume_mode(tmp_path / "loop", "train:train_region")
+    check_resume_mode(tmp_path / "loop", "train:renamed")
+    assert "resuming with the training function train:renamed" in capsys.readouterr().err
+    _events(tmp_path / "task")  # a run from before the loop API: no train_fn recorded
+    with pytest.raises(ConfigError, match="trains its task with the built-in stepper"):
+        check_resume_mode(tmp_path / "task", "train:train_region")
+    check_resume_mode(tmp_path / "task", None)
+    check_resume_mode(tmp_path / "never-started", None)  # killed in set-up: nothing to compare
+
+
+def test_in_process_the_loop_trains_what_the_task_trains_and_reports(tmp_path):
+    """The driver's Coordinator over InProcessRegions, 3 rounds: the same losses round by round as
+    the Task path, the records of a run, and each loop's ctx.report in the summary."""
+    task = Trainer(None, _cfg(), out=tmp_path / "task", in_process=True, show_progress=False, report=False).fit()
+    loop = Trainer(user_loop.train_region, _cfg(), overrides=("run.report=true",), out=tmp_path / "loop",
+                   in_process=True, show_progress=False).fit()
+
+    def losses(run):
+        return [(m["round"], m["region"], m["train_loss"]) for m in read_jsonl(tmp_path / run / "metrics.jsonl")]
+
+    assert losses("loop") == losses("task") and len(losses("loop")) == 6
+    assert loop["eval"] == task["eval"] and loop["rounds"] == 3 and loop["in_process"] is True
+    assert {g: (r["batches"], r["stopped"]) for g, r in loop["reports"].items()} == {
+        "us-east-1": (12, True), "eu-west-1": (12, True)}
+    assert task["reports"] == {}
+    assert json.loads((tmp_path / "loop" / "summary.json").read_text()) == loop
+    assert [r["round"] for r in read_jsonl(tmp_path / "loop" / "rounds.jsonl")] == [0, 1, 2]
+    page = (tmp_path / "loop" / "report" / "report.html").read_text()  # the report shows what the loops reported
+    assert '<h2 id="reports">Reports</h2>' in page and "<td>batches</td><td>12</td>" in page
+
+
+def test_in_process_a_function_that_never_calls_sync_fails_at_the_start_deadline(tmp_path):
+    import threading
+
+    release = threading.Event()
+
+    def stuck(ctx) -> None:
+        release.wait(30)
+
+    mapping = _mapping()
+    mapping["regions"]["start_timeout_s"] = 1.0
+    try:
+        with pytest.raises(TimeoutError, match=r"did not call ctx.sync\(\) within 1 s"):
+            Trainer(stuck, config_from_mapping(mapping), out=tmp_path / "run", in_process=True,
+                    show_progress=False).fit()
+    finally:
+        release.set()
