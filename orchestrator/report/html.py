@@ -4,6 +4,7 @@ sit next to it and are referenced by bare file name, so the folder can be moved 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 from collections.abc import Sequence
 from html import escape
 
@@ -148,6 +149,19 @@ def _regions_table(run: Run) -> str:
     return table(["region", "node", "last train loss", "last eval", "utilisation", "bytes sent"], rows, numeric=[2, 3, 4, 5])
 
 
+def _reports_section(run: Run) -> str:
+    """What each region's training function passed to ctx.report (the loop API, summary.json's
+    `reports`); nothing for a task's run."""
+    reports = run.summary.get("reports") or {}
+    rows = [(region, key, json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value)
+            for region, values in sorted(reports.items()) if isinstance(values, dict)
+            for key, value in sorted(values.items())]
+    if not rows:
+        return ""
+    return ('<h2 id="reports">Reports</h2><p class="note">What each region\'s training function passed to '
+            "<code>ctx.report</code>.</p>" + table(["region", "key", "value"], rows))
+
+
 def _links_table(run: Run) -> str:
     links = {k: v for k, v in (run.summary.get("links") or {}).items() if isinstance(v, dict)}
     if not links and run.rounds:
@@ -269,7 +283,8 @@ def render_run(run: Run, plots: Sequence[Plot], comparison: str = "") -> str:
     body = (nav + warn + _tiles(run)
             + f'<div class="cols"><div><h2>Config</h2>{config}</div><div><h2>Faults and refusals</h2>{_faults_table(run)}</div></div>'
             + comparison + ("<h2>Plots</h2>" if plots else "") + "".join(figure(p) for p in plots)
-            + f'<h2 id="regions">Regions</h2>{_regions_table(run)}<h2 id="links">Links</h2>{_links_table(run)}'
+            + f'<h2 id="regions">Regions</h2>{_regions_table(run)}{_reports_section(run)}'
+            + f'<h2 id="links">Links</h2>{_links_table(run)}'
             + f'<h2 id="decisions">Policy decisions</h2><p class="note">Rounds where H or the codecs changed.</p>{_decisions_table(run)}'
             + f'<h2 id="events">Events</h2>{_events_table(run)}')
     return page(f"geofed run report: {run.name}", str(run.path), body)

@@ -31,7 +31,7 @@ SHAPES = {
     "rounds.jsonl": {"codecs": dict, "links": dict, "eval_avg": dict, "evals_earlier": list, "alive": list},
     "summary.json": {"config": dict, "eval": dict, "target": dict, "faults": dict, "refusals": dict, "links": dict,
                      "utilization_per_region": dict, "eval_per_region": dict, "placement": dict, "egress": dict,
-                     "interrupted": dict},
+                     "interrupted": dict, "reports": dict},
 }
 _NESTED = {("refusals", "by_reason"): dict, ("refusals", "clipped"): dict}
 MAX_LINE_BYTES = 16 << 20  # one round of one region is a few KiB; a huge line is a damaged file
