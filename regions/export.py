@@ -27,13 +27,15 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
 
 def result_state(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with its trainable parameters replaced by `params` (detached copies in
-    host memory: the driver that writes the file may have no GPU)."""
-    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    host memory: the driver that writes the file may have no GPU). Each entry is copied once: the
+    model's own trainable parameters, replaced anyway, are not copied first (a model's worth less
+    at the run's end, issue 39)."""
     names = trainable_names(model)
     if len(names) != len(params):
         raise ValueError(f"the model has {len(names)} trainable parameters, the result {len(params)}")
-    for name, p in zip(names, params):
-        state[name] = p.detach().to("cpu", copy=True)
+    given = dict(zip(names, params))
+    state = {k: given.pop(k, v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    state.update({name: p.detach().to("cpu", copy=True) for name, p in given.items()})
     return state
 
 

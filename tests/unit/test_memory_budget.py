@@ -102,3 +102,16 @@ def test_the_algorithm_state_is_lent_not_copied():
         assert all(torch.equal(g, torch.zeros_like(g)) for g in held)
     finally:
         algo.close()
+
+
+def test_a_regions_result_is_its_parameters_over_the_models_buffers_all_copied():
+    from geofed.regions.export import result_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    params = [torch.full_like(p, float(i)) for i, p in enumerate(model.parameters())]
+    state = result_state(model, params)
+    assert list(state) == list(model.state_dict())
+    for (name, _), want in zip(model.named_parameters(), params):
+        assert torch.equal(state[name], want) and state[name].data_ptr() != want.data_ptr()
+    assert torch.equal(state["1.running_var"], model[1].running_var)
+    assert state["1.running_var"].data_ptr() != model[1].running_var.data_ptr()
