@@ -89,7 +89,7 @@ class InProcessRegions:
         def build(**injected: Any) -> Region:
             w = _OwnGeneratorRegion(self.cfg, region, self.run_dir, transport=transport, rng_lock=self._rng_lock,
                                     **injected)
-            host.stepper.guard = w._as_own
+            host.stepper.guard = w.as_own
             return w
 
         host = LoopHost(self.train_fn, self.cfg, region, self.run_dir, build=build, timeouts=self.timeouts)
@@ -139,7 +139,9 @@ class _OwnGeneratorRegion(Region):
             # What construction left in the generator is this region's (gossip seeds it per region).
             self._own_rng = torch.get_rng_state()
 
-    def _as_own(self, fn, *args, **kwargs):
+    def as_own(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` with this region's torch generator in, under the process's lock
+        (a loop-mode round's steps too: LoopStepper.guard)."""
         with self._rng_lock:
             torch.set_rng_state(self._own_rng)
             try:
@@ -148,13 +150,13 @@ class _OwnGeneratorRegion(Region):
                 self._own_rng = torch.get_rng_state()
 
     def forward_backward(self) -> float:
-        return self._as_own(super().forward_backward)
+        return self.as_own(super().forward_backward)
 
     def evaluate_params(self, params, **kwargs) -> dict[str, Any]:
-        return self._as_own(super().evaluate_params, params, **kwargs)
+        return self.as_own(super().evaluate_params, params, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._as_own(super().state_dict)
+        return self.as_own(super().state_dict)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._as_own(super().load_state_dict, state)
+        self.as_own(super().load_state_dict, state)

@@ -59,6 +59,7 @@ score_updates) needs the task's loss on the region's data and is skipped, with a
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -387,6 +388,13 @@ class LoopHost:
             raise RuntimeError(f"region {self.ctx.region}: the training function returned without calling ctx.sync()")
 
     def add_report(self, values: dict[str, Any]) -> None:
+        """ctx.report: plain values only (they travel to the driver and into summary.json)."""
+        for key, value in values.items():
+            try:
+                json.dumps(value, allow_nan=True)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"ctx.report({key}=...): {exc}; report plain values (numbers, strings, lists and "
+                                "dicts of them), e.g. float(tensor)") from None
         with self._cv:
             self._report.update(values)
 

@@ -310,3 +310,90 @@ def test_loop_mode_has_no_task_and_evaluates_with_the_users_function(tmp_path):
                 assert (got["metric"], got["higher_is_better"]) == (metric, higher)
         finally:
             w.close()
+
+
+def test_a_resumed_loop_run_trains_the_uninterrupted_runs_weights(tmp_path):
+    """Checkpoint every region after round 1, new regions and new user loops restore them (the
+    loader's position and the user's optimizer through `state=`), rounds 2-3: the weights of four
+    rounds straight, bit for bit (serial DiLoCo)."""
+    cfg = _cfg(overlap=False)
+    with InProcessRegions(cfg, tmp_path / "straight", train_fn=task_loop(), timeouts=QUICK) as group:
+        _run(group, rounds=4)
+        want = _weights(group)
+        group.finish()
+    with InProcessRegions(cfg, tmp_path / "cut", train_fn=task_loop(), timeouts=QUICK) as first:
+        for r in range(2):  # the plans of a 4-round run, cut after round 1
+            first.run_round({reg: RoundPlan(round=r, H=H) for reg in REGIONS})
+        first.call(lambda w: w.save_checkpoint())
+    with InProcessRegions(cfg, tmp_path / "cut", train_fn=task_loop(), timeouts=QUICK) as resumed:
+        restored = resumed.call(lambda w: w.restore_checkpoint())
+        assert {r["round"] for r in restored.values()} == {1}
+        _run(resumed, rounds=4, start=2)
+        got = _weights(resumed)
+        finished = resumed.finish()
+    for reg in REGIONS:
+        assert all(torch.equal(a, b) for a, b in zip(got[reg], want[reg], strict=True)), reg
+        assert finished[reg]["batches"] == 4 * H
+
+
+def test_gap_filling_is_skipped_in_loop_mode_with_a_log_line(tmp_path, caplog):
+    cfg = _cfg(regions=["a"], overlap=True, pacing={"mode": "time-budget", "fill_gaps": True})
+    with caplog.at_level("INFO", logger="geofed.regions.loop"):
+        w = _stepper_region(tmp_path, LoopStepper("a"), cfg)
+    try:
+        assert w.gap_fill not in w.hooks
+        assert "sync.pacing.fill_gaps is skipped with the loop API" in caplog.text
+        # A round planned with a fill arms nothing: no thread steps between rounds.
+        w.gap_fill.report(RoundPlan(round=0, H=H, fill=True), {})
+        with w.gap_fill.paused():
+            pass
+        assert not w.gap_fill.running
+    finally:
+        w.close()
+
+
+def test_evaluation_rounds_use_the_users_evaluate_on_the_synchronised_model(tmp_path):
+    seen: list = []
+
+    def evaluate(model):
+        seen.append(model)
+        return {"metric": "accuracy", "value": 0.75, "higher_is_better": True}
+
+    def train_region(ctx):
+        task = make_task(ctx.config.task, batch_size=32, seed=ctx.seed, device="cpu")
+        model = task.build_model(ctx.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sync = ctx.sync(model, opt, evaluate=evaluate)
+        for batch in Loader(ctx, task):
+            loss = task.loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sync.step()  # no loss passed: the round's train_loss is None
+            if sync.should_stop:
+                break
+        seen.append(model)
+
+    for overlap in (False, True):
+        seen.clear()
+        with InProcessRegions(_cfg(regions=["a", "b"], overlap=overlap), tmp_path / str(overlap),
+                              train_fn=train_region, timeouts=QUICK) as group:
+            reports = _run(group, rounds=2, regions=["a", "b"], evaluate=True)
+            user_models = {id(w.model) for w in group.workers.values()}
+            group.finish()
+        # With overlap an eval round's model is evaluated when its exchange completes (reported a round later).
+        for m in [reports[1]["a"], reports[1]["b"]] + ([] if overlap else [reports[0]["a"]]):
+            assert m.evaluation.eval["metric"] == "accuracy" and m.evaluation.eval["value"] == 0.75, overlap
+            assert m.steps.train_loss is None and m.steps.steps == H
+        evaluated = {id(model) for model in seen[:-2]}
+        assert evaluated and not evaluated & user_models  # a scratch copy, never the user's live model
+
+
+def test_report_takes_plain_values_only(tmp_path):
+    def train_region(ctx):
+        model = torch.nn.Linear(2, 1)
+        ctx.report(loss=0.5, note="ok", per_class={"a": 1})
+        ctx.report(weights=model.weight)  # a tensor: refused by name
+
+    with pytest.raises(TypeError, match=r"ctx.report\(weights=...\)"):
+        InProcessRegions(_cfg(regions=["a"]), tmp_path, train_fn=train_region, timeouts=QUICK)
