@@ -345,6 +345,7 @@ class Runner:
         # Last: the loop API's functions run on once told the run is over (their ctx.report), while
         # every call above uses the model their loops hold parked.
         reports = regions.finish_loop(regions.alive, timeout=120) if self.train_fn is not None else {}
+        self.ready.trackers.log_reports(last, reports)
         summary = self._write_summary(avg_eval, per_region, consensus, reports=reports)
         self.outcome = "FINISHED"
         if states:

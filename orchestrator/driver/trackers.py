@@ -163,6 +163,14 @@ class Trackers:
         if self.items:
             self._each("log_round", int(record["round"]), round_metrics(record))
 
+    def log_reports(self, round_: int, reports: dict[str, dict[str, Any]]) -> None:
+        """The loop API's ctx.report values that are numbers, as ``report/<region>/<key>`` at the
+        run's last round (summary.json's `reports` holds them all)."""
+        metrics = {f"report/{region}/{key}": float(value) for region, values in reports.items()
+                   for key, value in values.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self.items and metrics:
+            self._each("log_round", round_, metrics)
+
     def close(self, status: str = "FINISHED") -> None:
         """Flush and close every tracker (status: MLflow's FINISHED, FAILED or KILLED)."""
         self._each("close", status)

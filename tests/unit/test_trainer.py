@@ -156,3 +156,20 @@ def test_in_process_a_function_that_never_calls_sync_fails_at_the_start_deadline
                     show_progress=False).fit()
     finally:
         release.set()
+
+
+def test_trackers_get_the_reports_numbers_at_the_last_round(tmp_path):
+    from geofed.orchestrator.driver.trackers import Trackers
+
+    logged = []
+
+    class Fake:
+        def log_round(self, round_, metrics):
+            logged.append((round_, metrics))
+
+    trackers = Trackers(_cfg(), tmp_path)  # run.trackers empty: nothing to log to
+    trackers.log_reports(2, {"a": {"acc": 0.9}})
+    assert logged == []
+    trackers.items["fake"] = Fake()
+    trackers.log_reports(2, {"a": {"acc": 0.9, "batches": 12, "note": "x", "ok": True}, "b": {"acc": 0.8}})
+    assert logged == [(2, {"report/a/acc": 0.9, "report/a/batches": 12.0, "report/b/acc": 0.8})]
