@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from .loop import LoopHost, RegionContext
+from .loop import LoopHost, LoopTimeouts, RegionContext
 from .region import Region
 from .warm import WarmSlot, load_assignment, process_age_s
 from .messages import RoundPlan, RoundReport
@@ -217,7 +217,8 @@ def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
     def build(**injected: Any) -> Region:
         return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin, **injected)
 
-    host = LoopHost(train_fn, cfg, region, run_dir, build=build)
+    # The function must reach ctx.sync within the actor's start (regions.start_timeout_s, the driver's wait).
+    host = LoopHost(train_fn, cfg, region, run_dir, build=build, timeouts=LoopTimeouts(start_s=cfg.regions.start_timeout_s))
     host.start()
     try:
         return host.wait_region(), host

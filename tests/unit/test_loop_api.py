@@ -397,3 +397,36 @@ def test_report_takes_plain_values_only(tmp_path):
 
     with pytest.raises(TypeError, match=r"ctx.report\(weights=...\)"):
         InProcessRegions(_cfg(regions=["a"]), tmp_path, train_fn=train_region, timeouts=QUICK)
+
+
+def test_the_region_actor_runs_the_users_function(tmp_path):
+    """RegionActor(train_fn=...) as a plain class (no Ray): its region is the one ctx.sync built
+    (gRPC transport with mutual TLS), its rounds are the loop's steps, finish_loop the report."""
+    from geofed.p2p.tls import make_pki
+    from geofed.regions.actor import RegionActor
+
+    def train_region(ctx):
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = ctx.sync(model, opt, state={"opt": opt})
+        steps = 0
+        while not sync.should_stop:
+            loss = model(torch.ones(2, 3)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sync.step(loss=loss.item())
+            steps += 1
+        ctx.report(steps=steps, device=str(ctx.device))
+
+    make_pki(tmp_path / "tls", ["a"])
+    actor = RegionActor(_cfg(regions=["a"]), "a", str(tmp_path), train_fn=train_region)
+    try:
+        actor.start()
+        actor.connect({})
+        losses = [actor.run_round(RoundPlan(round=r, H=3, final=r == 1)).steps for r in range(2)]
+        assert [s.steps for s in losses] == [3, 3] and losses[1].train_loss < losses[0].train_loss
+        assert Path(actor.save_checkpoint()).exists()
+        assert actor.finish_loop() == {"steps": 6, "device": "cpu"}
+    finally:
+        actor.close()
