@@ -50,8 +50,9 @@ The run goes on to its planned end (the driver decides when a run stops).
 
 What loop mode cannot do. Skipped: gap filling (sync.pacing.fill_gaps, on by default in time-budget
 rounds with overlap) steps between rounds with the built-in stepper while the user's loop is
-parked; a loop-mode Region never arms it and logs that once (`gap_fill_skipped`). Refused by
-Region, naming the key, where the config asks for it: record-level DP (its clipped per-example gradients are geofed's forward/backward), the
+parked; a loop-mode Region never arms it and logs that once (`gap_fill_skipped`). DP needs
+`ctx.sync(..., examples=N)` (its accountant's sample rate). Refused by Region, naming the key,
+where the config asks for it: record-level DP (its clipped per-example gradients are geofed's forward/backward), the
 per-step algorithm (allreduce steps one batch at a time itself) and gossip's gradient tracking
 (it acts between a step's backward and its optimizer step). Update scoring (security.
 score_updates) needs the task's loss on the region's data and is skipped, with a log line.
@@ -453,11 +454,15 @@ def gap_fill_skipped(cfg: Any, region: str) -> None:
                  "filled with geofed's own inner steps while the user's loop is parked", region)
 
 
-def refuse_in_loop_mode(cfg: Any) -> None:
-    """ValueError naming the key of what the loop API cannot do (module docstring)."""
+def refuse_in_loop_mode(cfg: Any, *, examples: int | None) -> None:
+    """ValueError naming the key of what the loop API cannot do (module docstring), or what it
+    needs of ctx.sync: DP's accountant samples at batch_size / the smallest region's examples."""
     if cfg.privacy.dp.mode == "record":
         raise ValueError("privacy.dp.mode: record-level DP clips per-example gradients in geofed's own inner steps; "
                          "the loop API takes its steps in the user's loop (use mode: update)")
+    if cfg.privacy.dp.mode != "off" and not examples:
+        raise ValueError("privacy.dp: its accountant needs each region's training examples: pass "
+                         "ctx.sync(..., examples=N)")
     if algorithm_traits(cfg.sync.algorithm).per_step:
         raise ValueError(f"sync.algorithm: {cfg.sync.algorithm} takes one batch at a time itself; the loop API "
                          "needs an algorithm that asks for H inner steps (diloco, gossip)")

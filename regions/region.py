@@ -81,7 +81,7 @@ class Region:
         if self.loop_mode:
             if optimizer is None:
                 raise ValueError("Region: model= needs the optimizer= that steps it")
-            refuse_in_loop_mode(cfg)
+            refuse_in_loop_mode(cfg, examples=examples)
         self.user_state = dict(user_state or {})
         self._user_evaluate, self._examples = evaluate, examples
         self.regions = list(cfg.regions.names)

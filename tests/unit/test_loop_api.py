@@ -29,7 +29,7 @@ ROUNDS, H = 5, 4
 QUICK = LoopTimeouts(start_s=60.0, step_s=20.0, park_s=120.0, finish_s=20.0)
 
 
-def _cfg(regions=REGIONS, **sync):
+def _cfg(regions=REGIONS, privacy=None, **sync):
     m: dict = {"run": {"name": "loop", "seed": 7, "rounds": ROUNDS},
                "task": {"kind": "mlp-digits", "hidden": 16},
                "regions": {"names": regions},
@@ -37,6 +37,8 @@ def _cfg(regions=REGIONS, **sync):
                "compression": {"codec": "fp16"},
                "sync": {"policy": {"kind": "fixed", "H": H}, "inner": {"lr": 0.01}, "outer": {"momentum": 0.5},
                         "deadline": {"initial_s": 30.0, "max_s": 60.0}, **sync}}
+    if privacy is not None:
+        m["privacy"] = privacy
     return config_from_mapping(m, source="test_loop_api")
 
 
@@ -289,13 +291,17 @@ def test_a_non_finite_loss_raises_in_the_rounds_thread_with_metrics():
     stepper.stop()
 
 
-@pytest.mark.parametrize("sync, key", [
-    ({"algorithm": "allreduce"}, "sync.algorithm"),
-    ({"algorithm": "gossip", "topology": "ring", "gossip": {"tracking": True, "choco": False}}, "sync.gossip.tracking"),
+@pytest.mark.parametrize("sync, privacy, key", [
+    ({"algorithm": "allreduce"}, None, "sync.algorithm"),
+    ({"algorithm": "gossip", "topology": "ring", "gossip": {"tracking": True, "choco": False}}, None,
+     "sync.gossip.tracking"),
+    ({}, {"dp": {"mode": "record", "clip": 1.0, "noise_multiplier": 0.5}}, "privacy.dp.mode"),
+    ({}, {"dp": {"mode": "update", "clip": 1.0, "noise_multiplier": 0.5}}, r"examples=N"),
 ])
-def test_what_loop_mode_cannot_do_is_refused_by_name(tmp_path, sync, key):
+def test_what_loop_mode_cannot_do_is_refused_by_name(tmp_path, sync, privacy, key):
+    cfg = _cfg(regions=["a"], privacy=privacy, **sync)
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        _stepper_region(tmp_path, LoopStepper("a"), _cfg(regions=["a"], **sync))
+        _stepper_region(tmp_path, LoopStepper("a"), cfg)
 
 
 def test_loop_mode_has_no_task_and_evaluates_with_the_users_function(tmp_path):
