@@ -14,25 +14,29 @@ from geofed.regions.tasks.base import PluginTaskConfig
 
 from ..config import RunConfig, to_mapping
 from ..config.strict import ConfigError
+from .resume import recorded_train_fn
 from .rundir import output_dir, read_json_file, run_dir_config, utc_now, write_json
 
 SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 
 
 def write_model(path: Path, cfg: RunConfig, state: dict[str, torch.Tensor], *, fmt: str = "safetensors",
-                round_: int, regions: list[str], eval_: dict | None = None, final: dict | None = None) -> Path:
+                round_: int, regions: list[str], eval_: dict | None = None, final: dict | None = None,
+                trained_by: str | None = None) -> Path:
     """Write `state` to `path` (0600, atomic) and its description next to it (same name, ``.json``):
     the task, the whole config, the round, the regions averaged and the evaluation; and the model
     card beside them (write_card). `final` is the run's summary.json when the model is not the
-    run's end (``geofed export``): the card's metric is its final one, said to be of that round."""
-    meta = {"geofed_task": cfg.task.kind, "geofed_round": str(round_), "geofed_regions": ",".join(regions)}
+    run's end (``geofed export``): the card's metric is its final one, said to be of that round.
+    `trained_by`: the loop API's function (`module:qualname`) whose model this is, not the task's."""
+    task = cfg.task.kind if trained_by is None else f"train_fn {trained_by}"
+    meta = {"geofed_task": task, "geofed_round": str(round_), "geofed_regions": ",".join(regions)}
     checkpoint.write_bytes_atomic(path, encode(state, fmt, meta if fmt == "safetensors" else None))
     write_json(path.with_suffix(".json"), {
         "file": path.name, "format": fmt, "round": round_, "regions_averaged": regions, "eval": eval_,
         "written": utc_now(), "task": to_mapping(cfg.task), "config": to_mapping(cfg),
         "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()},
     })
-    write_card(path, cfg, state, fmt=fmt, round_=round_, metric=_card_metric(eval_, round_, final))
+    write_card(path, cfg, state, fmt=fmt, round_=round_, metric=_card_metric(eval_, round_, final), trained_by=trained_by)
     return path
 
 
@@ -65,14 +69,22 @@ def load_snippet(cfg: RunConfig, weights: str, fmt: str, meta: str) -> str:
 
 
 def write_card(path: Path, cfg: RunConfig, state: dict[str, torch.Tensor], *, fmt: str, round_: int,
-               metric: dict | None) -> None:
+               metric: dict | None, trained_by: str | None = None) -> None:
     """model-card.json and MODEL_CARD.md beside `path`: the task, how its inputs are prepared (the
     task config's own ``preprocessing()``; a plug-in's is its author's to say), the parameter
-    count, the metric and a load snippet (docs/export.md, "The model card")."""
-    prep = cfg.task.preprocessing() if callable(getattr(cfg.task, "preprocessing", None)) else None
-    card = {"weights": path.name, "format": fmt, "task": cfg.task.kind, "round": round_, "rounds_trained": round_ + 1,
+    count, the metric and a load snippet (docs/export.md, "The model card"). `trained_by`: the
+    loop API's function; its model and inputs are its own, so the card names it and loads the
+    weights only."""
+    if trained_by is None:
+        prep = cfg.task.preprocessing() if callable(getattr(cfg.task, "preprocessing", None)) else None
+        task, load = cfg.task.kind, load_snippet(cfg, path.name, fmt, path.with_suffix(".json").name)
+    else:
+        prep, task = None, f"train_fn {trained_by}"
+        load = (f"state = load_file({path.name!r})  # from safetensors.torch; build the model as {trained_by} does\n"
+                "model.load_state_dict(state)\nmodel.eval()\n")
+    card = {"weights": path.name, "format": fmt, "task": task, "round": round_, "rounds_trained": round_ + 1,
             "preprocessing": prep, "parameters": sum(t.numel() for t in state.values()),
-            "metric": metric, "load": load_snippet(cfg, path.name, fmt, path.with_suffix(".json").name)}
+            "metric": metric, "load": load}
     write_json(path.parent / CARD_JSON, card)
     checkpoint.write_bytes_atomic(path.parent / CARD_MD, _card_markdown(card).encode())
 
@@ -80,7 +92,8 @@ def write_card(path: Path, cfg: RunConfig, state: dict[str, torch.Tensor], *, fm
 def _card_markdown(card: dict) -> str:
     prep = card["preprocessing"]
     if prep is None:
-        prep_lines = ["not declared: a plug-in task's inputs are its own code's to prepare"]
+        whose = "the training function's" if card["task"].startswith("train_fn ") else "a plug-in task's"
+        prep_lines = [f"not declared: {whose} inputs are its own code's to prepare"]
     else:
         prep_lines = [f"- {k}: `{v}`" if k == "transform" else f"- {k}: {v}" for k, v in prep.items()]
     m = card["metric"]
@@ -188,6 +201,10 @@ def export_from_args(args) -> int:
     names imported, every file bounded, nothing written through a link inside it."""
     run_dir = Path(args.run_dir)
     cfg = run_dir_config(run_dir)
+    if (fn := recorded_train_fn(run_dir)) is not None:
+        raise ConfigError("", f"this run trained the model of the function {fn}, which geofed cannot build to name "
+                          f"a checkpoint's tensors; the run's final model is {run_dir / 'model.safetensors'} (the "
+                          "model's state_dict: load it with model.load_state_dict)", source=str(run_dir))
     try:
         r, regions, state = checkpoint_model(run_dir, cfg, args.round)
     except checkpoint.CheckpointError as exc:

@@ -174,6 +174,13 @@ def train_fn_name(train_fn: Callable[..., Any] | None) -> str | None:
     return f"{module}:{getattr(train_fn, '__qualname__', type(train_fn).__name__)}"
 
 
+def recorded_train_fn(run_dir: Path) -> str | None:
+    """The loop API's function a run was started with (its first `started` event), None for a task's run."""
+    started = next((e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e.get("event") == "started"), None)
+    name = (started or {}).get("train_fn")
+    return name if isinstance(name, str) else None
+
+
 def check_resume_mode(run_dir: Path, train_fn: str | None) -> None:
     """ConfigError when a resume would swap who takes the inner steps: a loop-API run (its `started`
     event names the user's function, orchestrator/trainer.py) resumed without one (`geofed run
@@ -182,7 +189,7 @@ def check_resume_mode(run_dir: Path, train_fn: str | None) -> None:
     started = next((e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e.get("event") == "started"), None)
     if started is None:
         return  # killed before its set-up ended: no checkpoint either, nothing to mismatch
-    recorded = started.get("train_fn")
+    recorded = recorded_train_fn(run_dir)
     if recorded is None and train_fn is not None:
         raise ConfigError("", f"this run trains its task with the built-in stepper; resume it with geofed run "
                           f"--resume {run_dir} (not with a training function, {train_fn})", source=str(run_dir))

@@ -350,7 +350,7 @@ class Runner:
         self.outcome = "FINISHED"
         if states:
             write_model(self.run_dir / "model.safetensors", self.cfg, average_states(list(states.values())),
-                        round_=last, regions=list(states), eval_=avg_eval)
+                        round_=last, regions=list(states), eval_=avg_eval, trained_by=train_fn_name(self.train_fn))
         return summary
 
     def _write_summary(self, avg_eval, per_region, consensus, *, interrupted: dict | None = None,

@@ -173,3 +173,27 @@ def test_trackers_get_the_reports_numbers_at_the_last_round(tmp_path):
     trackers.items["fake"] = Fake()
     trackers.log_reports(2, {"a": {"acc": 0.9, "batches": 12, "note": "x", "ok": True}, "b": {"acc": 0.8}})
     assert logged == [(2, {"report/a/acc": 0.9, "report/a/batches": 12.0, "report/b/acc": 0.8})]
+
+
+def test_a_functions_model_card_names_it_and_export_points_to_the_final_model(tmp_path, capsys):
+    """The end-of-run model of a loop-API run is the function's model: the card names the function
+    (not the config's placeholder task) and `geofed export`, which builds the task's model to name a
+    checkpoint's tensors, refuses and says where the final model is."""
+    import torch
+
+    from geofed.orchestrator.cli import main
+    from geofed.orchestrator.driver.export import write_model
+
+    path = write_model(tmp_path / "model.safetensors", _cfg(), {"w": torch.zeros(3)}, round_=2, regions=["a"],
+                       trained_by="train:train_region")
+    card = json.loads((tmp_path / "model-card.json").read_text())
+    assert card["task"] == "train_fn train:train_region" and card["preprocessing"] is None
+    assert "model.load_state_dict(state)" in card["load"] and "make_task" not in card["load"]
+    assert "the training function's inputs" in (tmp_path / "MODEL_CARD.md").read_text()
+    assert path.exists()
+    run_dir = tmp_path / "run"
+    _events(run_dir, train_fn="train:train_region")
+    (run_dir / "config.yaml").write_text("task:\n  kind: mlp-digits\n")
+    assert main(["export", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "trained the model of the function train:train_region" in err and "model.safetensors" in err
