@@ -219,12 +219,9 @@ class LoopStepper(RoundHook):
             self._park()
 
     def _park(self) -> None:
-        deadline = time.monotonic() + self.timeouts.park_s
-        while self._turn != "loop" and not self._stopped:
-            wait_s = deadline - time.monotonic()
-            if wait_s <= 0:
-                raise TimeoutError(f"region {self.region}: no round started for {self.timeouts.park_s:g} s")
-            self._cv.wait(wait_s)
+        """Wait (holding the lock) for the next round's steps or the run's end."""
+        if not self._cv.wait_for(lambda: self._turn == "loop" or self._stopped, self.timeouts.park_s):
+            raise TimeoutError(f"region {self.region}: no round started for {self.timeouts.park_s:g} s")
 
     def ended(self, error: BaseException | None) -> None:
         """The user's function returned (or raised `error`): a round waiting on it stops waiting."""
@@ -374,14 +371,10 @@ class LoopHost:
     def wait_region(self) -> Region:
         """The Region once ctx.sync built it; the function's own exception if it raised first,
         RuntimeError if it returned without ctx.sync, TimeoutError after timeouts.start_s."""
-        deadline = time.monotonic() + self.timeouts.start_s
         with self._cv:
-            while self._region is None and not self._done:
-                wait_s = deadline - time.monotonic()
-                if wait_s <= 0:
-                    raise TimeoutError(f"region {self.ctx.region}: the training function did not call ctx.sync() "
-                                       f"within {self.timeouts.start_s:g} s")
-                self._cv.wait(wait_s)
+            if not self._cv.wait_for(lambda: self._region is not None or self._done, self.timeouts.start_s):
+                raise TimeoutError(f"region {self.ctx.region}: the training function did not call ctx.sync() "
+                                   f"within {self.timeouts.start_s:g} s")
             if self._region is not None:
                 return self._region
             if self._error is not None:
@@ -411,14 +404,10 @@ class LoopHost:
         function raised, or TimeoutError if it does not return."""
         self.stepper.stop()
         timeout_s = self.timeouts.finish_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
         with self._cv:
-            while not self._done:
-                wait_s = deadline - time.monotonic()
-                if wait_s <= 0:
-                    raise TimeoutError(f"region {self.ctx.region}: the training function did not return within "
-                                       f"{timeout_s:g} s after the run ended (sync.should_stop)")
-                self._cv.wait(wait_s)
+            if not self._cv.wait_for(lambda: self._done, timeout_s):
+                raise TimeoutError(f"region {self.ctx.region}: the training function did not return within "
+                                   f"{timeout_s:g} s after the run ended (sync.should_stop)")
             if self._error is not None:
                 raise self._error
             return dict(self._report)

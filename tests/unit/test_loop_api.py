@@ -436,3 +436,23 @@ def test_the_region_actor_runs_the_users_function(tmp_path):
         assert actor.finish_loop() == {"steps": 6, "device": "cpu"}
     finally:
         actor.close()
+
+
+def test_a_parked_loop_and_the_end_of_the_run_have_deadlines_too(tmp_path):
+    # A loop parked past park_s (no round came: the driver is gone) gets a TimeoutError in its thread.
+    stepper = LoopStepper("a", timeouts=LoopTimeouts(park_s=0.2))
+    with pytest.raises(TimeoutError, match="no round started for 0.2 s"):
+        stepper.wait_first()
+    # A function that does not return once told the run is over: finish says so after finish_s.
+    release = threading.Event()
+
+    def lingers(ctx):
+        model = torch.nn.Linear(2, 1)
+        ctx.sync(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        release.wait(30)
+
+    timeouts = LoopTimeouts(start_s=20.0, step_s=5.0, park_s=30.0, finish_s=0.3)
+    with InProcessRegions(_cfg(regions=["a"]), tmp_path, train_fn=lingers, timeouts=timeouts) as group:
+        with pytest.raises(TimeoutError, match="did not return within 0.3 s"):
+            group.finish()
+        release.set()
