@@ -27,3 +27,27 @@ def test_copy_state_is_a_deep_copy_that_keeps_types_and_state_dict_metadata():
     model.load_state_dict(got["model"])
     opt.load_state_dict(got["inner"])
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_rounds_copy_is_made_after_the_last_one_is_dropped(monkeypatch):
+    """Two copies of the round's start at once cost a model's state twice at every round's start
+    (issue 39): plan lets the last copy go before it makes the next."""
+    import types
+
+    from geofed.regions import rollback
+
+    model = torch.nn.Linear(3, 2)
+    w = types.SimpleNamespace(model=model, inner=torch.optim.SGD(model.parameters(), lr=0.1),
+                              algorithm=types.SimpleNamespace(state_dict=lambda: {}), task=None)
+    hook = rollback.Rollback(w)
+    held_while_copying = []
+
+    def spy(obj):
+        if isinstance(obj, dict) and "model" in obj:  # the round's copy, not its recursion
+            held_while_copying.append(hook._state)
+        return copy_state(obj)
+
+    monkeypatch.setattr(rollback, "copy_state", spy)
+    hook.plan(None)
+    hook.plan(None)
+    assert held_while_copying == [None, None] and hook._state is not None
