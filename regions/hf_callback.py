@@ -48,8 +48,7 @@ class GeofedCallback(TrainerCallback):
         self.user_state = dict(state or {})
         self.evaluate, self.examples = evaluate, examples
         self.sync: Sync | None = None
-        self._losses: list[torch.Tensor] = []
-        self._summed = False  # the step's loss parts are fractions of its whole (num_items_in_batch)
+        self.losses = StepLosses()
         self._hook: torch.utils.hooks.RemovableHandle | None = None
 
     def on_train_begin(self, args, state, control, *, model=None, optimizer=None, lr_scheduler=None, **kwargs):
@@ -62,7 +61,7 @@ class GeofedCallback(TrainerCallback):
         user_state = dict(self.user_state)
         if lr_scheduler is not None:
             user_state.setdefault("lr_scheduler", lr_scheduler)
-        self._hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
+        self._hook = model.register_forward_hook(self.losses, with_kwargs=True)
         self.sync = self.ctx.sync(model, optimizer, state=user_state, evaluate=self.evaluate, examples=self.examples)
         # A resumed run that had already ended: transformers checks the flag only after a step, so it
         # takes one (on the user's model, after the run's result was written) and then stops.
@@ -72,13 +71,13 @@ class GeofedCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         """A new optimizer step: the losses kept are this step's from here on."""
-        self._losses.clear()
+        self.losses.clear()
 
     def on_step_end(self, args, state, control, **kwargs):
         """Counts the optimizer step; at the round's last step, blocks while geofed exchanges and
         takes the outer step, and stops training once the run is over."""
         assert self.sync is not None, "on_step_end before on_train_begin"
-        self.sync.step(loss=self._step_loss())
+        self.sync.step(loss=self.losses.take())
         if self.sync.should_stop:
             control.should_training_stop = True
         return control
@@ -89,15 +88,33 @@ class GeofedCallback(TrainerCallback):
             self._hook.remove()
             self._hook = None
 
-    def _keep_loss(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+
+
+class StepLosses:
+    """The forward hook that keeps one optimizer step's training losses. An object of its own, holding
+    nothing but them: geofed evaluates on a deep copy of the model (Region.evaluate_params), which
+    copies its hooks too, and a hook bound to the callback would drag the region's context (threads,
+    locks) into that copy and fail it."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.summed = False  # the parts are fractions of the step's whole (num_items_in_batch)
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        """Forward hook (with_kwargs): keep a training forward pass's scalar `loss` output."""
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if module.training and isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._losses.append(loss.detach())
-            self._summed = kwargs.get("num_items_in_batch") is not None
+            self.parts.append(loss.detach())
+            self.summed = kwargs.get("num_items_in_batch") is not None
 
-    def _step_loss(self) -> float | None:
-        if not self._losses:
+    def clear(self) -> None:
+        """Forget what was kept (a new step begins)."""
+        self.parts.clear()
+
+    def take(self) -> float | None:
+        """The step's loss (the parts' sum or mean, see `summed`), and forget them; None if none came."""
+        if not self.parts:
             return None
-        parts = torch.stack([x.float() for x in self._losses])
-        self._losses.clear()
-        return float(parts.sum() if self._summed else parts.mean())
+        parts = torch.stack([x.float() for x in self.parts])
+        self.parts.clear()
+        return float(parts.sum() if self.summed else parts.mean())

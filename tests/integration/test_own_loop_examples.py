@@ -106,7 +106,8 @@ def test_hf_trainer_example_two_rounds_two_regions_ends_with_equal_models(tmp_pa
     out = tmp_path / "run"
     text = _small_text(tmp_path / "text.txt")
     done = _run([str(ROOT / "examples" / "hf_trainer.py"), "--rounds", "2", "--text", str(text), "--out", str(out),
-                 "--in-process", "--set", "sync.policy.H=5", "--set", "compression.codec=identity"],
+                 "--in-process", "--set", "sync.policy.H=5", "--set", "compression.codec=identity",
+                 "--set", "run.eval_every=1"],  # an evaluation mid-training too: on a copy of the hooked model
                 tmp_path, timeout_s=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -115,6 +116,9 @@ def test_hf_trainer_example_two_rounds_two_regions_ends_with_equal_models(tmp_pa
         assert report["steps"] == 10  # 2 rounds of H=5 optimizer steps: the callback stopped transformers
         assert math.isfinite(report["train_loss"]) and math.isfinite(report["heldout_loss"]), report
     assert math.isfinite(summary["eval"]["value"]) and summary["eval"]["metric"] == "loss"
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    evaluated = [r["eval_round"] for r in rounds if r.get("eval_avg")]
+    assert evaluated == [0, 1], rounds  # round 0's evaluation is mid-training, on a copy of the hooked model
     first, second = (load_file(out / "hf" / region / "model.safetensors") for region in ("us-east-1", "eu-west-1"))
     assert first.keys() == second.keys()
     unequal = [k for k in first if not torch.equal(first[k], second[k])]

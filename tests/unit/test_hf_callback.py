@@ -5,6 +5,9 @@ tests/integration/test_own_loop_examples.py."""
 
 from __future__ import annotations
 
+import copy
+import threading
+
 import pytest
 import torch
 
@@ -77,7 +80,34 @@ def test_callback_syncs_the_trainers_optimizer_passes_each_steps_loss_and_stops(
     assert callback.sync is ctx.recorded
     # The loss hook is gone after training: an evaluation's forward passes are not kept.
     model(input_ids=torch.zeros(1, 8, dtype=torch.long), labels=torch.zeros(1, 8, dtype=torch.long))
-    assert callback._step_loss() is None
+    assert callback.losses.take() is None
+
+
+class ContextWithLock(RecordingContext):
+    """A context holding what the real one holds (a thread's lock): not deep-copyable."""
+
+    def __init__(self, steps: int):
+        super().__init__(steps)
+        self.lock = threading.Condition()
+
+    def sync(self, model, optimizer, **kwargs):
+        synced = super().sync(model, optimizer, **kwargs)
+        self.copied = copy.deepcopy(model)  # what Region.evaluate_params does, mid-training
+        return synced
+
+
+def test_the_model_can_be_deep_copied_while_the_loss_hook_is_on(tmp_path):
+    """geofed evaluates on a deep copy of the model; before StepLosses the hook was a method of the
+    callback, and the copy failed with "cannot pickle '_thread.RLock' object" (the context's lock)."""
+    ctx = ContextWithLock(steps=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=10**9, use_cpu=True, report_to="none",
+                                          save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=_tiny_gpt2(), args=args, train_dataset=Tokens(),
+                                   callbacks=[GeofedCallback(ctx)])
+    assert trainer.train().global_step == 2
+    ctx.copied.eval()
+    out = ctx.copied(input_ids=torch.zeros(1, 8, dtype=torch.long), labels=torch.zeros(1, 8, dtype=torch.long))
+    assert torch.isfinite(out.loss)
 
 
 def test_callback_stops_at_once_when_the_run_is_already_over(tmp_path):
