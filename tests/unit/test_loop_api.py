@@ -267,7 +267,10 @@ def test_the_loop_stepper_honours_a_time_budget_and_max_steps():
     thread = _user_thread(stepper, 0.02, counted)
     # A budget of ~10 steps, max_steps far above it: the budget ends the round.
     m = stepper.inner_steps(4, 1.0, budget_s=0.2, max_steps=100)
-    assert 5 <= m["steps"] <= 11 and m["compute_s"] <= 0.2 + 0.05, m
+    # Stopped by the budget (pacing.budget_over: the next step would end past it), whatever this
+    # host's load makes a 20 ms step take: not before, and not later than the step that crossed it.
+    assert 1 <= m["steps"] < 100, m
+    assert m["compute_s"] + m["step_time_s"] > 0.2 * 0.8 and m["compute_s"] < 0.2 + 2 * m["step_time_s"], m
     # max_steps ends it before a long budget.
     m = stepper.inner_steps(4, 1.0, budget_s=30.0, max_steps=3)
     assert m["steps"] == 3 and m["train_loss"] == 1.0
