@@ -112,7 +112,7 @@ class LoopStepper(RoundHook):
         self._left = 0         # steps the loop may still take in this round
         self._budget_s: float | None = None
         self._t0 = self._t_last = 0.0
-        self._losses: list[float] = []
+        self._losses: list[float | None] = []  # None: a step whose loss the loop did not pass
         self._durations: list[float] = []
         self._stopped = False  # the run is over (finish), or a round gave up on the loop
         self._ended = False    # the user's function returned
@@ -355,7 +355,8 @@ class LoopHost:
             self._cv.notify_all()
         self.stepper.ended(error)
 
-    def sync(self, model, optimizer, *, state, evaluate, examples) -> Sync:
+    def sync(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, state: dict[str, Any] | None,
+             evaluate: Callable[[nn.Module], Any] | None, examples: int | None) -> Sync:
         """ctx.sync on the user's thread: build the Region, hand it over, park until the first round."""
         with self._cv:
             if self._region is not None:
