@@ -89,8 +89,9 @@ if __name__ == "__main__":
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key, as `geofed run --set` takes it (repeatable)")
     parser.add_argument("--out", help="the run directory (default: runs/hf-gpt2-tiny-...)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint (over Ray)")
     parser.add_argument("--in-process", action="store_true",
                         help="the regions as threads of this process over the in-memory transport (no Ray)")
     a = parser.parse_args()
     overrides = ([f"run.rounds={a.rounds}"] if a.rounds else []) + ([f"task.path={a.text}"] if a.text else []) + a.set
-    Trainer(train, config=str(CONFIG), overrides=overrides, out=a.out, in_process=a.in_process).fit()
+    Trainer(train, config=str(CONFIG), overrides=overrides, out=a.out, resume=a.resume, in_process=a.in_process).fit()
