@@ -461,3 +461,18 @@ def test_a_parked_loop_and_the_end_of_the_run_have_deadlines_too(tmp_path):
         with pytest.raises(TimeoutError, match="did not return within 0.3 s"):
             group.finish()
         release.set()
+
+
+def test_restarting_a_loop_region_runs_its_function_afresh(tmp_path):
+    """InProcessRegions.restart (a restarted process): the old loop is released and returns, the
+    function runs again and its new region restores the checkpoint before its loop's first batch."""
+    cfg = _cfg(regions=["a"])
+    with InProcessRegions(cfg, tmp_path, train_fn=task_loop(), timeouts=QUICK) as group:
+        _run(group, rounds=1, regions=["a"])
+        group.call(lambda w: w.save_checkpoint())
+        old_host, old = group.hosts["a"], group.workers["a"]
+        new = group.restart("a")
+        assert new is not old and old_host.report == {"batches": H, "stopped": True}
+        assert new.restore_checkpoint()["round"] == 0
+        _run(group, rounds=2, regions=["a"], start=1)
+        assert group.finish() == {"a": {"batches": 2 * H, "stopped": True}}
