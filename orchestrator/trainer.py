@@ -244,4 +244,5 @@ class Trainer:
         Trainer for a loop-API run (the function travels with the script, not the run directory)."""
         if self.train_fn is None:
             return f"geofed run --resume {run_dir}"
-        return f"Trainer({train_fn_name(self.train_fn)}, resume={str(run_dir)!r}).fit() (run your script again)"
+        name = (train_fn_name(self.train_fn) or "").rpartition(":")[2]
+        return f"Trainer({name}, resume={str(run_dir)!r}).fit() (run your script again)"

@@ -71,6 +71,11 @@ def test_other_arguments_are_checked_before_anything_starts(tmp_path):
         Trainer(_fn, allow_config_change=["run.rounds"])
 
 
+def test_a_stop_says_how_to_continue_the_run():
+    assert Trainer(None).resume_hint(Path("runs/r")) == "geofed run --resume runs/r"
+    assert Trainer(_fn).resume_hint(Path("runs/r")) == "Trainer(_fn, resume='runs/r').fit() (run your script again)"
+
+
 def test_a_config_error_names_the_file_and_the_dotted_key(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  rounds: 2\nsync:\n  policy:\n    kind: fixed\n    HH: 5\n")
