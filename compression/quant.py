@@ -105,9 +105,31 @@ def _scales(x: torch.Tensor, chunk: int, levels: int, scales_out: torch.Tensor) 
 class _ChunkedQuant(Codec):
     chunk: int
     levels: ClassVar[int]
+    blockwise: ClassVar[bool] = True  # never raises on finite input; decodes block by block
 
     def _generator(self, state: CodecState) -> torch.Generator | None:
         return state.generator if getattr(self, "stochastic", False) else None
+
+    def _block_elements(self, n: int) -> int:
+        return min(n, max(1, _BLOCK // self.chunk) * self.chunk)
+
+    def _decode_blocks(self, sections: list[torch.Tensor], n: int,
+                       out: torch.Tensor | None) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Decode block by block, yielding (start, end, values): written into out[start:end], or
+        without `out` into one block-sized buffer that the next block overwrites."""
+        raise NotImplementedError
+
+    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
+        for _ in self._decode_blocks(sections, out.numel(), out):
+            pass  # each block is written into `out` as it is yielded
+
+    def subtract_decoded(
+        self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape], scratch: torch.Tensor
+    ) -> None:
+        """residual -= decode(sections), one cache-sized block at a time (`scratch` unused): the same
+        values as a whole decode, without its model-sized buffer."""
+        for s, e, o in self._decode_blocks(sections, residual.numel(), None):
+            residual[s:e].sub_(o)
 
 
 @register
@@ -119,7 +141,6 @@ class Int8(Int8Params, _ChunkedQuant):
     """
 
     levels: ClassVar[int] = 127
-    blockwise: ClassVar[bool] = True
 
     def layout(self, shapes: Sequence[Shape]) -> list[Section]:
         n = total_numel(shapes)
@@ -131,27 +152,16 @@ class Int8(Int8Params, _ChunkedQuant):
         for start, t in _quantized_blocks(x, self.chunk, inv, self.levels, self._generator(state)):
             q[start: start + t.numel()].copy_(t)
 
-    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
+    def _decode_blocks(self, sections: list[torch.Tensor], n: int,
+                       out: torch.Tensor | None) -> Iterator[tuple[int, int, torch.Tensor]]:
         q, scales = sections
+        buf = out if out is not None else torch.empty(self._block_elements(n))  # all, or one block
         # Widen then scale in place: one mixed int8 x fp32 multiply ran 7x slower than the two.
-        for s, e in _blocks(out.numel(), self.chunk):
-            o = out[s:e]
-            o.copy_(q[s:e])
-            _scale_rows(o, scales, s, self.chunk)
-
-    def subtract_decoded(
-        self, residual: torch.Tensor, sections: list[torch.Tensor], shapes: Sequence[Shape], scratch: torch.Tensor
-    ) -> None:
-        """residual -= decode(sections), one cache-sized block at a time (`scratch` unused): the same
-        values as a whole decode, without its model-sized buffer."""
-        q, scales = sections
-        n = residual.numel()
-        buf = torch.empty(min(n, max(1, _BLOCK // self.chunk) * self.chunk))
         for s, e in _blocks(n, self.chunk):
-            o = buf[: e - s]
+            o = buf[s:e] if out is not None else buf[: e - s]
             o.copy_(q[s:e])
             _scale_rows(o, scales, s, self.chunk)
-            residual[s:e].sub_(o)
+            yield s, e, o
 
 
 @register
@@ -188,17 +198,20 @@ class Int4(Int4Params, _ChunkedQuant):
             h = torch.bitwise_right_shift(w, 4, out=w16[: w.numel()]).bitwise_or_(w)
             packed[start // 2: start // 2 + w.numel()].copy_(h)
 
-    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
+    def _decode_blocks(self, sections: list[torch.Tensor], n: int,
+                       out: torch.Tensor | None) -> Iterator[tuple[int, int, torch.Tensor]]:
         packed, scales = sections
-        q = torch.empty(min(out.numel(), max(1, _BLOCK // self.chunk) * self.chunk) + 1, dtype=torch.int8)
-        for s, e in _blocks(out.numel(), self.chunk):
+        q = torch.empty(self._block_elements(n) + 1, dtype=torch.int8)
+        buf = out if out is not None else torch.empty(self._block_elements(n))  # all, or one block
+        for s, e in _blocks(n, self.chunk):
             p = packed[s // 2: (e + 1) // 2]
             pairs = q[: 2 * p.numel()].view(-1, 2)
             torch.bitwise_and(p, 15, out=pairs[:, 0])
             torch.bitwise_right_shift(p, 4, out=pairs[:, 1])
-            o = out[s:e]
+            o = buf[s:e] if out is not None else buf[: e - s]
             o.copy_(q[: e - s]).sub_(8)
             _scale_rows(o, scales, s, self.chunk)
+            yield s, e, o
 
 
 @register
@@ -237,21 +250,24 @@ class Int3(Int3Params, _ChunkedQuant):
             # the word's three low bytes (little-endian), first value lowest
             packed[3 * (start // 8): 3 * (start // 8 + groups)].view(groups, 3).copy_(w.view(torch.uint8).view(groups, 4)[:, :3])
 
-    def decode_into(self, sections: list[torch.Tensor], shapes: Sequence[Shape], out: torch.Tensor) -> None:
+    def _decode_blocks(self, sections: list[torch.Tensor], n: int,
+                       out: torch.Tensor | None) -> Iterator[tuple[int, int, torch.Tensor]]:
         packed, scales = sections
-        cap = _nchunks(min(out.numel(), max(1, _BLOCK // self.chunk) * self.chunk), 8)
+        cap = _nchunks(self._block_elements(n), 8)
         w32 = torch.zeros(cap, 4, dtype=torch.uint8)
         codes = torch.empty(cap, 8, dtype=torch.int32)
-        for s, e in _blocks(out.numel(), self.chunk):
+        buf = out if out is not None else torch.empty(self._block_elements(n))  # all, or one block
+        for s, e in _blocks(n, self.chunk):
             groups = _nchunks(e - s, 8)
             wb = w32[:groups]
             wb[:, :3].copy_(packed[3 * (s // 8): 3 * (s // 8 + groups)].view(groups, 3))
             w = wb.view(torch.int32)  # (groups, 1): the fourth byte stays 0
             # one broadcast shift by 0, 3, ..., 21: 2x faster than eight strided shifts
             c = torch.bitwise_right_shift(w, _INT3_SHIFTS, out=codes[:groups]).bitwise_and_(7)
-            o = out[s:e]
+            o = buf[s:e] if out is not None else buf[: e - s]
             o.copy_(c.view(-1)[: e - s]).sub_(4)
             _scale_rows(o, scales, s, self.chunk)
+            yield s, e, o
 
 
 _INT3_WEIGHTS = torch.tensor([8.0 ** i for i in range(8)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from geofed.compression import CodecState, encode_and_decode, encode_update
@@ -39,11 +40,12 @@ def _updates(seed: int) -> list[torch.Tensor]:
     return [torch.randn(3000, generator=g), torch.randn(17, 33, generator=g)]
 
 
-def test_int8_error_feedback_corrects_the_residual_in_place_with_the_same_values():
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", {"kind": "int8", "chunk": 64}])
+def test_quantized_error_feedback_corrects_the_residual_in_place_with_the_same_values(codec):
     in_place, decoded_path = CodecState(error_feedback=True, seed=1), CodecState(error_feedback=True, seed=1)
     for seed in range(3):
-        a = encode_update("int8", _updates(seed), in_place)  # blockwise subtract, no scratch
-        b, _ = encode_and_decode("int8", _updates(seed), decoded_path)  # a whole decode, then subtract
+        a = encode_update(codec, _updates(seed), in_place)  # blockwise subtract, no scratch
+        b, _ = encode_and_decode(codec, _updates(seed), decoded_path)  # a whole decode, then subtract
         assert a == b
         assert torch.equal(in_place.residual, decoded_path.residual)
     assert "scratch" not in in_place.store and "scratch" not in decoded_path.store
