@@ -1,7 +1,7 @@
 """A user's own training loop for the loop API's tests (tests/integration/test_loop_api_ray.py,
-tests/unit/test_trainer.py): the Task's own model, an equal AdamW, the shard's batches (seeded as
-a Region seeds its stream) and the task's loss, so that it trains the weights `geofed run` trains
-for the same seeds.
+tests/unit/test_trainer.py; its Loader also tests/unit/test_loop_api.py): the Task's own model, an
+equal AdamW, the shard's batches (seeded as a Region seeds its stream) and the task's loss, so that
+it trains the weights `geofed run` trains for the same seeds.
 
 Run as a script it is the user's: `python user_loop.py CONFIG RUN_DIR [--resume]` runs
 `Trainer(train_region, ...).fit()` (the function then travels to the actors by value, as a
@@ -19,19 +19,20 @@ from geofed.regions.tasks import make_task
 
 
 class Loader:
-    """A data loader with a position (what ctx.sync's `state=` is for)."""
+    """A data loader with a position (what ctx.sync's `state=` is for): the task's shard, seeded as
+    a Region seeds its stream, at most `limit` batches (None: no end)."""
 
-    def __init__(self, ctx, task):
+    def __init__(self, ctx, task, limit: int | None = None):
         self.shard = task.shard(ctx.region_index, ctx.num_regions, ctx.seed)
         self.seed = ctx.seed * 1000 + ctx.region_index  # as Region seeds its stream
-        self.drawn = 0
+        self.limit, self.drawn = limit, 0
 
     def __iter__(self):
         gen = torch.Generator().manual_seed(self.seed)
         stream = self.shard.batches(gen)
         for _ in range(self.drawn):  # a restored position replays to the same batch
             next(stream)
-        while True:
+        while self.limit is None or self.drawn < self.limit:
             self.drawn += 1
             yield next(stream)
 

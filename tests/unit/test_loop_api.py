@@ -23,6 +23,7 @@ from geofed.regions.messages import RoundPlan
 from geofed.regions.region import Region
 from geofed.regions.tasks import make_task
 from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+from support.user_loop import Loader
 
 REGIONS = ["a", "b", "c"]
 ROUNDS, H = 5, 4
@@ -40,31 +41,6 @@ def _cfg(regions=REGIONS, privacy=None, **sync):
     if privacy is not None:
         m["privacy"] = privacy
     return config_from_mapping(m, source="test_loop_api")
-
-
-class Loader:
-    """A user's data loader with a position (what `state=` is for): the task's shard, seeded as a
-    Region seeds its stream, at most `limit` batches."""
-
-    def __init__(self, ctx: RegionContext, task, limit: int | None = None):
-        self.shard = task.shard(ctx.region_index, ctx.num_regions, ctx.seed)
-        self.seed = ctx.seed * 1000 + ctx.region_index
-        self.limit, self.drawn = limit, 0
-
-    def __iter__(self):
-        gen = torch.Generator().manual_seed(self.seed)
-        stream = self.shard.batches(gen)
-        for _ in range(self.drawn):  # a restored position replays to the same batch
-            next(stream)
-        while self.limit is None or self.drawn < self.limit:
-            self.drawn += 1
-            yield next(stream)
-
-    def state_dict(self):
-        return {"drawn": self.drawn}
-
-    def load_state_dict(self, d):
-        self.drawn = int(d["drawn"])
 
 
 def task_loop(limit: int | None = None, *, fail_at: int | None = None, log: list | None = None):
