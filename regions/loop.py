@@ -44,9 +44,9 @@ TimeoutError); a parked loop waits at most `park_s` for the next round; `finish`
 own exception and traceback (or `wait_region` / `finish`, outside a round).
 
 A loop that returns early (its data ran out) ends the round with the steps taken; every later
-round takes no steps (`steps: 0`, `train_loss: null`): the region still exchanges, a zero
-pseudo-gradient, and keeps receiving the others' updates. The rounds report `loop_ended: true`.
-The run goes on to its planned end (the driver decides when a run stops).
+round a region that is still asked takes no steps (`steps: 0`, `train_loss: null`). The rounds
+report `loop_ended: true`; the driver then leaves the region out of later rounds, as a region that
+left, and ends the run once every region's loop has ended (orchestrator/driver/loops.py).
 
 What loop mode cannot do. Skipped: gap filling (sync.pacing.fill_gaps, on by default in time-budget
 rounds with overlap) steps between rounds with the built-in stepper while the user's loop is

@@ -11,6 +11,7 @@ summary.json (with `reports`), so `geofed report` and `geofed watch` read it as 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from geofed.regions.sketch import consensus_from_sketches
 from ..config import RunConfig
 from .coordinator import Coordinator
 from .evaluation import RunEvaluation
+from .loops import LoopEnds, one_initial_model
 from .progress import RunProgress
 from .resume import train_fn_name
 from .run import round_record
@@ -28,6 +30,8 @@ from .rundir import Clock, JsonlLog, release_run_dir, write_json
 from .summary import build_summary, evaluate_average
 
 __all__ = ["run_in_process"]
+
+logger = logging.getLogger(__name__)
 
 
 def run_in_process(cfg: RunConfig, run_dir: Path, train_fn: Callable[[Any], None] | None, *,
@@ -45,18 +49,23 @@ def run_in_process(cfg: RunConfig, run_dir: Path, train_fn: Callable[[Any], None
     try:
         with InProcessRegions(cfg, run_dir, train_fn=train_fn, timeouts=timeouts) as group:
             clock.restart()  # as Runner's: wall time counts training, not building the regions
-            evaluation = RunEvaluation(cfg)
-            _rounds(cfg, group, clock, evaluation, logs, show_progress=show_progress)
-            return _finish(cfg, run_dir, group, clock, evaluation, looping=train_fn is not None)
+            evaluation, loops = RunEvaluation(cfg), LoopEnds()
+            if train_fn is not None:  # a fresh run (in_process has no resume): one initial model
+                one_initial_model(list(group.regions), lambda names: group.call(lambda w: w.sketch(), regions=names),
+                                  lambda donors: group.call(lambda w: w.catch_up(donors[w.region]), regions=list(donors)),
+                                  logger.warning)
+            _rounds(cfg, group, clock, evaluation, loops, logs, show_progress=show_progress)
+            return _finish(cfg, run_dir, group, clock, evaluation, loops, looping=train_fn is not None)
     finally:
         for log in logs:
             log.close()
         release_run_dir(run_dir)
 
 
-def _rounds(cfg: RunConfig, group: Any, clock: Clock, evaluation: RunEvaluation, logs: tuple[JsonlLog, JsonlLog], *,
-            show_progress: bool) -> None:
-    """Round after round until run.rounds, run.max_steps or run.target ends the run."""
+def _rounds(cfg: RunConfig, group: Any, clock: Clock, evaluation: RunEvaluation, loops: LoopEnds,
+            logs: tuple[JsonlLog, JsonlLog], *, show_progress: bool) -> None:
+    """Round after round until run.rounds, run.max_steps or run.target ends the run, or every
+    region's training loop has ended (a region whose loop ended is planned no more: driver/loops.py)."""
     metrics_log, rounds_log = logs
     names = list(group.regions)
     params = group.call(lambda w: w.info(), regions=names[:1])[names[0]]["params"]
@@ -66,18 +75,21 @@ def _rounds(cfg: RunConfig, group: Any, clock: Clock, evaluation: RunEvaluation,
     try:
         for r in range(cfg.run.rounds):
             t_start = clock.now()
-            plans = coordinator.plan(r, alive=names, evaluate=evaluation.due(r))
+            alive = loops.looping(names)
+            plans = coordinator.plan(r, alive=alive, evaluate=evaluation.due(r))
             if coordinator.at_eval_mark:
                 evaluation.force(r)
             results = group.run_round(plans)
+            loops.note(r, results, names)
             t_end = clock.now()
             coordinator.observe(results)
             evaluation.note_round(r, results, steps=coordinator.steps_done)
-            extra = evaluation.of_round(r, results, names, lambda: group.call(lambda w: w.get_params()), t_end=t_end)
-            for region in names:
+            extra = evaluation.of_round(r, results, alive, lambda names=alive: group.call(lambda w: w.get_params(), regions=names),
+                                        t_end=t_end)
+            for region in alive:
                 metrics_log.write(results[region].to_record())
-            record = round_record(r, results, coordinator, t_start=t_start, t_end=t_end, alive=names,
-                                  extra={**extra, "participants": names, "absent": []})
+            record = round_record(r, results, coordinator, t_start=t_start, t_end=t_end, alive=alive,
+                                  extra={**extra, "participants": alive, "absent": []})
             rounds_log.write(record)
             if extra.get("eval_avg"):
                 evaluation.check(extra)
@@ -85,13 +97,13 @@ def _rounds(cfg: RunConfig, group: Any, clock: Clock, evaluation: RunEvaluation,
             progress.update(round_=r, loss=coordinator.loss, H=coordinator.last_H, mb_sent=sent / 1e6,
                             codec=",".join(sorted({c.key for c in coordinator.last_codecs.values()}) or ["-"]),
                             utilization=record["utilization"], elapsed_s=t_end, steps_done=coordinator.steps_done)
-            if coordinator.done or evaluation.hit is not None:
+            if coordinator.done or evaluation.hit is not None or loops.all_ended:
                 break
     finally:
         progress.stop()
 
 
-def _finish(cfg: RunConfig, run_dir: Path, group: Any, clock: Clock, evaluation: RunEvaluation, *,
+def _finish(cfg: RunConfig, run_dir: Path, group: Any, clock: Clock, evaluation: RunEvaluation, loops: LoopEnds, *,
             looping: bool) -> dict[str, Any]:
     """As Runner._finish: the exchange still in flight applied, each region's evaluation, the
     consensus distance; then the user's loops told the run is over and their reports taken."""
@@ -101,7 +113,7 @@ def _finish(cfg: RunConfig, run_dir: Path, group: Any, clock: Clock, evaluation:
     if algorithm_traits(cfg.sync.algorithm).mixes_models:  # a task's run: Trainer refuses gossip with a loop
         avg_eval, consensus = evaluate_average(cfg, group.call(lambda w: w.get_params()))
     else:  # every region holds the synchronised model
-        avg_eval = per_region.get(names[0])
+        avg_eval = per_region.get(loops.freshest_first(names)[0])  # a loop that ended early holds an older model
         consensus = consensus_from_sketches(list(group.call(lambda w: w.sketch()).values()))
     reports = group.finish() if looping else {}
     wall_s = clock.now()
@@ -113,5 +125,6 @@ def _finish(cfg: RunConfig, run_dir: Path, group: Any, clock: Clock, evaluation:
                    privacy=None, in_process=True, reports=reports)
     if looping:  # the model is the training function's; the config's task was not trained
         summary["config"]["task"] = f"train_fn {train_fn_name(group.train_fn)}"
+        summary.update(loops.summary_fields())
     write_json(run_dir / "summary.json", summary)
     return summary

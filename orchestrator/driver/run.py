@@ -29,6 +29,7 @@ from .export import params_by_region, write_model
 from .faults import Faults
 from .handles import RegionHandles, Reports
 from .journal import Journal
+from .loops import LoopEnds, one_initial_model
 from .pacing import Pacing
 from .privacy import DpBudget
 from .progress import RunProgress
@@ -106,6 +107,7 @@ class Runner:
         self.stop = StopSignals()
         self.evaluation = RunEvaluation(cfg)
         self.dp = DpBudget(cfg, self.journal)
+        self.loops = LoopEnds()  # the loop API: regions whose training loop ended (driver/loops.py)
         self.outcome = "FAILED"  # for the trackers: FINISHED once the summary is written, KILLED when stopped
         self.bytes_sent = 0  # updates pushed by every region so far (the progress line)
         self.setup_s: float | None = None
@@ -153,8 +155,8 @@ class Runner:
                     if self.stop.requested:
                         self._stop_cleanly()
                     self._round(r)
-                    if self.coordinator.done or self.evaluation.hit is not None or self.dp.stopped:
-                        break  # run.max_steps spent, run.target reached, privacy.dp.target_epsilon reached
+                    if self.coordinator.done or self.evaluation.hit is not None or self.dp.stopped or self.loops.all_ended:
+                        break  # run.max_steps spent, run.target reached, privacy.dp.target_epsilon reached, loops over
                 if self.stop.requested:
                     self._stop_cleanly()
                 return self._finish()
@@ -170,7 +172,19 @@ class Runner:
         self.dp.plan(self.opened.actors.info)  # the noise for target_epsilon (a resume then restores the accountant)
         if ready.restored is not None:
             self._restore(*ready.restored)
+        elif self.train_fn is not None:
+            self._one_initial_model()
         self.setup_s, self.startup_s = probe_links(self.cfg, ready, self.journal)
+
+    def _one_initial_model(self) -> None:
+        """A fresh loop-API run: every region starts from the first one's model (driver/loops.py)."""
+        regions, timeout_s = self.regions, self.cfg.sync.deadline.max_s
+        took = one_initial_model(
+            list(regions.alive), lambda names: regions.sketch(names, timeout=600),
+            lambda donors: regions.catch_up(donors, "initial model", timeout_s=timeout_s, timeout=timeout_s + 120),
+            self.journal.note)
+        if took:
+            self.journal.event("initial_model", donor=regions.alive[0], regions=took)
 
     def _on_signal(self, name: str) -> None:
         # Runs in the signal handler: no Ray calls, no locks; the loop acts on it between rounds.
@@ -184,6 +198,7 @@ class Runner:
             self.emulator.set_round(r)
         t_start = self.clock.now()
         participants, absent = self.pacing.participants(r)
+        participants = self.loops.looping(participants)  # a region whose loop ended has left (driver/loops.py)
         muted, back = self.faults.muted_for(r)  # members whose updates never arrive (issue 36, N2)
         for region, rounds_apart in back.items():
             self.pacing.mark_behind(region, rounds_apart)
@@ -194,6 +209,7 @@ class Runner:
         if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
             return
         results = self._run_round(r, plans)
+        self.loops.note(r, results, regions.alive)
         self.faults.flush_for_resync(r, results)
         self.faults.watch_withholding(r, results, participants, coordinator.round_links)
         t_end = self.clock.now()
@@ -336,7 +352,7 @@ class Runner:
             avg_eval, consensus = evaluate_average(self.cfg, params)
         else:  # every region holds the synchronised model now: one evaluation, one model fetched (the export)
             sketches = regions.sketch(regions.alive, timeout=600)
-            alive = regions.alive
+            alive = self.loops.freshest_first(regions.alive)  # a loop that ended early holds an older model
             muted = self.faults.muted(last)  # a muted member trained alone: not the run's model
             first = next((reg for reg in alive if reg not in muted), alive[0] if alive else None)
             avg_eval = per_region.get(first) if first else None
@@ -372,6 +388,7 @@ class Runner:
         summary["reports"] = reports or {}  # the loop API's ctx.report, by region (none on a stop: no loop returned)
         if self.train_fn is not None:  # the model is the training function's; the config's task was not trained
             summary["config"]["task"] = f"train_fn {train_fn_name(self.train_fn)}"
+            summary.update(self.loops.summary_fields())
         write_json(self.run_dir / "summary.json", summary)
         return summary
 

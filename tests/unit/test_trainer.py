@@ -202,3 +202,89 @@ def test_a_functions_model_card_names_it_and_export_points_to_the_final_model(tm
     assert main(["export", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert "trained the model of the function train:train_region" in err and "model.safetensors" in err
+
+
+def _own_init_loop(limits: dict[int, int] | None = None, seen: dict | None = None):
+    """A user's function that builds its model from a seed of its own per region (no ctx.seed), as a
+    user who does not seed model construction gets; `limits`: batches by region index."""
+    import torch
+
+    from geofed.regions.tasks import make_task
+
+    def train_region(ctx) -> None:
+        task = make_task(ctx.config.task, batch_size=ctx.config.sync.inner.batch_size, seed=ctx.seed, device="cpu")
+        torch.manual_seed(1000 + ctx.region_index)  # in-process the regions share a generator: made to differ
+        model = torch.nn.Linear(64, 10)  # drawn from the generator as it happens to be: one per region
+        opt = torch.optim.AdamW(model.parameters(), lr=ctx.config.sync.inner.lr)
+        loader = user_loop.Loader(ctx, task, (limits or {}).get(ctx.region_index))
+        sync = ctx.sync(model, opt, state={"loader": loader})
+        if seen is not None:
+            seen[ctx.region, "start"] = [p.detach().clone() for p in model.parameters()]
+        for batch in loader:
+            x, y = batch[0], batch[1]
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sync.step(loss=float(loss.detach()))
+            if sync.should_stop:
+                break
+        if seen is not None:
+            seen[ctx.region, "end"] = [p.detach().clone() for p in model.parameters()]
+        ctx.report(batches=loader.drawn)
+
+    return train_region
+
+
+def test_regions_whose_functions_built_other_initial_weights_start_from_the_first_ones(tmp_path):
+    """As DDP broadcasts rank 0's model: before round 0 the second region takes the first's initial
+    model (its own init differed), so both end on one synchronised model (serial DiLoCo, identity codec:
+    fp16 rounds the peer's update and not a region's own)."""
+    seen: dict = {}
+    summary = Trainer(_own_init_loop(seen=seen), _cfg(overlap=False), overrides=("compression.codec=identity",),
+                      out=tmp_path / "run", in_process=True, show_progress=False, report=False).fit()
+    a, b = "us-east-1", "eu-west-1"
+    assert all(torch_equal(x, y) for x, y in zip(seen[a, "start"], seen[b, "start"], strict=True))
+    assert all(torch_equal(x, y) for x, y in zip(seen[a, "end"], seen[b, "end"], strict=True))
+    assert summary["reports"] == {a: {"batches": 12}, b: {"batches": 12}}
+
+
+def test_a_region_that_cannot_take_the_first_ones_model_fails_the_run_by_name():
+    import torch
+
+    from geofed.orchestrator.driver.loops import one_initial_model
+    from geofed.orchestrator.driver.recovery import RunFailed
+
+    sketches = {"a": torch.ones(8), "b": torch.ones(8), "c": torch.zeros(8)}
+    took: list = []
+    # Equal sketches: nothing moves.
+    assert one_initial_model(["a", "b"], lambda names: {n: sketches[n] for n in names}, took.append, print) == []
+    assert took == []
+    # A catch-up that leaves "c" as it was: the run fails, naming it and the fix.
+    with pytest.raises(RunFailed, match=r"regions c could not take region a's initial model.*ctx\.seed"):
+        one_initial_model(["a", "b", "c"], lambda names: {n: sketches[n] for n in names}, took.append, print)
+    assert took == [{"c": ["a"]}]
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return torch.equal(x, y)
+
+
+def test_a_region_whose_loop_ended_leaves_the_run_and_the_run_ends_with_the_last_loop(tmp_path):
+    """us-east-1's data ends after 6 batches (round 1 of rounds of 4 steps): from round 2 it is
+    planned no more and eu-west-1 goes on alone (no zero update of the ended region mixed in); once
+    eu-west-1's 10 batches end too (round 2), the run stops before its 5 planned rounds."""
+    mapping = _mapping(overlap=False)
+    mapping["run"]["rounds"] = 5
+    summary = Trainer(_own_init_loop(limits={0: 6, 1: 10}), config_from_mapping(mapping), out=tmp_path / "run",
+                      in_process=True, show_progress=False, report=False).fit()
+    rounds = read_jsonl(tmp_path / "run" / "rounds.jsonl")
+    assert [r["participants"] for r in rounds] == [["us-east-1", "eu-west-1"]] * 2 + [["eu-west-1"]]
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [(m["round"], m["region"], m["steps"]) for m in metrics] == [
+        (0, "us-east-1", 4), (0, "eu-west-1", 4), (1, "us-east-1", 2), (1, "eu-west-1", 4), (2, "eu-west-1", 2)]
+    assert summary["loops_ended"] == {"us-east-1": 1, "eu-west-1": 2}
+    assert summary["ended_early"] == "every region's training loop ended (the last in round 2)"
+    assert summary["reports"] == {"us-east-1": {"batches": 6}, "eu-west-1": {"batches": 10}}
