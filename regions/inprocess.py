@@ -9,8 +9,10 @@ The caller plans the rounds: the orchestrator's Coordinator in ``geofed bench df
 
 With `train_fn` (the loop API, regions/loop.py) each region's inner steps are taken by the user's
 function, one LoopHost (a thread) per region; their functions run one after another up to
-`ctx.sync` (a model built from torch's global generator is then each region's own), and a round's
-steps run under the generator lock below, with the region's own generator swapped in.
+`ctx.sync` (a model built from torch's global generator is then each region's own), and each
+stretch of a loop's code between two hand-offs (one step: from sync.step's return to its next
+call) runs under the generator lock below, with the region's own generator swapped in, so the
+regions' loops take turns step by step as the built-in steps do.
 
 One process has one global torch generator, and a task may draw from it while it trains (the
 GCN's dropout does). A region in its own process has its own; here every worker method that
@@ -89,7 +91,7 @@ class InProcessRegions:
         def build(**injected: Any) -> Region:
             w = _OwnGeneratorRegion(self.cfg, region, self.run_dir, transport=transport, rng_lock=self._rng_lock,
                                     **injected)
-            host.stepper.guard = w.as_own
+            host.stepper.turn_hooks = (w.enter_own, w.leave_own)
             return w
 
         host = LoopHost(self.train_fn, self.cfg, region, self.run_dir, build=build, timeouts=self.timeouts)
@@ -140,14 +142,26 @@ class _OwnGeneratorRegion(Region):
             self._own_rng = torch.get_rng_state()
 
     def as_own(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` with this region's torch generator in, under the process's lock
-        (a loop-mode round's steps too: LoopStepper.guard)."""
-        with self._rng_lock:
-            torch.set_rng_state(self._own_rng)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._own_rng = torch.get_rng_state()
+        """`fn(*args, **kwargs)` with this region's torch generator in, under the process's lock."""
+        self.enter_own()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.leave_own()
+
+    def enter_own(self, timeout_s: float | None = None) -> None:
+        """Take the process's generator lock (waiting at most `timeout_s`) and put this region's
+        generator state in: as_own's first half, and where a loop-mode region's user code resumes
+        (LoopStepper.turn_hooks: each step of the user's loop runs between enter_own and leave_own)."""
+        if not self._rng_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise TimeoutError(f"region {self.region}: another region of this process held torch's generator for "
+                               f"{timeout_s:g} s (its training loop did not reach sync.step())")
+        torch.set_rng_state(self._own_rng)
+
+    def leave_own(self) -> None:
+        """Keep what this region's code left in the generator and release the lock."""
+        self._own_rng = torch.get_rng_state()
+        self._rng_lock.release()
 
     def forward_backward(self) -> float:
         return self.as_own(super().forward_backward)

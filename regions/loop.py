@@ -119,9 +119,13 @@ class LoopStepper(RoundHook):
         self._error: BaseException | None = None  # what the user's function raised
         self._plan: tuple[int, int, float] = (-1, 0, 1.0)  # round, H, lr_scale of the round being run
         self._step_time_s = 0.0  # the last round's mean step: what a round without steps reports
-        # guard(fn, *args, **kwargs): how a round's steps run; InProcessRegions swaps the region's own
-        # torch generator in around them (regions/inprocess.py), as it does around the built-in steps.
-        self.guard: Callable[..., Any] = lambda fn, *args, **kwargs: fn(*args, **kwargs)
+        # (enter(timeout_s), leave()): run on the loop's thread around each stretch of the user's code
+        # between two hand-offs (from ctx.sync's or a step's return to the next step). InProcessRegions
+        # swaps the region's own torch generator in there under the process's lock (regions/inprocess.py):
+        # per step, not per round, so the regions of one process take turns step by step, as their
+        # built-in steps do, instead of one region's whole round after another's.
+        self.turn_hooks: tuple[Callable[[float], None], Callable[[], None]] | None = None
+        self._in_turn = False  # the loop's thread is between enter and leave (only that thread uses it)
         self.last_loss: float | None = None  # the last round's mean loss (the metric without `evaluate`)
 
     # -- the round's side ------------------------------------------------------------------
@@ -139,7 +143,7 @@ class LoopStepper(RoundHook):
         if before_step is not None:
             raise ValueError("the loop API cannot run a step hook between the user's backward and optimizer step "
                              "(sync.gossip.tracking)")
-        return self.guard(self._hand_over, H, budget_s, max_steps)
+        return self._hand_over(H, budget_s, max_steps)
 
     def _hand_over(self, H: int, budget_s: float | None, max_steps: int | None) -> dict[str, Any]:
         with self._cv:
@@ -194,6 +198,24 @@ class LoopStepper(RoundHook):
     # -- the user's side (Sync) --------------------------------------------------------------
     def step(self, loss: float | None) -> None:
         """One inner step taken by the loop; the round's last one parks the loop until the next round."""
+        self.leave_turn()
+        try:
+            self._step(loss)
+        finally:
+            self._enter_turn()
+
+    def _enter_turn(self) -> None:
+        if self.turn_hooks is not None and not self._in_turn:
+            self.turn_hooks[0](self.timeouts.step_s)
+            self._in_turn = True
+
+    def leave_turn(self) -> None:
+        """On the loop's thread: the user's code stops here (a step's hand-off, the function's end)."""
+        if self._in_turn and self.turn_hooks is not None:
+            self._in_turn = False
+            self.turn_hooks[1]()
+
+    def _step(self, loss: float | None) -> None:
         self.slowdown.after_step(time.monotonic() - self._t_last)  # an emulated slower device
         with self._cv:
             if self._stopped:
@@ -217,6 +239,7 @@ class LoopStepper(RoundHook):
         """Park the loop until the first round's steps (ctx.sync: a restore comes before them)."""
         with self._cv:
             self._park()
+        self._enter_turn()
 
     def _park(self) -> None:
         """Wait (holding the lock) for the next round's steps or the run's end."""
@@ -350,6 +373,8 @@ class LoopHost:
             self.train_fn(self.ctx)
         except BaseException as exc:  # noqa: BLE001 - handed to the round (or wait_region, finish) that waits
             error = exc
+        finally:
+            self.stepper.leave_turn()
         with self._cv:
             self._done, self._error = True, error
             self._cv.notify_all()

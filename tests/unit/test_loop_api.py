@@ -31,6 +31,10 @@ QUICK = LoopTimeouts(start_s=60.0, step_s=20.0, park_s=120.0, finish_s=20.0)
 
 
 def _cfg(regions=REGIONS, privacy=None, **sync):
+    return config_from_mapping(_mapping(regions, privacy, **sync), source="test_loop_api")
+
+
+def _mapping(regions=REGIONS, privacy=None, **sync) -> dict:
     m: dict = {"run": {"name": "loop", "seed": 7, "rounds": ROUNDS},
                "task": {"kind": "mlp-digits", "hidden": 16},
                "regions": {"names": regions},
@@ -40,7 +44,7 @@ def _cfg(regions=REGIONS, privacy=None, **sync):
                         "deadline": {"initial_s": 30.0, "max_s": 60.0}, **sync}}
     if privacy is not None:
         m["privacy"] = privacy
-    return config_from_mapping(m, source="test_loop_api")
+    return m
 
 
 def task_loop(limit: int | None = None, *, fail_at: int | None = None, log: list | None = None):
@@ -452,3 +456,29 @@ def test_restarting_a_loop_region_runs_its_function_afresh(tmp_path):
         assert new.restore_checkpoint()["round"] == 0
         _run(group, rounds=2, regions=["a"], start=1)
         assert group.finish() == {"a": {"batches": 2 * H, "stopped": True}}
+
+
+def test_in_process_loops_take_turns_step_by_step_not_round_by_round(tmp_path):
+    """The generator lock is held per step of a user's loop (from sync.step's return to its next
+    call), not for a region's whole round: while one region's loop is out of its step (here the
+    emulated slowdown's sleep after it), another region's loop steps. Held per round, every step of
+    one region came before any of the other's."""
+    order: list[tuple[str, int]] = []
+
+    def train_region(ctx):
+        model = torch.nn.Linear(2, 1)
+        sync = ctx.sync(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        while not sync.should_stop:
+            time.sleep(0.02)  # the step's compute
+            order.append((ctx.region, sync.round))
+            sync.step(loss=1.0)
+
+    cfg = config_from_mapping({**_mapping(regions=["a", "b"], overlap=False),
+                               "regions": {"names": ["a", "b"], "emulation": {"slowdown": {"a": 2.0, "b": 2.0}}}},
+                              source="test_loop_api")
+    with InProcessRegions(cfg, tmp_path, train_fn=train_region, timeouts=QUICK) as group:
+        _run(group, rounds=1, regions=["a", "b"])
+        group.finish()
+    first = [g for g, r in order if r == 0]
+    assert sorted(first) == ["a"] * H + ["b"] * H
+    assert first != sorted(first) and first != sorted(first, reverse=True), first  # interleaved
