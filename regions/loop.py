@@ -443,7 +443,9 @@ class LoopHost:
         and give it `timeout_s` to return; its thread is a daemon if it does not."""
         self.stepper.stop()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        with self._cv:
+            parked = self._region is not None  # a function short of ctx.sync never sees the stop: no wait for it
+        if parked and thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
 
 

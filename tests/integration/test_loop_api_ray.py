@@ -160,6 +160,7 @@ def test_a_function_that_never_calls_sync_fails_the_start_naming_it(tmp_path):
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.slow  # ~17 s on 2 cores; the default suite has the actor's side (test_loop_api) and the driver's message (above)
 def test_a_function_that_raises_before_sync_fails_with_its_error(tmp_path):
     with pytest.raises(PlacementError, match="the user's own bug"):
         _fit(_raises, _mapping(rounds=2), tmp_path / "run")

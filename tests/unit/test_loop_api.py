@@ -482,3 +482,27 @@ def test_in_process_loops_take_turns_step_by_step_not_round_by_round(tmp_path):
     first = [g for g, r in order if r == 0]
     assert sorted(first) == ["a"] * H + ["b"] * H
     assert first != sorted(first) and first != sorted(first, reverse=True), first  # interleaved
+
+
+def test_a_region_actor_whose_function_fails_before_sync_raises_its_error_at_once(tmp_path):
+    """RegionActor(train_fn=...) as a plain class: the function's own exception comes out of the
+    actor's creation (the driver's PlacementError then carries it); a function that never reaches
+    ctx.sync fails it after regions.start_timeout_s, and neither waits on the stuck thread after."""
+    from geofed.regions.actor import RegionActor
+
+    def raises(ctx):
+        raise KeyError("the user's own bug")
+
+    with pytest.raises(KeyError, match="the user's own bug"):
+        RegionActor(_cfg(regions=["a"]), "a", str(tmp_path), train_fn=raises)
+    release = threading.Event()
+    mapping = _mapping(regions=["a"])
+    mapping["regions"] = {"names": ["a"], "start_timeout_s": 0.5}
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"did not call ctx.sync\(\) within 0.5 s"):
+            RegionActor(config_from_mapping(mapping, source="test_loop_api"), "a", str(tmp_path),
+                        train_fn=lambda ctx: release.wait(30))
+        assert time.monotonic() - t0 < 3  # not the 5 s a join of the stuck thread would add
+    finally:
+        release.set()
