@@ -2,7 +2,8 @@
 region actors that exchange over mutual-TLS gRPC through the emulated WAN, as `geofed run` runs a
 task. Same seeds, same weights as the Task path; a driver killed with SIGKILL resumes with the
 user's optimizer and data position, to the weights of an undisturbed run; a function that never
-calls ctx.sync fails the start by name.
+calls ctx.sync fails the start by name; regions whose functions built other initial weights take
+the first region's, and a region whose loop ended leaves the run (orchestrator/driver/loops.py).
 
 The user's loop is tests/support/user_loop.py (the Task's model, an equal AdamW, the
 shard's batches, the task's loss). Imported here it travels to the actors by value (this test
@@ -172,3 +173,40 @@ def _never_syncs(ctx) -> None:
 
 def _raises(ctx) -> None:
     raise KeyError("the user's own bug")
+
+
+def test_over_ray_one_initial_model_and_a_loop_that_ends_leaves_the_run(tmp_path):
+    """Each region's function seeds its model its own way: before round 0 eu-west-1 takes
+    us-east-1's initial model over gRPC (events.jsonl says so). us-east-1's loop returns in round 1:
+    round 2 runs eu-west-1 alone, and the run's model is eu-west-1's (~8 s after the Ray set-up)."""
+    mapping = _mapping(rounds=3)
+    summary = _fit(_own_init, mapping, tmp_path / "run")
+    events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "initial_model"]
+    assert [(e["donor"], e["regions"]) for e in events] == [("us-east-1", ["eu-west-1"])]
+    reports = summary["reports"]
+    assert reports["us-east-1"]["start"] == reports["eu-west-1"]["start"]
+    assert sorted((m["round"], m["region"]) for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")) == [
+        (0, "eu-west-1"), (0, "us-east-1"), (1, "eu-west-1"), (1, "us-east-1"), (2, "eu-west-1")]
+    assert summary["loops_ended"] == {"us-east-1": 1} and summary["ended_early"] is None
+    assert [r["participants"] for r in read_jsonl(tmp_path / "run" / "rounds.jsonl")][-1] == ["eu-west-1"]
+    final = _weights(tmp_path / "run")["weight"].flatten()[:8].tolist()
+    assert final == pytest.approx(reports["eu-west-1"]["end"], abs=1e-6)
+
+
+def _own_init(ctx) -> None:
+    torch.manual_seed(1000 + ctx.region_index)  # not ctx.seed: another model in each region
+    model = torch.nn.Linear(64, 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sync = ctx.sync(model, opt)
+    start = [float(x) for x in model.weight.detach().flatten()[:8]]
+    gen = torch.Generator().manual_seed(ctx.region_index)
+    steps = 0
+    while not sync.should_stop and (ctx.region_index or steps < H + 2):  # us-east-1's data ends in round 1
+        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync.step(loss=float(loss.detach()))
+        steps += 1
+    ctx.report(start=start, end=[float(x) for x in model.weight.detach().flatten()[:8]])
