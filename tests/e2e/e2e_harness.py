@@ -98,3 +98,24 @@ def wait_rounds(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float,
         if time.monotonic() > deadline:
             raise AssertionError(f"no {n} rounds within {timeout_s}s:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
+
+
+def kill_driver_and_resume(start, resume, *, run_dir: Path, after_rounds: int, tmp_path: Path) -> None:
+    """kill -9 of the driver `start(log)` starts once it logged `after_rounds` rounds; its Ray
+    processes (GCS, raylet, region actors) must die with it; then `resume(log)` must finish (exit 0)."""
+    log = tmp_path / "first.log"
+    proc = start(log)
+    tree: dict = {}
+    try:
+        wait_rounds(proc, run_dir, after_rounds, timeout_s=300, log=log)
+        tree = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        core = {i for i, cmd in tree.items() if "gcs_server" in cmd or "raylet" in cmd or "RegionActor" in cmd}
+        assert not wait_gone(core, timeout_s=30), f"outlived the killed driver: {alive(core)}"
+        log2 = tmp_path / "resume.log"
+        resumed = resume(log2)
+        assert resumed.wait(400) == 0, log2.read_text()[-4000:]
+    finally:
+        proc.kill()
+        kill_exactly(set(tree))

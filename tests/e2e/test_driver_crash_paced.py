@@ -5,12 +5,10 @@ was behind (in flight, or without a checkpoint of the last round) caught up from
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 import yaml
-from e2e_harness import alive, descendants, kill_exactly, start_geofed, wait_gone, wait_rounds
+from e2e_harness import kill_driver_and_resume, start_geofed
 from geofed.orchestrator.driver.rundir import read_jsonl
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -36,22 +34,12 @@ def test_sigkilled_paced_run_resumes_and_finishes(tmp_path, mode):
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    run_dir, log = tmp_path / "run", tmp_path / "first.log"
-    proc = start_geofed(["run", str(path), "--out", str(run_dir), "--quiet", "--no-report"], cwd=tmp_path, log=log)
-    tree: dict = {}
-    try:
-        wait_rounds(proc, run_dir, 5, timeout_s=300, log=log)
-        tree = descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        core = {i for i, cmd in tree.items() if "gcs_server" in cmd or "raylet" in cmd or "RegionActor" in cmd}
-        assert not wait_gone(core, timeout_s=30), f"outlived the killed driver: {alive(core)}"
-        log2 = tmp_path / "resume.log"
-        resumed = start_geofed(["run", "--resume", str(run_dir), "--quiet", "--no-report"], cwd=tmp_path, log=log2)
-        assert resumed.wait(400) == 0, log2.read_text()[-4000:]
-    finally:
-        proc.kill()
-        kill_exactly(set(tree))
+    run_dir = tmp_path / "run"
+    kill_driver_and_resume(lambda log: start_geofed(["run", str(path), "--out", str(run_dir), "--quiet", "--no-report"],
+                                                    cwd=tmp_path, log=log),
+                           lambda log: start_geofed(["run", "--resume", str(run_dir), "--quiet", "--no-report"],
+                                                    cwd=tmp_path, log=log),
+                           run_dir=run_dir, after_rounds=5, tmp_path=tmp_path)
 
     events = read_jsonl(run_dir / "events.jsonl")
     (resumed_event,) = [e for e in events if e["event"] == "resumed"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ REGIONS = ["us-east-1", "eu-west-1"]
 H = 8
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "e2e"))
-from e2e_harness import alive, descendants, kill_exactly, wait_gone, wait_rounds
+from e2e_harness import kill_driver_and_resume
 
 # The actors cannot import this folder's modules by name: their functions travel by value.
 ray.cloudpickle.register_pickle_by_value(user_loop)
@@ -123,22 +122,10 @@ def test_a_sigkilled_loop_api_run_resumes_to_the_undisturbed_weights(tmp_path):
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(mapping))
-    run_dir, log = tmp_path / "run", tmp_path / "first.log"
-    proc = _start_user_script([str(config), str(run_dir)], cwd=tmp_path, log=log)
-    tree: dict = {}
-    try:
-        wait_rounds(proc, run_dir, 4, timeout_s=300, log=log)
-        tree = descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        core = {i for i, cmd in tree.items() if "gcs_server" in cmd or "raylet" in cmd or "RegionActor" in cmd}
-        assert not wait_gone(core, timeout_s=30), f"outlived the killed driver: {alive(core)}"
-        log2 = tmp_path / "resume.log"
-        resumed = _start_user_script([str(config), str(run_dir), "--resume"], cwd=tmp_path, log=log2)
-        assert resumed.wait(400) == 0, log2.read_text()[-4000:]
-    finally:
-        proc.kill()
-        kill_exactly(set(tree))
+    run_dir = tmp_path / "run"
+    kill_driver_and_resume(lambda log: _start_user_script([str(config), str(run_dir)], cwd=tmp_path, log=log),
+                           lambda log: _start_user_script([str(config), str(run_dir), "--resume"], cwd=tmp_path, log=log),
+                           run_dir=run_dir, after_rounds=4, tmp_path=tmp_path)
 
     (event,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resumed"]
     assert 0 <= event["from_checkpoint"] < rounds - 1
