@@ -68,14 +68,21 @@ def test_overlap_miss_is_resynced_to_one_model(tmp_path, overlap):
     assert missed, "the outage made DST miss no update of SRC: the test tested nothing"
     # DST takes a model, or gives it: where the flushed exchange left SRC missed by both others, SRC
     # is a suspect and never a donor (issue 36, N1; orchestrator/driver/recovery.py, suspects).
-    resyncs = [e for e in events(tmp_path, "resync") if DST in (e["region"], e["donor"])]
-    assert resyncs, events(tmp_path)
+    # On a loaded host DST's own update can also come late to both peers in the round of the outage:
+    # that is strong evidence of withholding (recovery.WithholdWatch), so DST is muted instead, and on
+    # its return it catches up from a current region. Either way it takes a model that includes the
+    # exchange in flight, which is what this test is about (CI saw the second path once).
+    took = [e for e in events(tmp_path) if e["event"] in ("resync", "caught_up") and DST in (e["region"], e.get("donor"))]
+    assert took, events(tmp_path)
     # The donor's state includes the exchange that was in flight: DST holds exactly its model
     # and outer state, so every region ends on one model (to fp rounding of the own update).
     assert set(summary["eval_per_region"]) == set(REGIONS3)
     assert summary["consensus_distance"] < 1e-4, summary["consensus_distance"]
     assert _spread(summary) <= 1e-3, summary["eval_per_region"]
-    assert summary["faults"]["resyncs"] >= 1
+    if any(e["event"] == "resync" for e in took):
+        assert summary["faults"]["resyncs"] >= 1
+    else:
+        assert events(tmp_path, "member_muted"), events(tmp_path)
     assert [r["round"] for r in read_jsonl(tmp_path / "rounds.jsonl")] == list(range(ROUNDS))
 
 
