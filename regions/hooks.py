@@ -5,7 +5,7 @@ A round of `Region.run_round` reads top to bottom:
     plan        every hook's `plan`, in order: the plan the round runs
     the round   the sync algorithm: inner steps -> payload -> [payload] -> [aggregate] or
                 ([before_send] -> exchange (a hook's `exchange` in place of the Exchanger's, where one
-                gives it) -> mix -> [mix]) -> outer step
+                gives it) -> mix -> [mix]) -> [before_outer_step] -> outer step
     after_round every hook's `after_round`: the round's metrics, or FloatingPointError to reject it
     recover     only for a round that raised FloatingPointError: the first hook that returns
                 metrics ends the round with them; none: the error fails the round as before
@@ -17,7 +17,7 @@ not override is the no-op each docstring names. The features that are hooks, eac
 module (the driver's side of a feature, where it has one, is named in that module's docstring):
 
     gap filling             regions/gapfill.py        GapFill: plan, after_round, report
-    rollback                regions/rollback.py       Rollback: plan, after_round, recover
+    rollback                regions/rollback.py       Rollback: plan, before_outer_step, after_round, recover, report
     pacing (step weight)    regions/pacing.py         StepWeight: payload
     quorum's late updates   regions/pacing.py         StaleMix: mix
     differential privacy    regions/privacy/dp.py     DpHook: plan (record mode), payload (update mode)
@@ -83,6 +83,13 @@ class RoundHook(Protocol):
     def exchange(self, plan: RoundPlan, tensors: Tensors, *, stream: str) -> ExchangeResult | None:
         """The round's exchange in place of the Exchanger's (push, collect until the deadline).
         No-op: None, the Exchanger's exchange runs."""
+        return None
+
+    def before_outer_step(self) -> None:
+        """Once a round, just before an algorithm that announces it (DiLoCo: `announces_outer_step`)
+        first changes its own state (state_dict's tensors: the global copy, the outer optimizer's,
+        overlap's start), after its inner steps and exchange: rollback copies that state here rather
+        than at the round's start, so the copy is not held through the round. No-op: nothing."""
         return None
 
     def after_round(self, plan: RoundPlan, metrics: dict[str, Any]) -> dict[str, Any]:

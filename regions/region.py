@@ -215,7 +215,8 @@ class Region:
                            mix=self.mix, in_weights=self.in_weights, fetch_state=self.transport.fetch_state,
                            evaluate=self.evaluate_params, hurry=lambda: self.exchanger.hurry(),
                            payload=self.payload_hooks, aggregate=self.aggregate_hooks, mix_hooks=self.mix_hooks,
-                           screen=None if self.gauntlet is None else self.gauntlet.screen)
+                           screen=None if self.gauntlet is None else self.gauntlet.screen,
+                           before_outer_step=self.before_outer_step_hooks)
 
     def add_hook(self, hook: RoundHook) -> None:
         """Run `hook` at its points of every round from now on, after the hooks added before it."""
@@ -234,6 +235,11 @@ class Region:
         for hook in self.hooks:
             mixed = hook.mix(plan, mixed, res, metrics)
         return mixed
+
+    def before_outer_step_hooks(self) -> None:
+        """The hooks' `before_outer_step` point, in order (SyncContext.before_outer_step)."""
+        for hook in self.hooks:
+            hook.before_outer_step()
 
     def aggregate_hooks(self, plan: RoundPlan, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]] | None:
         """The first hook's `aggregate` that gives one (SyncContext.aggregate), else None."""

@@ -21,6 +21,8 @@ class AllReduceSync:
     """Per-step gradient averaging in fp32: what plain data parallelism sends, as a baseline."""
 
     traits = algorithm_traits("allreduce")
+    announces_outer_step = False  # its state may change at any point of a round: rollback copies it at the start
+    restores_live = False
 
     evaluates_in_exchange = False
 

@@ -165,6 +165,9 @@ class DilocoSync:
     """The region's DiLoCo round over its parts (the model, or its fragments), optionally overlapped."""
 
     traits = algorithm_traits("diloco")
+    # Its state (global copies, outer optimizer, overlap's start) changes only at the round's end,
+    # after run_round calls ctx.before_outer_step(): a rollback copies it there (regions/rollback.py).
+    announces_outer_step = True
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
@@ -190,6 +193,12 @@ class DilocoSync:
         return [tuple(v.shape) for v in self.parts[round_ % self.layout.n].live]
 
     @property
+    def restores_live(self) -> bool:
+        """Whether load_state_dict of its own state sets the live tensors: the whole model restarts
+        from its global copy; fragments keep the live model the worker restores (unsent progress)."""
+        return self.layout.n == 1
+
+    @property
     def evaluates_in_exchange(self) -> bool:
         """With overlap, an eval round's model is evaluated when its exchange completes."""
         return self.overlap is not None
@@ -208,14 +217,19 @@ class DilocoSync:
         sent = ctx.payload(plan, delta, metrics)  # new tensors if a hook changes them (overlap keeps `delta`)
         t0 = time.monotonic()
         aggregated = ctx.aggregate(plan, sent)  # secure aggregation's mean (SyncContext.aggregate)
+        # ctx.before_outer_step() before the first change of this algorithm's own state (the outer
+        # step, overlap's restart), not before the exchange: the exchange is no change (rollback).
         if aggregated is not None:
+            ctx.before_outer_step()
             metrics.update(self._apply_mean(part, *aggregated))
         elif self.overlap is None:
             res = ctx.exchange(plan, sent, stream=part.stream)
+            ctx.before_outer_step()
             metrics.update(part.apply(plan, sent, res))
             metrics.update(exchange_metrics(res))
         else:
             extra = {"exchange_fragment": f} if self.layout.n > 1 else {}
+            ctx.before_outer_step()
             metrics.update(self.overlap.hand_over(plan, part, sent, delta, metrics, extra=extra))
         metrics["sync_s"] = time.monotonic() - t0
         return metrics

@@ -88,6 +88,8 @@ class GossipSync:
     """Decentralized gossip on the parameters (and the gradient tracker) after H local steps."""
 
     traits = algorithm_traits("gossip")
+    announces_outer_step = False  # its state may change at any point of a round: rollback copies it at the start
+    restores_live = False
 
     evaluates_in_exchange = False
 

@@ -77,6 +77,9 @@ class SyncContext:
     # on the round's mean before the outer step (quorum's late updates); an outer step calls it.
     mix_hooks: Callable[[RoundPlan, list[torch.Tensor], ExchangeResult, dict[str, Any]], list[torch.Tensor]] = \
         lambda plan, mixed, res, metrics: mixed
+    # before_outer_step() -> None: the round hooks' `before_outer_step` point (regions/hooks.py): an
+    # algorithm whose `announces_outer_step` is true calls it once a round before it changes its own state.
+    before_outer_step: Callable[[], None] = lambda: None
     # screen(plan, theta, result) -> result without the updates refused as harmful (regions/gauntlet.py):
     # security.score_updates scores each received update against theta, the model its outer step starts from.
     screen: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], ExchangeResult] | None = None
@@ -86,6 +89,12 @@ class SyncAlgorithm(Protocol):
     """One sync algorithm of a region. Built as ``cls(ctx)``; one instance per worker."""
 
     evaluates_in_exchange: bool  # True: an eval round's model is evaluated when its exchange completes
+    # True: within a round its state_dict's tensors change only after it called ctx.before_outer_step()
+    # (rollback copies them then, not at the round's start); False: they may change at any time.
+    announces_outer_step: bool
+    # True: load_state_dict of its own state also sets the live parameters (DiLoCo's whole model
+    # restarts from its global copy), so a rollback need not copy them.
+    restores_live: bool
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:

@@ -51,3 +51,81 @@ def test_a_rounds_copy_is_made_after_the_last_one_is_dropped(monkeypatch):
     hook.plan(None)
     hook.plan(None)
     assert held_while_copying == [None, None] and hook._state is not None
+
+
+def _overlap_region(tmp_path):
+    from geofed.orchestrator.config import config_from_mapping
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.region import Region
+
+    cfg = config_from_mapping({
+        "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 8},
+        "regions": {"names": ["a"]}, "network": {"emulation": {"mode": "none"}},
+        "sync": {"overlap": True, "deadline": {"initial_s": 2.0, "min_s": 0.5, "max_s": 5.0}}})
+    return Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+
+
+def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_outer_step(tmp_path):
+    """Issue 39: through the inner steps the copy holds the inner optimizer and the model's buffers
+    only (whole-model DiLoCo restarts its parameters from the global copy; its outer state changes
+    only at the outer step, copied then), and none once the round stands. The guarantee is unchanged:
+    a round that fails in its inner steps (no outer copy made) or after its outer step goes back to
+    its start bitwise: global model, outer momentum, AdamW moments, and the model restarted there."""
+    from geofed.regions.hooks import RoundHook
+    from geofed.regions.messages import RoundPlan
+    from geofed.regions.rollback import Rollback
+
+    region = _overlap_region(tmp_path)
+    try:
+        rb = next(h for h in region.hooks if isinstance(h, Rollback))
+        held: list[dict] = []
+
+        class Spy(RoundHook):
+            fail_after = False
+
+            def payload(self, plan, tensors, metrics):  # after the inner steps, before the outer step
+                held.append(dict(rb._state))
+                return tensors
+
+            def after_round(self, plan, metrics):
+                if self.fail_after:
+                    raise FloatingPointError("rejected after the outer step")
+                return metrics
+
+        spy = Spy()
+        region.add_hook(spy)
+        for r in range(3):
+            region.run_round(RoundPlan(round=r, H=2))
+        assert rb._state is None  # released once the round stood
+        params = {n for n, _ in region.model.named_parameters()}
+        assert set(held[-1]) == {"model", "inner"} and not set(held[-1]["model"]) & params
+
+        def start_of_round():
+            algo = region.algorithm.state_dict()
+            return ([g.clone() for g in algo["global"]],
+                    [s["momentum_buffer"].clone() for s in algo["outer"]["state"].values()],
+                    [s["exp_avg_sq"].clone() for s in region.inner.state.values()])
+
+        def assert_restored(start):
+            glob, momentum, moments = start
+            now = start_of_round()
+            assert all(torch.equal(a, b) for a, b in zip(now[0], glob))
+            assert all(torch.equal(a, b) for a, b in zip(now[1], momentum))
+            assert all(torch.equal(a, b) for a, b in zip(now[2], moments))
+            assert all(torch.equal(p, g) for p, g in zip(region.params, glob))  # restarted from the global copy
+
+        start = start_of_round()
+        loss = region.task.loss
+        # NaN gradients while training (AdamW's moments turn NaN too); the probe (no grad) sees the model
+        region.task.loss = lambda model, batch: loss(model, batch) * (float("nan") if torch.is_grad_enabled() else 1.0)
+        m = region.run_round(RoundPlan(round=3, H=2))
+        region.task.loss = loss
+        assert m.security.rolled_back and "algorithm" not in held[-1]
+        assert_restored(start)
+
+        spy.fail_after = True
+        m = region.run_round(RoundPlan(round=4, H=2))  # the outer step applied round 2's mean, then failed
+        assert m.security.rolled_back["why"] == "rejected after the outer step"
+        assert_restored(start)
+    finally:
+        region.close()
