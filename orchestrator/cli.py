@@ -83,6 +83,18 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes (default 2)")
     watch.add_argument("--once", action="store_true", help="print one snapshot and exit (scripts, tests)")
 
+    leave = sub.add_parser("leave", help="retire a region from a live run after its round in flight (docs/reliability.md)",
+                           description="Ask a live run's driver (through RUN_DIR/control) to retire region NAME after "
+                           "its round in flight: its update of that round is delivered, then its actor is closed for "
+                           "good and the others go on without it. Prints the driver's answer (events.jsonl) as JSON. "
+                           "Exit codes: 0 left, 1 refused by the driver (already left, the last region), 2 not a run "
+                           "directory or an unknown region, 3 no driver runs RUN_DIR (ended, or its driver is gone), "
+                           "4 no answer within --wait.")
+    leave.add_argument("run_dir", metavar="RUN_DIR")
+    leave.add_argument("region", metavar="NAME", help="the region to retire (one of the run's regions.names)")
+    leave.add_argument("--wait", type=float, default=300.0, metavar="S",
+                       help="seconds to wait for the driver's answer (default 300; 0: write the request and exit)")
+
     exp = sub.add_parser("export", help="write a checkpoint's averaged model as safetensors or a torch state_dict")
     exp.add_argument("run_dir", metavar="RUN_DIR")
     exp.add_argument("--round", type=int, help="the checkpoint's round (default: the newest)")
@@ -220,6 +232,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .watch import watch
 
         return watch(args.run_dir, interval=args.interval, once=args.once)
+    if args.command == "leave":
+        from .driver.membership import leave_from_args
+
+        return leave_from_args(args)
     if args.command == "export":
         from .driver.export import export_from_args
 

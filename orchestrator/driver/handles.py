@@ -169,6 +169,22 @@ class RegionHandles:
         if not self.alive:
             raise RunFailed(f"every region has failed (last: {region} in round {self.journal.round}: {why})")
 
+    def retire(self, region: str) -> None:
+        """The region leaves the run for good (driver/membership.py): out of `alive` and `dead`, its
+        actor closed (its server stops) and killed with no restart."""
+        if region in self.alive:
+            self.alive.remove(region)
+        for watched in (self.dead, self.probes, self.stalled):
+            watched.pop(region, None)
+        self.actors.pooled.pop(region, None)  # killed, not pooled: its process held a region that left
+        handle = self.actors.handles.pop(region, None)
+        if handle is not None:
+            try:
+                ray.get(handle.close.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                pass  # dead or hung: the kill below ends it either way
+            ray.kill(handle, no_restart=True)
+
     def rejoin(self, region: str, address: str, info: dict[str, Any]) -> None:
         """The region is back in the run, at its place in regions.names order."""
         self.addresses[region] = address

@@ -30,6 +30,7 @@ from .faults import Faults
 from .handles import RegionHandles, Reports
 from .journal import Journal
 from .loops import LoopEnds, one_initial_model
+from .membership import Membership
 from .pacing import Pacing
 from .privacy import DpBudget
 from .progress import RunProgress
@@ -118,6 +119,7 @@ class Runner:
         self.coordinator: Coordinator | None = None
         self.faults: Faults | None = None
         self.pacing: Pacing | None = None
+        self.membership: Membership | None = None
 
     # What callers watching a run read (benches, tests).
     @property
@@ -169,6 +171,8 @@ class Runner:
         self.regions, self.coordinator = ready.regions, ready.coordinator
         self.faults = Faults(self.cfg, self.regions, self.journal, reconnect=self._connect)
         self.pacing = Pacing(self.cfg, self.regions, self.journal, on_late=self._late)
+        self.membership = Membership(self.run_dir, self.regions, self.journal, busy=lambda: self.pacing.busy,
+                                     drain=self._drain)
         self.dp.plan(self.opened.actors.info)  # the noise for target_epsilon (a resume then restores the accountant)
         if ready.restored is not None:
             self._restore(*ready.restored)
@@ -192,6 +196,7 @@ class Runner:
 
     def _round(self, r: int) -> None:
         cfg, regions, coordinator, journal = self.cfg, self.regions, self.coordinator, self.journal
+        self.membership.poll(r)  # leave requests in RUN_DIR/control, taken between rounds (driver/membership.py)
         self.bytes_sent += self.faults.revive(r)
         evaluate = self.evaluation.due(r)
         if self.emulator is not None:
@@ -271,6 +276,11 @@ class Runner:
         regions = self.regions
         regions.connect(lambda src, dst: route(self.emulator, regions.addresses, src, dst))
 
+    def _drain(self, region: str) -> None:
+        """A leaver's exchange in flight (overlap) is finished first: its update of its last round reaches its peers."""
+        if self.cfg.sync.overlap:
+            self.regions.finish_pending([region], timeout=self.cfg.sync.deadline.max_s * 2 + 120)
+
     def _fetch_params(self) -> dict[str, Any]:
         return self.regions.get_params(self.regions.alive, timeout=600)
 
@@ -292,6 +302,7 @@ class Runner:
         self.regions.save_checkpoint([reg for reg in alive if reg not in busy], timeout=300)
         state = {"round": r, "clock": self.clock.now(), "coordinator": self.coordinator.state_dict(),
                  "faults": dict(self.journal.counts), "alive": list(alive), "withhold": self.faults.state_dict(),
+                 "membership": self.membership.state_dict(),
                  **self.dp.state_dict()}
         d = self.run_dir / "checkpoints" / "driver"
         checkpoint.save_atomic(checkpoint.checkpoint_path(d, r), state)
@@ -303,7 +314,8 @@ class Runner:
         journal, regions = self.journal, self.regions
         for why in skipped:
             journal.event("checkpoint_skipped", who="driver", why=why)
-        got = regions.restore_checkpoint(regions.names, r, timeout=300)
+        self.membership.load_state_dict(state.get("membership") or {})  # who left stays gone
+        got = regions.restore_checkpoint(regions.alive, r, timeout=300)
         exact = [reg for reg, g in got.items() if g["round"] == r]
         for reg, g in got.items():
             for why in g["skipped"]:
@@ -385,6 +397,7 @@ class Runner:
         summary["interrupted"] = interrupted
         summary["pacing"] = {"mode": self.pacing.mode, **self.pacing.stats}
         summary["privacy"] = self.dp.summary()
+        summary.update(self.membership.summary_fields())  # `left`: who left the run, when, why
         summary["reports"] = reports or {}  # the loop API's ctx.report, by region (none on a stop: no loop returned)
         if self.train_fn is not None:  # the model is the training function's; the config's task was not trained
             summary["config"]["task"] = f"train_fn {train_fn_name(self.train_fn)}"

@@ -1,0 +1,307 @@
+"""Who is in a live run: requests to leave it, taken between rounds (docs/reliability.md,
+"Membership: leave and join"; issue 41).
+
+The control channel is the run directory itself, so it needs no port and works with the driver on
+any node that sees RUN_DIR: `geofed leave` writes one request as RUN_DIR/control/<id>.json (a
+temporary file renamed into place, so the driver never reads half of one); the driver, between
+rounds, takes each request by renaming it to <id>.json.taken (a request is taken once, whoever
+else looks) and answers in events.jsonl with the request's id: `region_left`, or
+`control_refused` with the reason. A malformed request is refused the same way and the run goes
+on.
+
+A region that leaves has delivered its update of the last round it ran (requests are taken only
+between rounds; with overlap its exchange in flight is finished first), then it is retired for
+good: its actor closed and killed with no restart, out of `alive`, so the coordinator plans the
+next round without it and topology and mixing weights follow the regions that remain (a region's
+plan names who is in the round: its weight goes to them). The final model and evaluation are the
+remaining regions'; summary.json's `left` names who left, when and why.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI's side (leave_from_args) runs without Ray
+    from .handles import RegionHandles
+    from .journal import Journal
+
+__all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Membership", "leave_from_args", "parse_request",
+           "run_is_live", "take_requests", "withdraw_request", "write_request"]
+
+CONTROL_DIR = "control"
+ACTIONS = ("leave",)
+MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes; anything larger is not one of ours
+_ID_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One control request: `id` (the file's stem, echoed in the answer), `action`, `region`."""
+
+    id: str
+    action: str
+    region: str
+
+
+def parse_request(request_id: str, raw: bytes) -> Request:
+    """A request file's content -> Request; ValueError with the reason for anything else."""
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise ValueError(f"larger than {MAX_REQUEST_BYTES} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - {"action", "region", "requested_at"})
+    if unknown:
+        raise ValueError(f"unknown keys: {', '.join(unknown)}")
+    action, region = data.get("action"), data.get("region")
+    if action not in ACTIONS:
+        raise ValueError(f"action: expected one of {', '.join(ACTIONS)}, got {action!r}")
+    if not isinstance(region, str) or not region:
+        raise ValueError(f"region: expected a region name, got {region!r}")
+    return Request(id=request_id, action=action, region=region)
+
+
+def write_request(run_dir: Path, action: str, region: str) -> str:
+    """Write one request into RUN_DIR/control atomically; returns its id (the answer carries it)."""
+    control = Path(run_dir) / CONTROL_DIR
+    control.mkdir(mode=0o700, exist_ok=True)
+    ns = time.time_ns()  # ids sort in the order they were written: the driver takes them in that order
+    request_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(ns // 10**9))}-{ns % 10**9:09d}-{secrets.token_hex(3)}"
+    tmp = control / f".{request_id}.tmp"
+    body = json.dumps({"action": action, "region": region, "requested_at": time.time()}).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, body)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, control / f"{request_id}.json")  # the driver lists *.json only: never half a request
+    return request_id
+
+
+def withdraw_request(run_dir: Path, request_id: str) -> bool:
+    """Remove a request the driver has not taken yet; False when it was taken (it may still act)."""
+    try:
+        (Path(run_dir) / CONTROL_DIR / f"{request_id}.json").unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def take_requests(run_dir: Path) -> list[tuple[str, Request | ValueError]]:
+    """Every request waiting in RUN_DIR/control, oldest first (ids start with their UTC time), each
+    taken by renaming it to .taken: (id, the Request or the ValueError saying why it is malformed)."""
+    control = Path(run_dir) / CONTROL_DIR
+    if not control.is_dir():
+        return []
+    out: list[tuple[str, Request | ValueError]] = []
+    for path in sorted(control.glob("*.json")):
+        request_id = path.stem
+        taken = path.with_name(path.name + ".taken")
+        try:
+            os.rename(path, taken)
+        except FileNotFoundError:
+            continue  # withdrawn meanwhile
+        if not set(request_id) <= _ID_CHARS:
+            out.append((request_id[:80], ValueError("file name: not a request id (write requests with geofed leave)")))
+            continue
+        try:
+            with open(taken, "rb") as f:
+                raw = f.read(MAX_REQUEST_BYTES + 1)
+            out.append((request_id, parse_request(request_id, raw)))
+        except OSError as exc:
+            out.append((request_id, ValueError(f"unreadable: {exc.strerror}")))
+        except ValueError as exc:
+            out.append((request_id, exc))
+    return out
+
+
+class Membership:
+    """The driver's side of who is in the run. The round loop calls `poll(r)` before each round;
+    `busy()` names regions with a round in flight (a quorum round's straggler), whose leave waits
+    for that round; `drain(region)` finishes a leaver's exchange in flight before it goes."""
+
+    def __init__(self, run_dir: Path, regions: RegionHandles, journal: Journal, *,
+                 busy: Callable[[], Collection[str]], drain: Callable[[str], None]):
+        self.run_dir, self.regions, self.journal = Path(run_dir), regions, journal
+        self.busy, self.drain = busy, drain
+        self.left: dict[str, dict[str, Any]] = {}  # region -> {round, why, request}
+        self.waiting: list[Request] = []  # leaves held until the region's round in flight returns
+
+    def poll(self, r: int) -> list[str]:
+        """Take the requests in RUN_DIR/control and act on them before round r; returns the regions
+        that left."""
+        for request_id, got in take_requests(self.run_dir):
+            if isinstance(got, ValueError):
+                self._refuse(request_id, None, f"malformed request: {got}")
+            else:
+                self.waiting.append(got)
+        gone, held = [], []
+        for req in self.waiting:
+            why = self._refusal(req, gone)
+            if why is not None:
+                self._refuse(req.id, req.region, why)
+            elif req.region in self.busy():
+                held.append(req)  # its quorum round is in flight: it leaves once that returns
+            else:
+                self.leave(req.region, r, why="request", request=req.id)
+                gone.append(req.region)
+        self.waiting = held
+        return gone
+
+    def _refusal(self, req: Request, gone: list[str]) -> str | None:
+        regions = self.regions
+        if req.region in self.left or req.region in gone:
+            return f"region {req.region} has already left the run"
+        if req.region not in regions.names:
+            return f"unknown region {req.region!r}: the run's regions are {', '.join(regions.names)}"
+        if [reg for reg in regions.alive if reg != req.region and reg not in gone] == []:
+            return f"region {req.region} is the last region in the run: stop the run instead (Ctrl-C or SIGTERM to the driver)"
+        return None
+
+    def _refuse(self, request_id: str, region: str | None, why: str) -> None:
+        self.journal.event("control_refused", request=request_id, region=region, why=why)
+        self.journal.note(f"control request {request_id} refused: {why}")
+
+    def leave(self, region: str, r: int, *, why: str, request: str | None = None) -> None:
+        """Retire `region` before round r: its exchange in flight finished (when it is alive), its
+        actor closed and killed for good, out of the run."""
+        regions = self.regions
+        was_alive = region in regions.alive
+        if was_alive:
+            try:
+                self.drain(region)
+            except Exception as exc:  # noqa: BLE001 - it goes anyway; its peers' deadlines cover the rest
+                self.journal.note(f"region {region}: its exchange in flight did not finish before it left: {exc}")
+        regions.retire(region)
+        self.left[region] = {"round": r - 1, "why": why, "request": request}
+        self.journal.count("regions_left")
+        self.journal.event("region_left", region=region, request=request, why=why, last_round=r - 1,
+                           was_alive=was_alive, alive=list(regions.alive))
+        self.journal.note(f"region {region} left the run after round {r - 1} ({why}); "
+                          f"{len(regions.alive)} regions go on: {', '.join(regions.alive)}", style="green")
+
+    def summary_fields(self) -> dict[str, Any]:
+        """summary.json's `left`: region -> {round (the last it ran), why, request}."""
+        return {"left": dict(self.left)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"left": dict(self.left)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed run: the regions that left stay gone (their new actors are retired at once)."""
+        for region, rec in (state.get("left") or {}).items():
+            if region in self.regions.names and region not in self.left:
+                self.regions.retire(region)
+                self.left[region] = dict(rec)
+
+
+# -- the CLI's side: `geofed leave` -----------------------------------------------------------
+EXIT = {"left": 0, "refused": 1, "bad_input": 2, "not_running": 3, "timed_out": 4}
+_ANSWERS = ("region_left", "control_refused")
+
+
+def run_is_live(run_dir: Path) -> bool:
+    """A driver holds RUN_DIR/run.lock (rundir.lock_run_dir) for as long as it runs the run."""
+    try:
+        fd = os.open(Path(run_dir) / "run.lock", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EAGAIN, errno.EACCES)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+class _EventTail:
+    """events.jsonl's lines written after it was opened, as they come (a torn last line waits)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = path.stat().st_size if path.is_file() else 0
+        self.partial = b""
+
+    def new(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(1 << 20)
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+
+def _say(message: str) -> None:
+    print(f"geofed leave: {message}", file=sys.stderr)
+
+
+def leave_from_args(args: Any) -> int:
+    """`geofed leave RUN_DIR NAME [--wait S]`: ask the run's driver to retire region NAME after the
+    round in flight, and wait (at most S seconds; 0: not at all) for its answer in events.jsonl,
+    printed as one JSON line. Exit codes: EXIT (0 left, 1 refused by the driver, 2 not a run
+    directory or an unknown region, 3 no driver runs the run, 4 no answer within S)."""
+    from .rundir import run_dir_config
+
+    run_dir = Path(args.run_dir)
+    # A Runner started from Python writes no config.yaml: then the driver alone checks the name.
+    known = (run_dir / "config.yaml").exists() or not ((run_dir / "run.lock").exists() or (run_dir / "events.jsonl").exists())
+    names = list(run_dir_config(run_dir).regions.names) if known else [args.region]  # ConfigError (exit 2): not a run directory
+    if args.region not in names:
+        _say(f"unknown region {args.region!r}: {run_dir}'s regions are {', '.join(names)}")
+        return EXIT["bad_input"]
+    if not run_is_live(run_dir):
+        _say(f"no driver runs {run_dir} (the run has ended, or its driver is gone: geofed run --resume {run_dir} "
+             "takes requests again)")
+        return EXIT["not_running"]
+    tail = _EventTail(run_dir / "events.jsonl")
+    request_id = write_request(run_dir, "leave", args.region)
+    if args.wait <= 0:
+        print(json.dumps({"request": request_id, "region": args.region, "action": "leave"}))
+        return EXIT["left"]
+    deadline = time.monotonic() + args.wait
+    while True:
+        live = run_is_live(run_dir)  # before reading: a driver that answers and ends is read after its end
+        for record in tail.new():
+            if record.get("request") == request_id and record.get("event") in _ANSWERS:
+                print(json.dumps(record))
+                return EXIT["left"] if record["event"] == "region_left" else EXIT["refused"]
+        if not live or time.monotonic() > deadline:
+            if withdraw_request(run_dir, request_id):
+                _say("the run ended before its driver took the request (withdrawn)" if not live else
+                     f"the driver did not take the request within {args.wait:g}s (withdrawn): it takes requests "
+                     "between rounds; a longer --wait waits for a long round")
+                return EXIT["not_running"] if not live else EXIT["timed_out"]
+            if not live:
+                _say("the run ended after its driver took the request, without an answer")
+                return EXIT["not_running"]
+            _say(f"the driver took request {request_id} but did not answer within {args.wait:g}s: the region "
+                 "leaves once its round in flight returns (events.jsonl: region_left)")
+            return EXIT["timed_out"]
+        time.sleep(0.2)
