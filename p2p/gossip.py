@@ -38,17 +38,19 @@ def fold_missing(in_weights: Mapping[Hashable, float], self_weight: float,
 
 
 def mix(own: Sequence[torch.Tensor], received: Mapping[Hashable, Sequence[torch.Tensor]],
-        in_weights: Mapping[Hashable, float], self_weight: float) -> list[torch.Tensor]:
+        in_weights: Mapping[Hashable, float], self_weight: float, *, consume_own: bool = False) -> list[torch.Tensor]:
     """Weighted average of `own` and the received tensor lists; missing peers fold into self.
 
     Received entries for peers without a weight are an error (they should have been refused
-    by the transport's sender check), as are shape mismatches.
+    by the transport's sender check), as are shape mismatches. `consume_own`: the caller gives
+    `own` up, and the average is summed into it (the same operations in the same order, without a
+    model-sized output beside it: DiLoCo's pseudo-gradient, issue 39).
     """
     extra = set(received) - set(in_weights)
     if extra:
         raise ValueError(f"received: values from peers without a weight this round: {sorted(map(str, extra))}")
     weights, w_self = fold_missing(in_weights, self_weight, received)
-    out = [t.detach().clone().mul_(w_self) for t in own]
+    out = [(t.detach() if consume_own else t.detach().clone()).mul_(w_self) for t in own]
     for j, w in weights.items():
         tensors = received[j]
         if len(tensors) != len(out):

@@ -531,9 +531,10 @@ class Region:
             res.stale = [(s, r, moved[f"{s}@{r}"]) for s, r, _ in res.stale]
         return res
 
-    def mix(self, plan: RoundPlan, own, res) -> list[torch.Tensor]:
+    def mix(self, plan: RoundPlan, own, res, *, consume_own: bool = False) -> list[torch.Tensor]:
         """The round's aggregate of `own` and what `res` received: the topology's weighted mix, or the
         robust coordinate-wise one that security.robust_aggregation selects (full-topology runs only).
+        `consume_own`: the caller gives `own` up and the weighted mix is summed into it (p2p mix).
         """
         how = self.cfg.security.robust_aggregation
         if self._clips_at_mix() and res.received:
@@ -546,7 +547,7 @@ class Region:
             # Paced rounds leave slow or absent regions out on purpose: the mean of what is in (the
             # same set at every region of the round), not a missing peer's weight folded into self.
             w = 1.0 / (1 + len(res.received))
-            return mix(own, res.received, {p: w for p in res.received}, w)
+            return mix(own, res.received, {p: w for p in res.received}, w, consume_own=consume_own)
         weights, self_w = self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round)
         if self.cfg.sync.topology == "full" and plan.alive is not None:
             # Regions left out of the round (dead, stalled) are no miss: their weight goes to every
@@ -555,7 +556,7 @@ class Region:
             live = {p: w for p, w in weights.items() if p in plan.alive}
             total = self_w + sum(live.values())
             weights, self_w = {p: w / total for p, w in live.items()}, self_w / total
-        return mix(own, res.received, weights, self_w)
+        return mix(own, res.received, weights, self_w, consume_own=consume_own)
 
     def _clips_at_mix(self) -> bool:
         """security.robust_aggregation clip with clip_multiple on: each round's mix scales every peer

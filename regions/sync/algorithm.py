@@ -42,7 +42,8 @@ class Algorithm(Protocol):
         ...
 
     def apply(self, plan: PlanView, own: Sequence[torch.Tensor], received: Received) -> dict[str, Any]:
-        """Mix `own` (what was sent) with what was `received` and apply it; metrics it adds to the round's."""
+        """Mix `own` (what was sent) with what was `received` and apply it; metrics it adds to the round's.
+        `own` may be used up (DiLoCo sums the mix into it)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

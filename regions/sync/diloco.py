@@ -63,7 +63,7 @@ class Diloco:
 
     def apply(self, plan: RoundPlan, own: Sequence[torch.Tensor], received: ExchangeResult) -> dict[str, Any]:
         """The mix of `own` and what was received, stepped by the outer optimizer; the live tensors
-        restart from the new global copy."""
+        restart from the new global copy. `own` is used up (the mix is summed into it)."""
         mixed, metrics = self.mixed(plan, own, received)
         self.step(mixed)
         self.set_live(self.global_params)
@@ -71,10 +71,13 @@ class Diloco:
 
     def mixed(self, plan: RoundPlan, own: Sequence[torch.Tensor], res: ExchangeResult) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """The round's mean pseudo-gradient (less what the gauntlet refuses), then the round hooks' `mix`
-        point on it (quorum's late updates, pacing.StaleMix), and the metrics that say so."""
+        point on it (quorum's late updates, pacing.StaleMix), and the metrics that say so. `own` is
+        used up: the mean is summed into it."""
         ctx, metrics = self.ctx, {}
         plan, res = self._screened(plan, res)
-        mixed = ctx.mix_hooks(plan, ctx.mix(plan, own, res), res, metrics)
+        # `own` is the round's pseudo-gradient, read by nobody after the mix: the mean is summed into it
+        # (overlap restarts the model from it before the exchange starts), a model's worth less (issue 39).
+        mixed = ctx.mix_hooks(plan, ctx.mix(plan, own, res, consume_own=True), res, metrics)
         return mixed, metrics
 
     def _screened(self, plan: RoundPlan, res: ExchangeResult) -> tuple[RoundPlan, ExchangeResult]:

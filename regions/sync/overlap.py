@@ -70,12 +70,14 @@ class Overlap:
         out = self.flush() if self._pending is not None else {
             **no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0}
         window_s, spread_s = self.window.note(plan, metrics)
-        self._pending = self._pool.submit(self._exchange_and_mix, plan, part, sent, window_s, spread_s)
-        self._pending_of = (part, plan.round, dict(extra))
+        # The restart reads `sent` (eager) or `delta` (which `sent` may be) before the thread sums the
+        # round's mean into `sent` (Diloco.mixed): restart first, then hand it over.
         if self.eager:
             part.set_live(part.preview(sent), start=True)
         else:
             part.restart_behind(delta)
+        self._pending = self._pool.submit(self._exchange_and_mix, plan, part, sent, window_s, spread_s)
+        self._pending_of = (part, plan.round, dict(extra))
         return out
 
     def _exchange_and_mix(self, plan: RoundPlan, part: OuterPart, sent: list[torch.Tensor], window_s: float,

@@ -72,7 +72,7 @@ def test_an_overlapped_exchange_keeps_no_received_update_and_the_outer_step_no_g
 
     ctx = SyncContext(region="a", index=0, params=[x], shapes=[(64,)], settings=cfg.sync, seed=0,
                       stepper=_Quadratic([x], torch.ones(64), lr=0.5), exchange=exchange,
-                      mix=lambda plan, own, res: mix(own, res.received, {"b": 0.5}, 0.5),
+                      mix=lambda plan, own, res, **kw: mix(own, res.received, {"b": 0.5}, 0.5, **kw),
                       in_weights=lambda r: {"b": 0.5}, fetch_state=lambda peer, **kw: b"",
                       evaluate=lambda params, **kw: {"metric": "none", "value": 0.0, "higher_is_better": True})
     algo = DilocoSync(ctx)
@@ -83,6 +83,36 @@ def test_an_overlapped_exchange_keeps_no_received_update_and_the_outer_step_no_g
         assert received and received[0]() is None, "the pending exchange holds a received update"
         algo.run_round(RoundPlan(round=1, H=1))  # applies round 0's mean
         assert all(g.grad is None for g in algo.parts[0].global_params)
+    finally:
+        algo.close()
+
+
+def test_an_overlapped_mean_is_summed_into_the_pseudo_gradient_sent_and_the_restart_read_it_first():
+    """The mix's output was a model's worth beside the pseudo-gradient it was made of, held to the next
+    round's end; now the mean is summed into the pseudo-gradient (the same operations: the same
+    values), which the model's restart (live = global - delta) read before the exchange had it."""
+    cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"overlap": True}})
+    x = torch.zeros(64, requires_grad=True)
+    sent: list[tuple[torch.Tensor, torch.Tensor]] = []
+    peer = torch.linspace(-1.0, 1.0, 64)
+
+    def exchange(plan, tensors, **kw):
+        sent.append((tensors[0], tensors[0].clone()))
+        return ExchangeResult(received={"b": [peer.clone()]}, own_decoded={}, missing=[])
+
+    ctx = SyncContext(region="a", index=0, params=[x], shapes=[(64,)], settings=cfg.sync, seed=0,
+                      stepper=_Quadratic([x], torch.linspace(0.0, 3.0, 64), lr=0.3), exchange=exchange,
+                      mix=lambda plan, own, res, **kw: mix(own, res.received, {"b": 0.5}, 0.5, **kw),
+                      in_weights=lambda r: {"b": 0.5}, fetch_state=lambda peer, **kw: b"",
+                      evaluate=lambda params, **kw: {"metric": "none", "value": 0.0, "higher_is_better": True})
+    algo = DilocoSync(ctx)
+    try:
+        algo.run_round(RoundPlan(round=0, H=1))
+        _, mixed, _, _ = algo.overlap._pending.result(timeout=30)
+        own, delta = sent[0]
+        assert mixed[0].data_ptr() == own.data_ptr()  # no model-sized output beside it
+        assert torch.equal(mixed[0], mix([delta], {"b": [peer]}, {"b": 0.5}, 0.5)[0])
+        assert torch.equal(x.detach(), algo.parts[0].global_params[0] - delta)  # restarted behind the delta as sent
     finally:
         algo.close()
 

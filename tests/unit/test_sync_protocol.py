@@ -49,7 +49,7 @@ def _context(settings, params, stepper, peer_tensors):
 
     return SyncContext(region="a", index=0, params=params, shapes=[tuple(p.shape) for p in params], settings=settings,
                        seed=0, stepper=stepper, exchange=exchange,
-                       mix=lambda plan, own, res: mix(own, res.received, {"b": 0.5}, 0.5),
+                       mix=lambda plan, own, res, **kw: mix(own, res.received, {"b": 0.5}, 0.5, **kw),
                        in_weights=lambda r: {"b": 0.5}, fetch_state=lambda peer, **kw: b"",
                        evaluate=lambda params, **kw: {"metric": "none", "value": 0.0, "higher_is_better": True})
 
