@@ -88,13 +88,20 @@ class Faults:
             return 0  # it died meanwhile: a dead region now, probed for its restart from the next round
         except ray.exceptions.RayTaskError as exc:
             log.warning("region %s: its late call failed (%s); it rejoins anyway", region, first_line(exc))
-        return self._rejoin(region, r, dict(regions.actors.info.get(region) or {}), restarted=False,
+        return self._rejoin(region, r, dict(regions.actors.info.get(region) or {}), after="stall",
                             stalled_s=time.monotonic() - st["since"])
 
-    def _rejoin(self, region: str, r: int, info: dict, *, restarted: bool = True, stalled_s: float | None = None) -> int:
-        """New server (after a restart), reconnect everyone, own checkpoint, then the current
+    def join(self, region: str, r: int, info: dict) -> int:
+        """A region that left comes back in a new actor (`geofed join`, driver/membership.py): the
+        same path as a restarted region's (new server, everyone reconnects, the current model and
+        outer state from a peer), before round r; the bytes donors' flushes sent."""
+        return self._rejoin(region, r, info, after="join")
+
+    def _rejoin(self, region: str, r: int, info: dict, *, after: str = "restart", stalled_s: float | None = None) -> int:
+        """New server (after a restart or a join), reconnect everyone, own checkpoint, then the current
         model from a peer. A region back from a stall keeps its server and address."""
         regions = self.regions
+        restarted = after != "stall"
         try:
             address = ray.get(regions.start_ref(region), timeout=60) if restarted else regions.addresses[region]
             restored = ray.get(regions.restore_ref(region, r - 1), timeout=120)
@@ -117,13 +124,13 @@ class Faults:
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as exc:
                 # Its own checkpoint is the best it has; a resync after its first round realigns it.
                 log.warning("region %s: no peer gave its state: %s", region, first_line(exc))
-        if restarted:
+        if after == "restart":
             self.journal.count("region_restarts")
         self.journal.event("region_rejoined", region=region, pid=info.get("pid"), grpc_address=address,
                            restored_round=restored["round"], skipped_checkpoints=restored["skipped"],
-                           donor=donor, state_round=state_round, after="restart" if restarted else "stall",
+                           donor=donor, state_round=state_round, after=after,
                            **({} if stalled_s is None else {"stalled_s": round(stalled_s, 2)}))
-        self.journal.note(f"region {region} rejoined at round {r} after a {'restart' if restarted else 'stall'} "
+        self.journal.note(f"region {region} rejoined at round {r} after a {after} "
                           f"(checkpoint {restored['round']}, state of round {state_round} from {donor})", style="green")
         return sent
 

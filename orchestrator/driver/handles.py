@@ -35,8 +35,9 @@ class _Liveness:
     actor's own thread (regions/actor.py), at most one in flight per region. A region busy with a
     long call answers it; a stopped or hung one does not."""
 
-    def __init__(self, handles: dict[str, Any], timeout_s: float):
+    def __init__(self, handles: dict[str, Any], timeout_s: float, leaving: dict[str, dict] | None = None):
         self.handles, self.timeout_s = handles, timeout_s
+        self.leaving = {} if leaving is None else leaving  # region -> the heartbeat that said it is leaving
         self.every_s = min(1.0, timeout_s / 4)
         self.t0 = time.monotonic()
         self.last_ok: dict[str, float] = {}
@@ -52,8 +53,10 @@ class _Liveness:
             if hb is not None and ray.wait([hb], timeout=0)[0]:
                 del self.inflight[region]
                 try:
-                    ray.get(hb)
+                    answer = ray.get(hb)
                     self.last_ok[region] = now
+                    if answer.get("leaving"):  # a SIGTERM (spot notice) came mid-call: regions/leave_notice.py
+                        self.leaving.setdefault(region, answer)
                 except ray.exceptions.RayError:
                     pass  # it died: its pending call fails too, and says so
             if region not in self.inflight:
@@ -77,6 +80,7 @@ class RegionHandles:
         self.probes: dict[str, Any] = {}  # dead region -> node_info ref: answers once Ray restarted it
         self.stalled: dict[str, dict[str, float]] = {}  # stalled region (in dead; its probe is its pending call)
         self.addresses: dict[str, str] = {}
+        self.leaving: dict[str, dict] = {}  # region -> its heartbeat saying it got a SIGTERM (driver/membership.py)
 
     # -- gathering ---------------------------------------------------------------------------
     def gather(self, refs: dict[Any, str], what: str, *, timeout: float, on_result: OnResult | None = None) -> dict[str, Any]:
@@ -90,7 +94,7 @@ class RegionHandles:
             return {}
         pending = dict(refs)
         out: dict[str, Any] = {}
-        probe = _Liveness(self.actors.handles, self.cfg.regions.heartbeat_timeout_s)
+        probe = _Liveness(self.actors.handles, self.cfg.regions.heartbeat_timeout_s, self.leaving)
         t0 = t_last = time.monotonic()
         noted: set[str] = set()
         while pending and (left := timeout - (time.monotonic() - t0)) > 0:
@@ -136,6 +140,9 @@ class RegionHandles:
     # -- membership --------------------------------------------------------------------------
     def fail(self, region: str, why: str) -> None:
         """The region failed: left out (elastic) or the run stops (fail-fast)."""
+        if region in self.leaving:  # its spot notice's grace ran out mid-call: it leaves (driver/membership.py)
+            self.leave_out(region, f"{why} (after a SIGTERM: leaving)")
+            return
         r = self.journal.round
         self.journal.count("region_failures")
         self.journal.event("region_failed", region=region, why=why)
@@ -174,7 +181,7 @@ class RegionHandles:
         actor closed (its server stops) and killed with no restart."""
         if region in self.alive:
             self.alive.remove(region)
-        for watched in (self.dead, self.probes, self.stalled):
+        for watched in (self.dead, self.probes, self.stalled, self.leaving):
             watched.pop(region, None)
         self.actors.pooled.pop(region, None)  # killed, not pooled: its process held a region that left
         handle = self.actors.handles.pop(region, None)

@@ -26,7 +26,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,11 +35,11 @@ if TYPE_CHECKING:  # the CLI's side (leave_from_args) runs without Ray
     from .handles import RegionHandles
     from .journal import Journal
 
-__all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Membership", "leave_from_args", "parse_request",
+__all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Membership", "request_from_args", "parse_request",
            "run_is_live", "take_requests", "withdraw_request", "write_request"]
 
 CONTROL_DIR = "control"
-ACTIONS = ("leave",)
+ACTIONS = ("leave", "join")
 MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes; anything larger is not one of ours
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
 
@@ -130,20 +130,30 @@ def take_requests(run_dir: Path) -> list[tuple[str, Request | ValueError]]:
 
 
 class Membership:
-    """The driver's side of who is in the run. The round loop calls `poll(r)` before each round;
-    `busy()` names regions with a round in flight (a quorum round's straggler), whose leave waits
-    for that round; `drain(region)` finishes a leaver's exchange in flight before it goes."""
+    """The driver's side of who is in the run. The round loop calls `poll(r)` before each round and
+    `note_reports(results)` after it. `busy()` names regions with a round in flight (a quorum round's
+    straggler), whose leave waits for that round; `drain(region)` finishes a leaver's exchange in
+    flight before it goes; `spawn(region)` places a new actor for a joiner (its handle and
+    node_info) and `rejoin(region, r, info)` brings it in as a restarted region is (faults.py);
+    `probe(regions)` measures their links before they carry updates. Without `spawn` joins are refused."""
 
     def __init__(self, run_dir: Path, regions: RegionHandles, journal: Journal, *,
-                 busy: Callable[[], Collection[str]], drain: Callable[[str], None]):
+                 busy: Callable[[], Collection[str]], drain: Callable[[str], None],
+                 spawn: Callable[[str], tuple[Any, dict]] | None = None,
+                 rejoin: Callable[[str, int, dict], Any] | None = None,
+                 probe: Callable[[list[str]], None] | None = None):
         self.run_dir, self.regions, self.journal = Path(run_dir), regions, journal
         self.busy, self.drain = busy, drain
-        self.left: dict[str, dict[str, Any]] = {}  # region -> {round, why, request}
+        self.spawn, self.rejoin, self.probe = spawn, rejoin, probe
+        self.left: dict[str, dict[str, Any]] = {}  # region -> {round, why, request} of its last leave
+        self.joined: dict[str, dict[str, Any]] = {}  # region -> {round, request} of its last join
+        self.out: set[str] = set()  # left and not back
         self.waiting: list[Request] = []  # leaves held until the region's round in flight returns
+        self.kept: set[str] = set()  # the last region, which a SIGTERM cannot retire (said once)
 
     def poll(self, r: int) -> list[str]:
-        """Take the requests in RUN_DIR/control and act on them before round r; returns the regions
-        that left."""
+        """Take the requests in RUN_DIR/control and act on them, in the order written, before round
+        r; then the spot notices. Returns the regions that left."""
         for request_id, got in take_requests(self.run_dir):
             if isinstance(got, ValueError):
                 self._refuse(request_id, None, f"malformed request: {got}")
@@ -151,24 +161,51 @@ class Membership:
                 self.waiting.append(got)
         gone, held = [], []
         for req in self.waiting:
-            why = self._refusal(req, gone)
+            why = self._refusal(req)
             if why is not None:
                 self._refuse(req.id, req.region, why)
+            elif req.action == "join":
+                self.join(req.region, r, request=req.id)
             elif req.region in self.busy():
                 held.append(req)  # its quorum round is in flight: it leaves once that returns
             else:
                 self.leave(req.region, r, why="request", request=req.id)
                 gone.append(req.region)
         self.waiting = held
+        for region in sorted(self.regions.leaving):  # spot notices: a SIGTERM to the region's process
+            if region in self.out or region in self.busy():
+                continue
+            if not [reg for reg in self.regions.alive if reg != region]:
+                if region not in self.kept:
+                    self.kept.add(region)
+                    self.journal.note(f"region {region} got a SIGTERM but is the last region in the run: it stays "
+                                      "until its process ends")
+                continue
+            self.leave(region, r, why="sigterm")
+            gone.append(region)
         return gone
 
-    def _refusal(self, req: Request, gone: list[str]) -> str | None:
+    def note_reports(self, results: Mapping[str, Any]) -> None:
+        """A round's reports: a region whose report says it is leaving (it got a SIGTERM, a spot
+        notice: regions/leave_notice.py) leaves before the next round, its update of this one delivered."""
+        for region, m in results.items():
+            if m.extra.get("leaving"):
+                self.regions.leaving.setdefault(region, dict(m.extra))
+
+    def _refusal(self, req: Request) -> str | None:
         regions = self.regions
-        if req.region in self.left or req.region in gone:
-            return f"region {req.region} has already left the run"
         if req.region not in regions.names:
-            return f"unknown region {req.region!r}: the run's regions are {', '.join(regions.names)}"
-        if [reg for reg in regions.alive if reg != req.region and reg not in gone] == []:
+            new = " (joining under a new name is not supported yet)" if req.action == "join" else ""
+            return f"unknown region {req.region!r}: the run's regions are {', '.join(regions.names)}{new}"
+        if req.action == "join":
+            if req.region in regions.alive:
+                return f"region {req.region} is in the run"
+            if self.spawn is None or self.rejoin is None:
+                return "this run cannot place new region actors (joins need the Ray driver)"
+            return None
+        if req.region in self.out:
+            return f"region {req.region} has already left the run"
+        if [reg for reg in regions.alive if reg != req.region] == []:
             return f"region {req.region} is the last region in the run: stop the run instead (Ctrl-C or SIGTERM to the driver)"
         return None
 
@@ -186,32 +223,67 @@ class Membership:
                 self.drain(region)
             except Exception as exc:  # noqa: BLE001 - it goes anyway; its peers' deadlines cover the rest
                 self.journal.note(f"region {region}: its exchange in flight did not finish before it left: {exc}")
+        notice = regions.leaving.get(region) or {}
         regions.retire(region)
         self.left[region] = {"round": r - 1, "why": why, "request": request}
+        self.out.add(region)
         self.journal.count("regions_left")
         self.journal.event("region_left", region=region, request=request, why=why, last_round=r - 1,
-                           was_alive=was_alive, alive=list(regions.alive))
+                           was_alive=was_alive, alive=list(regions.alive),
+                           **({"grace_left_s": notice["grace_left_s"]} if "grace_left_s" in notice else {}))
         self.journal.note(f"region {region} left the run after round {r - 1} ({why}); "
                           f"{len(regions.alive)} regions go on: {', '.join(regions.alive)}", style="green")
 
+    def join(self, region: str, r: int, *, request: str | None = None) -> None:
+        """`region` (one that left, or failed and was given up) comes back before round r: a new
+        actor, the current model and outer state from a peer (the rejoin path: region_rejoined,
+        after: join), its links probed; planned from round r."""
+        regions = self.regions
+        if region in regions.dead:
+            regions.retire(region)  # failed and not back: its old actor goes for good, a new one takes its place
+        try:
+            handle, info = self.spawn(region)
+        except Exception as exc:  # noqa: BLE001 - a placement error: the run goes on without it
+            self._refuse(request or "-", region, f"its actor could not be placed: {exc}")
+            return
+        regions.actors.handles[region] = handle
+        regions.actors.info[region] = info
+        regions.dead[region] = "joining"  # the rejoin path brings a dead region back
+        self.rejoin(region, r, info)
+        if region not in regions.alive:
+            self._refuse(request or "-", region, "its new actor did not come up in time: it rejoins once it answers")
+            return
+        if self.probe is not None:
+            self.probe(list(regions.alive))
+        self.out.discard(region)
+        self.joined[region] = {"round": r, "request": request}
+        self.journal.count("regions_joined")
+        self.journal.event("region_joined", region=region, request=request, first_round=r,
+                           pid=info.get("pid"), alive=list(regions.alive))
+        self.journal.note(f"region {region} joined the run before round {r}", style="green")
+
     def summary_fields(self) -> dict[str, Any]:
-        """summary.json's `left`: region -> {round (the last it ran), why, request}."""
-        return {"left": dict(self.left)}
+        """summary.json's `left` (region -> {round: the last it ran, why, request}) and `joined`
+        (region -> {round: the first it ran again, request})."""
+        return {"left": dict(self.left), "joined": dict(self.joined)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"left": dict(self.left)}
+        return {"left": dict(self.left), "joined": dict(self.joined), "out": sorted(self.out)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A resumed run: the regions that left stay gone (their new actors are retired at once)."""
-        for region, rec in (state.get("left") or {}).items():
-            if region in self.regions.names and region not in self.left:
+        """A resumed run: the regions out stay out (their new actors are retired at once)."""
+        self.left.update(state.get("left") or {})
+        self.joined.update(state.get("joined") or {})
+        out = state.get("out", list(state.get("left") or {}))
+        for region in out:
+            if region in self.regions.names and region not in self.out:
                 self.regions.retire(region)
-                self.left[region] = dict(rec)
+                self.out.add(region)
 
 
 # -- the CLI's side: `geofed leave` -----------------------------------------------------------
-EXIT = {"left": 0, "refused": 1, "bad_input": 2, "not_running": 3, "timed_out": 4}
-_ANSWERS = ("region_left", "control_refused")
+EXIT = {"done": 0, "refused": 1, "bad_input": 2, "not_running": 3, "timed_out": 4}
+_DONE = {"leave": "region_left", "join": "region_joined"}
 
 
 def run_is_live(run_dir: Path) -> bool:
@@ -258,16 +330,16 @@ class _EventTail:
         return out
 
 
-def _say(message: str) -> None:
-    print(f"geofed leave: {message}", file=sys.stderr)
-
-
-def leave_from_args(args: Any) -> int:
-    """`geofed leave RUN_DIR NAME [--wait S]`: ask the run's driver to retire region NAME after the
-    round in flight, and wait (at most S seconds; 0: not at all) for its answer in events.jsonl,
-    printed as one JSON line. Exit codes: EXIT (0 left, 1 refused by the driver, 2 not a run
+def request_from_args(args: Any, action: str) -> int:
+    """`geofed leave RUN_DIR NAME [--wait S]` (retire region NAME after the round in flight) and
+    `geofed join RUN_DIR --region NAME [--wait S]` (bring it back before the next round): write the
+    request and wait (at most S seconds; 0: not at all) for the driver's answer in events.jsonl,
+    printed as one JSON line. Exit codes: EXIT (0 done, 1 refused by the driver, 2 not a run
     directory or an unknown region, 3 no driver runs the run, 4 no answer within S)."""
     from .rundir import run_dir_config
+
+    def _say(message: str) -> None:
+        print(f"geofed {action}: {message}", file=sys.stderr)
 
     run_dir = Path(args.run_dir)
     # A Runner started from Python writes no config.yaml: then the driver alone checks the name.
@@ -281,17 +353,17 @@ def leave_from_args(args: Any) -> int:
              "takes requests again)")
         return EXIT["not_running"]
     tail = _EventTail(run_dir / "events.jsonl")
-    request_id = write_request(run_dir, "leave", args.region)
+    request_id = write_request(run_dir, action, args.region)
     if args.wait <= 0:
-        print(json.dumps({"request": request_id, "region": args.region, "action": "leave"}))
-        return EXIT["left"]
+        print(json.dumps({"request": request_id, "region": args.region, "action": action}))
+        return EXIT["done"]
     deadline = time.monotonic() + args.wait
     while True:
         live = run_is_live(run_dir)  # before reading: a driver that answers and ends is read after its end
         for record in tail.new():
-            if record.get("request") == request_id and record.get("event") in _ANSWERS:
+            if record.get("request") == request_id and record.get("event") in (_DONE[action], "control_refused"):
                 print(json.dumps(record))
-                return EXIT["left"] if record["event"] == "region_left" else EXIT["refused"]
+                return EXIT["done"] if record["event"] == _DONE[action] else EXIT["refused"]
         if not live or time.monotonic() > deadline:
             if withdraw_request(run_dir, request_id):
                 _say("the run ended before its driver took the request (withdrawn)" if not live else
@@ -301,7 +373,7 @@ def leave_from_args(args: Any) -> int:
             if not live:
                 _say("the run ended after its driver took the request, without an answer")
                 return EXIT["not_running"]
-            _say(f"the driver took request {request_id} but did not answer within {args.wait:g}s: the region "
-                 "leaves once its round in flight returns (events.jsonl: region_left)")
+            _say(f"the driver took request {request_id} but did not answer within {args.wait:g}s: it acts "
+                 f"between rounds (events.jsonl: {_DONE[action]})")
             return EXIT["timed_out"]
         time.sleep(0.2)

@@ -172,7 +172,7 @@ class Runner:
         self.faults = Faults(self.cfg, self.regions, self.journal, reconnect=self._connect)
         self.pacing = Pacing(self.cfg, self.regions, self.journal, on_late=self._late)
         self.membership = Membership(self.run_dir, self.regions, self.journal, busy=lambda: self.pacing.busy,
-                                     drain=self._drain)
+                                     drain=self._drain, spawn=self._spawn, rejoin=self._join, probe=self._probe)
         self.dp.plan(self.opened.actors.info)  # the noise for target_epsilon (a resume then restores the accountant)
         if ready.restored is not None:
             self._restore(*ready.restored)
@@ -214,6 +214,7 @@ class Runner:
         if plans is None:  # privacy.dp: the round would go past target_epsilon (on_target: stop)
             return
         results = self._run_round(r, plans)
+        self.membership.note_reports(results)  # a SIGTERM's spot notice: it leaves before the next round
         self.loops.note(r, results, regions.alive)
         self.faults.flush_for_resync(r, results)
         self.faults.watch_withholding(r, results, participants, coordinator.round_links)
@@ -280,6 +281,23 @@ class Runner:
         """A leaver's exchange in flight (overlap) is finished first: its update of its last round reaches its peers."""
         if self.cfg.sync.overlap:
             self.regions.finish_pending([region], timeout=self.cfg.sync.deadline.max_s * 2 + 120)
+
+    def _spawn(self, region: str) -> tuple[Any, dict]:
+        """A joiner's new actor (`geofed join`), placed as set-up places the region's."""
+        from .cluster import create_region_actor
+
+        if getattr(self.cfg.regions, "workers", 1) > 1 or self.hostile:
+            raise ValueError("joins place one actor a region: not with regions.workers > 1 or hostile regions")
+        return create_region_actor(self.cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address),
+                                   train_fn=self.train_fn)
+
+    def _join(self, region: str, r: int, info: dict) -> None:
+        self.bytes_sent += self.faults.join(region, r, info)
+
+    def _probe(self, regions: list[str]) -> None:
+        """Set-up's link probes again, after a join: the joiner's links are measured before they carry updates."""
+        probes = self.regions.probe(regions, timeout=2 * (self.cfg.network.probe_s + 30.0) + 60.0)
+        self.coordinator.observe_probe(probes)
 
     def _fetch_params(self) -> dict[str, Any]:
         return self.regions.get_params(self.regions.alive, timeout=600)

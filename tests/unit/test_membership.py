@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.config import config_from_mapping
@@ -29,14 +31,17 @@ NAMES = ["a", "b", "c"]
 
 
 class Regions:
-    """The part of RegionHandles that Membership uses: names, alive, dead, retire."""
+    """The part of RegionHandles that Membership uses: names, alive, dead, leaving, retire."""
 
     def __init__(self) -> None:
         self.names, self.alive, self.dead = list(NAMES), list(NAMES), {}
+        self.leaving: dict[str, dict] = {}
         self.retired: list[str] = []
+        self.actors = SimpleNamespace(handles={}, info={})
 
     def retire(self, region: str) -> None:
         self.alive.remove(region) if region in self.alive else self.dead.pop(region)
+        self.leaving.pop(region, None)
         self.retired.append(region)
 
 
@@ -97,7 +102,7 @@ def test_the_driver_refuses_malformed_and_impossible_requests_and_goes_on(tmp_pa
     assert by_id[again_b]["event"] == "control_refused" and "already left" in by_id[again_b]["why"]
     left = by_id[leave_b]
     assert left["event"] == "region_left" and left["last_round"] == 2 and left["alive"] == ["a", "c"]
-    assert membership.summary_fields() == {"left": {"b": {"round": 2, "why": "request", "request": leave_b}}}
+    assert membership.summary_fields() == {"left": {"b": {"round": 2, "why": "request", "request": leave_b}}, "joined": {}}
     write_request(tmp_path, "leave", "c")
     last = write_request(tmp_path, "leave", "a")
     assert membership.poll(4) == ["c"]
@@ -161,7 +166,7 @@ def test_geofed_leave_waits_for_the_drivers_answer(tmp_path, capsys):
         thread.start()
         try:
             t0 = time.monotonic()
-            assert main(["leave", str(run_dir), "b", "--wait", "10"]) == EXIT["left"]
+            assert main(["leave", str(run_dir), "b", "--wait", "10"]) == EXIT["done"]
             answer = json.loads(capsys.readouterr().out)
             assert answer["event"] == "region_left" and answer["region"] == "b"
             assert main(["leave", str(run_dir), "b", "--wait", "10"]) == EXIT["refused"]
@@ -179,3 +184,61 @@ def test_geofed_leave_waits_for_the_drivers_answer(tmp_path, capsys):
     finally:
         release_run_dir(run_dir)
     assert not run_is_live(run_dir)
+
+
+class Report:
+    def __init__(self, **extra) -> None:
+        self.extra = extra
+
+
+def test_a_spot_notice_in_a_report_or_a_heartbeat_leaves_after_the_round(tmp_path):
+    membership, regions, _, drained = _membership(tmp_path)
+    membership.note_reports({"a": Report(), "b": Report(leaving=True, grace_left_s=12.5)})
+    assert membership.poll(4) == ["b"] and regions.alive == ["a", "c"] and drained == ["b"]
+    left = [e for e in _events(tmp_path) if e["event"] == "region_left"]
+    assert left == [dict(left[0], region="b", why="sigterm", request=None, last_round=3, grace_left_s=12.5)]
+    # A heartbeat's notice for a region that died when its grace ran out (now in `dead`): retired, not revived.
+    regions.alive.remove("c")
+    regions.dead["c"] = "actor died during run_round"
+    regions.leaving["c"] = {"leaving": True}
+    regions.leaving["a"] = {"leaving": True}  # the last region: kept, said once
+    assert membership.poll(5) == ["c"] and regions.dead == {} and regions.alive == ["a"]
+    assert membership.poll(6) == [] and regions.alive == ["a"] and membership.kept == {"a"}
+    assert membership.summary_fields()["left"]["c"]["why"] == "sigterm"
+
+
+def test_a_region_that_left_joins_again_through_the_rejoin_path(tmp_path):
+    membership, regions, _, _ = _membership(tmp_path)
+    placed, rejoined, probed = [], [], []
+
+    def rejoin(region, r, info):  # faults.Faults.join: back in alive, at its place
+        rejoined.append((region, r, info["pid"]))
+        del regions.dead[region]
+        regions.alive = [n for n in NAMES if n in regions.alive or n == region]
+
+    membership.spawn = lambda region: placed.append(region) or ("handle", {"pid": 42})
+    membership.rejoin, membership.probe = rejoin, probed.append
+    early = write_request(tmp_path, "join", "a")  # in the run: refused
+    write_request(tmp_path, "leave", "b")
+    back = write_request(tmp_path, "join", "b")  # after its leave, in the order written
+    new = write_request(tmp_path, "join", "d")
+    assert membership.poll(3) == ["b"]
+    assert placed == ["b"] and rejoined == [("b", 3, 42)] and probed == [NAMES] and regions.alive == NAMES
+    assert regions.actors.handles == {"b": "handle"}
+    by_id = {e["request"]: e for e in _events(tmp_path)}
+    assert "is in the run" in by_id[early]["why"]
+    assert by_id[back]["event"] == "region_joined" and by_id[back]["first_round"] == 3 and by_id[back]["alive"] == NAMES
+    assert "not supported yet" in by_id[new]["why"]
+    assert membership.summary_fields()["joined"] == {"b": {"round": 3, "request": back}}
+    assert membership.out == set()
+    # Gone again: it can leave again (it is no longer out).
+    write_request(tmp_path, "leave", "b")
+    assert membership.poll(5) == ["b"]
+
+
+def test_joins_are_refused_where_no_actor_can_be_placed(tmp_path):
+    membership, _, _, _ = _membership(tmp_path)
+    write_request(tmp_path, "leave", "b")
+    join = write_request(tmp_path, "join", "b")
+    membership.poll(1)
+    assert "cannot place new region actors" in {e["request"]: e for e in _events(tmp_path)}[join]["why"]
