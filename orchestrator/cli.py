@@ -94,6 +94,18 @@ def _parser() -> argparse.ArgumentParser:
     leave.add_argument("region", metavar="NAME", help="the region to retire (one of the run's regions.names)")
     leave.add_argument("--wait", type=float, default=300.0, metavar="S",
                        help="seconds to wait for the driver's answer (default 300; 0: write the request and exit)")
+    join = sub.add_parser("join", help="bring a region that left back into a live run (docs/reliability.md)",
+                          description="Ask a live run's driver (through RUN_DIR/control) to bring region NAME back "
+                          "before its next round: a new actor (placed with its label when the run pins labels), "
+                          "its certificate from RUN_DIR/tls, the current model and outer state from a peer, its "
+                          "links probed. Only one of the run's regions.names that left or failed for good. Prints "
+                          "the driver's answer (events.jsonl) as JSON. Exit codes as geofed leave's: 0 joined, "
+                          "1 refused, 2 not a run directory or an unknown region, 3 no driver runs RUN_DIR, 4 no "
+                          "answer within --wait.")
+    join.add_argument("run_dir", metavar="RUN_DIR")
+    join.add_argument("--region", required=True, metavar="NAME", help="the region that comes back")
+    join.add_argument("--wait", type=float, default=300.0, metavar="S",
+                      help="seconds to wait for the driver's answer (default 300; 0: write the request and exit)")
 
     exp = sub.add_parser("export", help="write a checkpoint's averaged model as safetensors or a torch state_dict")
     exp.add_argument("run_dir", metavar="RUN_DIR")
@@ -232,10 +244,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .watch import watch
 
         return watch(args.run_dir, interval=args.interval, once=args.once)
-    if args.command == "leave":
-        from .driver.membership import leave_from_args
+    if args.command in ("leave", "join"):
+        from .driver.membership import request_from_args
 
-        return leave_from_args(args)
+        return request_from_args(args, args.command)
     if args.command == "export":
         from .driver.export import export_from_args
 
