@@ -31,7 +31,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,6 +64,9 @@ from .tasks import make_task
 from .transport_factory import make_transport
 from .messages import RoundPlan, RoundReport, rss_mb
 
+if TYPE_CHECKING:
+    from .workers import WorkerGroup
+
 log = logging.getLogger(__name__)
 
 
@@ -75,8 +78,14 @@ class Region:
                  advertised_host: str | None = None, task=None, plugin=None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, stepper: Any = None,
                  evaluate: Callable[[torch.nn.Module], Any] | None = None, user_state: dict[str, Any] | None = None,
-                 examples: int | None = None):
+                 examples: int | None = None, workers: WorkerGroup | None = None):
         self.cfg, self.region, self.run_dir = cfg, region, Path(run_dir)
+        # regions.workers > 1: this worker's side of the region's process group (regions/workers.py);
+        # None: the region is this one process, as it always was.
+        self.workers = workers
+        if workers is None and getattr(cfg.regions, "workers", 1) > 1:
+            raise ValueError(f"regions.workers: {cfg.regions.workers} workers a region run as Ray actors "
+                             f"(geofed run), not in one process")
         self.loop_mode = model is not None  # the loop API (module docstring)
         if self.loop_mode:
             if optimizer is None:
@@ -281,6 +290,8 @@ class Region:
             self.secagg.close()
         self.exchanger.close()
         self.transport.close()
+        if self.workers is not None:  # worker 0 stops the region's other workers; each leaves the group
+            self.workers.close()
 
     def info(self) -> dict[str, Any]:
         """Identity and size facts for the driver: pid, host, parameter and example counts, round, RSS."""
@@ -316,6 +327,8 @@ class Region:
         if plan.final:
             # Overlap: the round's own exchange is still in flight; its bytes add to this round's.
             merge_exchange_metrics(metrics, self.finish_pending())
+        if self.workers is not None:  # the round's outer step was this worker's alone: the others take its model
+            self.workers.lead_sync(self)
         if plan.evaluate and not self.algorithm.evaluates_in_exchange:
             t_eval = time.monotonic()
             metrics["eval"] = {**self.evaluate_synced(), "round": plan.round}
@@ -337,6 +350,8 @@ class Region:
             for hook in self.hooks:
                 metrics = hook.after_round(plan, metrics)
         except FloatingPointError as exc:
+            if self.workers is not None:  # a rollback restores more than the model
+                self.workers.mark_stale()
             for hook in self.hooks:
                 recovered = hook.recover(plan, exc, metrics)
                 if recovered is not None:
@@ -371,6 +386,8 @@ class Region:
 
     def finish_pending(self) -> dict[str, Any]:
         """Apply an exchange still in flight (overlap) so the model includes every round; its metrics."""
+        if self.workers is not None:  # called between rounds too: the region's other workers take it before their next step
+            self.workers.mark_stale()
         return self.algorithm.finish()
 
     def flush_exchange(self) -> dict[str, Any]:
@@ -397,6 +414,8 @@ class Region:
         limit = H if budget_s is None else max(1, (max_steps or H) - len(filled))
         for k in range(limit):
             t_step = time.monotonic()
+            if self.workers is not None:
+                self.workers.lead_step(self, lr_scale)  # the region's other workers take this step with it
             losses.append(self.forward_backward())
             if before_step is not None:
                 before_step(k)
@@ -433,6 +452,8 @@ class Region:
         with self.precision.autocast():
             loss = self.task.loss(self.model, batch)
         self.precision.backward(loss, self.inner)
+        if self.workers is not None:  # DDP-style: gradients (and loss) averaged over the region's workers
+            return self.workers.average_grads(self.params, loss)
         return float(loss.detach())
 
     def optimizer_step(self, lr_scale: float) -> None:
@@ -482,6 +503,8 @@ class Region:
             stream = self.shard.poisson_batches(self.generator, rate)
             if stream is not None:
                 return stream
+        if self.workers is not None:  # this worker's part of the region's stream
+            return self.workers.split(self.shard.batches(self.generator))
         return self.shard.batches(self.generator)
 
     def _make_inner_optimizer(self) -> torch.optim.Optimizer:
@@ -757,6 +780,8 @@ class Region:
         torch.set_rng_state(state["torch_rng"])
         self.precision.load_state_dict(state.get("precision") or {})
         self._set_completed(int(state["round"]))
+        if self.workers is not None:
+            self.workers.mark_stale()
 
     def _set_completed(self, round_: int) -> None:
         """Take up the run at `round_`: the mailbox closes every round up to it, so peers pushing

@@ -1,0 +1,226 @@
+"""The workers inside one region (`regions.workers: N`, docs/regions-as-clusters.md).
+
+A region of N workers is N Ray actors placed alike (the region's label, its CPUs and GPUs each):
+worker 0 is the region's own actor (regions/actor.py: RegionActor), the one the driver talks to;
+workers 1..N-1 are RegionWorkerActor there, each a Region that only trains. They form one torch.distributed process group inside the region
+(gloo on the CPU, nccl on cuda) through a TCP store that worker 0 opens on its own node at a port
+the OS picks; the driver hands its address to the others. Nothing of it crosses the WAN, and no
+port is fixed.
+
+Worker 0 leads, the others follow its commands over the group:
+
+- STEP, every inner step (with the plan's learning-rate scale): each worker draws its own batch
+  (every N-th of the region's data stream: `split`), runs forward and backward, the gradients (and
+  the loss) are averaged over the group with `dist.all_reduce`, and each takes the same optimizer
+  step, so the workers' models stay bitwise equal, as DDP's do. A region of N workers thus
+  trains on N x sync.inner.batch_size examples a step.
+- SYNC, at the end of each round: worker 0 alone ran the round's exchange and outer step, and
+  broadcasts its model (one flat tensor per dtype).
+- STATE, in place of SYNC, or before the next step, when worker 0's state changed beyond a step
+  and the model (a catch-up, a restore, a rollback, an exchange finished between rounds): its
+  whole `Region.state_dict()` (inner optimizer, algorithm, data position) by
+  `dist.broadcast_object_list`.
+- STOP, when the region closes.
+
+The exchange is not sharded yet: worker 0 sends and receives the region's whole update.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STEP, SYNC, STATE, STOP = 1, 2, 3, 4
+
+
+class GroupError(RuntimeError):
+    """A region's workers could not form their process group (or lost it), named by region and worker."""
+
+
+class WorkerGroup:
+    """One worker's side of its region's process group: rank `rank` of `size`, in `region`.
+
+    Worker 0 (the leader) calls `open`, `join`, then `lead_step` each inner step and `lead_sync` at
+    the end of each round; the others call `join` then `follow`. A process holds one such group
+    (torch.distributed's default group: one region worker is one actor process).
+    """
+
+    def __init__(self, region: str, rank: int, size: int, *, timeout_s: float):
+        assert 0 <= rank < size and size >= 2, (rank, size)
+        self.region, self.rank, self.size = region, rank, size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = torch.device("cpu")
+        self.joined = False
+        self._store: Any = None
+        self._stale = False
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def who(self) -> str:
+        return f"region {self.region}: worker {self.rank} of {self.size}"
+
+    # -- forming the group ----------------------------------------------------------------
+    def open(self, host: str) -> str:
+        """Worker 0: the group's TCP store on this node, at a port the OS picks; its HOST:PORT."""
+        assert self.leader
+        self._store = dist.TCPStore(host, 0, world_size=self.size, is_master=True, timeout=self.timeout,
+                                    wait_for_workers=False)
+        return f"{host}:{self._store.port}"
+
+    def join(self, address: str, device: torch.device) -> None:
+        """Join the group at `address` (worker 0's `open`) within regions.group_timeout_s; GroupError
+        naming the region and this worker otherwise. A first all_reduce checks every worker is in."""
+        self.device = device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        host, _, port = address.rpartition(":")
+        t0 = time.monotonic()
+        try:
+            store = self._store if self.leader else dist.TCPStore(host, int(port), world_size=self.size, is_master=False,
+                                                                  timeout=self.timeout)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=self.timeout)
+            count = torch.ones(1, device=device)
+            dist.all_reduce(count)
+            if int(count.item()) != self.size:
+                raise RuntimeError(f"{int(count.item())} workers answered")
+        except Exception as exc:  # noqa: BLE001 - said once, in the region's words
+            self._destroy()
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise GroupError(f"{self.who()} did not join the region's process group ({backend}) at {address} "
+                             f"within {self.timeout.total_seconds():g}s (regions.group_timeout_s; waited "
+                             f"{time.monotonic() - t0:.1f}s): {detail}") from None
+        self.joined = True
+
+    def close(self) -> None:
+        """Worker 0 tells the others to stop; every worker leaves the group. Best effort: a worker
+        already gone must not keep the region from closing."""
+        if self.joined and self.leader:
+            try:
+                self._command(STOP)
+            except Exception:  # noqa: BLE001 - the others may be dead already
+                pass
+        self._destroy()
+
+    def _destroy(self) -> None:
+        self.joined = False
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+    # -- the data ----------------------------------------------------------------------------
+    def split(self, stream: Iterator[Any]) -> Iterator[Any]:
+        """This worker's batches of the region's stream: every N-th from its rank (each worker draws
+        the whole stream, so each knows where it is with one count, as a restore replays it)."""
+        return itertools.islice(stream, self.rank, None, self.size)
+
+    # -- worker 0's side ------------------------------------------------------------------------
+    def mark_stale(self) -> None:
+        """Worker 0's state changed beyond its steps and model: its next broadcast is the whole state."""
+        self._stale = True
+
+    def lead_step(self, region: Any, lr_scale: float) -> None:
+        """Before each of worker 0's inner steps: the others take one too (its state first, if stale)."""
+        self._check_joined()
+        if self._stale:
+            self._send_state(region)
+        self._command(STEP, lr_scale)
+
+    def lead_sync(self, region: Any) -> None:
+        """At the end of worker 0's round: the others take its model (its whole state, if stale)."""
+        self._check_joined()
+        if self._stale:
+            self._send_state(region)
+            return
+        self._command(SYNC)
+        self._broadcast_model(region.model)
+
+    def _send_state(self, region: Any) -> None:
+        self._command(STATE)
+        dist.broadcast_object_list([region.state_dict()], src=0, device=self._object_device())
+        self._stale = False
+
+    def _command(self, op: int, arg: float = 0.0) -> None:
+        dist.broadcast(torch.tensor([float(op), arg], dtype=torch.float64, device=self.device), src=0)
+
+    def _check_joined(self) -> None:
+        if not self.joined:
+            raise GroupError(f"{self.who()} holds no process group: the region's workers formed none, or this "
+                             f"actor was restarted (a region of several workers does not survive a restart yet)")
+
+    # -- every worker -------------------------------------------------------------------------
+    def average_grads(self, params: list[torch.Tensor], loss: torch.Tensor) -> float:
+        """After backward: every parameter's gradient, and the loss, averaged over the region's
+        workers (one all_reduce per dtype of a flat copy); the region's mean loss."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params] + [loss.detach().reshape(1).to(params[0].dtype)]
+        for group in _by_dtype(grads):
+            flat = torch.cat([g.reshape(-1) for g in group])
+            dist.all_reduce(flat)
+            flat.div_(self.size)
+            for g, piece in zip(group, flat.split([g.numel() for g in group])):
+                g.copy_(piece.view_as(g))
+        return float(grads[-1].item())
+
+    def _broadcast_model(self, model: torch.nn.Module) -> None:
+        """Worker 0's model state (parameters and buffers) into every worker's, a flat tensor per dtype."""
+        for group in _by_dtype(list(model.state_dict().values())):
+            if self.leader:
+                flat = torch.cat([t.reshape(-1) for t in group])
+            else:
+                flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
+            dist.broadcast(flat, src=0)
+            if not self.leader:
+                for t, piece in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(piece.view_as(t))
+
+    def _object_device(self) -> torch.device | None:
+        return self.device if self.device.type == "cuda" else None
+
+    # -- workers 1..N-1 -------------------------------------------------------------------------
+    def follow(self, region: Any) -> int:
+        """A follower's whole run: worker 0's commands until STOP; the steps it took."""
+        self._check_joined()
+        steps = 0
+        try:
+            while True:
+                cmd = torch.zeros(2, dtype=torch.float64, device=self.device)
+                dist.broadcast(cmd, src=0)
+                op, arg = int(cmd[0].item()), float(cmd[1].item())
+                if op == STEP:
+                    region.forward_backward()
+                    region.optimizer_step(arg)
+                    steps += 1
+                elif op == SYNC:
+                    self._broadcast_model(region.model)
+                elif op == STATE:
+                    box: list[Any] = [None]
+                    dist.broadcast_object_list(box, src=0, device=self._object_device())
+                    region.load_state_dict(box[0])
+                elif op == STOP:
+                    return steps
+                else:
+                    raise GroupError(f"{self.who()}: unknown command {op} from worker 0")
+        except GroupError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - worker 0 gone, a collective past its deadline
+            raise GroupError(f"{self.who()} lost its region's process group after {steps} steps: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+        finally:
+            self._destroy()
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors in groups of one dtype and device, in order of first appearance."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())

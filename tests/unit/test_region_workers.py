@@ -1,0 +1,25 @@
+"""regions.workers (regions/workers.py) without Ray: the config's rules and the group's deadline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geofed.regions.workers import GroupError, WorkerGroup
+
+
+def test_a_group_that_does_not_form_within_its_deadline_names_the_region_and_the_worker():
+    """Worker 0 opens the group and joins; its other worker never comes: GroupError at the deadline."""
+    group = WorkerGroup("eu-west-1", 0, 2, timeout_s=1.0)
+    address = group.open("127.0.0.1")
+    with pytest.raises(GroupError, match=r"region eu-west-1: worker 0 of 2 did not join the region's process "
+                                          r"group \(gloo\) at 127\.0\.0\.1:\d+ within 1s \(regions\.group_timeout_s"):
+        group.join(address, torch.device("cpu"))
+    assert not torch.distributed.is_initialized()  # nothing half-formed is left in the process
+    with pytest.raises(GroupError, match="holds no process group"):
+        group.lead_step(None, 1.0)
+
+
+def test_split_gives_each_worker_every_nth_batch():
+    stream = iter(range(10))
+    assert list(WorkerGroup("r", 1, 3, timeout_s=1).split(stream)) == [1, 4, 7]
