@@ -226,7 +226,9 @@ class Runner:
                  **self.dp.spend(results)}
         self._log_round(r, results, t_start, t_end, extra={**extra, "participants": participants,
                                                            "absent": sorted(absent), "in_flight": sorted(self.pacing.busy),
-                                                           **({"muted": sorted(muted)} if muted else {})})
+                                                           **({"muted": sorted(muted)} if muted else {}),
+                                                           **({"members_out": sorted(self.membership.out)}
+                                                              if self.membership.out else {})})
         if extra.get("eval_avg") and self.evaluation.check(extra):
             journal.event("target_reached", **self.evaluation.hit)
         journal.round = r + 1

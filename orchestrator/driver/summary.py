@@ -81,9 +81,11 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
 def _rounds_out(cfg: RunConfig, rounds: list[dict]) -> int:
     """Region-rounds a region was out of the run (failed or stalled: not in the round's ``alive``).
     peers_left_out counts only updates a participant missed; a stalled region is no participant,
-    so a 10 s stall showed as nothing there."""
+    so a 10 s stall showed as nothing there. A region that left the run (``members_out``,
+    driver/membership.py) is no fault."""
     names = set(cfg.regions.names)
-    return sum(len(names - set(r["alive"])) for r in rounds if isinstance(r.get("alive"), list))
+    return sum(len(names - set(r["alive"]) - set(r.get("members_out") or ()))
+               for r in rounds if isinstance(r.get("alive"), list))
 
 
 def _utilization(metrics: list[dict]) -> dict[str, float]:

@@ -56,3 +56,19 @@ def test_the_report_shows_stalls_and_region_rounds_out(tmp_path):
     (run_dir / "summary.json").write_text(json.dumps(s))
     page = write_report(run_dir).read_text()
     assert '<div class="k">region stalls / rounds out</div><div class="v">1 / 2</div>' in page
+
+
+def test_a_region_that_left_the_run_is_no_fault(tmp_path):
+    """Issue 41: ap-south-1 left after round 0 and joined again in round 3 (rounds.jsonl's
+    members_out, driver/membership.py); eu-west-1 stalled in round 2. Only the stall counts."""
+    cfg = config_from_mapping({"regions": {"names": REGIONS}, "task": {"kind": "mlp-digits"},
+                               "network": {"emulation": {"mode": "none"}}})
+    rounds = JsonlLog(tmp_path / "rounds.jsonl")
+    for r, alive, out in [(0, REGIONS, []), (1, REGIONS[:2], ["ap-south-1"]), (2, REGIONS[:1], ["ap-south-1"]),
+                          (3, REGIONS, [])]:
+        rounds.write({"round": r, "t_start": r, "t_end": r + 1, "H": 5, "alive": alive, "regions_reported": alive,
+                      "links": {}, **({"members_out": out} if out else {})})
+    rounds.close()
+    summary = build_summary(cfg, tmp_path, eval_avg=None, eval_per_region=None, consensus=None, transport_stats={},
+                            faults={}, placement={}, emulator=None, wall_s=4.0)
+    assert summary["faults"]["region_rounds_out"] == 1
