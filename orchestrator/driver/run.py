@@ -300,6 +300,8 @@ class Runner:
         """Set-up's link probes again, after a join: the joiner's links are measured before they carry updates."""
         probes = self.regions.probe(regions, timeout=2 * (self.cfg.network.probe_s + 30.0) + 60.0)
         self.coordinator.observe_probe(probes)
+        self.journal.event("links_probed", links=self.coordinator.links_record(), after="join",
+                           probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
 
     def _fetch_params(self) -> dict[str, Any]:
         return self.regions.get_params(self.regions.alive, timeout=600)
