@@ -2,7 +2,7 @@
 black hole, bytes stop) during a real run. The run goes on; the cut-off receiver leaves the
 sender out of each round by its deadline; the sender does not wait out its stalled push; the
 receiver takes the model of a peer after each such round (resync) and receives the sender again
-once the link is back. The 30 s outage of the issue is slow-marked; a 6 s one always runs."""
+once the link is back. The 30 s outage of the issue is soak-marked (by hand: `pytest -m soak`); a 6 s one always runs."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_short_outage_left_out_by_deadline_then_caught_up(tmp_path):
     _check(tmp_path, summary, 6.0, rounds)
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_30s_outage_left_out_by_deadline_then_caught_up(tmp_path):
     rounds = 70

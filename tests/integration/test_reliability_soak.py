@@ -8,8 +8,8 @@ redesign: about 2 MB each over 180 rounds after a 20-round warm-up). Since the r
 RSS rises 7-15 MB more between rounds 20 and 50 and then stays flat or falls (2026-12-06, fresh-clone
 CI at ea4a43d, 8 regions, every 30th round from round 20: 559, 574, 587, 587, 576, 576 MB for the
 region that grew most; round 50 to the end: +2 MB): a plateau, not a leak, so the 200-round soak
-measures from round 50 (LONG_WARMUP); the 50-round one keeps 20. The long soak is slow-marked; a
-4-region, 50-round one always runs. Its window (rounds 20-50) holds two of the schedule's outages (a
+measures from round 50 (LONG_WARMUP); the 50-round one keeps 20. The long soak is soak-marked (by hand:
+`pytest -m soak`, not in CI); a 4-region, 50-round one always runs. Its window (rounds 20-50) holds two of the schedule's outages (a
 pair at round 25, a link at 37). The first raises a region's RSS once, then it is flat (2026-12-06,
 load 40, each of the 4 regions: 440 -> 450-456 MB by round 6, flat to round 27, +6-12 MB over rounds
 27-33, then within 0.2 MB to round 50); in another run at that load one region rose 21 MB in all. So
@@ -95,7 +95,7 @@ def test_soak_short(tmp_path):
     _soak(tmp_path, R8[:4], rounds=50)
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_soak_200_rounds_8_regions(tmp_path):
     _soak(tmp_path, R8, rounds=200)
