@@ -800,6 +800,8 @@ class Region:
         """Write the state of the completed round atomically under RUN_DIR/checkpoints/<region>/ and keep
         the newest run.keep_checkpoints; returns the file's path.
         """
+        if self.workers is not None:  # the checkpoint stands for every worker: they must hold its model
+            self.workers.check(self)
         d = self.run_dir / "checkpoints" / self.region
         path = checkpoint.checkpoint_path(d, self.completed_round)
         checkpoint.save_atomic(path, self.state_dict())

@@ -20,6 +20,9 @@ Worker 0 leads, the others follow its commands over the group:
   and the model (a catch-up, a restore, a rollback, an exchange finished between rounds): its
   whole `Region.state_dict()` (inner optimizer, algorithm, data position) by
   `dist.broadcast_object_list`.
+- CHECK, at each checkpoint of worker 0: every worker's model digest (SHA-256 of its tensors'
+  bytes) gathered, and a GroupError naming those that differ from worker 0's, instead of a
+  checkpoint that stands for models the region does not hold.
 - STOP, when the region closes.
 
 The exchange is not sharded yet: worker 0 sends and receives the region's whole update.
@@ -28,6 +31,7 @@ The exchange is not sharded yet: worker 0 sends and receives the region's whole 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import itertools
 import time
 from collections.abc import Iterator
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STEP, SYNC, STATE, STOP = 1, 2, 3, 4
+STEP, SYNC, STATE, CHECK, STOP = 1, 2, 3, 4, 5
 
 
 class GroupError(RuntimeError):
@@ -141,6 +145,23 @@ class WorkerGroup:
         self._command(SYNC)
         self._broadcast_model(region.model)
 
+    def check(self, region: Any) -> None:
+        """Worker 0, at a checkpoint: every worker holds its model bitwise, or GroupError naming who does not."""
+        self._check_joined()
+        if self._stale:
+            self._send_state(region)
+        self._command(CHECK)
+        differ = self._compare(region.model)
+        if differ:
+            raise GroupError(f"region {self.region}: worker(s) {', '.join(map(str, differ))} of {self.size} hold "
+                             f"another model than worker 0's (the workers' steps went apart)")
+
+    def _compare(self, model: torch.nn.Module) -> list[int]:
+        """Every worker's model digest gathered; the ranks whose digest is not worker 0's."""
+        digests: list[Any] = [None] * self.size
+        dist.all_gather_object(digests, _digest(model))
+        return [k for k, d in enumerate(digests) if d != digests[0]]
+
     def _send_state(self, region: Any) -> None:
         self._command(STATE)
         dist.broadcast_object_list([region.state_dict()], src=0, device=self._object_device())
@@ -205,6 +226,8 @@ class WorkerGroup:
                     box: list[Any] = [None]
                     dist.broadcast_object_list(box, src=0, device=self._object_device())
                     region.load_state_dict(box[0])
+                elif op == CHECK:
+                    self._compare(region.model)
                 elif op == STOP:
                     return steps
                 else:
@@ -216,6 +239,15 @@ class WorkerGroup:
                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
         finally:
             self._destroy()
+
+
+def _digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's state (names, dtypes, shapes and bytes), read on the host."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
