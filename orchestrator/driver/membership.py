@@ -1,20 +1,24 @@
-"""Who is in a live run: requests to leave it, taken between rounds (docs/reliability.md,
-"Membership: leave and join"; issue 41).
+"""Who is in a live run: requests to leave it or join it again, taken between rounds, and the
+spot notices of regions that got a SIGTERM (docs/reliability.md, "Membership: leave and join";
+issue 41).
 
 The control channel is the run directory itself, so it needs no port and works with the driver on
-any node that sees RUN_DIR: `geofed leave` writes one request as RUN_DIR/control/<id>.json (a
-temporary file renamed into place, so the driver never reads half of one); the driver, between
-rounds, takes each request by renaming it to <id>.json.taken (a request is taken once, whoever
-else looks) and answers in events.jsonl with the request's id: `region_left`, or
-`control_refused` with the reason. A malformed request is refused the same way and the run goes
-on.
+any node that sees RUN_DIR: `geofed leave` and `geofed join` write one request as
+RUN_DIR/control/<id>.json (a temporary file renamed into place, so the driver never reads half of
+one); the driver, between rounds, takes each request by renaming it to <id>.json.taken (a request
+is taken once, whoever else looks) and answers in events.jsonl with the request's id:
+`region_left`, `region_joined`, or `control_refused` with the reason. A malformed request is
+refused the same way and the run goes on.
 
 A region that leaves has delivered its update of the last round it ran (requests are taken only
 between rounds; with overlap its exchange in flight is finished first), then it is retired for
 good: its actor closed and killed with no restart, out of `alive`, so the coordinator plans the
 next round without it and topology and mixing weights follow the regions that remain (a region's
-plan names who is in the round: its weight goes to them). The final model and evaluation are the
-remaining regions'; summary.json's `left` names who left, when and why.
+plan names who is in the round: its weight goes to them). A SIGTERM to a region's process
+(regions/leave_notice.py) reaches the driver in the region's report or heartbeat and is a leave
+request of its own. A region that left joins again under its name in a new actor, through the
+path of a restarted region (faults.py: the current model and outer state from a peer), its links
+probed, planned from the next round. summary.json's `left` and `joined` say who, when and why.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the CLI's side (leave_from_args) runs without Ray
+if TYPE_CHECKING:  # the commands' side (request_from_args) runs without Ray
     from .handles import RegionHandles
     from .journal import Journal
 
