@@ -214,6 +214,10 @@ class DilocoSync:
         if self.overlap is not None:
             self.overlap.window.started()
         metrics = ctx.stepper.inner_steps(plan.H, plan.lr_scale, budget_s=plan.budget_s, max_steps=plan.max_steps)
+        # Nothing reads the inner steps' gradients again before the next round's first backward: they
+        # go for the exchange and the outer step, the round's other peak (a model's worth, issue 39).
+        for p in ctx.params:
+            p.grad = None
         if self.layout.n > 1:
             metrics["fragment"] = f
         delta = part.payload(plan, part.live)

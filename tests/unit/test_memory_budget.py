@@ -117,6 +117,25 @@ def test_an_overlapped_mean_is_summed_into_the_pseudo_gradient_sent_and_the_rest
         algo.close()
 
 
+def test_a_diloco_round_lets_the_inner_steps_gradients_go(tmp_path):
+    """The gradients (a model's worth) were held through the exchange and the outer step, the round's
+    other peak; nothing reads them before the next round's first backward, which makes them anew."""
+    from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+    from geofed.regions.region import Region
+
+    cfg = config_from_mapping({
+        "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 8},
+        "regions": {"names": ["a"]}, "network": {"emulation": {"mode": "none"}},
+        "sync": {"overlap": True, "deadline": {"initial_s": 2.0, "min_s": 0.5, "max_s": 5.0}}})
+    region = Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
+    try:
+        for r in range(2):
+            region.run_round(RoundPlan(round=r, H=2))
+            assert all(p.grad is None for p in region.params)
+    finally:
+        region.close()
+
+
 def test_the_algorithm_state_is_lent_not_copied():
     """Rollback copies the state it keeps (copy_state); a copy inside state_dict made that two, a
     model's worth more at every round's start. A checkpoint of it still restores a model that moves on."""
