@@ -220,12 +220,18 @@ class DilocoSync:
             p.grad = None
         if self.layout.n > 1:
             metrics["fragment"] = f
-        delta = part.payload(plan, part.live)
-        sent = ctx.payload(plan, delta, metrics)  # new tensors if a hook changes them (overlap keeps `delta`)
         t0 = time.monotonic()
-        aggregated = ctx.aggregate(plan, sent)  # secure aggregation's mean (SyncContext.aggregate)
         # ctx.before_outer_step() before the first change of this algorithm's own state (the outer
         # step, overlap's restart), not before the exchange: the exchange is no change (rollback).
+        done = None
+        if self.overlap is not None:
+            # The last round's mean is applied before this round's pseudo-gradient exists: the step
+            # reads neither start nor the live tensors, which the pseudo-gradient is taken from.
+            ctx.before_outer_step()
+            done = self.overlap.settle(part)
+        delta = part.payload(plan, part.live)
+        sent = ctx.payload(plan, delta, metrics)  # new tensors if a hook changes them (overlap keeps `delta`)
+        aggregated = ctx.aggregate(plan, sent)  # secure aggregation's mean (SyncContext.aggregate)
         if aggregated is not None:
             ctx.before_outer_step()
             metrics.update(self._apply_mean(part, *aggregated))
@@ -236,8 +242,8 @@ class DilocoSync:
             metrics.update(exchange_metrics(res))
         else:
             extra = {"exchange_fragment": f} if self.layout.n > 1 else {}
-            ctx.before_outer_step()
-            metrics.update(self.overlap.hand_over(plan, part, sent, delta, metrics, extra=extra))
+            self.overlap.hand_over(plan, part, sent, delta, metrics, extra=extra)
+            metrics.update(done or {})
         metrics["sync_s"] = time.monotonic() - t0
         return metrics
 

@@ -62,13 +62,22 @@ class Overlap:
         """Whether an exchange waits to be applied."""
         return self._pending is not None
 
+    def settle(self, part: OuterPart) -> dict[str, Any]:
+        """At a round's end, before its pseudo-gradient is taken: apply the exchange in flight (flush),
+        so that its mean and the new pseudo-gradient are never held at once (issue 39). `part` is the
+        round's own, which hand_over restarts (live tensors and start) right after: it is not rebased
+        (the restart's values are the same either way). The metrics of the exchange that completed
+        (none in the first round)."""
+        if self._pending is None or self._pending_of is None:
+            return {**no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0}
+        return self.flush(rebase=self._pending_of[0] is not part)
+
     def hand_over(self, plan: RoundPlan, part: OuterPart, sent: list[torch.Tensor], delta: list[torch.Tensor],
-                  metrics: Mapping[str, Any], *, extra: Mapping[str, Any]) -> dict[str, Any]:
-        """Apply the exchange in flight, send `sent` (this round's, of `part`) in the background, and
-        restart `part` from its global copy plus its unsent progress `delta` (eager: its own outer step
-        previewed). Returns the metrics of the exchange that completed (none in the first round)."""
-        out = self.flush() if self._pending is not None else {
-            **no_exchange_metrics(), "exchange_round": None, "overlap_wait_s": 0.0}
+                  metrics: Mapping[str, Any], *, extra: Mapping[str, Any]) -> None:
+        """Send `sent` (this round's, of `part`) in the background, and restart `part` from its global
+        copy plus its unsent progress `delta` (eager: its own outer step previewed). The exchange
+        before it was applied by `settle`."""
+        assert self._pending is None, "hand_over before the exchange in flight was settled"
         window_s, spread_s = self.window.note(plan, metrics)
         # The restart reads `sent` (eager) or `delta` (which `sent` may be) before the thread sums the
         # round's mean into `sent` (Diloco.mixed): restart first, then hand it over.
@@ -78,7 +87,6 @@ class Overlap:
             part.restart_behind(delta)
         self._pending = self._pool.submit(self._exchange_and_mix, plan, part, sent, window_s, spread_s)
         self._pending_of = (part, plan.round, dict(extra))
-        return out
 
     def _exchange_and_mix(self, plan: RoundPlan, part: OuterPart, sent: list[torch.Tensor], window_s: float,
                           spread_s: float) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, Any], dict[str, Any] | None]:
@@ -96,9 +104,10 @@ class Overlap:
             ev = {**self.evaluate(part, mixed), "round": plan.round, "t_done": time.monotonic()}
         return done, mixed, more, ev
 
-    def flush(self) -> dict[str, Any]:
+    def flush(self, *, rebase: bool = True) -> dict[str, Any]:
         """Wait for the exchange in flight, step its part's global copy with the mean and rebase the
-        part; the exchange's metrics as the round that completes it reports them."""
+        part (unless its caller restarts it at once: `settle`); the exchange's metrics as the round
+        that completes it reports them."""
         assert self._pending is not None and self._pending_of is not None, "flush with nothing in flight"
         self.ctx.hurry()  # the compute a spread push hid behind is over: what is left goes now
         t0 = time.monotonic()
@@ -109,7 +118,9 @@ class Overlap:
             self._pending, self._pending_of = None, None
         waited = time.monotonic() - t0
         part.step(mixed)
-        part.rebase()
+        del mixed  # the step's gradient, and the round's own pseudo-gradient's storage: gone before the next one
+        if rebase:
+            part.rebase()
         out = {**done, **more, "exchange_round": exchange_round, "overlap_wait_s": round(waited, 6),
                **extra}
         if ev is not None:

@@ -79,13 +79,18 @@ def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_ou
     try:
         rb = next(h for h in region.hooks if isinstance(h, Rollback))
         held: list[dict] = []
+        loss, nan = region.task.loss, [False]
+
+        def training_loss(model, batch):  # the inner steps' (the probe runs without grad): what is held then
+            if not torch.is_grad_enabled():
+                return loss(model, batch)
+            held.append(dict(rb._state))
+            return loss(model, batch) * (float("nan") if nan[0] else 1.0)  # NaN: AdamW's moments turn NaN too
+
+        region.task.loss = training_loss
 
         class Spy(RoundHook):
             fail_after = False
-
-            def payload(self, plan, tensors, metrics):  # after the inner steps, before the outer step
-                held.append(dict(rb._state))
-                return tensors
 
             def after_round(self, plan, metrics):
                 if self.fail_after:
@@ -115,12 +120,10 @@ def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_ou
             assert all(torch.equal(p, g) for p, g in zip(region.params, glob))  # restarted from the global copy
 
         start = start_of_round()
-        loss = region.task.loss
-        # NaN gradients while training (AdamW's moments turn NaN too); the probe (no grad) sees the model
-        region.task.loss = lambda model, batch: loss(model, batch) * (float("nan") if torch.is_grad_enabled() else 1.0)
+        nan[0] = True
         m = region.run_round(RoundPlan(round=3, H=2))
-        region.task.loss = loss
-        assert m.security.rolled_back and "algorithm" not in held[-1]
+        nan[0] = False
+        assert m.security.rolled_back and "algorithm" not in held[-1] and rb._state is None
         assert_restored(start)
 
         spy.fail_after = True
