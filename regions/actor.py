@@ -6,6 +6,7 @@ releases the loop and returns what it passed to ctx.report."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -13,9 +14,11 @@ from typing import Any
 
 import ray
 
+from .leave_notice import LeaveNotice
 from .loop import LoopHost, LoopTimeouts, RegionContext
 from .region import Region
 from .warm import WarmSlot, load_assignment, process_age_s
+from .workers import WorkerGroup
 from .messages import RoundPlan, RoundReport
 
 # Per-node override of the address peers dial (a node behind NAT, a public IP): set in the
@@ -46,6 +49,8 @@ HEALTH_GROUP = "health"
 POOL_GROUP = "pool"
 # The driver's "senders done" notices reach a region while its round is waiting on its peers.
 NOTICE_GROUP = "notice"
+# A region's worker 1..N-1 (regions.workers) answers while its `follow` holds the main thread.
+FOLLOWER_GROUP = "follower"
 
 
 class RegionActor:
@@ -77,6 +82,10 @@ class RegionActor:
         self.region: Region | None
         self._loop: LoopHost | None
         self.region, self._loop = _build(cfg, region, run_dir, tls, plugin=plugin, train_fn=train_fn)  # plugin: a bench's, no config key
+        # A SIGTERM (a spot notice) asks the run to let this region leave (regions/leave_notice.py)
+        self._notice = LeaveNotice(getattr(cfg.regions, "leave_grace_s", 30.0))
+        if _in_actor():  # a RegionActor built as a plain class (tests) leaves its process's handler alone
+            self._notice.install()
         # cpu_s: this process's CPU from its start (Ray's worker, the imports, the build): what a
         # region's start costs whatever else the host is doing, where process_s and init_s are wall time.
         self._start: dict[str, Any] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3),
@@ -129,7 +138,8 @@ class RegionActor:
     def heartbeat(self) -> dict[str, Any]:
         """Answers at once, whatever the region's main call is doing (reads two plain values)."""
         region = self.region
-        return {"pid": os.getpid(), "completed_round": region.completed_round if region is not None else -1}
+        return {"pid": os.getpid(), "completed_round": region.completed_round if region is not None else -1,
+                **self._notice.record()}
 
     # -- the region's calls, each with the gap filler paused --------------------------------
     def start(self) -> str:
@@ -142,7 +152,10 @@ class RegionActor:
         return self._paused(lambda r: r.probe())
 
     def run_round(self, plan: RoundPlan) -> RoundReport:
-        return self._paused(lambda r: r.run_round(plan))
+        report = self._paused(lambda r: r.run_round(plan))
+        if self._notice.leaving:  # a SIGTERM came: the driver retires the region after this round
+            report = dataclasses.replace(report, extra={**report.extra, **self._notice.record()})
+        return report
 
     def catch_up(self, peers: list[str], **kwargs: Any) -> tuple[str, int]:
         return self._paused(lambda r: r.catch_up(peers, **kwargs))
@@ -180,6 +193,14 @@ class RegionActor:
     def info(self) -> dict[str, Any]:
         return self._paused(lambda r: r.info())
 
+    # -- regions.workers > 1: this actor is worker 0 of the region's group (regions/workers.py) --
+    def open_group(self) -> str:
+        """The group's rendezvous on this node (HOST:PORT), for the driver to hand the other workers."""
+        return self._paused(lambda r: _group_of(r).open(ray.util.get_node_ip_address()))
+
+    def join_group(self, address: str) -> None:
+        return self._paused(lambda r: _group_of(r).join(address, r.device))
+
     def finish_loop(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The run is over (the loop API): the user's loop sees should_stop, its function is waited
         for (LoopHost.finish); what it passed to ctx.report ({} without a loop). Raises what it raised."""
@@ -187,6 +208,7 @@ class RegionActor:
 
     def close(self) -> None:
         """Close the region (a pooled actor keeps running without one until adopted or ended)."""
+        self._notice.close()  # a SIGTERM from now on is an orderly shutdown's
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -196,15 +218,11 @@ class RegionActor:
 
     def node_info(self) -> dict[str, Any]:
         """info() plus the Ray node the actor runs on (id, IP, labels), for the placement check."""
-        ctx = ray.get_runtime_context()
-        node_id = ctx.get_node_id()
-        labels: dict[str, str] = {}
-        for node in ray.nodes():
-            if node.get("NodeID") == node_id:
-                labels = dict(node.get("Labels") or {})
-                break
-        return {**self.info(), "node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels,
-                "start": self._start}
+        return {**self.info(), **_node_facts(), "start": self._start}
+
+
+def _in_actor() -> bool:
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
@@ -212,7 +230,9 @@ def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
     """The region (and, with `train_fn`, the LoopHost running it: its ctx.sync builds the region)."""
     host_address = advertised_host(cfg)
     if train_fn is None:
-        return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin), None
+        group = None if cfg.regions.workers == 1 else WorkerGroup(region, 0, cfg.regions.workers,
+                                                                   timeout_s=cfg.regions.group_timeout_s)
+        return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin, workers=group), None
 
     def build(**injected: Any) -> Region:
         return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin, **injected)
@@ -225,6 +245,49 @@ def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
     except BaseException:
         host.close()
         raise
+
+
+class RegionWorkerActor:
+    """Worker `rank` (1..N-1) of a region of N (regions.workers, regions/workers.py): a Region that
+    only trains, in step with worker 0 (its transport is an in-memory one nobody reaches: the
+    exchange is worker 0's). `follow` holds the actor's main thread for the whole run."""
+
+    def __init__(self, cfg: Any, region: str, run_dir: str, rank: int):
+        from geofed.p2p.memory import InMemoryHub, InMemoryTransport
+
+        group = WorkerGroup(region, rank, cfg.regions.workers, timeout_s=cfg.regions.group_timeout_s)
+        self.region = Region(cfg, region, run_dir, transport=InMemoryTransport(region, InMemoryHub()), workers=group)
+        self.group = group
+
+    def node_info(self) -> dict[str, Any]:
+        """What the placement check reads: the node it runs on and its labels (as RegionActor.node_info)."""
+        return {"region": self.region.region, "rank": self.group.rank, "pid": os.getpid(), **_node_facts()}
+
+    def join_group(self, address: str) -> None:
+        self.group.join(address, self.region.device)
+
+    def follow(self) -> int:
+        """Worker 0's commands until it closes the region; the steps taken."""
+        return self.group.follow(self.region)
+
+    @ray.method(concurrency_group=FOLLOWER_GROUP)
+    def get_params(self) -> list[Any]:
+        """Its parameters, on a thread of their own (`follow` holds the main one): between worker 0's
+        rounds equal to worker 0's (a test compares them)."""
+        return self.region.get_params()
+
+
+def _node_facts() -> dict[str, Any]:
+    """The Ray node this actor runs on: its id, IP and labels."""
+    node_id = ray.get_runtime_context().get_node_id()
+    labels = next((dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("NodeID") == node_id), {})
+    return {"node_id": node_id, "node_ip": ray.util.get_node_ip_address(), "labels": labels}
+
+
+def _group_of(region: Region) -> WorkerGroup:
+    if region.workers is None:
+        raise RuntimeError(f"region {region.region}: regions.workers is 1, it has no process group")
+    return region.workers
 
 
 GRPC_LOG_ENV = "GRPC_VERBOSITY"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from geofed.compression import CodecSpec
-from geofed.regions.algorithm_traits import algorithm_traits
+from geofed.regions.algorithm_traits import AlgorithmTraits, algorithm_traits
 from geofed.regions.tasks.configs import PluginTaskConfig, load_task_factory, task_config_class
 
 from . import paths, strict
@@ -77,12 +77,33 @@ class RunConfig:
         if self.run.eval_at_steps and self.sync.pacing.mode == "time-budget":
             raise ValueError("run.eval_at_steps: time-budget rounds (sync.pacing.mode) run as many steps as fit a "
                              "budget, so no round ends at a given step count; use run.eval_every")
+        if self.regions.workers > 1:
+            _check_workers(self, traits)
         if self.sync.fragments > 1 and self.security.secure_aggregation:
             raise ValueError("sync.fragments: secure aggregation (security.secure_aggregation) masks whole-model "
                              "updates; it does not combine with fragments")
         if self.sync.fragments > 1 and self.privacy.dp.mode == "update":
             raise ValueError("sync.fragments: update-level DP (privacy.dp.mode: update) clips whole-model "
                              "pseudo-gradients; it does not combine with fragments (record-level DP does)")
+
+
+def _check_workers(cfg: RunConfig, traits: AlgorithmTraits) -> None:
+    """regions.workers > 1: what the region's workers do not carry yet (docs/regions-as-clusters.md).
+    Worker 0 alone takes anything that changes the model outside an inner step, and the others
+    follow its steps, so what steps on worker 0 alone (gradient tracking, a thread's gap filling,
+    per-example DP) or outlives the run (a warm pool) would split the workers' models."""
+    n = cfg.regions.workers
+    if not traits.outer_step:
+        raise ValueError(f"regions.workers: {n} workers a region need an outer-step algorithm (diloco), "
+                         f"not sync.algorithm {cfg.sync.algorithm}")
+    if cfg.privacy.dp.mode == "record":
+        raise ValueError(f"regions.workers: {n} workers a region do not combine with record-level DP "
+                         f"(privacy.dp.mode: record) yet")
+    if cfg.sync.pacing.mode == "time-budget" and cfg.sync.pacing.fill_gaps:
+        raise ValueError(f"regions.workers: {n} workers a region do not fill gaps between rounds yet; "
+                         f"set sync.pacing.fill_gaps false")
+    if cfg.ray.warm_pool_s > 0:
+        raise ValueError(f"regions.workers: {n} workers a region are not pooled; set ray.warm_pool_s 0")
 
 
 def _check_choco_compression(c: CompressionSection) -> None:

@@ -33,6 +33,14 @@ class RegionsSection:
     num_cpus: float | None = field(default=None, metadata=_doc(
         "CPUs Ray reserves per region actor (null: 0.5, or on a local Ray less, so that every region fits); a run "
         "asking for more than the cluster has stops before any actor starts (exit 1, with the arithmetic)"))
+    workers: int = field(default=1, metadata=_doc(
+        "worker actors per region (docs/regions-as-clusters.md): N > 1 places N-1 more actors like the region's "
+        "(same label, num_cpus and num_gpus each), one torch.distributed group inside the region (gloo, nccl on "
+        "cuda); inner steps are data-parallel, each worker a sync.inner.batch_size batch of the region's shard "
+        "(N x it a step); 1: one actor, no group"))
+    group_timeout_s: float = field(default=60.0, metadata=_doc(
+        "regions.workers > 1: fail if a region's workers have not formed their process group within this, and "
+        "the deadline of each collective inside the region"))
     torch_threads: int = field(default=1, metadata=_doc("torch intra-op threads per region worker"))
     device: str = field(default="auto", metadata=_doc(
         "where each region trains, decided on its node: auto (its first GPU if any, else the CPU), cpu, cuda, "
@@ -46,6 +54,10 @@ class RegionsSection:
         "a region busy with a call that does not answer the driver's liveness probe (a Ray call served on its own "
         "thread) for this long is stalled (SIGSTOP, swap, a hung host): elastic runs go on without it and it "
         "rejoins when it answers again; fail-fast runs stop"))
+    leave_grace_s: float = field(default=30.0, metadata=_doc(
+        "a SIGTERM to a region's process (a spot notice) asks the run to let it leave: its round in flight "
+        "finishes and it is retired after it; a round still running after this many seconds ends the process "
+        "there and the region is retired at once (docs/reliability.md, membership)"))
     emulation: ComputeEmulation = field(default_factory=ComputeEmulation, metadata=_doc(
         "compute emulation: slower regions and absent rounds (docs/heterogeneity.md)"))
 
@@ -66,6 +78,10 @@ class RegionsSection:
             raise ValueError(f"names: {', '.join(reserved)} is reserved (the run directory uses it for its own files)")
         if self.num_cpus is not None and not 0 < self.num_cpus <= 1024:
             raise ValueError(f"num_cpus: must be in (0, 1024], got {self.num_cpus}")
+        if not 1 <= self.workers <= 64:
+            raise ValueError(f"workers: must be in [1, 64], got {self.workers}")
+        if not 0 < self.group_timeout_s <= 86400:
+            raise ValueError(f"group_timeout_s: must be in (0, 86400], got {self.group_timeout_s}")
         if not 1 <= self.torch_threads <= 256:
             raise ValueError(f"torch_threads: must be in [1, 256], got {self.torch_threads}")
         if self.max_restarts < 0 or self.placement_timeout_s <= 0:
@@ -74,6 +90,8 @@ class RegionsSection:
             raise ValueError(f"start_timeout_s: must be in (0, 86400], got {self.start_timeout_s}")
         if not 0.5 <= self.heartbeat_timeout_s <= 86400:
             raise ValueError(f"heartbeat_timeout_s: must be in [0.5, 86400], got {self.heartbeat_timeout_s}")
+        if not 0 < self.leave_grace_s <= 86400:
+            raise ValueError(f"leave_grace_s: must be in (0, 86400], got {self.leave_grace_s}")
         check_section_refs(self)  # labels, slowdowns, absence windows: one wording, the known names listed
 
     def label_of(self, region: str) -> str:

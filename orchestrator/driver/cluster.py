@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 from geofed.p2p.tls import TlsMaterial, load_tls
-from geofed.regions.actor import region_actor_class
+from geofed.regions.actor import FOLLOWER_GROUP, RegionWorkerActor, grpc_log_env, region_actor_class
 from geofed.regions.warm import POOL_NAMESPACE
 
 from ..config import RunConfig
@@ -141,8 +141,18 @@ class RegionActors:
     handles: dict[str, Any]
     info: dict[str, dict] = field(default_factory=dict)
     pooled: dict[str, str] = field(default_factory=dict)
+    # regions.workers > 1: each region's workers 1..N-1 (regions/workers.py), and their `follow`
+    # calls, which return when worker 0 closes the region (or fail when its group does)
+    workers: dict[str, list[Any]] = field(default_factory=dict)
+    following: dict[str, list[Any]] = field(default_factory=dict)
 
     def kill(self) -> None:
+        for handles in self.workers.values():
+            for h in handles:
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead is fine
+                    pass
         for region, h in self.handles.items():
             if region in self.pooled:
                 end_pooled(self.pooled[region], h)
@@ -217,13 +227,84 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
                                                             **({"plugin": hostile[region]} if region in hostile else {}))
     actors = RegionActors(handles, pooled=pooled)
     try:
+        if rc.workers > 1:
+            if train_fn is not None or hostile:
+                raise ValueError("regions.workers > 1: a training function (the loop API) and hostile regions run "
+                                 "one worker a region")
+            actors.workers = create_workers(cfg, run_dir, cpus=cpus, pin=pin)
         actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting, looping=bool(loop))
+        if pin:
+            check_placement(cfg, actors.info)
+        if rc.workers > 1:
+            form_groups(cfg, actors, pin=pin)
     except BaseException:
         actors.kill()
         raise
-    if pin:
-        check_placement(cfg, actors.info)
     return actors
+
+
+def create_workers(cfg: RunConfig, run_dir: str, *, cpus: float, pin: bool) -> dict[str, list[Any]]:
+    """Workers 1..N-1 of each region (regions.workers), placed as its actor is: its label, its CPUs
+    and GPUs each. No restarts: a worker restarted alone would not find its group again."""
+    rc = cfg.regions
+    out: dict[str, list[Any]] = {}
+    for region in rc.names:
+        options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": rc.num_gpus, "max_restarts": 0, "max_task_retries": 0,
+                                   "runtime_env": {"env_vars": grpc_log_env()},
+                                   "concurrency_groups": {FOLLOWER_GROUP: 1}}
+        if pin:
+            options["label_selector"] = {rc.label_key: rc.label_of(region)}
+        cls = ray.remote(**options)(RegionWorkerActor)
+        out[region] = [cls.remote(cfg, region, run_dir, rank) for rank in range(1, rc.workers)]
+    return out
+
+
+def form_groups(cfg: RunConfig, actors: RegionActors, *, pin: bool) -> None:
+    """Each region's workers form their process group: worker 0 opens it on its node, the driver
+    hands its address to the others (inside the region: never a WAN link, never a fixed port),
+    all join at once within regions.group_timeout_s; then workers 1..N-1 follow worker 0.
+    PlacementError naming the region and the worker that did not start or join."""
+    rc = cfg.regions
+    refs = {h.node_info.remote(): (region, rank) for region, hs in actors.workers.items()
+            for rank, h in enumerate(hs, start=1)}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=rc.start_timeout_s)
+    if pending:
+        missing = ", ".join(f"{r} worker {k}" for r, k in sorted(refs[p] for p in pending))
+        raise PlacementError(f"region workers not started within {rc.start_timeout_s:.0f}s "
+                             f"(regions.start_timeout_s): {missing}")
+    for ref in ready:
+        region, rank = refs[ref]
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            raise PlacementError(f"region {region}: worker {rank} failed to start: {_cause_line(exc)}") from None
+        if pin and info.get("labels", {}).get(rc.label_key) != rc.label_of(region):
+            raise PlacementError(f"region {region}: worker {rank} landed on a node labelled "
+                                 f"{info.get('labels', {}).get(rc.label_key)!r} ({rc.label_key})")
+    addresses = dict(zip(rc.names, ray.get([actors.handles[r].open_group.remote() for r in rc.names],
+                                           timeout=rc.start_timeout_s)))
+    joins = {actors.handles[r].join_group.remote(addresses[r]): (r, 0) for r in rc.names}
+    joins.update({h.join_group.remote(addresses[r]): (r, rank) for r, hs in actors.workers.items()
+                  for rank, h in enumerate(hs, start=1)})
+    # Each join gives up at the group's deadline itself (and says why); the wait here only bounds a hung actor.
+    ready, pending = ray.wait(list(joins), num_returns=len(joins), timeout=rc.group_timeout_s + 30)
+    errors = [f"region {joins[p][0]}: worker {joins[p][1]} did not answer within regions.group_timeout_s "
+              f"{rc.group_timeout_s:g}s + 30s" for p in pending]
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            errors.append(_cause_line(exc))
+    if errors:
+        raise PlacementError("the region's workers formed no process group: " + "; ".join(sorted(set(errors))))
+    actors.following = {r: [h.follow.remote() for h in hs] for r, hs in actors.workers.items()}
+
+
+def _cause_line(exc: BaseException) -> str:
+    """A Ray error's cause in one line (a RayTaskError carries the remote exception)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip()
+    return text.splitlines()[0] if text else type(cause).__name__
 
 
 def region_cpus(cfg: RunConfig, *, pin: bool) -> float:
@@ -231,7 +312,7 @@ def region_cpus(cfg: RunConfig, *, pin: bool) -> float:
     created: PlacementError with the arithmetic and the key to change, instead of actors that
     wait for CPUs until regions.start_timeout_s. Unset on a local run, it shrinks to fit."""
     rc = cfg.regions
-    n = len(rc.names)
+    n = len(rc.names) * rc.workers  # regions.workers: every worker of a region asks the same
     total = float(ray.cluster_resources().get("CPU", 0.0))
     cpus = rc.num_cpus if rc.num_cpus is not None else DEFAULT_REGION_CPUS
     if rc.num_cpus is None and not pin and total > 0:
@@ -328,6 +409,28 @@ def check_placement(cfg: RunConfig, info: dict[str, dict]) -> None:
     if wrong:
         detail = ", ".join(f"{r} on a node labelled {v!r}" for r, v in sorted(wrong.items()))
         raise PlacementError(f"region actors landed on the wrong nodes ({rc.label_key}): {detail}")
+
+
+def create_region_actor(cfg: RunConfig, run_dir: str, region: str, *, pin: bool,
+                        train_fn: Callable[[Any], None] | None = None) -> tuple[Any, dict]:
+    """One region's actor for a region joining a live run (driver/membership.py): placed as set-up
+    places it (only on nodes with its label when `pin`), its certificate from RUN_DIR/tls, never
+    pooled; its handle and node_info. PlacementError as create_region_actors says it."""
+    rc = cfg.regions
+    selector = {rc.label_key: rc.label_of(region)} if pin else None
+    cls = region_actor_class(num_cpus=region_cpus(cfg, pin=pin), num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
+                             label_selector=selector)
+    tls = load_tls(Path(run_dir) / "tls", region) if cfg.security.tls else None
+    loop = {"train_fn": train_fn} if train_fn is not None else {}
+    handle = cls.options(name=None).remote(cfg, region, str(Path(run_dir).resolve()), tls=tls, **loop)
+    try:
+        info = wait_ready({region: handle}, rc.start_timeout_s, cfg, looping=bool(loop))
+        if pin:
+            check_placement(cfg, info)
+    except BaseException:
+        ray.kill(handle, no_restart=True)
+        raise
+    return handle, info[region]
 
 
 def _fmt_seen(seen: dict[str, list[str]]) -> str:

@@ -5,7 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from geofed.orchestrator.config import config_from_mapping
 from geofed.regions.workers import GroupError, WorkerGroup
+
+
+def _cfg(**regions):
+    return config_from_mapping({"run": {"name": "t"}, "task": {"kind": "mlp-digits"},
+                                "regions": {"names": ["a", "b"], **regions}})
+
+
+def test_workers_default_to_one_and_are_checked():
+    assert _cfg().regions.workers == 1
+    assert _cfg(workers=4).regions.workers == 4
+    with pytest.raises(Exception, match="workers: must be in"):
+        _cfg(workers=0)
+    with pytest.raises(Exception, match="outer-step algorithm.*not sync.algorithm allreduce"):
+        config_from_mapping({"run": {"name": "t"}, "task": {"kind": "mlp-digits"}, "sync": {"algorithm": "allreduce"},
+                             "regions": {"names": ["a", "b"], "workers": 2}})
 
 
 def test_a_group_that_does_not_form_within_its_deadline_names_the_region_and_the_worker():
