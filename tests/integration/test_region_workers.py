@@ -31,15 +31,28 @@ def _cfg(workers: int, batch: int):
     })
 
 
+def _params(actors, region):
+    """Worker 0's parameters, then the other workers'."""
+    return ([ray.get(actors.handles[region].get_params.remote(), timeout=60)]
+            + [ray.get(w.get_params.remote(), timeout=60) for w in actors.workers.get(region, [])])
+
+
 def _run(cfg, run_dir):
-    """Run `cfg`; each region's parameters after the run, worker 0's then the others', and its records."""
+    """Run `cfg`; each region's parameters after the run, and its records. Then each region's worker
+    0 restores its round-0 checkpoint (its state changes beyond a step: the whole state goes to
+    the other workers before the next step or check) and checkpoints again (the check passes only
+    if the other worker took it): their parameters are round 0's, equal again."""
     runner = Runner(cfg, run_dir, show_progress=False)
     try:
         runner.run()
         actors = runner.opened.actors
-        params = {r: [ray.get(actors.handles[r].get_params.remote(), timeout=60)]
-                  + [ray.get(w.get_params.remote(), timeout=60) for w in actors.workers.get(r, [])]
-                  for r in REGIONS}
+        params = {r: _params(actors, r) for r in REGIONS}
+        for r in REGIONS:
+            assert ray.get(actors.handles[r].restore_checkpoint.remote(0), timeout=60)["round"] == 0
+            ray.get(actors.handles[r].save_checkpoint.remote(), timeout=60)
+            lead, *others = _params(actors, r)
+            assert not all(torch.equal(a, b) for a, b in zip(lead, params[r][0]))  # round 0's model, not the last
+            assert all(torch.equal(a, b) for other in others for a, b in zip(lead, other))
     finally:
         runner.shutdown()
     return params, read_jsonl(run_dir / "metrics.jsonl")
