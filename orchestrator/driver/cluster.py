@@ -323,7 +323,8 @@ def region_cpus(cfg: RunConfig, *, pin: bool) -> float:
         hint = (f"set regions.num_cpus to at most {math.floor(total / n * 1e4) / 1e4:g}"
                 + (" (or leave it unset: a local run then fits the regions to its CPUs)" if rc.num_cpus is not None else "")
                 + ", or give Ray more CPUs (ray.num_cpus)")
-        raise PlacementError(f"{n} regions x regions.num_cpus {cpus:g} = {n * cpus:g} CPUs requested, "
+        actors = f"{n} regions" if rc.workers == 1 else f"{len(rc.names)} regions x regions.workers {rc.workers}"
+        raise PlacementError(f"{actors} x regions.num_cpus {cpus:g} = {n * cpus:g} CPUs requested, "
                              f"but the Ray cluster has {total:g}: {hint}")
     return cpus
 
@@ -340,10 +341,12 @@ def check_label_cpus(cfg: RunConfig, cpus: float) -> None:
     for r in rc.names:
         wanted.setdefault(rc.label_of(r), []).append(r)
     short = [(label, regs, have.get(label, 0.0)) for label, regs in sorted(wanted.items())
-             if len(regs) * cpus > have.get(label, 0.0) + 1e-9]
+             if len(regs) * rc.workers * cpus > have.get(label, 0.0) + 1e-9]
     if short:
-        detail = "; ".join(f"{rc.label_key}={label}: {len(regs)} region(s) x regions.num_cpus {cpus:g} = "
-                           f"{len(regs) * cpus:g} CPUs requested, its nodes have {got:g}" for label, regs, got in short)
+        each = "" if rc.workers == 1 else f" x regions.workers {rc.workers}"
+        detail = "; ".join(f"{rc.label_key}={label}: {len(regs)} region(s){each} x regions.num_cpus {cpus:g} = "
+                           f"{len(regs) * rc.workers * cpus:g} CPUs requested, its nodes have {got:g}"
+                           for label, regs, got in short)
         raise PlacementError(f"{detail}: lower regions.num_cpus or give those nodes more CPUs")
 
 

@@ -8,6 +8,7 @@ import ray
 import torch
 
 from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.cluster import PlacementError, region_cpus
 from geofed.orchestrator.driver.coordinator import Coordinator
 from geofed.orchestrator.driver.rundir import Clock, read_jsonl
 from geofed.orchestrator.driver.run import Runner
@@ -95,3 +96,16 @@ def test_two_workers_a_region_match_one_worker_with_twice_the_batch(tmp_path):
         assert a["steps"] == b["steps"] == 3
         # worker 0 sends the region's whole update (gRPC's and the in-memory hub's framing differ by a few bytes)
         assert a["bytes_sent"] == pytest.approx(b["bytes_sent"], rel=0.01) and a["bytes_sent"] > 0
+
+
+def test_every_worker_counts_in_the_cpus_asked_of_ray():
+    """region_cpus: N workers a region ask N x what one does; the error's arithmetic says so."""
+    total = ray.cluster_resources()["CPU"]
+    names = [f"r{i}" for i in range(4)]
+    base = {"run": {"name": "cpus"}, "task": {"kind": "mlp-digits"}, "network": {"emulation": {"mode": "none"}}}
+    fitted = region_cpus(config_from_mapping({**base, "regions": {"names": names, "workers": 4}}), pin=False)
+    assert fitted == min(0.5, total / 16) and 16 * fitted <= total
+    too_many = config_from_mapping({**base, "regions": {"names": names, "workers": 4, "num_cpus": total / 8}})
+    with pytest.raises(PlacementError, match=rf"4 regions x regions.workers 4 x regions.num_cpus {total / 8:g} = "
+                                             rf"{2 * total:g} CPUs requested"):
+        region_cpus(too_many, pin=False)
