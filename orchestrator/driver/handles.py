@@ -184,6 +184,7 @@ class RegionHandles:
         for watched in (self.dead, self.probes, self.stalled, self.leaving):
             watched.pop(region, None)
         self.actors.pooled.pop(region, None)  # killed, not pooled: its process held a region that left
+        self.actors.following.pop(region, None)
         handle = self.actors.handles.pop(region, None)
         if handle is not None:
             try:
@@ -191,6 +192,8 @@ class RegionHandles:
             except ray.exceptions.RayError:
                 pass  # dead or hung: the kill below ends it either way
             ray.kill(handle, no_restart=True)
+        for worker in self.actors.workers.pop(region, []):  # regions.workers > 1: its workers 1..N-1 go with it
+            ray.kill(worker, no_restart=True)
 
     def rejoin(self, region: str, address: str, info: dict[str, Any]) -> None:
         """The region is back in the run, at its place in regions.names order."""

@@ -21,7 +21,7 @@ from geofed.regions.messages import RoundReport, rss_mb
 
 from ..config import RunConfig
 from ..config.strict import ConfigError
-from .cluster import RegionActors
+from .cluster import RegionActors, create_region_actor
 from .coordinator import Coordinator
 from .emulation import configured_link
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
@@ -286,9 +286,7 @@ class Runner:
 
     def _spawn(self, region: str) -> tuple[Any, dict]:
         """A joiner's new actor (`geofed join`), placed as set-up places the region's."""
-        from .cluster import create_region_actor
-
-        if getattr(self.cfg.regions, "workers", 1) > 1 or self.hostile:
+        if self.cfg.regions.workers > 1 or self.hostile:
             raise ValueError("joins place one actor a region: not with regions.workers > 1 or hostile regions")
         return create_region_actor(self.cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address),
                                    train_fn=self.train_fn)
