@@ -1,62 +1,103 @@
-"""Issue 41, leave: over the session's Ray (mutual-TLS gRPC, 3 regions, digits), `geofed leave
-RUN_DIR NAME` asks the live run's driver through RUN_DIR/control; the region delivers its round,
-leaves for good (its process ends, no restart) and the others go on to the end, planned without
-it; events.jsonl and summary.json name it (orchestrator/driver/membership.py)."""
+"""Issue 41, membership over the session's Ray (mutual-TLS gRPC, 3 regions, digits, DiLoCo), one
+run asserted several ways (orchestrator/driver/membership.py):
+- `geofed leave RUN_DIR NAME` asks the live run's driver through RUN_DIR/control; the region
+  delivers its round, leaves for good (its process ends, no restart) and the others go on,
+  planned without it;
+- `geofed join RUN_DIR --region NAME` brings it back in a new actor that takes the current model
+  from a peer (the rejoin path) and is planned from the next round: at the end it holds its
+  peers' model;
+- a SIGTERM to another region's process (a spot notice, regions/leave_notice.py) makes it leave
+  after its round within regions.leave_grace_s; the run's own end logs no leave.
+events.jsonl, rounds.jsonl and summary.json say all of it."""
 
 from __future__ import annotations
 
 import json
-import threading
+import os
+import signal
 
 import pytest
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.driver.rundir import read_json_file, read_jsonl
 from reliability_harness import REGIONS3, BackgroundRun, events, pid_alive, small_config, wait_for
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240),
-              pytest.mark.slow]  # slow: 3 region actors and 6 rounds, ~40 s after Ray's start on the loaded 2-core host
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300),
+              pytest.mark.slow]  # slow: 3 region actors, a 4th for the join and 14 rounds, ~70 s on the loaded 2-core host
 
-LEAVER = "eu-west-1"
-ROUNDS = 6
+LEAVER = "eu-west-1"  # leaves by request, then joins again
+SPOT = "ap-northeast-1"  # gets the SIGTERM
+STAYS = "us-east-1"
+ROUNDS = 14
 
 
-def test_a_region_leaves_a_live_run_and_the_others_go_on(tmp_path, capsys):
-    cfg = small_config(rounds=ROUNDS, H=5, run={"name": "leave", "rounds": ROUNDS, "checkpoint_every": 0},
+def _ask(capsys, *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_regions_leave_by_request_and_by_sigterm_and_join_again_while_the_run_goes_on(tmp_path, capsys):
+    cfg = small_config(rounds=ROUNDS, H=5, run={"name": "members", "rounds": ROUNDS, "checkpoint_every": 0},
                        sync={"deadline": {"initial_s": 2.0, "min_s": 0.5, "max_s": 3.0}})
     run = BackgroundRun(cfg, tmp_path / "run").start()
     run.wait_rounds(2, timeout_s=120)
-    pid = run.runner.actors.info[LEAVER]["pid"]
-    codes: list[int] = []
-    cli = threading.Thread(target=lambda: codes.append(main(["leave", str(run.run_dir), LEAVER, "--wait", "60"])))
-    cli.start()
-    cli.join(90)
-    summary = run.join(timeout_s=180)
+    first_pid = run.runner.actors.info[LEAVER]["pid"]
+    left = _ask(capsys, "leave", str(run.run_dir), LEAVER, "--wait", "60")
+    assert left["event"] == "region_left" and left["region"] == LEAVER and left["why"] == "request"
+    assert left["alive"] == [STAYS, SPOT]
+    run.wait_rounds(left["last_round"] + 2, timeout_s=60)  # a round without it
+    joined = _ask(capsys, "join", str(run.run_dir), "--region", LEAVER, "--wait", "120")
+    assert joined["event"] == "region_joined" and joined["region"] == LEAVER and joined["alive"] == REGIONS3
+    assert joined["pid"] != first_pid
+    spot_pid = run.runner.actors.info[SPOT]["pid"]
+    os.kill(spot_pid, signal.SIGTERM)
+    summary = run.join(timeout_s=200)
     assert run.error is None, run.error
-    assert codes == [0]
-    answer = json.loads(capsys.readouterr().out)
-    assert answer["event"] == "region_left" and answer["region"] == LEAVER and answer["why"] == "request"
-    left_after = answer["last_round"]
-    others = [r for r in REGIONS3 if r != LEAVER]
-    assert answer["alive"] == others
+    left_after, back_from = left["last_round"], joined["first_round"]
 
-    # Its process is gone for good: killed with no restart, never revived.
-    wait_for(lambda: not pid_alive(pid), 20, f"the leaver's process {pid} to end")
-    assert not events(run.run_dir, "region_rejoined") and not events(run.run_dir, "region_failed")
-    assert LEAVER not in run.runner.actors.handles
+    # The SIGTERM's region finished its round within the grace and left after it.
+    spot = [e for e in events(run.run_dir, "region_left") if e["region"] == SPOT]
+    assert len(spot) == 1 and spot[0]["why"] == "sigterm" and spot[0]["was_alive"], spot
+    assert spot[0]["alive"] == [STAYS, LEAVER] and 0 < spot[0]["grace_left_s"] <= 30
+    spot_after = spot[0]["last_round"]
+    assert back_from <= spot_after < ROUNDS - 1, (back_from, spot_after)
 
-    # It ran its rounds up to the leave, and none after; the others ran every round, planned without it.
+    # The joiner took a peer's state through the rejoin path; the leavers' processes are gone for good.
+    rejoined = events(run.run_dir, "region_rejoined")
+    assert [(e["region"], e["after"]) for e in rejoined] == [(LEAVER, "join")] and rejoined[0]["donor"] in (STAYS, SPOT)
+    for gone in (first_pid, spot_pid):
+        wait_for(lambda gone=gone: not pid_alive(gone), 20, f"the leaver's process {gone} to end")
+    assert not events(run.run_dir, "region_failed") and not events(run.run_dir, "control_refused")
+    probed = [e for e in events(run.run_dir, "links_probed") if e.get("after") == "join"]
+    assert len(probed) == 1 and LEAVER in probed[0]["probes"]  # the joiner measured its links
+    assert probed[0]["round"] == back_from  # measured before the round that first carries its update
+    assert set(run.runner.actors.handles) == {STAYS, LEAVER}
+
+    # Who ran each round, and who was planned: nobody waited for or mixed a region that was out.
     rounds = read_jsonl(run.run_dir / "rounds.jsonl")
     assert [r["round"] for r in rounds] == list(range(ROUNDS))
     for rec in rounds:
-        expect = REGIONS3 if rec["round"] <= left_after else others
-        assert rec["alive"] == expect and rec["regions_reported"] == sorted(expect), rec["round"]
-        if rec["round"] > left_after:
-            assert rec["codecs"] and not any(LEAVER in link for link in rec["codecs"]), rec["codecs"]  # the planned links
+        r = rec["round"]
+        expect = (REGIONS3 if r <= left_after or back_from <= r <= spot_after else
+                  [STAYS, SPOT] if r < back_from else [STAYS, LEAVER])
+        assert rec["alive"] == expect and rec["regions_reported"] == sorted(expect), r
+        out = set(REGIONS3) - set(expect)
+        assert rec["codecs"] and not any(reg in link for link in rec["codecs"] for reg in out), rec["codecs"]
     metrics = read_jsonl(run.run_dir / "metrics.jsonl")
-    assert max(m["round"] for m in metrics if m["region"] == LEAVER) == left_after
+    assert sorted({m["round"] for m in metrics if m["region"] == LEAVER}) == (
+        list(range(left_after + 1)) + list(range(back_from, ROUNDS)))
+    assert max(m["round"] for m in metrics if m["region"] == SPOT) == spot_after
+    assert [m["round"] for m in metrics if m.get("leaving")] == [spot_after]  # its report carried the notice
 
-    # The summary names it; the final evaluation is the remaining regions'.
-    assert summary["left"] == {LEAVER: {"round": left_after, "why": "request", "request": answer["request"]}}
+    # The summary names them; the final evaluation is of the two at the end, which hold one model
+    # (DiLoCo over full: a joiner that had not taken its peers' state would stay apart for good).
     assert summary == read_json_file(run.run_dir / "summary.json")
-    assert set(summary["eval_per_region"]) == set(others) and summary["eval"]["value"] > 0.3
-    assert summary["consensus_distance"] < 1e-4  # DiLoCo over full: the two that remain hold one model (sketch rounding)
+    assert summary["left"] == {LEAVER: {"round": left_after, "why": "request", "request": left["request"]},
+                               SPOT: {"round": spot_after, "why": "sigterm", "request": None}}
+    assert summary["joined"] == {LEAVER: {"round": back_from, "request": joined["request"]}}
+    assert set(summary["eval_per_region"]) == {STAYS, LEAVER} and summary["eval"]["value"] > 0.3
+    assert summary["consensus_distance"] < 1e-4  # sketch rounding
+    assert len(events(run.run_dir, "region_left")) == 2  # the run's own end retired nobody
+    assert summary["faults"]["region_rounds_out"] == 0  # leaving is no fault
+    assert [rec.get("members_out", []) for rec in rounds] == [
+        [] if rec["round"] <= left_after else [LEAVER] if rec["round"] < back_from else
+        [] if rec["round"] <= spot_after else [SPOT] for rec in rounds]
