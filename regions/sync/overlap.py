@@ -1,7 +1,8 @@
 """sync.overlap: the exchange of round r runs in a background thread while round r+1 computes, and its
 outer update is applied one round late (as overlapped/streaming DiLoCo do). It wraps DiLoCo's parts
 (regions/sync/diloco.py: `Diloco`, the whole model or one fragment): the round hands over a part's
-pseudo-gradient (`hand_over`) and the next round's end, or `finish`, applies it (`flush`).
+pseudo-gradient (`hand_over`) and the next round's end, right after its inner steps and before its own
+pseudo-gradient is taken (`settle`), or `finish`, applies it (`flush`).
 
 Delayed (``sync.overlap: true``): at the end of round r+1 the region waits (only if the network was
 slower than the compute) for round r's exchange, applies it to the global model, hands round r+1's
