@@ -12,17 +12,20 @@ events.jsonl, rounds.jsonl and summary.json say all of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
+import time
 
 import pytest
 from geofed.orchestrator.cli import main
 from geofed.orchestrator.driver.rundir import read_json_file, read_jsonl
+from geofed.regions.emulation import ComputeEmulation
 from reliability_harness import REGIONS3, BackgroundRun, events, pid_alive, small_config, wait_for
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300),
-              pytest.mark.slow]  # slow: 3 region actors, a 4th for the join and 14 rounds, ~70 s on the loaded 2-core host
+              pytest.mark.slow]  # slow: real runs over Ray, 26-41 s and ~20 s after Ray's start on the loaded 2-core host
 
 LEAVER = "eu-west-1"  # leaves by request, then joins again
 SPOT = "ap-northeast-1"  # gets the SIGTERM
@@ -101,3 +104,33 @@ def test_regions_leave_by_request_and_by_sigterm_and_join_again_while_the_run_go
     assert [rec.get("members_out", []) for rec in rounds] == [
         [] if rec["round"] <= left_after else [LEAVER] if rec["round"] < back_from else
         [] if rec["round"] <= spot_after else [SPOT] for rec in rounds]
+
+
+def test_a_sigterm_whose_grace_runs_out_mid_round_retires_the_region_at_once(tmp_path):
+    """The spot region's round 0 lasts 10 s or more (regions.emulation.slowdown 1000: a step of 1 ms
+    takes 1 s); a SIGTERM a second into it with regions.leave_grace_s 4 ends its process mid-round.
+    The driver heard the notice from its heartbeat (one a second while it waits), so the death is no
+    failure and Ray's restart does not bring it back: it is retired before round 1 (was_alive false)
+    and the other region goes on alone."""
+    regions = [STAYS, SPOT]
+    cfg = small_config(regions=regions, rounds=4, H=10, run={"name": "grace", "rounds": 4, "checkpoint_every": 0},
+                       sync={"deadline": {"initial_s": 2.0, "min_s": 0.5, "max_s": 3.0}})
+    cfg = dataclasses.replace(cfg, regions=dataclasses.replace(
+        cfg.regions, leave_grace_s=4.0, emulation=ComputeEmulation(slowdown={SPOT: 1000.0})))
+    run = BackgroundRun(cfg, tmp_path / "run").start()
+    wait_for(lambda: bool(events(run.run_dir, "setup_done")), 120, "the run's set-up")
+    time.sleep(1.0)  # round 0 under way
+    pid = run.runner.actors.info[SPOT]["pid"]
+    os.kill(pid, signal.SIGTERM)
+    summary = run.join(timeout_s=150)
+    assert run.error is None, run.error
+    left = events(run.run_dir, "region_left")
+    assert [(e["region"], e["why"], e["was_alive"], e["last_round"]) for e in left] == [(SPOT, "sigterm", False, 0)], left
+    assert not pid_alive(pid)
+    assert not events(run.run_dir, "region_failed") and not events(run.run_dir, "region_rejoined")
+    rounds = read_jsonl(run.run_dir / "rounds.jsonl")
+    assert [r["regions_reported"] for r in rounds] == [[STAYS]] * 4  # it never finished its round 0
+    assert not [m for m in read_jsonl(run.run_dir / "metrics.jsonl") if m["region"] == SPOT]
+    assert summary["left"] == {SPOT: {"round": 0, "why": "sigterm", "request": None}}
+    assert summary["faults"]["region_restarts"] == 0 and summary["faults"]["region_failures"] == 0
+    assert set(run.runner.actors.handles) == {STAYS}
