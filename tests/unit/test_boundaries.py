@@ -20,6 +20,8 @@ THIRD_PARTY_PRIVATE = {
     "_internal_kv_put": "Ray's internal KV store: the warm pool's handshake (no public API)",
     "_internal_kv_get": "Ray's internal KV store: the warm pool's handshake (no public API)",
     "_internal_kv_del": "Ray's internal KV store: the warm pool's handshake (no public API)",
+    "_exit": "os._exit: the documented way to end a process at once (a spot notice past regions.leave_grace_s)",
+    "_metadata": "torch's state_dict versions, which load_state_dict reads (rollback's copy keeps them)",
 }
 
 
