@@ -23,6 +23,7 @@ BENCHES = {
     "privacy": ("geofed.bench.privacy", "plain vs record-level DP at epsilon 1, 4, 8 on digits (accuracy, epsilon)"),
     "plan": ("geofed.bench.plan", "geofed plan's predicted vs measured round time, utilisation and bytes"),
     "attack": ("geofed.bench.attack", "one member of 4 turns hostile (withhold, poisoned state, flips, secagg x1e30) vs undisturbed"),
+    "churn": ("geofed.bench.churn", "one fault every 30 s (region kill, stop, link outage, leave/join, driver kill) vs undisturbed"),
     "memory": ("geofed.bench.memory", "a region's peak RSS per parameter (gpt 1M-100M, 8 arms) against the 32 B/param floor"),
 }
 
