@@ -87,6 +87,7 @@ class Region:
             raise ValueError(f"regions.workers: {cfg.regions.workers} workers a region run as Ray actors "
                              f"(geofed run), not in one process")
         self.loop_mode = model is not None  # the loop API (module docstring)
+        self.connected: set[str] = set()  # the peers of the last connect (the driver's regions in the run)
         if self.loop_mode:
             if optimizer is None:
                 raise ValueError("Region: model= needs the optimizer= that steps it")
@@ -268,13 +269,16 @@ class Region:
         return self.transport.start()
 
     def connect(self, peers: dict[str, str]) -> None:
-        """Dial every other region at its address (region -> address; this region's own entry is skipped)."""
+        """Dial every other region at its address (region -> address; this region's own entry is skipped).
+        The driver names the regions in the run: those are the ones `probe` measures."""
         self.transport.connect({r: a for r, a in peers.items() if r != self.region})
+        self.connected = set(peers) - {self.region}
 
     def probe(self) -> dict[str, Any]:
-        """Before round 0: every connection warmed and measured (network.probe_s)."""
+        """Before round 0, and after a join: every connection warmed and measured (network.probe_s).
+        Only the regions of the last `connect`: one that left the run (geofed leave) is no peer to probe."""
         net = self.cfg.network
-        peers = [p for p in self.regions if p != self.region]
+        peers = [p for p in self.regions if p != self.region and p in self.connected]
         records = (self.exchanger.probe_links(peers, duration_s=net.probe_s, max_bytes=net.probe_max_mb << 20)
                    if net.probe_s > 0 and peers else [])
         out = {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region)}
