@@ -35,12 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .rundir import read_jsonl
+
 if TYPE_CHECKING:  # the commands' side (request_from_args) runs without Ray
     from .handles import RegionHandles
     from .journal import Journal
 
 __all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Membership", "request_from_args", "parse_request",
-           "run_is_live", "take_requests", "withdraw_request", "write_request"]
+           "requeue_unanswered", "run_is_live", "take_requests", "withdraw_request", "write_request"]
 
 CONTROL_DIR = "control"
 ACTIONS = ("leave", "join")
@@ -103,6 +105,26 @@ def withdraw_request(run_dir: Path, request_id: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def requeue_unanswered(run_dir: Path) -> list[str]:
+    """A resumed driver's first look: requests its killed predecessor took (.taken) but never answered
+    in events.jsonl go back to waiting, so that a join or leave sent just before a driver kill is
+    not lost. Returns their ids."""
+    control = Path(run_dir) / CONTROL_DIR
+    if not control.is_dir():
+        return []
+    answered = {e.get("request") for e in read_jsonl(Path(run_dir) / "events.jsonl")}
+    back = []
+    for taken in sorted(control.glob("*.json.taken")):
+        request_id = taken.name[: -len(".json.taken")]
+        if request_id not in answered:
+            try:
+                os.rename(taken, control / f"{request_id}.json")
+                back.append(request_id)
+            except FileNotFoundError:
+                continue
+    return back
 
 
 def take_requests(run_dir: Path) -> list[tuple[str, Request | ValueError]]:

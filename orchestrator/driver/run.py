@@ -30,7 +30,7 @@ from .faults import Faults
 from .handles import RegionHandles, Reports
 from .journal import Journal
 from .loops import LoopEnds, one_initial_model
-from .membership import Membership
+from .membership import Membership, requeue_unanswered
 from .pacing import Pacing
 from .privacy import DpBudget
 from .progress import RunProgress
@@ -174,6 +174,8 @@ class Runner:
         self.membership = Membership(self.run_dir, self.regions, self.journal, busy=lambda: self.pacing.busy,
                                      drain=self._drain, spawn=self._spawn, rejoin=self._join, probe=self._probe)
         self.dp.plan(self.opened.actors.info)  # the noise for target_epsilon (a resume then restores the accountant)
+        if self.resume:  # a join or leave its killed predecessor took but never answered is taken again
+            requeue_unanswered(self.run_dir)
         if ready.restored is not None:
             self._restore(*ready.restored)
         elif self.train_fn is not None:

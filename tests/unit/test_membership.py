@@ -242,3 +242,16 @@ def test_joins_are_refused_where_no_actor_can_be_placed(tmp_path):
     join = write_request(tmp_path, "join", "b")
     membership.poll(1)
     assert "cannot place new region actors" in {e["request"]: e for e in _events(tmp_path)}[join]["why"]
+
+
+def test_a_resumed_driver_takes_again_what_its_killed_predecessor_took_but_never_answered(tmp_path):
+    from geofed.orchestrator.driver.membership import requeue_unanswered
+
+    answered = write_request(tmp_path, "leave", "b")
+    lost = write_request(tmp_path, "join", "c")
+    assert [rid for rid, _ in take_requests(tmp_path)] == [answered, lost]  # the driver that is then killed
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "region_left", "region": "b", "request": answered}) + "\n")
+    assert requeue_unanswered(tmp_path) == [lost]
+    (taken,) = take_requests(tmp_path)
+    assert taken[0] == lost and taken[1].action == "join" and taken[1].region == "c"
+    assert requeue_unanswered(tmp_path) == [lost]  # until it is answered
