@@ -18,7 +18,6 @@ import pytest
 from reliability_harness import REGIONS3, BackgroundRun, events, small_config
 
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.run import Runner
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
 
@@ -27,7 +26,7 @@ START, OUTAGE_S, ROUNDS = 2, 2.5, 8
 MAX_S = 1.0  # sync.deadline.max_s: also each push's timeout
 
 
-def _run(tmp_path, overlap, *, resync: bool = True) -> dict:
+def _start(run_dir, overlap, *, resync: bool = True) -> BackgroundRun:
     network = {"emulation": {"mode": "proxy", "preset": None,
                              "default": {"latency_ms": 5, "bandwidth_mbps": 100, "jitter_ms": 0, "loss": 0},
                              "schedule": [{"link": f"{SRC}->{DST}", "at_round": START, "outage_s": OUTAGE_S}]}}
@@ -36,11 +35,7 @@ def _run(tmp_path, overlap, *, resync: bool = True) -> dict:
                        sync={"policy": {"kind": "fixed", "H": 10}, "inner": {"lr": 0.003}, "overlap": overlap,
                              "outer": {"momentum": 0.5}, "resync_after_miss": resync,
                              "deadline": {"initial_s": MAX_S, "min_s": 0.5, "max_s": MAX_S}})
-    runner = Runner(cfg, tmp_path, show_progress=False)
-    try:
-        return runner.run()
-    finally:
-        runner.shutdown()
+    return BackgroundRun(cfg, run_dir).start()
 
 
 def _misses(tmp_path) -> list[tuple[int, str, str]]:
@@ -58,12 +53,7 @@ def _spread(summary) -> float:
     return max(evals) - min(evals)
 
 
-@pytest.mark.timeout(300)
-# The eager variant (the same outage and resync, the update applied before the next round's compute)
-# runs with the slow tests; the delayed one stays in the default suite.
-@pytest.mark.parametrize("overlap", [True, pytest.param("eager", marks=pytest.mark.slow)], ids=["delayed", "eager"])
-def test_overlap_miss_is_resynced_to_one_model(tmp_path, overlap):
-    summary = _run(tmp_path, overlap)
+def _assert_resynced_to_one_model(tmp_path, summary) -> None:
     missed = [x for x in _misses(tmp_path) if x[1] == DST and x[2] == SRC]
     assert missed, "the outage made DST miss no update of SRC: the test tested nothing"
     # DST takes a model, or gives it: where the flushed exchange left SRC missed by both others, SRC
@@ -87,13 +77,28 @@ def test_overlap_miss_is_resynced_to_one_model(tmp_path, overlap):
 
 
 @pytest.mark.timeout(300)
-def test_overlap_miss_without_resync_drifts(tmp_path):
-    """The control: the same outage with sync.resync_after_miss false leaves the regions apart
-    (what every overlapped run did before resync covered overlap)."""
-    summary = _run(tmp_path, True, resync=False)
-    assert any(x[1] == DST and x[2] == SRC for x in _misses(tmp_path))
-    assert not events(tmp_path, "resync")
-    assert summary["consensus_distance"] > 1e-3, summary["consensus_distance"]
+def test_overlap_miss_is_resynced_to_one_model_and_drifts_without_resync(tmp_path):
+    """Delayed overlap. The control, the same outage with sync.resync_after_miss false, leaves the
+    regions apart (what every overlapped run did before resync covered overlap); it trains beside
+    the resynced run (its own actors, emulator and run directory) to halve the wall time."""
+    resynced = _start(tmp_path / "resync", True)
+    control = _start(tmp_path / "control", True, resync=False)
+    summary, drifted = resynced.join(240), control.join(240)
+    assert resynced.error is None and control.error is None, (resynced.error, control.error)
+    _assert_resynced_to_one_model(tmp_path / "resync", summary)
+    assert any(x[1] == DST and x[2] == SRC for x in _misses(tmp_path / "control"))
+    assert not events(tmp_path / "control", "resync")
+    assert drifted["consensus_distance"] > 1e-3, drifted["consensus_distance"]
+
+
+@pytest.mark.slow  # the delayed variant above covers the default suite
+@pytest.mark.timeout(300)
+def test_eager_overlap_miss_is_resynced_to_one_model(tmp_path):
+    """The same outage and resync with the update applied before the next round's compute."""
+    run = _start(tmp_path, "eager")
+    summary = run.join(240)
+    assert run.error is None, run.error
+    _assert_resynced_to_one_model(tmp_path, summary)
 
 
 @pytest.mark.timeout(300)
