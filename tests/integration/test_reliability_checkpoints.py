@@ -4,6 +4,8 @@ whose own checkpoint of that round is corrupt takes the model from a peer that h
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from geofed.orchestrator.driver.resume import resume_config
 from geofed.orchestrator.driver.rundir import new_run_dir, read_jsonl
@@ -24,8 +26,18 @@ def _run(cfg, run_dir, *, resume=False):
         runner.shutdown()
 
 
-def test_resume_detects_corrupt_checkpoints_and_falls_back(tmp_path, capsys):
-    _run(small_config(rounds=5), tmp_path)
+@pytest.fixture(scope="module")
+def finished_run(ray_session, tmp_path_factory):
+    """One 5-round run that both tests damage, each in a copy of its own: the second test's own
+    run (2 rounds) cost as much as the first's (~35 s each on a loaded 2-core host)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    _run(small_config(rounds=5), run_dir)
+    return run_dir
+
+
+def test_resume_detects_corrupt_checkpoints_and_falls_back(finished_run, tmp_path, capsys):
+    tmp_path = tmp_path / "run"
+    shutil.copytree(finished_run, tmp_path)
     ckpts = tmp_path / "checkpoints"
     assert checkpoint.list_rounds(ckpts / "driver") == [2, 3, 4]  # keep_checkpoints: 3
     driver_newest = checkpoint.checkpoint_path(ckpts / "driver", 4)
@@ -63,8 +75,9 @@ def test_resume_detects_corrupt_checkpoints_and_falls_back(tmp_path, capsys):
     assert checkpoint.load_latest(ckpts / "driver")[0] == 6
 
 
-def test_resume_without_a_usable_checkpoint_fails_clearly(tmp_path):
-    _run(small_config(rounds=2), tmp_path)
+def test_resume_without_a_usable_checkpoint_fails_clearly(finished_run, tmp_path):
+    tmp_path = tmp_path / "run"
+    shutil.copytree(finished_run, tmp_path)
     for path in (tmp_path / "checkpoints" / "driver").iterdir():
         path.write_bytes(b"garbage")
     cfg, _ = resume_config(tmp_path, [])
