@@ -121,16 +121,24 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+# One interpreter imports torch once (most of the test's time) and forks a writer per line read
+# on stdin; it prints the writer's pid, reaps it once the test has SIGKILLed it and says "reaped".
 WRITER = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     from pathlib import Path
     from geofed.regions import checkpoint
     path = Path(sys.argv[1])
-    i = 0
-    while True:
-        i += 1
-        checkpoint.save_atomic(path, {"i": i, "w": torch.full((1 << 20,), float(i))})
-        print(i, flush=True)
+    for _ in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            i = 0
+            while True:
+                i += 1
+                checkpoint.save_atomic(path, {"i": i, "w": torch.full((1 << 20,), float(i))})
+                print(i, flush=True)
+        print("pid", pid, flush=True)
+        os.waitpid(pid, 0)
+        print("reaped", flush=True)
 """)
 
 
@@ -138,14 +146,29 @@ def test_sigkill_while_writing_never_leaves_a_torn_checkpoint(tmp_path):
     """A process rewriting one 4 MiB checkpoint in a loop is SIGKILLed at arbitrary moments: the
     file that remains always verifies and is one whole state, never a mix."""
     path = checkpoint.checkpoint_path(tmp_path, 0)
-    for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE)
-        assert proc.stdout.readline()  # at least one save completed
-        time.sleep(0.05 + 0.07 * attempt)
-        proc.send_signal(signal.SIGKILL)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        for attempt in range(3):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            pid, saved = None, False
+            while pid is None or not saved:  # the pid and at least one completed save, in either order
+                line = proc.stdout.readline().split()
+                assert line, "the writer ended"
+                if line[0] == "pid":
+                    pid = int(line[1])
+                else:
+                    saved = True
+            time.sleep(0.05 + 0.07 * attempt)
+            os.kill(pid, signal.SIGKILL)
+            while proc.stdout.readline().strip() != "reaped":  # the writer's saves until it died
+                assert proc.poll() is None
+            state = checkpoint.load_verified(path)
+            assert torch.equal(state["w"], torch.full((1 << 20,), float(state["i"])))
+    finally:
+        proc.kill()
         proc.wait(10)
-        state = checkpoint.load_verified(path)
-        assert torch.equal(state["w"], torch.full((1 << 20,), float(state["i"])))
     checkpoint.prune(tmp_path, 2)  # and what the killed writers left half-written goes away
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
