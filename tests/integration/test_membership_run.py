@@ -30,7 +30,12 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300),
 LEAVER = "eu-west-1"  # leaves by request, then joins again
 SPOT = "ap-northeast-1"  # gets the SIGTERM
 STAYS = "us-east-1"
-ROUNDS = 14
+ROUNDS = 16
+# Every region's steps are slowed (a sleep after each, no CPU) so that a round lasts about a second
+# on any host: the join's new actor (a fresh process that imports torch) then costs a few rounds,
+# not the rest of the run, and the SIGTERM lands with rounds to go (a CI run on a quiet host once
+# finished all 14 of its unslowed rounds before the notice came).
+PACE = ComputeEmulation(slowdown={r: 40.0 for r in REGIONS3})
 
 
 def _ask(capsys, *argv: str) -> dict:
@@ -41,6 +46,7 @@ def _ask(capsys, *argv: str) -> dict:
 def test_regions_leave_by_request_and_by_sigterm_and_join_again_while_the_run_goes_on(tmp_path, capsys):
     cfg = small_config(rounds=ROUNDS, H=5, run={"name": "members", "rounds": ROUNDS, "checkpoint_every": 0},
                        sync={"deadline": {"initial_s": 2.0, "min_s": 0.5, "max_s": 3.0}})
+    cfg = dataclasses.replace(cfg, regions=dataclasses.replace(cfg.regions, emulation=PACE))
     run = BackgroundRun(cfg, tmp_path / "run").start()
     run.wait_rounds(2, timeout_s=120)
     first_pid = run.runner.actors.info[LEAVER]["pid"]
@@ -53,13 +59,16 @@ def test_regions_leave_by_request_and_by_sigterm_and_join_again_while_the_run_go
     assert joined["pid"] != first_pid
     spot_pid = run.runner.actors.info[SPOT]["pid"]
     os.kill(spot_pid, signal.SIGTERM)
+    rounds_at_sigterm = len(read_jsonl(run.run_dir / "rounds.jsonl"))
     summary = run.join(timeout_s=200)
     assert run.error is None, run.error
     left_after, back_from = left["last_round"], joined["first_round"]
 
     # The SIGTERM's region finished its round within the grace and left after it.
     spot = [e for e in events(run.run_dir, "region_left") if e["region"] == SPOT]
-    assert len(spot) == 1 and spot[0]["why"] == "sigterm" and spot[0]["was_alive"], spot
+    assert len(spot) == 1 and spot[0]["why"] == "sigterm" and spot[0]["was_alive"], (
+        rounds_at_sigterm, [m for m in read_jsonl(run.run_dir / "metrics.jsonl") if m["region"] == SPOT][-2:],
+        read_jsonl(run.run_dir / "events.jsonl")[-12:])
     assert spot[0]["alive"] == [STAYS, LEAVER] and 0 < spot[0]["grace_left_s"] <= 30
     spot_after = spot[0]["last_round"]
     assert back_from <= spot_after < ROUNDS - 1, (back_from, spot_after)
