@@ -116,6 +116,8 @@ class RegionActor:
         self.region = None
         self._pool.assign(cfg=cfg, region=region, run_dir=run_dir, tls=tls)  # first: a restart from here on builds this run's region
         self.region, self._loop = _build(cfg, region, run_dir, tls, train_fn=train_fn)
+        # close() above closed the notice: without this a spot notice would end the adopted region at once
+        self._notice.reopen(getattr(cfg.regions, "leave_grace_s", 30.0))
         self._start = {"process_s": None, "init_s": round(time.monotonic() - t0, 3),
                        "cpu_s": round(time.process_time() - cpu0, 3), "reused": True}
         return self.node_info()

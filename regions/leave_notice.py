@@ -76,6 +76,13 @@ class LeaveNotice:
             return {}
         return {"leaving": True, "grace_left_s": round(max(0.0, self.grace_s - (time.monotonic() - self.since)), 3)}
 
+    def reopen(self, grace_s: float) -> None:
+        """A pooled actor adopted by a new run (its handler stays installed): SIGTERMs are notices
+        again, with the new run's grace; a notice of the last run is forgotten."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self.grace_s, self.since, self._timer, self.closed = float(grace_s), None, None, False
+
     def close(self) -> None:
         """The region is closed: a SIGTERM from now on is Ray's shutdown, not a notice."""
         self.closed = True

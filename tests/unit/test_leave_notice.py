@@ -59,3 +59,17 @@ def test_only_the_main_thread_installs_it():
     thread.start()
     thread.join()
     assert got == [False]
+
+
+def test_a_reopened_notice_is_a_notice_again_with_the_new_grace(before):
+    """A pooled actor adopted by the next run (regions/actor.py adopt): its notice was closed at the
+    last run's end; reopened, a SIGTERM marks it leaving instead of going to Ray's handler."""
+    ended = threading.Event()
+    notice = LeaveNotice(0.2, exit=ended.set)
+    assert notice.install()
+    notice.close()
+    notice.reopen(5.0)
+    _deliver()
+    assert before == [] and notice.leaving and not ended.is_set()
+    assert 4.5 < notice.record()["grace_left_s"] <= 5.0
+    notice.close()
