@@ -1,6 +1,6 @@
 """`geofed bench memory`: a region's peak memory per parameter, against the 32 B/param floor (issue 39).
 
-    geofed bench memory [--sizes 1M,10M] [--arms serial,delayed,...] [--rounds N] [--H N] [--json] [--out DIR]
+    geofed bench memory [--sizes 1M,10M] [--arms serial,delayed,...] [--rounds N] [--H N] [--json] [--out DIR] [--keep]
 
 Every (size, arm) is one real `geofed run` (Ray actors, mutual-TLS gRPC on loopback, no WAN
 emulation) of 2 regions training the `gpt` task (tinyshakespeare, byte tokens, context 256,
@@ -26,6 +26,8 @@ a field in the region's report (docs/bench-memory.md), so this bench measures ho
 Progress goes to stderr; --json prints {"floor_bytes_per_param": 32, "rows": [{"arm", "params",
 "peak_rss_bytes", "baseline_rss_bytes", "bytes_per_param", "size"}], "failed": [{"arm", "size",
 "error"}]}: a run that fails is named there (and the exit code is 1), the other arms still run.
+Each run's checkpoints and exported model are deleted once it is measured (--keep keeps them); its
+logs stay under --out.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Sequence
@@ -187,8 +190,27 @@ def idle_actor_baseline() -> int:
     return int(got)
 
 
+# What a measured run leaves that a 100M model makes gigabytes of: a run's checkpoints hold
+# several copies of the model, and the export one more (a full bench once filled the disk to 93%).
+_BULKY = ("checkpoints", "model.safetensors")
+
+
+def drop_bulk(run_dir: Path) -> int:
+    """Delete a measured run's checkpoints and exported model (its logs stay); the bytes freed."""
+    freed = 0
+    for name in _BULKY:
+        path = run_dir / name
+        if path.is_dir():
+            freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path)
+        elif path.is_file():
+            freed += path.stat().st_size
+            path.unlink()
+    return freed
+
+
 def measure(arm: str, size: str, out: Path, *, rounds: int, H: int, params: int,
-            baseline: int, cache: dict) -> dict[str, Any]:
+            baseline: int, cache: dict, keep: bool = False) -> dict[str, Any]:
     """One row: run the arm (or reuse the run of an arm with the same config) and read its peak."""
     from .runs import run_to_end
 
@@ -198,6 +220,8 @@ def measure(arm: str, size: str, out: Path, *, rounds: int, H: int, params: int,
         cfg = arm_config(arm, size, rounds=rounds, H=H)
         with PeakWatch(out / arm, rounds) as watch:
             run_to_end(cfg, out / arm, source="bench memory")
+        if not keep:
+            drop_bulk(out / arm)
         cache[key] = watch
     watch = cache[key]
     peaks = watch.peak if where == "end" else watch.at_last_round
@@ -208,8 +232,10 @@ def measure(arm: str, size: str, out: Path, *, rounds: int, H: int, params: int,
             "bytes_per_param": round((peak - baseline) / params, 2)}
 
 
-def run_bench(out: Path, *, sizes: Sequence[str], arms: Sequence[str], rounds: int, H: int) -> dict[str, Any]:
-    """Every arm at every size; returns the JSON document (also out/bench.json)."""
+def run_bench(out: Path, *, sizes: Sequence[str], arms: Sequence[str], rounds: int, H: int,
+              keep: bool = False) -> dict[str, Any]:
+    """Every arm at every size; returns the JSON document (also out/bench.json). Each run's
+    checkpoints and export are deleted once it is measured, unless `keep`."""
     from geofed.orchestrator.driver.cluster import PlacementError
     from geofed.orchestrator.driver.recovery import RunFailed
 
@@ -227,7 +253,8 @@ def run_bench(out: Path, *, sizes: Sequence[str], arms: Sequence[str], rounds: i
             cache: dict = {}
             for arm in arms:
                 try:
-                    row = measure(arm, size, out / size, rounds=rounds, H=H, params=params, baseline=baseline, cache=cache)
+                    row = measure(arm, size, out / size, rounds=rounds, H=H, params=params, baseline=baseline, cache=cache,
+                                  keep=keep)
                 except (PlacementError, RunFailed, RuntimeError) as exc:  # one arm's failure leaves the others' rows
                     failed.append({"arm": arm, "size": size, "error": str(exc)})
                     print(f"geofed bench memory: {size} {arm} FAILED: {exc}", file=sys.stderr, flush=True)
@@ -259,6 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--H", type=int, default=2, help="inner steps per round (fixed policy)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     ap.add_argument("--out", help="run directories (default runs/bench-memory-<UTC time>)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep each run's checkpoints and exported model (deleted once measured by default: "
+                         "at 100M they are gigabytes per arm)")
     return ap
 
 
@@ -284,7 +314,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"geofed bench memory: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/bench-memory-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
-    doc = run_bench(out, sizes=sizes, arms=arms, rounds=args.rounds, H=args.H)
+    doc = run_bench(out, sizes=sizes, arms=arms, rounds=args.rounds, H=args.H, keep=args.keep)
     if args.json:
         print(json.dumps({k: doc[k] for k in ("floor_bytes_per_param", "rows", "failed")}, indent=1))
     elif doc["rows"]:
@@ -294,4 +324,4 @@ def main(argv: Sequence[str]) -> int:
     return 1 if doc["failed"] else 0
 
 
-__all__ = ["ARMS", "FLOOR_BYTES_PER_PARAM", "SIZES", "arm_config", "count_params", "main", "run_bench", "vm_hwm"]
+__all__ = ["ARMS", "FLOOR_BYTES_PER_PARAM", "SIZES", "arm_config", "count_params", "drop_bulk", "main", "run_bench", "vm_hwm"]

@@ -29,4 +29,6 @@ def test_one_arm_at_1m_gives_a_finite_positive_bytes_per_param(tmp_path, capsys,
     assert row["peak_rss_bytes"] > row["baseline_rss_bytes"] > 100 << 20  # an actor that imported torch
     assert math.isfinite(row["bytes_per_param"]) and row["bytes_per_param"] > 0
     assert "idle actor" in captured.err and "1M (" in captured.err  # progress on stderr
-    assert (out / "1M" / "serial" / "rounds.jsonl").read_text().count("\n") == 2
+    run = out / "1M" / "serial"
+    assert run.joinpath("rounds.jsonl").read_text().count("\n") == 2
+    assert not (run / "checkpoints").exists() and not (run / "model.safetensors").exists()  # freed once measured (no --keep)

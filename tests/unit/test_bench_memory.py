@@ -82,3 +82,16 @@ def test_a_failed_arm_is_named_and_the_other_arms_still_give_rows(tmp_path, monk
     assert rc == 1 and [r["arm"] for r in doc["rows"]] == ["serial", "export"]
     assert doc["failed"] == [{"arm": "secagg", "size": "1M", "error": "region eu-west-1 failed in round 1: payload exceeds max_message_bytes"}]
     assert "1M secagg FAILED" in captured.err and "1 run(s) failed" in captured.err
+
+
+def test_drop_bulk_frees_checkpoints_and_the_export_and_keeps_the_logs(tmp_path):
+    from geofed.bench.memory import drop_bulk
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "eu").mkdir(parents=True)
+    (run / "checkpoints" / "eu" / "round-2.pt").write_bytes(b"x" * 1000)
+    (run / "model.safetensors").write_bytes(b"y" * 500)
+    (run / "rounds.jsonl").write_text("{}\n")
+    assert drop_bulk(run) == 1500
+    assert sorted(p.name for p in run.iterdir()) == ["rounds.jsonl"]
+    assert drop_bulk(run) == 0  # nothing left to free
