@@ -143,6 +143,10 @@ class Trainer:
             print(f"report: {write_report(self.run_dir)}")
         if self.show_summary:
             print(f"run directory: {self.run_dir}")
+        from .driver.progress import end_line
+
+        if (line := end_line(summary)) is not None:  # last, where a user looks first: a region lost for good
+            print(f"geofed: {line}")
         return summary
 
     # -- before the run --------------------------------------------------------------------------

@@ -99,20 +99,78 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
             (f"eval {ev.get('metric', '')}".strip(), _fmt(ev.get("value")) + _eval_spread(summary)),
             ("bytes sent", f"{summary.get('bytes_sent', 0) / 1e6:.2f} MB"),
             ("compute utilisation", _fmt(summary.get("compute_utilization"))),
-            *_fault_rows(summary.get("faults") or {}),
+            *_fault_rows(summary.get("faults") or {}, (summary.get("live_regions") or {}).get("ended")),
             ("refused messages", str(summary["refusals"]["total"]))]
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
 
 
-def _fault_rows(faults: dict[str, Any]) -> list[tuple[str, str]]:
+def _fault_rows(faults: dict[str, Any], ended: list[str] | None = None) -> list[tuple[str, str]]:
     """Stalled and failed regions apart from restarts, and the rounds they sat out apart from the
-    updates participants missed: a stalled region is left out of rounds, not missed in them."""
-    return [("region stalls / failures / restarts", f"{faults.get('region_stalls', 0)} / "
+    updates participants missed: a stalled region is left out of rounds, not missed in them. Then
+    the regions named, one line each (faults.by_region): a count alone did not say which failed,
+    why, or what it missed."""
+    rows = [("region stalls / failures / restarts", f"{faults.get('region_stalls', 0)} / "
              f"{faults.get('region_failures', 0)} / {faults.get('region_restarts', 0)}"),
             ("region-rounds out / updates missed", f"{faults.get('region_rounds_out', 0)} / "
              f"{faults.get('peers_left_out', 0)}")]
+    named = [region_fault_line(region, f, back=None if ended is None else region in ended)
+             for region, f in (faults.get("by_region") or {}).items() if isinstance(f, dict)]
+    if named:
+        rows.append(("region failures", "\n".join(named)))
+    return rows
+
+
+def region_fault_line(region: str, f: dict[str, Any], *, back: bool | None = None) -> str:
+    """`eu-west-1 x1 (OOM), restarted x1, rounds 3-4 missed`: one region's faults.by_region entry
+    (`back`: False adds that it was out at the end)."""
+    parts = []
+    if f.get("failures"):
+        causes = sorted(set(map(str, f.get("causes") or [])))
+        parts.append(f"x{f['failures']}" + (f" ({', '.join(causes)})" if causes else ""))
+    if f.get("stalls"):
+        parts.append(f"stalled x{f['stalls']}")
+    if f.get("restarts"):
+        parts.append(f"restarted x{f['restarts']}")
+    if f.get("rounds_out"):
+        parts.append(f"rounds {rounds_text(f['rounds_out'])} missed")
+    if back is False:
+        parts.append("out at the end")
+    return f"{region} " + ", ".join(parts) if parts else region
+
+
+def rounds_text(ranges: list[list[int]]) -> str:
+    """[[3, 4], [7, 7]] -> '3-4, 7'."""
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def end_line(summary: dict[str, Any]) -> str | None:
+    """The run's last line when it ended with fewer live regions than it started with:
+    `ended with 2 of 3 regions: eu-west-1 failed in round 5 (OOM) and did not come back`; None
+    otherwise. From summary.json alone (live_regions, faults.by_region, left)."""
+    live = summary.get("live_regions") or {}
+    started, ended = list(live.get("started") or []), list(live.get("ended") or [])
+    if len(ended) >= len(started):
+        return None
+    by_region = (summary.get("faults") or {}).get("by_region") or {}
+    left = summary.get("left") or {}
+    parts = []
+    for region in started:
+        if region in ended:
+            continue
+        f = by_region.get(region) or {}
+        failed, stalled = f.get("failed_in") or [], f.get("stalled_in") or []
+        if region in left:
+            parts.append(f"{region} left after round {(left[region] or {}).get('round')}")
+        elif failed and (not stalled or failed[-1] >= stalled[-1]):
+            cause = (f.get("causes") or ["?"])[-1]
+            parts.append(f"{region} failed in round {failed[-1]} ({cause}) and did not come back")
+        elif stalled:
+            parts.append(f"{region} stalled in round {stalled[-1]} and did not come back")
+        else:
+            parts.append(f"{region} is out")
+    return f"ended with {len(ended)} of {len(started)} regions: " + "; ".join(parts)
 
 
 def _eval_spread(summary: dict[str, Any]) -> str:

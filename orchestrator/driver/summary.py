@@ -44,6 +44,7 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
     """summary.json's content, built from the run's logs and what the driver passes in."""
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     rounds = read_jsonl(run_dir / "rounds.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
     last_round = max((m["round"] for m in metrics), default=-1)
     final_losses = [m["train_loss"] for m in metrics if m["round"] == last_round and m.get("train_loss") is not None]
     util = _utilization(metrics)
@@ -69,7 +70,8 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
                       for reg, info in placement.items()},
         "transport": _transport(transport_stats),
         "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values()),
-                   "region_rounds_out": _rounds_out(cfg, rounds)},
+                   "region_rounds_out": _rounds_out(cfg, rounds), "by_region": _by_region(cfg, rounds, events)},
+        "live_regions": _live_regions(cfg, rounds, events),
         "refusals": refusals,
         "config": {"task": cfg.task.kind, "algorithm": cfg.sync.algorithm, "policy": cfg.sync.policy.kind,
                    "codec": cfg.compression.codec.key, "topology": cfg.sync.topology,
@@ -86,6 +88,69 @@ def _rounds_out(cfg: RunConfig, rounds: list[dict]) -> int:
     names = set(cfg.regions.names)
     return sum(len(names - set(r["alive"]) - set(r.get("members_out") or ()))
                for r in rounds if isinstance(r.get("alive"), list))
+
+
+def _by_region(cfg: RunConfig, rounds: list[dict], events: list[dict]) -> dict[str, dict[str, Any]]:
+    """faults.by_region: each region that failed, stalled or sat rounds out, named. failures,
+    restarts and stalls as the aggregate keys count them (events.jsonl's region_failed,
+    region_rejoined after a restart, region_stalled); causes: one short reason a failure
+    (driver/failures.py: OOM, process died, timeout, ...), failed_in the round of each; stalled_in
+    the round of each stall; rounds_out the rounds it missed as [first, last] ranges, counted as
+    region_rounds_out counts them (a region that left is no fault). events.jsonl outlives a resume
+    whole, so a failure in a round that a resume ran again still counts here."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def entry(region: str) -> dict[str, Any]:
+        return out.setdefault(region, {"failures": 0, "restarts": 0, "stalls": 0, "rounds_out": [], "causes": [],
+                                       "failed_in": [], "stalled_in": []})
+
+    for e in events:
+        region, kind = e.get("region"), e.get("event")
+        if not isinstance(region, str):
+            continue
+        if kind == "region_failed":
+            ent = entry(region)
+            ent["failures"] += 1
+            ent["causes"].append(e.get("cause") or "unknown")
+            ent["failed_in"].append(e.get("round"))
+        elif kind == "region_stalled":
+            entry(region)["stalls"] += 1
+            entry(region)["stalled_in"].append(e.get("round"))
+        elif kind == "region_rejoined" and e.get("after") == "restart":
+            entry(region)["restarts"] += 1
+    names = list(cfg.regions.names)
+    missed: dict[str, list[int]] = {}
+    for r in rounds:
+        if isinstance(r.get("alive"), list):
+            for region in set(names) - set(r["alive"]) - set(r.get("members_out") or ()):
+                missed.setdefault(region, []).append(r["round"])
+    for region, rs in missed.items():
+        entry(region)["rounds_out"] = round_ranges(rs)
+    order = {name: i for i, name in enumerate(names)}
+    return {region: out[region] for region in sorted(out, key=lambda reg: (order.get(reg, len(order)), reg))}
+
+
+def round_ranges(rounds: list[int]) -> list[list[int]]:
+    """[3, 4, 7] -> [[3, 4], [7, 7]]: consecutive rounds as [first, last]."""
+    ranges: list[list[int]] = []
+    for r in sorted(set(rounds)):
+        if ranges and r == ranges[-1][1] + 1:
+            ranges[-1][1] = r
+        else:
+            ranges.append([r, r])
+    return ranges
+
+
+def _live_regions(cfg: RunConfig, rounds: list[dict], events: list[dict]) -> dict[str, list[str]]:
+    """The regions the run started with (regions.names) and those alive at its end: the last round's
+    `alive`, less any region that failed, stalled or left after that round was logged (a resync,
+    the final checkpoint or evaluation), for the run's last line (progress.end_line)."""
+    recorded = [r for r in rounds if isinstance(r.get("alive"), list)]
+    alive = list(recorded[-1]["alive"]) if recorded else list(cfg.regions.names)
+    after = recorded[-1]["round"] if recorded else -1
+    gone = {e["region"] for e in events if e.get("event") in ("region_failed", "region_stalled", "region_left")
+            and isinstance(e.get("round"), int) and e["round"] > after and isinstance(e.get("region"), str)}
+    return {"started": list(cfg.regions.names), "ended": [reg for reg in alive if reg not in gone]}
 
 
 def _utilization(metrics: list[dict]) -> dict[str, float]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections import Counter
 from collections.abc import Sequence
 from html import escape
 
+from ..driver.progress import end_line, rounds_text
 from .compare import CompareRow
 from .facts import config_highlights, headline
 from .load import Run, num
@@ -113,7 +115,8 @@ def _clipped(run: Run) -> dict:
 def _faults_table(run: Run) -> str:
     rows = []
     for k, v in (run.summary.get("faults") or {}).items():
-        rows.append((k.replace("_", " "), v))
+        if not isinstance(v, (dict, list)):  # by_region has a table of its own (_region_failures)
+            rows.append((k.replace("_", " "), v))
     ref = run.summary.get("refusals") or {}
     if isinstance(ref, dict):
         rows.append(("refusals (total)", ref.get("total", 0)))
@@ -129,6 +132,35 @@ def _faults_table(run: Run) -> str:
     if not rows:
         return '<p class="note">No fault counts (summary.json missing).</p>'
     return table(["fault / refusal", "count"], rows, numeric=[1])
+
+
+def _region_failures(run: Run) -> str:
+    """The regions that failed, stalled or sat rounds out, named (summary.json faults.by_region):
+    how often, why, the restarts, the rounds missed and whether it was back at the end; "" for a
+    run without any."""
+    faults = run.summary.get("faults") if isinstance(run.summary.get("faults"), dict) else {}
+    by_region = faults.get("by_region") if isinstance(faults.get("by_region"), dict) else {}
+    live = run.summary.get("live_regions") if isinstance(run.summary.get("live_regions"), dict) else {}
+    ended = live.get("ended") if isinstance(live.get("ended"), list) else None
+    rows = []
+    for region, f in by_region.items():
+        if not isinstance(f, dict):
+            continue
+        causes = ", ".join(f"{c} x{n}" if n > 1 else str(c) for c, n in Counter(map(str, f.get("causes") or [])).items())
+        rows.append((region, f.get("failures", 0), causes or "—", f.get("restarts", 0), f.get("stalls", 0),
+                     rounds_text(f.get("rounds_out") or []) or "—",
+                     "—" if ended is None else "yes" if region in ended else "no"))
+    if not rows:
+        return ""
+    return ("<h3>Regions that failed or sat out</h3>" + table(
+        ["region", "failures", "causes", "restarts", "stalls", "rounds missed", "in the run at the end"], rows,
+        numeric=[1, 3, 4]))
+
+
+def _end_warning(run: Run) -> str:
+    """The run's last line, when it ended with fewer live regions than it started with."""
+    line = end_line(run.summary) if isinstance(run.summary, dict) else None
+    return f'<div class="warn">{escape(line[0].upper() + line[1:])}.</div>' if line else ""
 
 
 def _regions_table(run: Run) -> str:
@@ -280,8 +312,9 @@ def render_run(run: Run, plots: Sequence[Plot], comparison: str = "") -> str:
     nav = "<nav>" + "".join(f'<a href="#{escape(anchor(p))}">{escape(p.title)}</a>' for p in plots) + (
         '<a href="#regions">Regions</a><a href="#links">Links</a><a href="#decisions">Policy decisions</a>'
         '<a href="#events">Events</a></nav>')
-    body = (nav + warn + _tiles(run)
-            + f'<div class="cols"><div><h2>Config</h2>{config}</div><div><h2>Faults and refusals</h2>{_faults_table(run)}</div></div>'
+    body = (nav + warn + _end_warning(run) + _tiles(run)
+            + f'<div class="cols"><div><h2>Config</h2>{config}</div><div><h2>Faults and refusals</h2>{_faults_table(run)}'
+            + f'{_region_failures(run)}</div></div>'
             + comparison + ("<h2>Plots</h2>" if plots else "") + "".join(figure(p) for p in plots)
             + f'<h2 id="regions">Regions</h2>{_regions_table(run)}{_reports_section(run)}'
             + f'<h2 id="links">Links</h2>{_links_table(run)}'

@@ -22,6 +22,8 @@ THIRD_PARTY_PRIVATE = {
     "_internal_kv_del": "Ray's internal KV store: the warm pool's handshake (no public API)",
     "_exit": "os._exit: the documented way to end a process at once (a spot notice past regions.leave_grace_s)",
     "_metadata": "torch's state_dict versions, which load_state_dict reads (rollback's copy keeps them)",
+    "_connect_and_get_accessor": "Ray's GCS worker table: a dead region's exit type, which alone tells an OOM kill "
+                                 "from a SIGKILL (no public API without Ray's dashboard; driver/failures.py)",
 }
 
 
