@@ -66,7 +66,8 @@ x-9 at round 0 through at one receiver.
 Cost: one forward pass of ``score_batches`` batches at theta and one per received update, per
 round, and one more per update of a quarantined sender (its reverse); no backward pass, no draw
 from the training data stream (the batches are drawn once, at start, with a generator of their
-own), and the training model is untouched (a scratch copy).
+own), and the training model is untouched (a scratch copy of its structure, lent theta and
+theta - update for each reading: no model-sized buffer held between rounds).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class Score:
 class Gauntlet:
     """Scores received updates on fixed batches of the region's own data; thread-safe counts.
 
-    `model`: the region's model (copied; the copy is the scratch the scores are computed on),
+    `model`: the region's model (its structure copied without its parameters' values: the scratch the
+    scores are computed on, lent the parameters each reading scores),
     `loss`: the task's loss(model, batch), `batches`: the scoring batches (on the model's device),
     `margin`: the least loss increase that makes an update harmful (the bar's floor), `step`: the multiple of the update
     subtracted from theta (1: the sender's claimed local model)."""
@@ -136,7 +138,11 @@ class Gauntlet:
         if not margin > 0 or not math.isfinite(margin):
             raise ValueError(f"margin: must be a finite number > 0, got {margin}")
         self._source = model
-        self._scratch = copy.deepcopy(model)
+        # The scratch is the model's structure without its parameters' values: each reading lends it
+        # the parameters it scores (theta itself, theta - update) and takes them back after, so
+        # between rounds the gauntlet holds no model-sized buffer (a full copy kept for good cost
+        # 4 B/param, issue 39). Its buffers (masks, norms' statistics) are its own, copied per reading.
+        self._scratch = copy.deepcopy(model, memo={id(p): _placeholder(p) for p in model.parameters()})
         self._scratch.eval()  # no dropout noise in a score
         self._params = [p for p in self._scratch.parameters() if p.requires_grad]
         self._loss, self._batches = loss, list(batches)
@@ -164,12 +170,19 @@ class Gauntlet:
         return cls(model=worker.model, loss=worker.task.loss, batches=batches, margin=sec.score_margin)
 
     def _mean_losses(self, params: Sequence[torch.Tensor]) -> list[float]:
+        """The loss on each scoring batch with the scratch's parameters = `params`, lent (not copied:
+        the forward passes only read them, and theta does not change while a screen reads it, the
+        outer step waiting for the exchange that screens), then taken back."""
         with torch.no_grad():
-            for dst, src in zip(self._params, params):
-                dst.copy_(src)
-            for dst, src in zip(self._scratch.buffers(), self._source.buffers()):
-                dst.copy_(src)
-            return [float(self._loss(self._scratch, b)) for b in self._batches]
+            try:
+                for dst, src in zip(self._params, params):
+                    dst.data = src.detach()
+                for dst, src in zip(self._scratch.buffers(), self._source.buffers()):
+                    dst.copy_(src)
+                return [float(self._loss(self._scratch, b)) for b in self._batches]
+            finally:
+                for dst in self._params:
+                    dst.data = torch.empty(0, dtype=dst.dtype, device=dst.device)
 
     def score(self, sender: str, round_: int, theta: Sequence[torch.Tensor], update: Sequence[torch.Tensor],
               *, before: list[float] | None = None, reverse: bool = False) -> Score:
@@ -281,6 +294,11 @@ class Gauntlet:
         with self._lock:
             out, self._quarantined = dict(self._quarantined), Counter()
         return out
+
+
+def _placeholder(p: torch.Tensor) -> torch.nn.Parameter:
+    """An empty parameter of `p`'s dtype and device: the scratch's parameter between readings."""
+    return torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
 
 
 def harmful_refusals(by_sender: Mapping[str, int], quarantined: Mapping[str, int] | None = None) -> dict[str, int] | None:

@@ -166,3 +166,48 @@ def test_a_regions_result_is_its_parameters_over_the_models_buffers_all_copied()
         assert torch.equal(state[name], want) and state[name].data_ptr() != want.data_ptr()
     assert torch.equal(state["1.running_var"], model[1].running_var)
     assert state["1.running_var"].data_ptr() != model[1].running_var.data_ptr()
+
+
+def test_the_gauntlet_holds_no_model_sized_buffer_and_reads_as_a_full_copy_did():
+    """The gauntlet kept a deep copy of the model for good (4 B/param, issue 39); its scratch now has
+    the model's structure and buffers only, lent the parameters of each reading. The readings are those
+    of a full copy of the model with the same parameters, bitwise, and neither theta nor the model moves."""
+    import copy
+
+    from geofed.regions.gauntlet import Gauntlet
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 3))
+    model(torch.randn(16, 6))  # running statistics that are not their defaults
+    batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    gauntlet = Gauntlet(model=model, loss=loss, batches=batches, margin=0.5)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+
+    def held() -> int:
+        return sum(t.untyped_storage().nbytes() for t in [*gauntlet._scratch.parameters(), *gauntlet._scratch.buffers()])
+
+    assert held() <= buffer_bytes < param_bytes
+    theta = [p.detach().clone() + 0.01 for p in model.parameters()]
+    update = [torch.randn_like(t) * 0.1 for t in theta]
+    kept = [t.clone() for t in theta], [p.detach().clone() for p in model.parameters()]
+    score = gauntlet.score("b", 0, theta, update, reverse=True)
+
+    full = copy.deepcopy(model).eval()  # the old scratch
+
+    def mean_loss(values):
+        with torch.no_grad():
+            for p, v in zip(full.parameters(), values):
+                p.copy_(v)
+            return sum(float(loss(full, b)) for b in batches) / len(batches)
+
+    assert score.loss_before == mean_loss(theta)
+    assert score.loss_after == mean_loss([t - u for t, u in zip(theta, update)])
+    assert score.loss_reversed == mean_loss([t + u for t, u in zip(theta, update)])
+    assert held() <= buffer_bytes
+    assert all(torch.equal(a, b) for a, b in zip(theta, kept[0]))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), kept[1]))
