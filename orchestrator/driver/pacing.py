@@ -27,6 +27,7 @@ from geofed.regions.emulation import absent_regions
 from geofed.regions.messages import RoundReport
 
 from ..config import RunConfig
+from .failures import ACTOR_DEATHS
 from .handles import RegionHandles, Reports
 from .journal import Journal
 from .recovery import first_line
@@ -189,7 +190,7 @@ class Pacing:
             try:
                 donor, state_round = ray.get(ref)
                 self.journal.event("caught_up", region=region, donor=donor, state_round=state_round)
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            except (ray.exceptions.RayTaskError, *ACTOR_DEATHS) as exc:  # an OOM kill is no RayActorError
                 log.warning("region %s: catching up failed: %s", region, first_line(exc))
                 self._behind.add(region)
 
