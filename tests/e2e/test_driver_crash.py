@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -69,14 +70,48 @@ def _per_round(records, key):
 @pytest.mark.usefixtures("ray_session")
 def test_sigkilled_driver_resumes_from_its_last_round_with_the_same_policy_state(tmp_path):
     cfg_map = _config(rounds=14)
-    # The undisturbed reference, in this process (the session's Ray).
+    # The undisturbed reference, in this process (the session's Ray), trains beside the killed
+    # run (its own driver and Ray): generous deadlines keep both runs' every update on time.
     ref_dir = tmp_path / "reference"
-    runner = Runner(config_from_mapping(json.loads(json.dumps(cfg_map))), ref_dir, show_progress=False)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        reference = pool.submit(_train, config_from_mapping(json.loads(json.dumps(cfg_map))), ref_dir)
+        before, r = _kill_and_resume(tmp_path, cfg_map)
+        ref_summary = reference.result()
+    run_dir = tmp_path / "run"
+    rounds = read_jsonl(run_dir / "rounds.jsonl")
+    ref_rounds = read_jsonl(ref_dir / "rounds.jsonl")
+    assert [x["round"] for x in rounds] == list(range(14))  # every round once: resumed, not restarted
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert sorted((m["round"], m["region"]) for m in metrics) == sorted((i, g) for i in range(14) for g in REGIONS)
+    # Appended: the lines of the rounds kept are the very bytes written before the crash.
+    kept = b"".join(line + b"\n" for line in before.splitlines() if json.loads(line)["round"] <= r)
+    assert (run_dir / "metrics.jsonl").read_bytes().startswith(kept)
+
+    # The same policy state: AdaComm's F0 and interval carried over, so H matches round for round.
+    assert _per_round(rounds, "H") == _per_round(ref_rounds, "H")
+    f0 = {x["policy"]["F0"] for x in rounds[1:]}  # round 0 has no loss yet
+    assert len(f0) == 1 and None not in f0 and f0 == {x["policy"]["F0"] for x in ref_rounds[1:]}
+    assert len({x["H"] for x in rounds}) >= 3  # H did move with the loss: the state mattered
+    # Nothing else was lost either: model, optimizers, data position and codec residuals were
+    # restored exactly, so the resumed run is the undisturbed one.
+    for got, want in zip(rounds, ref_rounds):
+        assert got["mean_train_loss"] == pytest.approx(want["mean_train_loss"], rel=1e-5), got["round"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval"]["value"] == pytest.approx(ref_summary["eval"]["value"], abs=1e-9)
+    assert summary["rounds"] == 14
+
+
+def _train(cfg, run_dir) -> dict:
+    runner = Runner(cfg, run_dir, show_progress=False)
     try:
-        ref_summary = runner.run()
+        return runner.run()
     finally:
         runner.shutdown()
 
+
+def _kill_and_resume(tmp_path, cfg_map):
+    """`geofed run` SIGKILLed after 6 rounds, then --resume to the end; returns what the test
+    compares after: metrics.jsonl before the resume and the round it resumed from."""
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
     proc = start_geofed(["run", _write(tmp_path, cfg_map), "--out", str(run_dir), "--quiet", "--no-report"],
                         cwd=tmp_path, log=log)
@@ -108,28 +143,7 @@ def test_sigkilled_driver_resumes_from_its_last_round_with_the_same_policy_state
     r = resume_event["from_checkpoint"]
     assert r >= logged_before - 2 and resume_event["lost_rounds"] == list(range(r + 1, logged_before))
     assert len(resume_event["lost_rounds"]) <= 1  # at most one round lost
-
-    rounds = read_jsonl(run_dir / "rounds.jsonl")
-    ref_rounds = read_jsonl(ref_dir / "rounds.jsonl")
-    assert [x["round"] for x in rounds] == list(range(14))  # every round once: resumed, not restarted
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert sorted((m["round"], m["region"]) for m in metrics) == sorted((i, g) for i in range(14) for g in REGIONS)
-    # Appended: the lines of the rounds kept are the very bytes written before the crash.
-    kept = b"".join(line + b"\n" for line in before.splitlines() if json.loads(line)["round"] <= r)
-    assert (run_dir / "metrics.jsonl").read_bytes().startswith(kept)
-
-    # The same policy state: AdaComm's F0 and interval carried over, so H matches round for round.
-    assert _per_round(rounds, "H") == _per_round(ref_rounds, "H")
-    f0 = {x["policy"]["F0"] for x in rounds[1:]}  # round 0 has no loss yet
-    assert len(f0) == 1 and None not in f0 and f0 == {x["policy"]["F0"] for x in ref_rounds[1:]}
-    assert len({x["H"] for x in rounds}) >= 3  # H did move with the loss: the state mattered
-    # Nothing else was lost either: model, optimizers, data position and codec residuals were
-    # restored exactly, so the resumed run is the undisturbed one.
-    for got, want in zip(rounds, ref_rounds):
-        assert got["mean_train_loss"] == pytest.approx(want["mean_train_loss"], rel=1e-5), got["round"]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["eval"]["value"] == pytest.approx(ref_summary["eval"]["value"], abs=1e-9)
-    assert summary["rounds"] == 14
+    return before, r
 
 
 def _listening(address: str) -> bool:
