@@ -5,6 +5,7 @@ was behind (in flight, or without a checkpoint of the last round) caught up from
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -16,9 +17,21 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 REGIONS = ["us-east-1", "eu-west-1", "ap-northeast-1"]
 
 
-@pytest.mark.parametrize("mode", ["quorum", "time-budget"])
-def test_sigkilled_paced_run_resumes_and_finishes(tmp_path, mode):
-    rounds = 12
+ROUNDS = 12
+
+
+def test_sigkilled_paced_runs_resume_and_finish(tmp_path):
+    """Both modes at once, each a driver and a Ray of its own in its own folder (they were two
+    tests run one after the other): the rounds are paced by the emulated latency, not the CPU."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {mode: pool.submit(_kill_and_resume, tmp_path / mode, mode) for mode in ("quorum", "time-budget")}
+    for mode, future in futures.items():
+        _assert_resumed_and_finished(future.result(), mode)
+
+
+def _kill_and_resume(tmp_path, mode):
+    tmp_path.mkdir()
+    rounds = ROUNDS
     cfg = {
         "run": {"name": "paced", "rounds": rounds, "report": False, "checkpoint_every": 1, "seed": 2, "eval_every": 2},
         "task": {"kind": "mlp-digits", "hidden": 32},
@@ -40,7 +53,11 @@ def test_sigkilled_paced_run_resumes_and_finishes(tmp_path, mode):
                            lambda log: start_geofed(["run", "--resume", str(run_dir), "--quiet", "--no-report"],
                                                     cwd=tmp_path, log=log),
                            run_dir=run_dir, after_rounds=5, tmp_path=tmp_path)
+    return run_dir
 
+
+def _assert_resumed_and_finished(run_dir, mode):
+    rounds = ROUNDS
     events = read_jsonl(run_dir / "events.jsonl")
     (resumed_event,) = [e for e in events if e["event"] == "resumed"]
     assert resumed_event["from_checkpoint"] >= 2
