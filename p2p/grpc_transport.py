@@ -28,7 +28,7 @@ from .spread import SpreadClock, SpreadPushes, spread_chunk_bytes
 from .tls import TlsMaterial
 from .transport import PING, PROBE, REASONS, UPDATE, Inbox, TransferStats, Transport, TransportError
 
-__all__ = ["GrpcTransport"]
+__all__ = ["GrpcTransport", "server_peer_capacity"]
 
 log = logging.getLogger("geofed.p2p")
 
@@ -56,6 +56,14 @@ def _error(peer: str, what: str, exc: grpc.RpcError) -> TransportError:
     prefix = details.split(":", 1)[0]
     reason = prefix if prefix in REASONS else _STATUS_REASONS.get(exc.code(), "error")
     return TransportError(f"{what} to {peer} failed: {exc.code().name}: {details}", peer=peer, reason=reason)
+
+
+def server_peer_capacity(max_peers: int, *, max_inflight_per_sender: int = 4, max_workers: int | None = None) -> int:
+    """How many peers a server built with these arguments can serve at once: its thread pool is
+    sized when it starts (below), so a region that joins a run later must fit in it."""
+    per_peer = max_inflight_per_sender + sum(CALLER_LIMITS.values())
+    workers = max_workers if max_workers is not None else max(64, max_peers * per_peer + _SPARE_WORKERS)
+    return (workers - _SPARE_WORKERS) // per_peer
 
 
 class GrpcTransport(Transport):

@@ -23,7 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["Pki", "TlsMaterial", "make_pki", "load_tls", "certificate_region", "renew_expiring", "RENEW_WITHIN_DAYS"]
+__all__ = ["Pki", "TlsMaterial", "make_pki", "load_tls", "certificate_region", "renew_expiring", "issue_region",
+           "RENEW_WITHIN_DAYS"]
 
 # A resumed run renews certificates that expire within this many days (or have expired).
 RENEW_WITHIN_DAYS = 7
@@ -141,18 +142,45 @@ def make_pki(directory: Path, regions: Sequence[str], *, valid_days: int = 30) -
     if len(set(regions)) != len(regions):
         raise ValueError(f"regions: duplicate names in {list(regions)}")
     for r in regions:
-        if not r or r in ("ca",) or "/" in r or r.startswith("."):
-            raise ValueError(f"regions: {r!r} cannot name a certificate file")
+        _check_region_name(r)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
     ca_key, ca_cert = make_ca(directory.name or "geofed-run", valid_days=valid_days)
     _write_private(directory / "ca.key", _key_pem(ca_key))
     _write_private(directory / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
     for region in regions:
-        key, cert = issue(ca_key, ca_cert, region, valid_days=valid_days)
-        _write_private(directory / f"{region}.key", _key_pem(key))
-        _write_private(directory / f"{region}.pem", cert.public_bytes(serialization.Encoding.PEM))
+        _write_region(directory, ca_key, ca_cert, region, valid_days=valid_days)
     return Pki(directory=directory, ca_cert=directory / "ca.pem", regions=tuple(regions))
+
+
+def _check_region_name(region: str) -> None:
+    if not region or region in ("ca",) or "/" in region or region.startswith("."):
+        raise ValueError(f"regions: {region!r} cannot name a certificate file")
+
+
+def _write_region(directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, region: str, *,
+                  valid_days: int) -> None:
+    key, cert = issue(ca_key, ca_cert, region, valid_days=valid_days)
+    _write_private(directory / f"{region}.key", _key_pem(key))
+    _write_private(directory / f"{region}.pem", cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _load_ca(directory: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    ca_key = serialization.load_pem_private_key(_read(directory / "ca.key"), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{directory / 'ca.key'}: not an elliptic-curve key (make_pki writes one)")
+    return ca_key, x509.load_pem_x509_certificate(_read(directory / "ca.pem"))
+
+
+def issue_region(directory: Path, region: str, *, valid_days: int = 30) -> TlsMaterial:
+    """A certificate for `region` from the run's own CA in `directory` (as make_pki issues each
+    region's; the CA key never leaves the folder): a region that joins a live run under a new name
+    (orchestrator/driver/membership.py). Its files are written over, if any; returns its material."""
+    directory = Path(directory)
+    _check_region_name(region)
+    ca_key, ca_cert = _load_ca(directory)
+    _write_region(directory, ca_key, ca_cert, region, valid_days=valid_days)
+    return load_tls(directory, region)
 
 
 def renew_expiring(directory: Path, regions: Sequence[str], *, within_days: float = RENEW_WITHIN_DAYS,
@@ -161,10 +189,7 @@ def renew_expiring(directory: Path, regions: Sequence[str], *, within_days: floa
     or expires within `within_days`; returns the names renewed ("ca" and/or regions), [] when all
     are good. A renewed CA keeps its key and name, and every region certificate is then reissued too."""
     directory = Path(directory)
-    ca_key = serialization.load_pem_private_key(_read(directory / "ca.key"), password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"{directory / 'ca.key'}: not an elliptic-curve key (make_pki writes one)")
-    ca_cert = x509.load_pem_x509_certificate(_read(directory / "ca.pem"))
+    ca_key, ca_cert = _load_ca(directory)
     soon = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=within_days)
     renewed = []
     if ca_cert.not_valid_after_utc <= soon:
@@ -175,9 +200,7 @@ def renew_expiring(directory: Path, regions: Sequence[str], *, within_days: floa
     for region in regions:
         cert = x509.load_pem_x509_certificate(_read(directory / f"{region}.pem"))
         if renewed or cert.not_valid_after_utc <= soon:
-            key, cert = issue(ca_key, ca_cert, region, valid_days=valid_days)
-            _write_private(directory / f"{region}.key", _key_pem(key))
-            _write_private(directory / f"{region}.pem", cert.public_bytes(serialization.Encoding.PEM))
+            _write_region(directory, ca_key, ca_cert, region, valid_days=valid_days)
             renewed.append(region)
     return renewed
 

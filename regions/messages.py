@@ -50,6 +50,9 @@ class RoundPlan:
     # In-neighbours on probation (a member muted for withholding, tried again: recovery.WithholdWatch):
     # their update is taken if it comes with the others, and nobody waits for it (p2p/mailbox.py).
     optional: tuple[str, ...] = ()
+    # The run's regions in topology order once a region joined under a new name (regions.names, then
+    # the joiners: orchestrator/driver/membership.py); None while they are regions.names.
+    members: tuple[str, ...] | None = None
 
 
 # -- what comes back: RoundReport ------------------------------------------------------------------

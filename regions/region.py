@@ -29,7 +29,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -274,11 +274,25 @@ class Region:
         self.transport.connect({r: a for r, a in peers.items() if r != self.region})
         self.connected = set(peers) - {self.region}
 
+    def set_members(self, names: Sequence[str]) -> None:
+        """The run's regions in topology order (RoundPlan.members): after a region joined under a new
+        name, the topology and mixing weights are over them from this round on. Names only grow at
+        the end (the driver appends a joiner), so every index, and this region's shard, stays."""
+        names = list(names)
+        if names == self.regions:
+            return
+        if names[:len(self.regions)] != self.regions or len(set(names)) != len(names):
+            raise ValueError(f"members: {names} does not extend this region's {self.regions}")
+        self.regions = names
+        self.topology = make_topology(self.cfg.sync.topology, len(names), seed=self.cfg.run.seed)
+
     def probe(self) -> dict[str, Any]:
         """Before round 0, and after a join: every connection warmed and measured (network.probe_s).
         Only the regions of the last `connect`: one that left the run (geofed leave) is no peer to probe."""
         net = self.cfg.network
+        # A region that joined under a new name is connected before this region's first plan names it.
         peers = [p for p in self.regions if p != self.region and p in self.connected]
+        peers += sorted(self.connected - set(self.regions))
         records = (self.exchanger.probe_links(peers, duration_s=net.probe_s, max_bytes=net.probe_max_mb << 20)
                    if net.probe_s > 0 and peers else [])
         out = {"region": self.region, "transfers": records, "links": self.exchanger.link_estimates(self.region)}
@@ -315,6 +329,8 @@ class Region:
         to_record() is the round's metrics.jsonl record). Inside the round the algorithm and the hooks
         fill a metrics dict; the report is made of it last."""
         t_start = time.time()
+        if plan.members is not None:
+            self.set_members(plan.members)
         for hook in self.hooks:
             plan = hook.plan(plan)
         late_s = 0.0

@@ -136,11 +136,13 @@ class Coordinator:
         paced = self._pacing_fields(H, alive)
         steps = self._calibration_steps(alive) if self.calibration and self.calibration.active(alive) else {}
         fill = not final and self._fills()
+        members = tuple(self.regions) if len(self.regions) > len(self.cfg.regions.names) else None
         for region in alive:
             mine = {link.split("->", 1)[1]: spec for link, spec in codecs.items() if link.startswith(region + "->")}
             plans[region] = RoundPlan(round=round_, H=steps.get(region, H), codecs=mine, lr_scale=scale, evaluate=region in evaluators,
                                       alive=(region,) if region in muted else tuple(heard), final=final, sketch=sketch, fill=fill,
-                                      optional=tuple(sorted(set(optional) & set(heard) - {region})), **paced)
+                                      optional=tuple(sorted(set(optional) & set(heard) - {region})),
+                                      members=members, **paced)
         self._plan_t = self.clock.now()
         return plans
 
@@ -226,6 +228,15 @@ class Coordinator:
         if self._plan_t is not None and self._round_wall is not None and self._rounds_seen > WARMUP_ROUNDS:
             self._overheads.append(max(0.0, self.clock.now() - self._plan_t - self._round_wall))
         self._round_wall = None
+
+    def add_region(self, region: str) -> None:
+        """A region joined under a new name (driver/membership.py): the topology is over the run's
+        regions and it from the next plan on (each plan names them: RoundPlan.members)."""
+        if region in self.regions:
+            raise ValueError(f"region {region!r} is one of the run's regions already")
+        self.regions.append(region)
+        if hasattr(self, "_topology"):
+            del self._topology  # round_links builds it again over the new count
 
     def round_links(self, round_: int, alive: list[str]) -> list[str]:
         """The directed links that carry traffic this round (topology, alive regions only)."""

@@ -15,6 +15,7 @@ from .links import LinkTable, Pair, link_name
 from .presets import load_preset
 from .proxy import Proxy, Route, open_tcp
 from .relay import Relay, tcp_opener
+from .shaper import LinkRuntime
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,22 @@ class WanEmulator:
         return await asyncio.open_connection(sock=sock, limit=256 * 1024)
 
     # -- configuration and schedule -------------------------------------------------------
+
+    def add_region(self, region: str, *, like: str | None = None) -> None:
+        """Shaped links for a region that joined the run under a new name (LinkTable.add_region
+        says which shape each gets); routes to and from it can be asked for from now on. Proxy mode
+        only: kernel mode makes its network namespaces and veth links at start."""
+        if self.kernel is not None:
+            raise ValueError("network.emulation.mode kernel: its network namespaces are made at start; a region "
+                             "cannot be added to a running emulator")
+        with self._lock:
+            if region in self.regions:
+                raise ValueError(f"regions: {region!r} is already one of the run's regions")
+            # The proxy's links first: link_stats() reads the table's pairs, then each one's runtime.
+            for pair in [p for r in self.regions for p in ((region, r), (r, region))]:
+                self.proxy.links[pair] = LinkRuntime(pair)
+            self.table.add_region(region, like=like)
+            self.regions = (*self.regions, region)
 
     def configured(self, src: str, dst: str) -> LinkSpec:
         """The link's shape now: preset, then `links` overrides, then schedule changes, then bandwidth_scale."""

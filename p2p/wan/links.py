@@ -58,6 +58,7 @@ class LinkTable:
         if len(set(regions)) != len(regions):
             raise ValueError(f"regions: names must be unique, got {list(regions)}")
         self.config = config
+        self.preset = preset
         self.regions = tuple(regions)
         self.pairs: tuple[Pair, ...] = tuple((a, b) for a in self.regions for b in self.regions if a != b)
         self._lock = threading.Lock()
@@ -68,6 +69,32 @@ class LinkTable:
         for i, ev in enumerate(config.schedule):
             if ev.link != "*":
                 self._check_regions(ev.link, f"schedule.{i}.link")
+
+    def add_region(self, region: str, *, like: str | None = None) -> list[Pair]:
+        """Links between a region that joined the run under a new name and every region before it
+        (orchestrator/driver/membership.py); returns them. `like`: a region whose configured links
+        its own copy in both directions (the link between the two is network.emulation.default);
+        None: each new link resolved as at start (the default, the preset's figures where it has them).
+        Schedule changes made before the join are not replayed on them; those after apply as to any link."""
+        if region in self.regions:
+            raise ValueError(f"regions: {region!r} is already one of the run's regions")
+        if like is not None and like not in self.regions:
+            raise ValueError(f"like: {like!r} is not one of the run's regions ({', '.join(self.regions)})")
+        new = [p for r in self.regions for p in ((region, r), (r, region))]
+        base = {}
+        for a, b in new:
+            other = b if a == region else a
+            if like is None or other == like:
+                base[(a, b)] = self._resolve_base((a, b), self.preset)
+            else:
+                base[(a, b)] = self._base[(like, b) if a == region else (a, like)]
+        with self._lock:
+            self._base.update(base)
+            self._outages.update({p: [] for p in new})
+            self._shapes.update({p: self._shape_of(p) for p in new})
+            self.regions = (*self.regions, region)
+            self.pairs = (*self.pairs, *new)
+        return new
 
     def _check_regions(self, key: str, where: str) -> list[Pair]:
         a, b, both = parse_link_key(key)
