@@ -79,7 +79,7 @@ import math
 import statistics
 import threading
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,17 @@ class Gauntlet:
         self._scratch = copy.deepcopy(model, memo={id(p): _placeholder(p) for p in model.parameters()})
         self._scratch.eval()  # no dropout noise in a score
         self._params = [p for p in self._scratch.parameters() if p.requires_grad]
+        # A claimed model (theta -/+ update) is made one module at a time, as the forward pass reaches
+        # it, and let go when that module returns: a module's parameters at a time, not a model's
+        # worth beside the update (issue 39). `_making` is the reading's maker (None: lent whole).
+        self._making: Callable[[int], torch.Tensor] | None = None
+        self._layerwise: bool | None = None  # None until the first reading compared both ways
+        index = {id(p): i for i, p in enumerate(self._params)}
+        for module in self._scratch.modules():
+            own = [(p, index[id(p)]) for p in module.parameters(recurse=False) if id(p) in index]
+            if own:
+                module.register_forward_pre_hook(lambda m, args, own=own: self._make(own))
+                module.register_forward_hook(lambda m, args, out, own=own: self._made(own))
         self._loss, self._batches = loss, list(batches)
         self.margin, self.step = float(margin), float(step)
         self._lock = threading.Lock()
@@ -169,34 +180,72 @@ class Gauntlet:
         batches = [to_device(next(stream), worker.device) for _ in range(sec.score_batches)]
         return cls(model=worker.model, loss=worker.task.loss, batches=batches, margin=sec.score_margin)
 
-    def _mean_losses(self, params: Sequence[torch.Tensor]) -> list[float]:
+    def _mean_losses(self, params: Sequence[torch.Tensor] | Callable[[int], torch.Tensor]) -> list[float]:
         """The loss on each scoring batch with the scratch's parameters = `params`, lent (not copied:
         the forward passes only read them, and theta does not change while a screen reads it, the
-        outer step waiting for the exchange that screens), then taken back."""
+        outer step waiting for the exchange that screens), then taken back. `params` may be a maker
+        of parameter i instead, called as the forward pass reaches each module (the module hooks)."""
         with torch.no_grad():
+            for dst, src in zip(self._scratch.buffers(), self._source.buffers()):
+                dst.copy_(src)
+            layerwise = None
+            if callable(params) and self._layerwise is not False:
+                layerwise = self._layerwise_losses(params)
+                if self._layerwise and layerwise is not None:
+                    return layerwise
+            made = [params(i) for i in range(len(self._params))] if callable(params) else params
             try:
-                for dst, src in zip(self._params, params):
+                for dst, src in zip(self._params, made):
                     dst.data = src.detach()
-                for dst, src in zip(self._scratch.buffers(), self._source.buffers()):
-                    dst.copy_(src)
-                return [float(self._loss(self._scratch, b)) for b in self._batches]
+                losses = [float(self._loss(self._scratch, b)) for b in self._batches]
             finally:
-                for dst in self._params:
-                    dst.data = torch.empty(0, dtype=dst.dtype, device=dst.device)
+                _empty(self._params)
+            if callable(params) and self._layerwise is None:
+                # The first layer-wise reading is checked against the whole one: a model whose forward
+                # reads a parameter outside its own module's call (made only there) is read whole.
+                self._layerwise = layerwise is not None and _same(layerwise, losses)
+                if not self._layerwise:
+                    log.info("the gauntlet reads this model with all its parameters made at once (4 B/param "
+                             "during a reading): its forward reads a parameter outside its module's call")
+            return losses
+
+    def _layerwise_losses(self, make: Callable[[int], torch.Tensor]) -> list[float] | None:
+        """The losses with each module's parameters made by `make` as its forward pass starts and let go
+        as it returns (None: the forward failed with a parameter let go)."""
+        self._making = make
+        try:
+            return [float(self._loss(self._scratch, b)) for b in self._batches]
+        except Exception as exc:  # noqa: BLE001 -- any error of a forward pass missing a parameter
+            log.debug("a layer-wise reading failed: %s: %s", type(exc).__name__, exc)
+            return None
+        finally:
+            self._making = None
+            _empty(self._params)
+
+    def _make(self, own: Sequence[tuple[torch.nn.Parameter, int]]) -> None:
+        """A module's forward pass starts: make its parameters (a layer-wise reading only)."""
+        if self._making is not None:
+            for p, i in own:
+                p.data = self._making(i)
+
+    def _made(self, own: Sequence[tuple[torch.nn.Parameter, int]]) -> None:
+        """A module's forward pass returned: let its parameters go (a layer-wise reading only)."""
+        if self._making is not None:
+            _empty(p for p, _ in own)
 
     def score(self, sender: str, round_: int, theta: Sequence[torch.Tensor], update: Sequence[torch.Tensor],
               *, before: list[float] | None = None, reverse: bool = False) -> Score:
         """The reading of one update against theta (`before`: theta's per-batch losses, if known;
         `reverse`: read the update's reverse too, theta + step x update, as release asks)."""
         before = self._mean_losses(theta) if before is None else before
-        after = self._mean_losses([t.detach() - self.step * u.to(t.dtype) for t, u in zip(theta, update)])
+        after = self._mean_losses(lambda i: theta[i].detach() - self.step * update[i].to(theta[i].dtype))
         diffs = [a - b for a, b in zip(after, before)]
         finite = all(math.isfinite(d) for d in diffs)
         spread = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 and finite else 0.0
         reversed_ = None
         if reverse:
-            reversed_ = statistics.fmean(self._mean_losses([t.detach() + self.step * u.to(t.dtype)
-                                                            for t, u in zip(theta, update)]))
+            reversed_ = statistics.fmean(self._mean_losses(
+                lambda i: theta[i].detach() + self.step * update[i].to(theta[i].dtype)))
         return Score(sender=sender, round=round_, loss_before=statistics.fmean(before),
                      loss_after=statistics.fmean(after), spread=spread, loss_reversed=reversed_)
 
@@ -294,6 +343,17 @@ class Gauntlet:
         with self._lock:
             out, self._quarantined = dict(self._quarantined), Counter()
         return out
+
+
+def _empty(params: Iterable[torch.nn.Parameter]) -> None:
+    """The scratch's parameters hold nothing between readings (and between modules of a layer-wise one)."""
+    for p in params:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _same(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Two readings equal value for value (NaN equal to NaN)."""
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
 def _placeholder(p: torch.Tensor) -> torch.nn.Parameter:

@@ -177,19 +177,28 @@ def test_the_gauntlet_holds_no_model_sized_buffer_and_reads_as_a_full_copy_did()
     from geofed.regions.gauntlet import Gauntlet
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 16),
+                                torch.nn.Linear(16, 16), torch.nn.Linear(16, 3))
     model(torch.randn(16, 6))  # running statistics that are not their defaults
     batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
 
     def loss(m, b):
         return torch.nn.functional.cross_entropy(m(b[0]), b[1])
 
+    made: list[int] = []  # the scratch's parameter bytes as each module's forward pass starts
     gauntlet = Gauntlet(model=model, loss=loss, batches=batches, margin=0.5)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
     def held() -> int:
         return sum(t.untyped_storage().nbytes() for t in [*gauntlet._scratch.parameters(), *gauntlet._scratch.buffers()])
+
+    def note(m, args):  # theta itself is lent, not made: only a made reading's bytes count
+        if gauntlet._making is not None:
+            made.append(sum(p.untyped_storage().nbytes() for p in gauntlet._scratch.parameters()))
+
+    for module in gauntlet._scratch:  # registered after the gauntlet's hooks: its module's parameters are made
+        module.register_forward_pre_hook(note)
 
     assert held() <= buffer_bytes < param_bytes
     theta = [p.detach().clone() + 0.01 for p in model.parameters()]
@@ -211,3 +220,39 @@ def test_the_gauntlet_holds_no_model_sized_buffer_and_reads_as_a_full_copy_did()
     assert held() <= buffer_bytes
     assert all(torch.equal(a, b) for a, b in zip(theta, kept[0]))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), kept[1]))
+    # theta - update is made a module at a time (checked once against the whole reading: the same losses)
+    assert gauntlet._layerwise is True
+    made.clear()
+    again = gauntlet.score("b", 1, theta, update)
+    assert (again.loss_before, again.loss_after) == (score.loss_before, score.loss_after)
+    largest = max(sum(p.numel() * 4 for p in m.parameters()) for m in model)
+    assert made and max(made) <= largest < param_bytes / 2
+
+
+def test_the_gauntlet_reads_whole_a_model_whose_forward_reads_a_parameter_outside_its_module():
+    from geofed.regions.gauntlet import Gauntlet
+
+    class Tied(torch.nn.Module):  # the output layer reads the embedding's weight (tied, no module call)
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, idx):
+            return torch.nn.functional.linear(self.mid(self.emb(idx)), self.emb.weight)
+
+    torch.manual_seed(1)
+    model = Tied()
+    batches = [torch.randint(0, 11, (4, 5)) for _ in range(2)]
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b).reshape(-1, 11), b.reshape(-1))
+
+    gauntlet = Gauntlet(model=model, loss=loss, batches=batches, margin=0.5)
+    theta = [p.detach().clone() for p in model.parameters()]
+    update = [torch.randn_like(t) * 0.1 for t in theta]
+    score = gauntlet.score("b", 0, theta, update)
+    with torch.no_grad():
+        for p, t, u in zip(model.parameters(), theta, update):
+            p.copy_(t - u)
+        want = sum(float(loss(model.eval(), b)) for b in batches) / len(batches)
+    assert score.loss_after == want and gauntlet._layerwise is False
