@@ -64,7 +64,7 @@ class RegionActor:
     running: they touch no training state.
     """
 
-    def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, str] | None = None,
+    def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, Any] | None = None,
                  plugin=None, train_fn: Callable[[RegionContext], Any] | None = None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
@@ -75,7 +75,9 @@ class RegionActor:
             # A restart re-runs __init__ with the creation arguments, those of the run that created
             # the actor: the run that holds it now is in its saved assignment.
             held = load_assignment(pool["name"]) or {"cfg": cfg, "region": region, "run_dir": run_dir, "tls": tls,
-                                                     "job": pool["job"]}
+                                                     "job": pool["job"],
+                                                     # a run's own detached actor: run.orphan_timeout_s
+                                                     **({"idle_s": pool["idle_s"]} if "idle_s" in pool else {})}
             self._pool = WarmSlot(pool["name"], held)
             cfg, region, run_dir, tls = held["cfg"], held["region"], held["run_dir"], held["tls"]
         # train_fn: the user's function (the loop API), built like `plugin`: the region built around its model
@@ -90,6 +92,10 @@ class RegionActor:
         # region's start costs whatever else the host is doing, where process_s and init_s are wall time.
         self._start: dict[str, Any] = {"process_s": age, "init_s": round(time.monotonic() - t0, 3),
                                        "cpu_s": round(time.process_time(), 3)}
+        # What a resumed driver re-attaching to this actor needs (orchestrator/driver/reattach.py): the
+        # address its server serves on, and the report of its last round, which a killed driver may never have read.
+        self._address: str | None = None
+        self._last_report: RoundReport | None = None
 
     def _paused(self, call: Callable[[Region], Any]) -> Any:
         """`call(region)` with the gap filler paused around it (regions/gapfill.py)."""
@@ -101,9 +107,9 @@ class RegionActor:
 
     # -- the pool ---------------------------------------------------------------------------
     @ray.method(concurrency_group=POOL_GROUP)
-    def claim(self, job: str) -> bool:
+    def claim(self, job: str, idle_s: float | None = None) -> bool:
         """A pooled actor taken by the run of Ray job `job`; False when another run holds it."""
-        return self._pool is not None and self._pool.claim(job)
+        return self._pool is not None and self._pool.claim(job, idle_s)
 
     def adopt(self, cfg: Any, region: str, run_dir: str, *, tls=None,
               train_fn: Callable[[RegionContext], Any] | None = None) -> dict[str, Any]:
@@ -145,7 +151,8 @@ class RegionActor:
 
     # -- the region's calls, each with the gap filler paused --------------------------------
     def start(self) -> str:
-        return self._paused(lambda r: r.start())
+        self._address = self._paused(lambda r: r.start())
+        return self._address
 
     def connect(self, peers: dict[str, str]) -> None:
         return self._paused(lambda r: r.connect(peers))
@@ -157,7 +164,13 @@ class RegionActor:
         report = self._paused(lambda r: r.run_round(plan))
         if self._notice.leaving:  # a SIGTERM came: the driver retires the region after this round
             report = dataclasses.replace(report, extra={**report.extra, **self._notice.record()})
+        self._last_report = report
         return report
+
+    def attach(self) -> dict[str, Any]:
+        """A resumed driver takes this region over (run.orphan_timeout_s): node_info, its server's
+        address and its last round's report. On the main thread: a round its dead driver started ends first."""
+        return {**self.node_info(), "grpc_address": self._address, "last_report": self._last_report}
 
     def catch_up(self, peers: list[str], **kwargs: Any) -> tuple[str, int]:
         return self._paused(lambda r: r.catch_up(peers, **kwargs))

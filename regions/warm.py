@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 POOL_NAMESPACE = "geofed-warm-pool"
 # How often a held actor checks that the driver holding it is still alive (a crashed `geofed run`
-# never releases it).
+# never releases it), and how often the watch looks at its clocks.
 _OWNER_CHECK_S = 5.0
+_TICK_S = 1.0
 
 
 def save_assignment(name: str, assignment: dict[str, Any]) -> None:
@@ -71,6 +72,10 @@ def job_alive(job: str | None) -> bool:
 class WarmSlot:
     """A pooled actor's state: which driver job holds it (None: idle), and when an idle one ends.
 
+    A run's own detached region actor (run.orphan_timeout_s, orchestrator/driver/reattach.py) is
+    held the same way: its assignment's `idle_s` is the orphan timeout, so a driver that died leaves
+    it idle and it ends itself unless that run's resumed driver claims it first.
+
     `claim` runs on the actor's pool thread (a call from another driver must not wait behind a
     round), everything else on its main thread; one lock orders them."""
 
@@ -79,7 +84,7 @@ class WarmSlot:
         self._lock = threading.Lock()
         self._assignment = assignment
         self._job = assignment["job"]
-        self._idle_s = float(assignment["cfg"].ray.warm_pool_s)
+        self._idle_s = float(assignment.get("idle_s", assignment["cfg"].ray.warm_pool_s))
         self._idle_since: float | None = None if self._job else time.monotonic()
         self._ending = False
         save_assignment(name, assignment)
@@ -90,11 +95,19 @@ class WarmSlot:
     def job(self) -> str | None:
         return self._job
 
-    def claim(self, job: str) -> bool:
-        """Take an idle actor for `job`; False when another run holds it or it is ending."""
+    def claim(self, job: str, idle_s: float | None = None) -> bool:
+        """Take an idle actor for `job`; False when another live driver holds it or it is ending. A
+        holder whose job is dead (a killed driver, not noticed yet by the watch) is taken over.
+        `idle_s`: the claiming run's idle time (a resumed run's run.orphan_timeout_s)."""
         with self._lock:
-            if self._ending or (self._job is not None and self._job != job):
+            if self._ending or (self._job is not None and self._job != job and job_alive(self._job)):
                 return False
+            if idle_s is not None:
+                self._idle_s = float(idle_s)
+                self._assignment = {**self._assignment, "idle_s": float(idle_s)}
+            if self._job != job or idle_s is not None:  # a restart from here on reads the job that holds it now
+                self._assignment = {**self._assignment, "job": job}
+                save_assignment(self.name, self._assignment)
             self._job, self._idle_since = job, None
             return True
 
@@ -115,7 +128,7 @@ class WarmSlot:
     def _watch(self) -> None:
         last_check = time.monotonic()
         while True:
-            time.sleep(1.0)
+            time.sleep(_TICK_S)
             with self._lock:
                 job, since, idle_s = self._job, self._idle_since, self._idle_s
             now = time.monotonic()

@@ -21,9 +21,10 @@ from typing import Any
 import ray
 from geofed.p2p.tls import TlsMaterial, load_tls
 from geofed.regions.actor import FOLLOWER_GROUP, RegionWorkerActor, grpc_log_env, region_actor_class
-from geofed.regions.warm import POOL_NAMESPACE
+from geofed.regions.warm import POOL_NAMESPACE, drop_assignment
 
 from ..config import RunConfig
+from .reattach import RUN_NAMESPACE
 from .warmpool import claim_pooled, end_pooled, new_name, slot_of
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,8 @@ class RegionActors:
     # calls, which return when worker 0 closes the region (or fail when its group does)
     workers: dict[str, list[Any]] = field(default_factory=dict)
     following: dict[str, list[Any]] = field(default_factory=dict)
+    # run.orphan_timeout_s: region -> name of its detached actor (driver/reattach.py), killed at the end like any
+    named: dict[str, str] = field(default_factory=dict)
 
     def kill(self) -> None:
         for handles in self.workers.values():
@@ -154,8 +157,8 @@ class RegionActors:
                 except Exception:  # noqa: BLE001 - already dead is fine
                     pass
         for region, h in self.handles.items():
-            if region in self.pooled:
-                end_pooled(self.pooled[region], h)
+            if region in self.pooled or region in self.named:
+                end_pooled(self.pooled.get(region) or self.named[region], h)
                 continue
             try:
                 ray.kill(h, no_restart=True)
@@ -185,8 +188,13 @@ def region_tls(cfg: RunConfig, run_dir: str | Path) -> dict[str, TlsMaterial | N
 
 
 def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: dict | None = None,
-                         train_fn: Callable[[Any], None] | None = None) -> RegionActors:
+                         train_fn: Callable[[Any], None] | None = None, named: dict[str, str] | None = None,
+                         live: dict[str, Any] | None = None) -> RegionActors:
     """One actor per region; with `pin`, each only on nodes labelled with its region.
+
+    `named` (run.orphan_timeout_s, driver/reattach.py): region -> the name of its detached actor,
+    which outlives this driver; `live`: region -> a live one a resume re-attaches to (reattach.Live),
+    taken as it is instead of a new actor.
 
     Each actor gets its region's TLS material in its creation arguments: the driver's RUN_DIR
     need not be on a shared filesystem, and a restarted actor gets the same material again. So
@@ -209,7 +217,11 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
     reused, code = claim_pooled(cfg, cpus, pin=pin)  # warm actors of an earlier run (ray.warm_pool_s)
     job = ray.get_runtime_context().get_job_id()
     handles, pooled, adopting = {}, {}, {}
+    named, live = named or {}, live or {}
     for region in rc.names:
+        if region in live:
+            handles[region] = live[region].handle
+            continue
         if region in reused:
             pooled[region], handles[region] = reused[region]
             adopting[region] = handles[region].adopt.remote(cfg, region, run_dir, tls=tls[region])  # -> node_info
@@ -217,7 +229,12 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
         selector = {rc.label_key: rc.label_of(region)} if pin else None
         cls = region_actor_class(num_cpus=cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
                                  label_selector=selector)
-        if cfg.ray.warm_pool_s > 0:
+        if region in named:
+            drop_assignment(named[region])  # a killed predecessor's: a new actor must not read its dead driver's job
+            handles[region] = cls.options(name=named[region], namespace=RUN_NAMESPACE, lifetime="detached").remote(
+                cfg, region, run_dir, tls=tls[region], pool={"name": named[region], "job": job,
+                                                             "idle_s": cfg.run.orphan_timeout_s})
+        elif cfg.ray.warm_pool_s > 0:
             name = new_name(slot_of(cfg, region, cpus, pin=pin, code=code))
             pooled[region] = name
             handles[region] = cls.options(name=name, namespace=POOL_NAMESPACE, lifetime="detached").remote(
@@ -225,14 +242,16 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
         else:
             handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region], **loop,
                                                             **({"plugin": hostile[region]} if region in hostile else {}))
-    actors = RegionActors(handles, pooled=pooled)
+    actors = RegionActors(handles, pooled=pooled, named=dict(named))
     try:
         if rc.workers > 1:
             if train_fn is not None or hostile:
                 raise ValueError("regions.workers > 1: a training function (the loop API) and hostile regions run "
                                  "one worker a region")
             actors.workers = create_workers(cfg, run_dir, cpus=cpus, pin=pin)
-        actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg, started=adopting, looping=bool(loop))
+        waiting = {r: h for r, h in actors.handles.items() if r not in live}
+        actors.info = {**{r: dict(live[r].info) for r in live},
+                       **wait_ready(waiting, rc.start_timeout_s, cfg, started=adopting, looping=bool(loop))}
         if pin:
             check_placement(cfg, actors.info)
         if rc.workers > 1:

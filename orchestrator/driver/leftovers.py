@@ -101,11 +101,12 @@ def marked_processes(run_dir: Path) -> Iterator[str]:
                 os.environ[k] = v
 
 
-def record_processes(run_dir: Path, token: str) -> None:
+def record_processes(run_dir: Path, token: str, *, bind: bool = True) -> None:
     """Write the driver's own process tree (the local Ray it started, under `token`) to
-    RUN_DIR/driver.json, and bind Ray's session directory to this run (SESSION_FILE)."""
+    RUN_DIR/driver.json, and bind Ray's session directory to this run (SESSION_FILE) unless not
+    `bind` (a cluster the driver joined: its session is not this run's, and its processes no leftovers)."""
     me = _identity(os.getpid())
-    session = _ray_session_dir()
+    session = _ray_session_dir() if bind else None
     if session is not None:
         bind_session(session, run_dir, token)
     data = {"pid": os.getpid(), "start": me[1] if me else None, "token": token, "session_dir": session,
@@ -203,10 +204,11 @@ def belongs_to_run(pid: int, run_dir: Path, token: str, session_dir: str | None)
             and _session_bound(session, run_dir, token) and _holds_file_in(pid, session))
 
 
-def reap_previous(run_dir: Path, *, grace_s: float = 5.0) -> list[dict]:
+def reap_previous(run_dir: Path, *, grace_s: float = 5.0, keep: set[int] | frozenset[int] = frozenset()) -> list[dict]:
     """End what a previous driver of this run directory started and left running, if that driver
-    is gone: only processes that prove they are that driver's (belongs_to_run). Returns what was
-    ended ({pid, name}); [] when nothing was left."""
+    is gone: only processes that prove they are that driver's (belongs_to_run), never one in `keep`
+    (region actors that outlive their driver, run.orphan_timeout_s: a resume re-attaches to them).
+    Returns what was ended ({pid, name}); [] when nothing was left."""
     data = read_json_file(Path(run_dir) / DRIVER_FILE)  # None when missing; a FIFO or 1 GB file is refused
     if not isinstance(data, dict):
         return []
@@ -217,7 +219,8 @@ def reap_previous(run_dir: Path, *, grace_s: float = 5.0) -> list[dict]:
     driver = _identity(driver_pid)
     if driver is not None and driver[1] == data.get("start"):
         raise RuntimeError(f"the driver of {run_dir} (pid {data['pid']}) is still running")
-    live = [(pid, start, name) for pid, start, name in listed if (ident := _identity(pid)) is not None and ident[1] == start]
+    live = [(pid, start, name) for pid, start, name in listed
+            if pid not in keep and (ident := _identity(pid)) is not None and ident[1] == start]
     left = [p for p in live if belongs_to_run(p[0], run_dir, data.get("token"), data.get("session_dir"))]
     if len(left) < len(live):
         others = sorted(p[0] for p in set(live) - set(left))

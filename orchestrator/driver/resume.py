@@ -152,12 +152,12 @@ def emulation_for_resume(cfg: RunConfig, ckpt: DriverCheckpoint | None) -> RunCo
     return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, emulation=em))
 
 
-def reap_previous_driver(run_dir: Path) -> list[dict]:
+def reap_previous_driver(run_dir: Path, *, keep: set[int] | frozenset[int] = frozenset()) -> list[dict]:
     """End what a killed driver of this run directory left running (and say so on stderr); RunFailed
-    if that driver is still alive.
+    if that driver is still alive. `keep`: pids never ended (region actors a resume re-attaches to).
     """
     try:
-        reaped = reap_previous(run_dir)
+        reaped = reap_previous(run_dir, keep=keep)
     except RuntimeError as exc:  # two drivers on one run directory would interleave its files
         raise RunFailed(f"{exc}; stop it first") from None
     if reaped:
