@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -27,8 +28,18 @@ def _cfg(**sections):
     return config_from_mapping(base)
 
 
-def test_two_regions_three_rounds_loss_goes_down(tmp_path):
-    runner = Runner(_cfg(), tmp_path, show_progress=False)
+def test_the_runner_and_the_cli_side_by_side(tmp_path, capsys, monkeypatch):
+    """Two runs at once, their own actors and run directories: Runner's two regions, three
+    rounds, and `geofed run --set` over three emulated regions."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        runner_run = pool.submit(_two_regions_three_rounds_loss_goes_down, tmp_path / "runner")
+        _cli_end_to_end_with_set(tmp_path / "cli", capsys, monkeypatch)
+        runner_run.result()
+
+
+def _two_regions_three_rounds_loss_goes_down(tmp_path):
+    # A floor of 30 s under the adaptive deadline: the run beside it must not make an update late.
+    runner = Runner(_cfg(sync={"deadline": {"initial_s": 30.0, "min_s": 30.0}}), tmp_path, show_progress=False)
     try:
         summary = runner.run()
     finally:
@@ -51,7 +62,8 @@ def test_two_regions_three_rounds_loss_goes_down(tmp_path):
 REQUIRED = {"rounds", "wall_s", "final_train_loss", "eval", "bytes_sent", "compute_utilization", "links", "H_history"}
 
 
-def test_cli_end_to_end_with_set(tmp_path, capsys, monkeypatch):
+def _cli_end_to_end_with_set(tmp_path, capsys, monkeypatch):
+    tmp_path.mkdir()
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     code = main(["run", "--set", "run.rounds=2", "--set", "regions.names=[us-east-1, eu-west-1, ap-northeast-1]",
