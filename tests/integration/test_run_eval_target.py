@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -40,8 +41,11 @@ def _train(cfg, run_dir):
 
 
 def test_evaluating_every_round_trains_the_same_model_and_sends_nothing_more(tmp_path):
-    quiet, quiet_params = _train(_cfg(eval_every=0), tmp_path / "quiet")
-    watched, watched_params = _train(_cfg(eval_every=1), tmp_path / "watched")
+    # Side by side (their own actors and run directories; 30 s deadlines keep every update on time).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        quiet_run = pool.submit(_train, _cfg(eval_every=0), tmp_path / "quiet")
+        watched, watched_params = _train(_cfg(eval_every=1), tmp_path / "watched")
+        quiet, quiet_params = quiet_run.result()
     for region in REGIONS:
         for a, b in zip(quiet_params[region], watched_params[region]):
             assert torch.equal(a, b), f"{region}: evaluation changed the trained model"
