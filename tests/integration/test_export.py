@@ -4,6 +4,7 @@ that load into the task's model and reproduce the summary's evaluation."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -37,15 +38,33 @@ def _evaluate(cfg, state):
     return task.evaluate(model).value
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "gossip"])
-def test_model_safetensors_reproduces_the_summary_eval(tmp_path, algorithm, capsys):
-    cfg = _cfg(algorithm)
-    write_config(tmp_path, cfg)  # what `geofed run` writes first (new_run_dir)
-    runner = Runner(cfg, tmp_path, show_progress=False)
+ALGORITHMS = ["diloco", "gossip"]
+
+
+def _train(cfg, run_dir):
+    run_dir.mkdir()
+    write_config(run_dir, cfg)  # what `geofed run` writes first (new_run_dir)
+    runner = Runner(cfg, run_dir, show_progress=False)
     try:
-        summary = runner.run()
+        return runner.run()
     finally:
         runner.shutdown()
+
+
+@pytest.fixture(scope="module")
+def finished_runs(ray_session, tmp_path_factory):
+    """Both algorithms' runs, trained side by side (their own actors and run directories) the
+    first time a test asks; each test then checks and exports its own."""
+    root = tmp_path_factory.mktemp("export")
+    with ThreadPoolExecutor(max_workers=len(ALGORITHMS)) as pool:
+        futures = {a: pool.submit(_train, _cfg(a), root / a) for a in ALGORITHMS}
+    return {a: (root / a, f.result()) for a, f in futures.items()}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_model_safetensors_reproduces_the_summary_eval(finished_runs, algorithm, capsys):
+    cfg = _cfg(algorithm)
+    tmp_path, summary = finished_runs[algorithm]
     state = load_file(str(tmp_path / "model.safetensors"))
     assert _evaluate(cfg, state) == summary["eval"]["value"]
     meta = json.loads((tmp_path / "model.json").read_text())
