@@ -19,14 +19,25 @@ plan names who is in the round: its weight goes to them). A SIGTERM to a region'
 request of its own. A region that left joins again under its name in a new actor, through the
 path of a restarted region (faults.py: the current model and outer state from a peer), its links
 probed, planned from the next round. summary.json's `left` and `joined` say who, when and why.
+
+A region may also join under a NEW name (`geofed join RUN_DIR --region NEW [--label VALUE]`): the
+name is checked as regions.names' entries are, the run's CA (RUN_DIR/tls) issues its certificate,
+its actor is placed on a node labelled VALUE (regions.label_key) when given, else as the run
+places its regions, and the emulator adds its links (driver/emulation.py). It is appended to the
+run's regions: the coordinator plans over them from the next round, and each plan names them
+(RoundPlan.members), so every region's topology and mixing weights follow. The driver checkpoint
+records the joined names (`grown`), and a resumed run rebuilds them. Runs that cannot grow are
+refused with the reason (`growth_refusal`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import sys
 import time
@@ -35,28 +46,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from geofed.regions.algorithm_traits import algorithm_traits
+
 from .rundir import read_jsonl
 
 if TYPE_CHECKING:  # the commands' side (request_from_args) runs without Ray
+    from ..config import RunConfig
     from .handles import RegionHandles
     from .journal import Journal
 
 __all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Membership", "request_from_args", "parse_request",
-           "requeue_unanswered", "run_is_live", "take_requests", "withdraw_request", "write_request"]
+           "requeue_unanswered", "run_is_live", "take_requests", "withdraw_request", "write_request",
+           "grown_config", "growth_refusal", "label_refusal", "wait_for_label"]
 
 CONTROL_DIR = "control"
 ACTIONS = ("leave", "join")
 MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes; anything larger is not one of ours
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
+# A Ray node label's value (Kubernetes' rule, which Ray follows): at most 63 characters, letters,
+# digits, '-', '_' and '.', starting and ending with a letter or digit.
+_LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
-    """One control request: `id` (the file's stem, echoed in the answer), `action`, `region`."""
+    """One control request: `id` (the file's stem, echoed in the answer), `action`, `region`, and a
+    join's node `label` (None: placed as the run places its regions)."""
 
     id: str
     action: str
     region: str
+    label: str | None = None
 
 
 def parse_request(request_id: str, raw: bytes) -> Request:
@@ -69,7 +89,7 @@ def parse_request(request_id: str, raw: bytes) -> Request:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-    unknown = sorted(set(data) - {"action", "region", "requested_at"})
+    unknown = sorted(set(data) - {"action", "region", "requested_at", "label"})
     if unknown:
         raise ValueError(f"unknown keys: {', '.join(unknown)}")
     action, region = data.get("action"), data.get("region")
@@ -77,17 +97,91 @@ def parse_request(request_id: str, raw: bytes) -> Request:
         raise ValueError(f"action: expected one of {', '.join(ACTIONS)}, got {action!r}")
     if not isinstance(region, str) or not region:
         raise ValueError(f"region: expected a region name, got {region!r}")
-    return Request(id=request_id, action=action, region=region)
+    label = data.get("label")
+    if label is not None and (action != "join" or label_refusal(label) is not None):
+        raise ValueError(f"label: {label_refusal(label) if action == 'join' else 'only a join takes one'}")
+    return Request(id=request_id, action=action, region=region, label=label)
 
 
-def write_request(run_dir: Path, action: str, region: str) -> str:
+def label_refusal(label: Any) -> str | None:
+    """Why `label` cannot be a Ray node label's value, or None."""
+    if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
+        return (f"{label!r} is not a node label value (at most 63 letters, digits, '-', '_' or '.', starting and "
+                "ending with a letter or digit)")
+    return None
+
+
+def wait_for_label(label_key: str, value: str, timeout_s: float, seen: Callable[[str], Mapping[str, Any]], *,
+                   poll_s: float = 1.0) -> None:
+    """Until an alive node carries `label_key`=`value` (seen(label_key): value -> its nodes, as
+    cluster.node_labels gives them), at most timeout_s (regions.placement_timeout_s: nodes may still
+    be joining); then ValueError naming the labels seen. A joiner's actor is created only after it,
+    instead of waiting for a node until regions.start_timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        labels = seen(label_key)
+        if value in labels:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+    shown = ", ".join(sorted(labels)) or "none"
+    raise ValueError(f"no alive Ray node carries {label_key}={value} after {timeout_s:g}s (regions.placement_timeout_s); "
+                     f"values seen: {shown}")
+
+
+def grown_config(cfg: RunConfig, grown: Mapping[str, str | None]) -> RunConfig:
+    """The run's config with the regions that joined under new names (region -> its node label or
+    None) appended to regions.names, their labels in regions.labels: what a joiner's actor is built
+    from. ValueError as the config's own checks word it (a bad or reserved name, too many regions)."""
+    if not grown:
+        return cfg
+    rc = cfg.regions
+    labels = {**rc.labels, **{r: label for r, label in grown.items() if label is not None}}
+    return dataclasses.replace(cfg, regions=dataclasses.replace(rc, names=(*rc.names, *grown), labels=labels))
+
+
+def growth_refusal(cfg: RunConfig, grown: Mapping[str, str | None], region: str, label: str | None) -> str | None:
+    """Why the run (its config `cfg`, the regions already joined under new names `grown`) cannot take
+    `region` under a new name, or None. The run's algorithm and set-up decide it: each refusal
+    names the key that fixes the group at start."""
+    from geofed.p2p.grpc_transport import server_peer_capacity
+
+    if label is not None and (why := label_refusal(label)) is not None:
+        return f"label: {why}"
+    try:
+        grown_config(cfg, {**grown, region: label})
+    except ValueError as exc:
+        return f"region name {region!r}: {str(exc).removeprefix('names: ')}"
+    if cfg.regions.workers > 1:
+        return "regions.workers > 1: a join places one actor a region, not a group of workers"
+    if cfg.security.secure_aggregation:
+        return ("security.secure_aggregation: the masks are agreed within the starting regions, a fixed group that "
+                "cannot grow")
+    if algorithm_traits(cfg.sync.algorithm).mixes_models:
+        return (f"sync.algorithm {cfg.sync.algorithm}: each region keeps a public copy of every in-neighbour's model "
+                "from round 0 (CHOCO), which a new neighbour does not have")
+    if cfg.privacy.dp.mode != "off":
+        return "privacy.dp: the privacy budget is planned over the starting regions' data"
+    if cfg.network.emulation.mode == "kernel":
+        return "network.emulation.mode kernel: its network namespaces and links are made at start"
+    peers = len(cfg.regions.names) + len(grown)  # each region's peers once it joined
+    capacity = server_peer_capacity(max(1, len(cfg.regions.names) - 1))
+    if peers > capacity:
+        return (f"the regions' gRPC servers were sized at start for {capacity} peers each; {region} would make "
+                f"{peers}")
+    return None
+
+
+def write_request(run_dir: Path, action: str, region: str, label: str | None = None) -> str:
     """Write one request into RUN_DIR/control atomically; returns its id (the answer carries it)."""
     control = Path(run_dir) / CONTROL_DIR
     control.mkdir(mode=0o700, exist_ok=True)
     ns = time.time_ns()  # ids sort in the order they were written: the driver takes them in that order
     request_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(ns // 10**9))}-{ns % 10**9:09d}-{secrets.token_hex(3)}"
     tmp = control / f".{request_id}.tmp"
-    body = json.dumps({"action": action, "region": region, "requested_at": time.time()}).encode()
+    body = json.dumps({"action": action, "region": region, "requested_at": time.time(),
+                       **({"label": label} if label is not None else {})}).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, body)
@@ -159,18 +253,27 @@ class Membership:
     """The driver's side of who is in the run. The round loop calls `poll(r)` before each round and
     `note_reports(results)` after it. `busy()` names regions with a round in flight (a quorum round's
     straggler), whose leave waits for that round; `drain(region)` finishes a leaver's exchange in
-    flight before it goes; `spawn(region)` places a new actor for a joiner (its handle and
-    node_info) and `rejoin(region, r, info)` brings it in as a restarted region is (faults.py);
-    `probe(regions)` measures their links before they carry updates. Without `spawn` joins are refused."""
+    flight before it goes; `spawn(region)` places a new actor for a joiner of the run's config (its
+    handle and node_info), `spawn(region, cfg, label)` one of a region joined under a new name,
+    built from `cfg` (the run's config with those regions: `config()`) and placed on a node with
+    `label` when one is given; `rejoin(region, r, info)` brings it in
+    as a restarted region is (faults.py); `probe(regions)` measures their links before they carry
+    updates. A joiner under a new name also needs `grow(region, label)` (the coordinator's and the
+    emulator's side) and, to rebuild it on a resume, `start(region)` (its server's address) and
+    `connect()` (every region to every other). Without `spawn` joins are refused."""
 
     def __init__(self, run_dir: Path, regions: RegionHandles, journal: Journal, *,
                  busy: Callable[[], Collection[str]], drain: Callable[[str], None],
-                 spawn: Callable[[str], tuple[Any, dict]] | None = None,
+                 spawn: Callable[..., tuple[Any, dict]] | None = None,
                  rejoin: Callable[[str, int, dict], Any] | None = None,
-                 probe: Callable[[list[str]], None] | None = None):
+                 probe: Callable[[list[str]], None] | None = None,
+                 grow: Callable[[str, str | None], None] | None = None,
+                 start: Callable[[str], str] | None = None, connect: Callable[[], None] | None = None):
         self.run_dir, self.regions, self.journal = Path(run_dir), regions, journal
         self.busy, self.drain = busy, drain
         self.spawn, self.rejoin, self.probe = spawn, rejoin, probe
+        self.grow, self.start, self.connect = grow, start, connect
+        self.grown: dict[str, str | None] = {}  # joined under a new name, in join order: region -> node label
         self.left: dict[str, dict[str, Any]] = {}  # region -> {round, why, request} of its last leave
         self.joined: dict[str, dict[str, Any]] = {}  # region -> {round, request} of its last join
         self.out: set[str] = set()  # left and not back
@@ -191,7 +294,7 @@ class Membership:
             if why is not None:
                 self._refuse(req.id, req.region, why)
             elif req.action == "join":
-                self.join(req.region, r, request=req.id)
+                self.join(req.region, r, request=req.id, label=req.label)
             elif req.region in self.busy():
                 held.append(req)  # its quorum round is in flight: it leaves once that returns
             else:
@@ -218,16 +321,27 @@ class Membership:
             if m.extra.get("leaving"):
                 self.regions.leaving.setdefault(region, dict(m.extra))
 
+    def config(self) -> RunConfig:
+        """The run's config with the regions joined under new names: what a joiner's actor is built from."""
+        return grown_config(self.regions.cfg, self.grown)
+
     def _refusal(self, req: Request) -> str | None:
         regions = self.regions
+        if req.action == "join" and (self.spawn is None or self.rejoin is None):
+            return "this run cannot place new region actors (joins need the Ray driver)"
+        if req.action == "join" and req.region not in regions.names:
+            if self.grow is None:
+                return "this run cannot add regions under new names"
+            return growth_refusal(regions.cfg, self.grown, req.region, req.label)
         if req.region not in regions.names:
-            new = " (joining under a new name is not supported yet)" if req.action == "join" else ""
-            return f"unknown region {req.region!r}: the run's regions are {', '.join(regions.names)}{new}"
+            return f"unknown region {req.region!r}: the run's regions are {', '.join(regions.names)}"
         if req.action == "join":
             if req.region in regions.alive:
                 return f"region {req.region} is in the run"
-            if self.spawn is None or self.rejoin is None:
-                return "this run cannot place new region actors (joins need the Ray driver)"
+            placed = self.config().regions.label_of(req.region)
+            if req.label is not None and req.label != placed:
+                return (f"label: region {req.region} is placed by its own label ({placed}); --label places a region "
+                        "that joins under a new name")
             return None
         if req.region in self.out:
             return f"region {req.region} has already left the run"
@@ -260,18 +374,22 @@ class Membership:
         self.journal.note(f"region {region} left the run after round {r - 1} ({why}); "
                           f"{len(regions.alive)} regions go on: {', '.join(regions.alive)}", style="green")
 
-    def join(self, region: str, r: int, *, request: str | None = None) -> None:
-        """`region` (one that left, or failed and was given up) comes back before round r: a new
-        actor, the current model and outer state from a peer (the rejoin path: region_rejoined,
-        after: join), its links probed; planned from round r."""
+    def join(self, region: str, r: int, *, request: str | None = None, label: str | None = None) -> None:
+        """`region` (one that left, or failed and was given up, or a new name) comes back before round r:
+        a new actor, the current model and outer state from a peer (the rejoin path: region_rejoined,
+        after: join), its links probed; planned from round r. A new name is added to the run (its
+        certificate, its links, the topology over it) once its actor is placed."""
         regions = self.regions
+        new = region not in regions.names
         if region in regions.dead:
             regions.retire(region)  # failed and not back: its old actor goes for good, a new one takes its place
         try:
-            handle, info = self.spawn(region)
+            handle, info = self._place(region, label if new else self.grown.get(region), new=new)
         except Exception as exc:  # noqa: BLE001 - a placement error: the run goes on without it
             self._refuse(request or "-", region, f"its actor could not be placed: {exc}")
             return
+        if new:
+            self._add(region, label)
         regions.actors.handles[region] = handle
         regions.actors.info[region] = info
         regions.dead[region] = "joining"  # the rejoin path brings a dead region back
@@ -282,11 +400,34 @@ class Membership:
         if self.probe is not None:
             self.probe(list(regions.alive))
         self.out.discard(region)
-        self.joined[region] = {"round": r, "request": request}
+        grown = {"new": True, "label": self.grown[region]} if new else {}
+        self.joined[region] = {"round": r, "request": request, **grown}
         self.journal.count("regions_joined")
         self.journal.event("region_joined", region=region, request=request, first_round=r,
-                           pid=info.get("pid"), alive=list(regions.alive))
-        self.journal.note(f"region {region} joined the run before round {r}", style="green")
+                           pid=info.get("pid"), alive=list(regions.alive), **grown)
+        self.journal.note(f"region {region} joined the run before round {r}"
+                          + (" under a new name" if new else ""), style="green")
+
+    def _place(self, region: str, label: str | None, *, new: bool, issue: bool = False) -> tuple[Any, dict]:
+        """A joiner's new actor; a new name first gets its certificate from the run's CA (RUN_DIR/tls),
+        as set-up's make_tls issues each region's (a rebuilt one a fresh one: no expiry to track)."""
+        cfg = grown_config(self.regions.cfg, {**self.grown, region: label}) if new else self.config()
+        if (new or issue) and cfg.security.tls:
+            from geofed.p2p.tls import issue_region
+
+            issue_region(self.run_dir / "tls", region)
+        assert self.spawn is not None
+        if region in self.regions.cfg.regions.names:
+            return self.spawn(region)
+        return self.spawn(region, cfg, label)
+
+    def _add(self, region: str, label: str | None) -> None:
+        """`region`, placed, is one of the run's regions from now on: after regions.names' and the
+        earlier joiners' (topology order), in the coordinator's plans and the emulator's links."""
+        self.grown[region] = label
+        self.regions.names.append(region)
+        assert self.grow is not None
+        self.grow(region, label)
 
     def summary_fields(self) -> dict[str, Any]:
         """summary.json's `left` (region -> {round: the last it ran, why, request}) and `joined`
@@ -294,17 +435,47 @@ class Membership:
         return {"left": dict(self.left), "joined": dict(self.joined)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"left": dict(self.left), "joined": dict(self.joined), "out": sorted(self.out)}
+        return {"left": dict(self.left), "joined": dict(self.joined), "out": sorted(self.out),
+                "grown": [[region, label] for region, label in self.grown.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A resumed run: the regions out stay out (their new actors are retired at once)."""
+        """A resumed run: the regions out stay out (their new actors are retired at once); the regions
+        that joined under new names are the run's again, in their order, and those not out get a
+        new actor each (its own checkpoint then restores it as any region's does)."""
         self.left.update(state.get("left") or {})
         self.joined.update(state.get("joined") or {})
         out = state.get("out", list(state.get("left") or {}))
+        grown = [(region, label) for region, label in state.get("grown") or [] if region not in self.regions.names]
+        for region, label in grown:
+            self._add(region, label)
         for region in out:
             if region in self.regions.names and region not in self.out:
                 self.regions.retire(region)
                 self.out.add(region)
+        rebuilt = [region for region, _ in grown if region not in self.out]
+        for region in rebuilt:
+            self._rebuild(region)
+        if rebuilt and self.connect is not None:
+            self.connect()
+
+    def _rebuild(self, region: str) -> None:
+        """A resumed run's joiner under a new name: a new actor and server, in the run (not yet connected)."""
+        regions = self.regions
+        try:
+            handle, info = self._place(region, self.grown[region], new=False, issue=True)
+            regions.actors.handles[region] = handle
+            assert self.start is not None
+            address = self.start(region)
+        except Exception as exc:  # noqa: BLE001 - the run resumes without it; a join brings it back
+            regions.retire(region)
+            self.out.add(region)
+            self.left[region] = {"round": None, "why": "not rebuilt on resume", "request": None}
+            self.journal.event("region_left", region=region, request=None, why="not rebuilt on resume",
+                               error=str(exc)[:500], alive=list(regions.alive))
+            return
+        regions.actors.info[region] = info
+        regions.dead[region] = "joining"
+        regions.rejoin(region, address, info)
 
 
 # -- the CLI's side: `geofed leave` -----------------------------------------------------------
@@ -358,8 +529,8 @@ class _EventTail:
 
 def request_from_args(args: Any, action: str) -> int:
     """`geofed leave RUN_DIR NAME [--wait S]` (retire region NAME after the round in flight) and
-    `geofed join RUN_DIR --region NAME [--wait S]` (bring it back before the next round): write the
-    request and wait (at most S seconds; 0: not at all) for the driver's answer in events.jsonl,
+    `geofed join RUN_DIR --region NAME [--label VALUE] [--wait S]` (bring it back, or a new region
+    NAME placed on a node labelled VALUE, before the next round): write the request and wait (at most S seconds; 0: not at all) for the driver's answer in events.jsonl,
     printed as one JSON line. Exit codes: EXIT (0 done, 1 refused by the driver, 2 not a run
     directory or an unknown region, 3 no driver runs the run, 4 no answer within S)."""
     from .rundir import run_dir_config
@@ -368,18 +539,29 @@ def request_from_args(args: Any, action: str) -> int:
         print(f"geofed {action}: {message}", file=sys.stderr)
 
     run_dir = Path(args.run_dir)
+    label = getattr(args, "label", None)  # a join's only
+    if label is not None and (why := label_refusal(label)) is not None:
+        _say(f"--label: {why}")
+        return EXIT["bad_input"]
     # A Runner started from Python writes no config.yaml: then the driver alone checks the name.
     known = (run_dir / "config.yaml").exists() or not ((run_dir / "run.lock").exists() or (run_dir / "events.jsonl").exists())
-    names = list(run_dir_config(run_dir).regions.names) if known else [args.region]  # ConfigError (exit 2): not a run directory
-    if args.region not in names:
+    cfg = run_dir_config(run_dir) if known else None  # ConfigError (exit 2): not a run directory
+    names = list(cfg.regions.names) if cfg is not None else [args.region]
+    if args.region not in names and action == "leave":
         _say(f"unknown region {args.region!r}: {run_dir}'s regions are {', '.join(names)}")
         return EXIT["bad_input"]
+    if args.region not in names:  # a join under a new name: checked as regions.names' entries are
+        try:
+            grown_config(cfg, {args.region: label})
+        except ValueError as exc:
+            _say(f"--region: {args.region!r} cannot name a region: {str(exc).removeprefix('names: ')}")
+            return EXIT["bad_input"]
     if not run_is_live(run_dir):
         _say(f"no driver runs {run_dir} (the run has ended, or its driver is gone: geofed run --resume {run_dir} "
              "takes requests again)")
         return EXIT["not_running"]
     tail = _EventTail(run_dir / "events.jsonl")
-    request_id = write_request(run_dir, action, args.region)
+    request_id = write_request(run_dir, action, args.region, label)
     if args.wait <= 0:
         print(json.dumps({"request": request_id, "region": args.region, "action": action}))
         return EXIT["done"]

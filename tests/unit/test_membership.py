@@ -19,21 +19,25 @@ from geofed.orchestrator.driver.journal import Journal
 from geofed.orchestrator.driver.membership import (
     EXIT,
     Membership,
+    growth_refusal,
     parse_request,
     run_is_live,
     take_requests,
+    wait_for_label,
     withdraw_request,
     write_request,
 )
 from geofed.orchestrator.driver.rundir import Clock, lock_run_dir, read_jsonl, release_run_dir, write_config
 
 NAMES = ["a", "b", "c"]
+CFG = config_from_mapping({"task": {"kind": "mlp-digits"}, "regions": {"names": NAMES}})
 
 
 class Regions:
-    """The part of RegionHandles that Membership uses: names, alive, dead, leaving, retire."""
+    """The part of RegionHandles that Membership uses: cfg, names, alive, dead, leaving, retire."""
 
     def __init__(self) -> None:
+        self.cfg = CFG
         self.names, self.alive, self.dead = list(NAMES), list(NAMES), {}
         self.leaving: dict[str, dict] = {}
         self.retired: list[str] = []
@@ -43,6 +47,10 @@ class Regions:
         self.alive.remove(region) if region in self.alive else self.dead.pop(region)
         self.leaving.pop(region, None)
         self.retired.append(region)
+
+    def rejoin(self, region: str, address: str, info: dict) -> None:
+        self.alive = [n for n in self.names if n in self.alive or n == region]
+        del self.dead[region]
 
 
 def _membership(run_dir: Path, busy=()) -> tuple[Membership, Regions, Journal, list[str]]:
@@ -216,7 +224,7 @@ def test_a_region_that_left_joins_again_through_the_rejoin_path(tmp_path):
         del regions.dead[region]
         regions.alive = [n for n in NAMES if n in regions.alive or n == region]
 
-    membership.spawn = lambda region: placed.append(region) or ("handle", {"pid": 42})
+    membership.spawn = lambda region: placed.append(region) or ("handle", {"pid": 42})  # a region of the config
     membership.rejoin, membership.probe = rejoin, probed.append
     early = write_request(tmp_path, "join", "a")  # in the run: refused
     write_request(tmp_path, "leave", "b")
@@ -228,7 +236,7 @@ def test_a_region_that_left_joins_again_through_the_rejoin_path(tmp_path):
     by_id = {e["request"]: e for e in _events(tmp_path)}
     assert "is in the run" in by_id[early]["why"]
     assert by_id[back]["event"] == "region_joined" and by_id[back]["first_round"] == 3 and by_id[back]["alive"] == NAMES
-    assert "not supported yet" in by_id[new]["why"]
+    assert "cannot add regions under new names" in by_id[new]["why"]  # no grow: a driver without a coordinator
     assert membership.summary_fields()["joined"] == {"b": {"round": 3, "request": back}}
     assert membership.out == set()
     # Gone again: it can leave again (it is no longer out).
@@ -255,3 +263,148 @@ def test_a_resumed_driver_takes_again_what_its_killed_predecessor_took_but_never
     (taken,) = take_requests(tmp_path)
     assert taken[0] == lost and taken[1].action == "join" and taken[1].region == "c"
     assert requeue_unanswered(tmp_path) == [lost]  # until it is answered
+
+
+def _config(**sections) -> object:
+    mapping: dict = {"task": {"kind": "mlp-digits"}, "regions": {"names": NAMES}}
+    for key, value in sections.items():
+        mapping.setdefault(key, {}).update(value)
+    return config_from_mapping(mapping)
+
+
+@pytest.mark.parametrize("region, label, sections, why", [
+    ("Bad_Name", None, {}, "region name 'Bad_Name': region name 'Bad_Name' must match"),
+    ("ca", None, {}, "region name 'ca': ca is reserved"),
+    ("d", "-edge", {}, "label: '-edge' is not a node label value"),
+    ("d", None, {"regions": {"workers": 2}}, "regions.workers > 1"),
+    ("d", None, {"security": {"secure_aggregation": True}}, "security.secure_aggregation: .* fixed group"),
+    ("d", None, {"sync": {"algorithm": "gossip"}, "compression": {"error_feedback": False}}, "sync.algorithm gossip: .*CHOCO"),
+    ("d", None, {"privacy": {"dp": {"mode": "update", "noise_multiplier": 1.0}}}, "privacy.dp"),
+    ("d", None, {"network": {"emulation": {"mode": "kernel"}}}, "network.emulation.mode kernel"),
+    ("i", None, {"regions": {"names": list("abcdefgh")}}, "sized at start for 7 peers each; i would make 8"),
+])
+def test_a_run_that_cannot_grow_says_why(region, label, sections, why):
+    assert growth_refusal(_config(**sections), {}, region, label) is not None
+    assert re_search(why, growth_refusal(_config(**sections), {}, region, label))
+
+
+def re_search(pattern: str, text: str | None) -> bool:
+    import re
+
+    return text is not None and re.search(pattern, text) is not None
+
+
+def test_a_run_that_can_grow_takes_new_names_up_to_its_servers_size():
+    assert growth_refusal(CFG, {}, "d", "zone-9") is None
+    grown = {name: None for name in "defg"}  # 7 regions: 6 peers each
+    assert growth_refusal(CFG, grown, "h", None) is None
+    assert "would make 8" in growth_refusal(CFG, {**grown, "h": None}, "i", None)
+    assert "must be unique" in growth_refusal(CFG, {"d": None}, "a", None)
+
+
+def test_a_label_no_node_has_is_refused_after_the_placement_deadline():
+    seen = []
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"no alive Ray node carries zone=edge-9 after 0.3s .*values seen: a, b"):
+        wait_for_label("zone", "edge-9", 0.3, lambda key: seen.append(key) or {"a": ["10.0.0.1"], "b": []}, poll_s=0.1)
+    assert 0.3 <= time.monotonic() - t0 < 2 and len(seen) >= 3 and set(seen) == {"zone"}  # polled until the deadline
+    wait_for_label("zone", "a", 0.0, lambda key: {"a": ["10.0.0.1"]})  # there: at once
+
+
+def _growing(tmp_path: Path) -> tuple[Membership, Regions, dict[str, list]]:
+    """A Membership whose callbacks record what the driver's would do (run.py's _spawn, _grow, ...)."""
+    from geofed.p2p.tls import make_pki
+
+    make_pki(tmp_path / "tls", NAMES)
+    membership, regions, _, _ = _membership(tmp_path)
+    calls: dict[str, list] = {"spawn": [], "grow": [], "rejoin": [], "probe": [], "start": [], "connect": []}
+
+    def spawn(region, cfg, label):
+        calls["spawn"].append((region, list(cfg.regions.names), cfg.regions.label_of(region), label))
+        return f"handle-{region}", {"pid": 7}
+
+    def rejoin(region, r, info):
+        calls["rejoin"].append((region, r))
+        del regions.dead[region]
+        regions.alive = [n for n in regions.names if n in regions.alive or n == region]
+
+    membership.spawn, membership.rejoin, membership.probe = spawn, rejoin, calls["probe"].append
+    membership.grow = lambda region, label: calls["grow"].append((region, label))
+    membership.start = lambda region: calls["start"].append(region) or f"127.0.0.1:{len(calls['start'])}"
+    membership.connect = lambda: calls["connect"].append(True)
+    return membership, regions, calls
+
+
+def test_a_region_joins_under_a_new_name_and_a_resumed_run_rebuilds_it(tmp_path):
+    from cryptography import x509
+    from geofed.p2p.tls import load_tls
+
+    membership, regions, calls = _growing(tmp_path)
+    bad = write_request(tmp_path, "join", "Bad_Name")
+    join = write_request(tmp_path, "join", "d", label="zone-9")
+    again = write_request(tmp_path, "join", "d")
+    membership.poll(4)
+    by_id = {e["request"]: e for e in _events(tmp_path)}
+    assert by_id[bad]["event"] == "control_refused" and "must match" in by_id[bad]["why"]
+    assert "is in the run" in by_id[again]["why"]
+    # Built from the run's config with d appended, placed on its label; then the coordinator and emulator grow.
+    assert calls["spawn"] == [("d", [*NAMES, "d"], "zone-9", "zone-9")] and calls["grow"] == [("d", "zone-9")]
+    assert regions.names == [*NAMES, "d"] and regions.alive == [*NAMES, "d"] and calls["rejoin"] == [("d", 4)]
+    assert calls["probe"] == [[*NAMES, "d"]]  # its links measured before round 4 carries its update
+    joined = by_id[join]
+    assert joined["event"] == "region_joined" and joined["new"] is True and joined["label"] == "zone-9"
+    assert joined["first_round"] == 4 and joined["alive"] == [*NAMES, "d"]
+    assert membership.summary_fields()["joined"] == {"d": {"round": 4, "request": join, "new": True, "label": "zone-9"}}
+    # Its certificate comes from the run's own CA, whose key stays in RUN_DIR/tls.
+    material = load_tls(tmp_path / "tls", "d")
+    ca = x509.load_pem_x509_certificate(material.ca_pem)
+    x509.load_pem_x509_certificate(material.cert_pem).verify_directly_issued_by(ca)
+    assert sorted(p.name for p in (tmp_path / "tls").glob("*.key")) == ["a.key", "b.key", "c.key", "ca.key", "d.key"]
+
+    state = membership.state_dict()
+    assert state["grown"] == [["d", "zone-9"]]
+    resumed, again_regions, again_calls = _growing(tmp_path / "resumed")
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # as the driver checkpoint keeps it
+    assert again_regions.names == [*NAMES, "d"] and again_regions.alive == [*NAMES, "d"]
+    assert again_calls["grow"] == [("d", "zone-9")] and [c[0] for c in again_calls["spawn"]] == ["d"]
+    assert again_calls["start"] == ["d"] and again_calls["connect"] == [True]
+    assert again_regions.actors.handles == {"d": "handle-d"}
+    assert resumed.joined == membership.joined
+
+
+def test_a_new_name_whose_actor_cannot_be_placed_leaves_the_run_as_it_was(tmp_path):
+    membership, regions, calls = _growing(tmp_path)
+
+    def no_node(region, cfg, label):
+        wait_for_label(cfg.regions.label_key, label, 0.0, lambda key: {})
+
+    membership.spawn = no_node
+    join = write_request(tmp_path, "join", "d", label="edge-9")
+    membership.poll(2)
+    refused = {e["request"]: e for e in _events(tmp_path)}[join]
+    assert refused["event"] == "control_refused" and "its actor could not be placed: no alive Ray node" in refused["why"]
+    assert regions.names == NAMES and calls["grow"] == [] and membership.grown == {}
+
+
+def test_geofed_join_checks_a_new_name_and_its_label_before_asking(tmp_path, capsys):
+    from geofed.orchestrator.driver.membership import request_from_args
+
+    run_dir = _run_dir(tmp_path)
+
+    def join(region: str, label: str | None = None) -> int:  # what `geofed join` hands over
+        return request_from_args(SimpleNamespace(run_dir=str(run_dir), region=region, label=label, wait=0), "join")
+
+    assert join("Bad_Name") == EXIT["bad_input"]
+    assert "must match" in capsys.readouterr().err
+    assert join("d", "no spaces") == EXIT["bad_input"]
+    assert "--label" in capsys.readouterr().err
+    assert join("d", "zone-9") == EXIT["not_running"]
+    lock_run_dir(run_dir)
+    try:
+        assert join("d", "zone-9") == EXIT["done"]
+    finally:
+        release_run_dir(run_dir)
+    [(_, request)] = take_requests(run_dir)
+    assert (request.action, request.region, request.label) == ("join", "d", "zone-9")
+    with pytest.raises(ValueError, match="only a join takes one"):
+        parse_request("id", b'{"action": "leave", "region": "a", "label": "x"}')
