@@ -20,13 +20,14 @@ from geofed.regions.messages import ExchangeStats, RoundReport
 from geofed.regions.sync.common import merge_exchange_metrics
 
 from ..config import RunConfig
+from .failures import ACTOR_DEATHS, STALLED
 from .handles import RegionHandles, Reports
 from .journal import Journal
 from .recovery import RunFailed, WithholdWatch, first_line, plan_resync
 
 log = logging.getLogger("geofed.orchestrator.driver.run")
 
-_ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
+_ACTOR_GONE = (*ACTOR_DEATHS, ray.exceptions.GetTimeoutError)
 
 
 class Faults:
@@ -62,7 +63,7 @@ class Faults:
             del regions.probes[region]
             try:
                 info = ray.get(probe)
-            except ray.exceptions.RayActorError:
+            except ACTOR_DEATHS:
                 continue  # still restarting, or gone for good: probe again next round
             sent += self._rejoin(region, r, info)
         return sent
@@ -78,13 +79,13 @@ class Faults:
                 del regions.stalled[region], regions.probes[region]
                 self.journal.count("region_failures")
                 self.journal.event("region_failed", region=region, why=f"stalled for {time.monotonic() - st['since']:.0f}s; "
-                                   "killed for Ray to restart")
+                                   "killed for Ray to restart", cause=STALLED)
                 regions.kill(region)
             return 0
         del regions.stalled[region], regions.probes[region]
         try:
             ray.get(probe)
-        except ray.exceptions.RayActorError:
+        except ACTOR_DEATHS:
             return 0  # it died meanwhile: a dead region now, probed for its restart from the next round
         except ray.exceptions.RayTaskError as exc:
             log.warning("region %s: its late call failed (%s); it rejoins anyway", region, first_line(exc))
@@ -118,8 +119,9 @@ class Faults:
             try:
                 donor, state_round = ray.get(regions.catch_up_ref(region, donors),
                                              timeout=self.cfg.sync.deadline.max_s + 60)
-            except ray.exceptions.RayActorError as exc:
-                regions.fail(region, f"died while catching up: {first_line(exc)}")
+            except ACTOR_DEATHS as exc:
+                death = regions.death_of(region, exc)
+                regions.fail(region, f"died while catching up ({death.cause})", death=death)
                 return sent
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as exc:
                 # Its own checkpoint is the best it has; a resync after its first round realigns it.

@@ -22,8 +22,9 @@ from geofed.regions.messages import RoundPlan, RoundReport
 
 from ..config import RunConfig
 from .cluster import RegionActors
+from .failures import ACTOR_DEATHS, Death, cause_of_text, death_cause, worker_exit
 from .journal import Journal
-from .recovery import RunFailed, first_line
+from .recovery import RunFailed
 
 Results = dict[str, dict[str, Any]]
 Reports = dict[str, RoundReport]  # a round's reports by region (run_round's refs, gathered)
@@ -125,11 +126,13 @@ class RegionHandles:
         return out
 
     def collect(self, ref: Any, region: str, what: str, out: dict[str, Any]) -> None:
-        """One finished call into `out`; a dead actor fails its region, an error in the call the run."""
+        """One finished call into `out`; a dead actor fails its region (with why it died: OOM or
+        not, driver/failures.py), an error in the call the run."""
         try:
             out[region] = ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            self.fail(region, f"actor died during {what}: {first_line(exc)}")
+        except ACTOR_DEATHS as exc:
+            death = self.death_of(region, exc)
+            self.fail(region, f"actor died during {what} ({death.cause})", death=death)
         except ray.exceptions.RayTaskError as exc:
             raise RunFailed(f"region {region} failed in {what}: {exc.cause!r}") from None
 
@@ -137,15 +140,22 @@ class RegionHandles:
         """Kill a region's actor for Ray to restart (it did not finish a call in time)."""
         ray.kill(self.actors.handles[region], no_restart=False)
 
+    def death_of(self, region: str, exc: BaseException) -> Death:
+        """Why `region`'s actor died, from what its call raised and its worker's row in Ray's GCS."""
+        return death_cause(exc, worker_exit((self.actors.info.get(region) or {}).get("pid")))
+
     # -- membership --------------------------------------------------------------------------
-    def fail(self, region: str, why: str) -> None:
-        """The region failed: left out (elastic) or the run stops (fail-fast)."""
+    def fail(self, region: str, why: str, *, death: Death | None = None) -> None:
+        """The region failed: left out (elastic) or the run stops (fail-fast). `death`: why its actor
+        died, when it did (else the cause is read from `why`: a timeout, a stall)."""
         if region in self.leaving:  # its spot notice's grace ran out mid-call: it leaves (driver/membership.py)
             self.leave_out(region, f"{why} (after a SIGTERM: leaving)")
             return
         r = self.journal.round
+        death = death or Death(cause=cause_of_text(why), detail="")
         self.journal.count("region_failures")
-        self.journal.event("region_failed", region=region, why=why)
+        self.journal.event("region_failed", region=region, why=why, cause=death.cause,
+                           **({"detail": death.detail} if death.detail else {}))
         if self.cfg.run.on_region_failure == "fail-fast":
             raise RunFailed(f"region {region} failed in round {r} ({why}); run.on_region_failure is fail-fast; "
                             f"the checkpoint of round {self.journal.last_checkpoint} stands: "

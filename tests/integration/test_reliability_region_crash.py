@@ -9,8 +9,10 @@ import os
 import signal
 
 import pytest
+from geofed.orchestrator.driver.progress import end_line, print_summary, rounds_text
 from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.orchestrator.driver.run import RunFailed
+from geofed.orchestrator.driver.summary import round_ranges
 from reliability_harness import (
     REGIONS3,
     BackgroundRun,
@@ -41,7 +43,7 @@ def _cfg(**run):
                               "deadline": {"initial_s": 3.0, "min_s": 0.5, "max_s": 4.0}})
 
 
-def test_sigkilled_region_restarts_rejoins_and_final_quality_matches_undisturbed(tmp_path):
+def test_sigkilled_region_restarts_rejoins_and_final_quality_matches_undisturbed(tmp_path, capsys, monkeypatch):
     # The undisturbed reference trains alongside (same seed, its own actors) to halve the wall time.
     reference = BackgroundRun(_cfg(), tmp_path / "reference").start()
     hurt = BackgroundRun(_cfg(), tmp_path / "hurt").start()
@@ -75,6 +77,20 @@ def test_sigkilled_region_restarts_rejoins_and_final_quality_matches_undisturbed
     assert len([r for r in victim_rounds if r >= back["round"]]) == ROUNDS - back["round"]
 
     assert summary["faults"]["region_restarts"] == 1 and summary["faults"]["region_failures"] == 1
+    # Issue 39, item 4: the failure is named, with why (a SIGKILL is no OOM: Ray's GCS says
+    # SYSTEM_ERROR) and the rounds it missed, in summary.json and the end-of-run table.
+    assert failed[0]["cause"] == "process died" and failed[0].get("detail"), failed[0]
+    named = summary["faults"]["by_region"]
+    assert {k: named[VICTIM][k] for k in ("failures", "restarts", "causes", "failed_in", "rounds_out")} == {
+        "failures": 1, "restarts": 1, "causes": ["process died"], "failed_in": [failed[0]["round"]],
+        "rounds_out": round_ranges(down)}, named
+    assert all(f["failures"] == 0 for reg, f in named.items() if reg != VICTIM), named
+    assert summary["live_regions"] == {"started": REGIONS3, "ended": REGIONS3}
+    assert end_line(summary) is None  # it came back: the last line has nothing to say
+    monkeypatch.setenv("COLUMNS", "200")
+    print_summary(summary, str(hurt.run_dir))
+    assert f"{VICTIM} x1 (process died), restarted x1, rounds {rounds_text(round_ranges(down))} missed" \
+        in capsys.readouterr().out
     assert set(summary["eval_per_region"]) == set(REGIONS3)
     quality, undisturbed = summary["eval"]["value"], ref["eval"]["value"]
     assert undisturbed > 0.9  # the reference learned: the comparison means something
@@ -93,7 +109,7 @@ def test_fail_fast_stops_with_an_error_naming_the_region(tmp_path):
     assert VICTIM in text and "fail-fast" in text and "--resume" in text
     stopped_at = run.rounds_done()
     assert stopped_at < 400
-    assert [e["region"] for e in events(tmp_path, "region_failed")] == [VICTIM]
+    assert [(e["region"], e["cause"]) for e in events(tmp_path, "region_failed")] == [(VICTIM, "process died")]
     # What was completed is kept: a checkpoint of a round before the crash to resume from.
     driver_ckpts = sorted((tmp_path / "checkpoints" / "driver").glob("ckpt-*.pt"))
     assert driver_ckpts and int(driver_ckpts[-1].stem.split("-")[1]) >= stopped_at - 2
