@@ -132,14 +132,17 @@ def robust_mix(own: Sequence[torch.Tensor], received: Mapping[Hashable, Sequence
 
 
 def fair_share_clip(own: Sequence[torch.Tensor], received: Mapping[str, Sequence[torch.Tensor]], *,
-                    multiple: float = 1.0) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], list[str]]:
+                    multiple: float = 1.0, in_place: bool = False) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], list[str]]:
     """(own, received, the peers scaled down): every update of the round, the region's own too,
     scaled down to `multiple` x the median L2 norm of the round's updates (the mean of the two
     middle norms for an even count). With weights 1/n, a member's pull on the mean is then at most
     `multiple` x that median / n, whatever it sent. The region's own update is held to the same
     bound so that every region holding the same updates computes the same mean (full-topology
     DiLoCo keeps one model). The median of the round, not of a window: it follows the honest norms
-    down as training converges, where a window's median lags them."""
+    down as training converges, where a window's median lags them. `in_place`: the caller gives every
+    update up (DiLoCo's mix reads none of them after): an update over the bound is scaled where it
+    is, with the same values, not copied (with the default multiple 1 and two regions one of the two
+    is over it every round: a model's worth, issue 39)."""
     if not received:
         return list(own), {}, []
     norms = {s: l2_norm(v) for s, v in received.items()}
@@ -150,7 +153,9 @@ def fair_share_clip(own: Sequence[torch.Tensor], received: Mapping[str, Sequence
         return norm > bound * (1 + 1e-6) and math.isfinite(bound)
 
     def held(tensors: Sequence[torch.Tensor], norm: float) -> list[torch.Tensor]:
-        return [t * (bound / norm) for t in tensors] if over(norm) else list(tensors)
+        if not over(norm):
+            return list(tensors)
+        return [t.mul_(bound / norm) if in_place else t * (bound / norm) for t in tensors]
 
     out = {s: held(v, norms[s]) for s, v in received.items()}
     return held(own, own_norm), out, sorted(s for s in received if over(norms[s]))

@@ -581,7 +581,8 @@ class Region:
         """
         how = self.cfg.security.robust_aggregation
         if self._clips_at_mix() and res.received:
-            own, received, clipped = fair_share_clip(own, res.received, multiple=self.cfg.security.clip_multiple)
+            own, received, clipped = fair_share_clip(own, res.received, multiple=self.cfg.security.clip_multiple,
+                                                     in_place=consume_own)  # DiLoCo gives its updates up
             self.admission.note_clipped(clipped)
             res = dataclasses.replace(res, received=received)
         if how in ("trimmed-mean", "median"):  # the config allows them for full-topology diloco/allreduce only

@@ -256,3 +256,19 @@ def test_the_gauntlet_reads_whole_a_model_whose_forward_reads_a_parameter_outsid
             p.copy_(t - u)
         want = sum(float(loss(model.eval(), b)) for b in batches) / len(batches)
     assert score.loss_after == want and gauntlet._layerwise is False
+
+
+def test_the_round_mix_clips_the_updates_it_is_given_in_place_with_the_same_values():
+    """With the default clip_multiple 1 and two regions one update of the two is over the round's median
+    every round: its copy was a model's worth beside it at the mix. DiLoCo gives its updates up
+    (consume_own), so they are scaled where they are."""
+    from geofed.p2p.robust import fair_share_clip
+
+    own, peer = _updates(0), [t * 3.0 for t in _updates(1)]
+    want_own, want_received, want_clipped = fair_share_clip(own, {"b": peer}, multiple=1.0)
+    ptrs = [t.data_ptr() for t in peer]
+    got_own, got_received, got_clipped = fair_share_clip([t.clone() for t in own], {"b": peer}, multiple=1.0, in_place=True)
+    assert got_clipped == want_clipped == ["b"]
+    assert [t.data_ptr() for t in got_received["b"]] == ptrs  # scaled where it was
+    assert all(torch.equal(a, b) for a, b in zip(got_received["b"], want_received["b"]))
+    assert all(torch.equal(a, b) for a, b in zip(got_own, want_own))
