@@ -59,7 +59,12 @@ class RunSection:
         "stop when the evaluated model reaches a metric value, e.g. {metric: accuracy, value: 0.95}; summary.json then "
         "has time_to_target_s, steps_to_target and bytes_to_target (null: run all rounds)"))
     on_region_failure: Literal["elastic", "fail-fast"] = field(
-        default="elastic", metadata=_doc("elastic: carry on without a crashed region while Ray restarts it; fail-fast: stop"))
+        default="elastic", metadata=_doc(
+            "elastic: carry on without a crashed region while Ray restarts it (regions.max_restarts), which then "
+            "rejoins from a peer's state; fail-fast: stop, naming the region (resume from the last checkpoint). Either "
+            "way the failure is named with its cause (OOM or not) and the rounds it missed: summary.json "
+            "faults.by_region, the end-of-run table, report.html, and the run's last line when it ends with fewer "
+            "regions than it started with (docs/reliability.md, \"Failures that say so\")"))
     report: bool = field(default=True, metadata=_doc("write report.html at the end"))
     trackers: tuple[Literal["tensorboard", "mlflow"], ...] = field(default=(), metadata=_doc(
         "experiment trackers that get every round's loss, eval, H, bytes, utilisation and per-link bandwidth and RTT, "
