@@ -151,7 +151,9 @@ class RegionActor:
 
     # -- the region's calls, each with the gap filler paused --------------------------------
     def start(self) -> str:
-        self._address = self._paused(lambda r: r.start())
+        """The region's server starts; a re-attached region's runs already: the address it serves on."""
+        if self._address is None:
+            self._address = self._paused(lambda r: r.start())
         return self._address
 
     def connect(self, peers: dict[str, str]) -> None:

@@ -65,6 +65,11 @@ class RunSection:
             "way the failure is named with its cause (OOM or not) and the rounds it missed: summary.json "
             "faults.by_region, the end-of-run table, report.html, and the run's last line when it ends with fewer "
             "regions than it started with (docs/reliability.md, \"Failures that say so\")"))
+    orphan_timeout_s: float = field(default=300.0, metadata=_doc(
+        "seconds a run's region actors outlive a driver that died (SIGKILL, a lost machine) before they end "
+        "themselves; meanwhile `geofed run --resume RUN_DIR` re-attaches to them and keeps their in-memory state (no "
+        "set-up, no checkpoint restore, docs/reliability.md). Only when the driver joined a Ray cluster that outlives "
+        "it (ray.address) and ray.warm_pool_s is 0; 0: the regions die with their driver"))
     report: bool = field(default=True, metadata=_doc("write report.html at the end"))
     trackers: tuple[Literal["tensorboard", "mlflow"], ...] = field(default=(), metadata=_doc(
         "experiment trackers that get every round's loss, eval, H, bytes, utilisation and per-link bandwidth and RTT, "
@@ -88,6 +93,8 @@ class RunSection:
             raise ValueError(f"eval_at_steps: every step count must be in [1, 1e12], got {list(self.eval_at_steps)}")
         if list(self.eval_at_steps) != sorted(set(self.eval_at_steps)):
             raise ValueError(f"eval_at_steps: must be increasing, without repeats, got {list(self.eval_at_steps)}")
+        if not 0 <= self.orphan_timeout_s <= 7 * 86400:
+            raise ValueError(f"orphan_timeout_s: must be in [0, 604800] seconds, got {self.orphan_timeout_s}")
         if not 2 <= self.keep_checkpoints <= 1000:
             raise ValueError(f"keep_checkpoints: must be in [2, 1000], got {self.keep_checkpoints}")
         _check_out_dir(self.out_dir)

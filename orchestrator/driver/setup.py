@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 from geofed.p2p.tls import RENEW_WITHIN_DAYS, make_pki, renew_expiring
 from geofed.regions.warm import process_age_s
 
@@ -27,7 +28,8 @@ from .emulation import start_emulation
 from .handles import RegionHandles
 from .journal import Journal
 from .recovery import StopSignals, marked_processes, record_processes
-from .resume import emulation_for_resume, load_driver_checkpoint, reap_previous_driver, train_fn_name
+from .reattach import Decision, Live, actor_names, decide, detached, find_live, region_pids, settle
+from .resume import DriverCheckpoint, emulation_for_resume, load_driver_checkpoint, reap_previous_driver, train_fn_name
 from .rundir import JsonlLog, ensure_private_dir, lock_run_dir
 from .trackers import Trackers
 
@@ -85,6 +87,11 @@ class Ready:
     trackers: Trackers
     restored: tuple[int, dict, list[str], list[int]] | None
     timer: PhaseTimer
+    # A resume's regions that outlived their killed driver (driver/reattach.py): region -> Live,
+    # and why each other one was not found alive
+    live: dict[str, Live] = field(default_factory=dict)
+    gone: dict[str, str] = field(default_factory=dict)
+    decision: Decision | None = None
 
 
 def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, resume: bool, verbose: bool,
@@ -97,20 +104,23 @@ def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, r
     names = list(cfg.regions.names)
     renewed = make_tls(run_dir, names, resume=resume)
     timer.mark("tls")
-    reaped = reap_previous_driver(run_dir) if resume else []
+    named = actor_names(run_dir, names) if detached(cfg, hostile=hostile, train_fn=train_fn) else {}
+    # The regions a resume may re-attach to are never the leftovers it ends (only the dead driver's own processes are)
+    reaped = reap_previous_driver(run_dir, keep=region_pids(run_dir) if named else set()) if resume else []
     with marked_processes(run_dir) as token:  # what a later --resume may end proves it is ours
         opened.ray = init_ray(cfg, verbose=verbose)
     timer.mark("ray")
     stop.reclaim()
-    opened.actors = create_region_actors(cfg, str(run_dir), pin=bool(cfg.ray.address), hostile=hostile,
-                                         train_fn=train_fn)
-    timer.mark("actors")
-    if opened.ray.started_here:
-        record_processes(run_dir, token)
-    regions = RegionHandles(cfg, opened.actors, journal, run_dir)
-    regions.start(timeout=120)
     # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
     restored = load_driver_checkpoint(run_dir) if resume else None
+    live, gone, decision = ({}, {}, None) if not named or restored is None else reattach(cfg, named, restored)
+    opened.actors = create_region_actors(cfg, str(run_dir), pin=bool(cfg.ray.address), hostile=hostile,
+                                         train_fn=train_fn, named=named, live=live)
+    timer.mark("actors")
+    if opened.ray.started_here:
+        record_processes(run_dir, token, bind=not cfg.ray.address)
+    regions = RegionHandles(cfg, opened.actors, journal, run_dir)
+    regions.start(timeout=120)  # a re-attached region's server runs already: its address is the same
     opened.emulator = start_emulation(emulation_for_resume(cfg, restored), names)
     regions.connect(lambda src, dst: route(opened.emulator, regions.addresses, src, dst))
     timer.mark("servers_connected")
@@ -130,7 +140,22 @@ def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, r
     if renewed:
         journal.event("tls_renewed", certificates=renewed)
     return Ready(regions=regions, coordinator=coordinator, metrics_log=metrics_log, rounds_log=rounds_log,
-                 trackers=opened.trackers, restored=restored, timer=timer)
+                 trackers=opened.trackers, restored=restored, timer=timer, live=live, gone=gone,
+                 decision=decision)
+
+
+def reattach(cfg: RunConfig, named: dict[str, str], restored: DriverCheckpoint,
+             ) -> tuple[dict[str, Live], dict[str, str], Decision]:
+    """A resume's regions that outlived their killed driver: those whose state goes on (driver/reattach.py),
+    why each other one gets a new actor, and the decision. Waits for a round the dead driver started."""
+    live, gone = find_live(named, job=ray.get_runtime_context().get_job_id(),
+                           timeout_s=cfg.sync.deadline.max_s * 2 + 120, orphan_timeout_s=cfg.run.orphan_timeout_s)
+    in_run = restored.state.get("alive") or list(named)
+    # No round is taken from the regions' reports yet: regions a round ahead start again from the checkpoint.
+    decision = decide(restored.round, [g for g in named if g in in_run],
+                      {g: int(lv.info.get("completed_round", -1)) for g, lv in live.items()}, {})
+    live, gone = settle(named, live, gone, decision)
+    return live, gone, decision
 
 
 def probe_links(cfg: RunConfig, ready: Ready, journal: Journal) -> tuple[float | None, float | None]:

@@ -8,8 +8,10 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver import reattach
-from geofed.orchestrator.driver.reattach import actor_names, decide, run_id
+from geofed.orchestrator.driver.reattach import actor_names, decide, detached, run_id
 from geofed.regions import warm
 
 REGIONS = ["a", "b", "c"]
@@ -53,6 +55,17 @@ def test_the_run_id_is_made_once_and_names_each_region(tmp_path):
     assert actor_names(tmp_path, ["a", "b"]) == {"a": f"geofed/{rid}/a", "b": f"geofed/{rid}/b"}
     (tmp_path / reattach.RUN_ID_FILE).write_text('{"run_id": "../x"}')  # not ours: a new one
     assert run_id(tmp_path) != "../x"
+
+
+def test_only_a_task_run_on_a_cluster_that_outlives_its_driver_detaches():
+    base = {"regions": {"names": REGIONS}, "task": {"kind": "mlp-digits"}}
+    assert not detached(config_from_mapping(base))  # its own local Ray dies with it
+    on = config_from_mapping({**base, "ray": {"address": "10.0.0.1:6379"}})
+    assert detached(on) and not detached(on, train_fn=print) and not detached(on, hostile={"a": object()})
+    assert not detached(config_from_mapping({**base, "ray": {"address": "10.0.0.1:6379"}, "run": {"orphan_timeout_s": 0}}))
+    assert not detached(config_from_mapping({**base, "ray": {"address": "10.0.0.1:6379", "warm_pool_s": 60}}))
+    with pytest.raises(Exception, match="orphan_timeout_s"):
+        config_from_mapping({**base, "run": {"orphan_timeout_s": -1}})
 
 
 def _slot(monkeypatch, alive: dict[str, bool], idle_s: float) -> tuple[warm.WarmSlot, threading.Event]:
