@@ -94,16 +94,21 @@ def _parser() -> argparse.ArgumentParser:
     leave.add_argument("region", metavar="NAME", help="the region to retire (one of the run's regions.names)")
     leave.add_argument("--wait", type=float, default=300.0, metavar="S",
                        help="seconds to wait for the driver's answer (default 300; 0: write the request and exit)")
-    join = sub.add_parser("join", help="bring a region that left back into a live run (docs/reliability.md)",
-                          description="Ask a live run's driver (through RUN_DIR/control) to bring region NAME back "
-                          "before its next round: a new actor (placed with its label when the run pins labels), "
-                          "its certificate from RUN_DIR/tls, the current model and outer state from a peer, its "
-                          "links probed. Only one of the run's regions.names that left or failed for good. Prints "
-                          "the driver's answer (events.jsonl) as JSON. Exit codes as geofed leave's: 0 joined, "
-                          "1 refused, 2 not a run directory or an unknown region, 3 no driver runs RUN_DIR, 4 no "
-                          "answer within --wait.")
+    join = sub.add_parser("join", help="bring a region into a live run, back or under a new name (docs/reliability.md)",
+                          description="Ask a live run's driver (through RUN_DIR/control) to bring region NAME into "
+                          "the run before its next round: a new actor (placed with its label when the run pins "
+                          "labels, or on a node labelled --label), its certificate from the run's CA in RUN_DIR/tls, "
+                          "the current model and outer state from a peer, its links probed. NAME is one of the run's "
+                          "regions that left or failed for good, or a new name (checked as regions.names' entries "
+                          "are), which then joins the run's regions for topology and mixing from the next round. "
+                          "Prints the driver's answer (events.jsonl) as JSON. Exit codes as geofed leave's: 0 "
+                          "joined, 1 refused (with the reason), 2 not a run directory or a bad name or label, 3 no "
+                          "driver runs RUN_DIR, 4 no answer within --wait.")
     join.add_argument("run_dir", metavar="RUN_DIR")
-    join.add_argument("--region", required=True, metavar="NAME", help="the region that comes back")
+    join.add_argument("--region", required=True, metavar="NAME", help="the region that joins: back, or a new name")
+    join.add_argument("--label", metavar="VALUE", help="place a new region's actor on a Ray node whose regions.label_key "
+                      "is VALUE (the driver waits regions.placement_timeout_s for one); default: as the run places "
+                      "its regions")
     join.add_argument("--wait", type=float, default=300.0, metavar="S",
                       help="seconds to wait for the driver's answer (default 300; 0: write the request and exit)")
 

@@ -21,16 +21,16 @@ from geofed.regions.messages import RoundReport, rss_mb
 
 from ..config import RunConfig
 from ..config.strict import ConfigError
-from .cluster import RegionActors, create_region_actor
+from .cluster import RegionActors, create_region_actor, node_labels
 from .coordinator import Coordinator
-from .emulation import configured_link
+from .emulation import add_emulated_region, configured_link
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
 from .export import params_by_region, write_model
 from .faults import Faults
 from .handles import RegionHandles, Reports
 from .journal import Journal
 from .loops import LoopEnds, one_initial_model
-from .membership import Membership, requeue_unanswered
+from .membership import Membership, requeue_unanswered, wait_for_label
 from .pacing import Pacing
 from .privacy import DpBudget
 from .progress import RunProgress
@@ -172,7 +172,9 @@ class Runner:
         self.faults = Faults(self.cfg, self.regions, self.journal, reconnect=self._connect)
         self.pacing = Pacing(self.cfg, self.regions, self.journal, on_late=self._late)
         self.membership = Membership(self.run_dir, self.regions, self.journal, busy=lambda: self.pacing.busy,
-                                     drain=self._drain, spawn=self._spawn, rejoin=self._join, probe=self._probe)
+                                     drain=self._drain, spawn=self._spawn, rejoin=self._join, probe=self._probe,
+                                     grow=self._grow, connect=self._connect,
+                                     start=lambda region: ray.get(self.regions.start_ref(region), timeout=60))
         self.dp.plan(self.opened.actors.info)  # the noise for target_epsilon (a resume then restores the accountant)
         if self.resume:  # a join or leave its killed predecessor took but never answered is taken again
             requeue_unanswered(self.run_dir)
@@ -286,12 +288,23 @@ class Runner:
         if self.cfg.sync.overlap:
             self.regions.finish_pending([region], timeout=self.cfg.sync.deadline.max_s * 2 + 120)
 
-    def _spawn(self, region: str) -> tuple[Any, dict]:
-        """A joiner's new actor (`geofed join`), placed as set-up places the region's."""
+    def _spawn(self, region: str, cfg: RunConfig | None = None, label: str | None = None) -> tuple[Any, dict]:
+        """A joiner's new actor (`geofed join`) built from `cfg` (the run's, with the regions joined under
+        new names; None: the run's), placed as set-up places the region's, or on a node labelled `label`."""
+        cfg = cfg or self.cfg
         if self.cfg.regions.workers > 1 or self.hostile:
             raise ValueError("joins place one actor a region: not with regions.workers > 1 or hostile regions")
-        return create_region_actor(self.cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address),
+        if label is not None:
+            wait_for_label(cfg.regions.label_key, label, cfg.regions.placement_timeout_s, node_labels)
+        return create_region_actor(cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address) or label is not None,
                                    train_fn=self.train_fn)
+
+    def _grow(self, region: str, label: str | None) -> None:
+        """A region joined under a new name: the coordinator plans over it, the emulator shapes its links."""
+        self.coordinator.add_region(region)
+        if self.emulator is not None:
+            like = add_emulated_region(self.emulator, self.membership.config(), region, label)
+            self.journal.event("links_added", region=region, like=like)
 
     def _join(self, region: str, r: int, info: dict) -> None:
         self.bytes_sent += self.faults.join(region, r, info)

@@ -20,6 +20,7 @@ import time
 
 import pytest
 from geofed.orchestrator.cli import main
+from geofed.orchestrator.driver.membership import EXIT
 from geofed.orchestrator.driver.rundir import read_json_file, read_jsonl
 from geofed.regions.emulation import ComputeEmulation
 from reliability_harness import REGIONS3, BackgroundRun, events, pid_alive, small_config, wait_for
@@ -143,3 +144,64 @@ def test_a_sigterm_whose_grace_runs_out_mid_round_retires_the_region_at_once(tmp
     assert summary["left"] == {SPOT: {"round": 0, "why": "sigterm", "request": None}}
     assert summary["faults"]["region_restarts"] == 0 and summary["faults"]["region_failures"] == 0
     assert set(run.runner.actors.handles) == {STAYS}
+
+
+def test_a_region_joins_under_a_new_name_and_holds_its_peers_model_after_its_join_round(tmp_path, capsys):
+    """Two regions, then `geofed join RUN_DIR --region NEW` mid-run (issue 41, item 1): the run's CA
+    issues NEW's certificate, the emulator adds its links (network.emulation.default: no region is
+    placed by its label), its links are probed before they carry updates, it takes its peers' state
+    and is planned from the next round over three regions. Before it, a join on a label no node has
+    is refused once regions.placement_timeout_s passes, and the run goes on."""
+    new = "sa-east-1"
+    regions = [STAYS, SPOT]
+    # The joiner is not slowed (regions.emulation names the config's regions only): it waits for its
+    # slowed peers' updates, about a second a round, several on a loaded host. Its deadline learns
+    # from those waits; shrunk below a slow round's it missed a peer's update (muted as withholding
+    # once, apart in the last round once): min_s keeps it above them; a round ends once all arrive.
+    cfg = small_config(regions=regions, rounds=8, H=5, run={"name": "grow", "rounds": 8, "checkpoint_every": 0},
+                       sync={"deadline": {"initial_s": 8.0, "min_s": 8.0, "max_s": 10.0}},
+                       network={"emulation": {"mode": "proxy", "preset": None,
+                                              "default": {"latency_ms": 2.0, "bandwidth_mbps": 400.0}}})
+    cfg = dataclasses.replace(cfg, regions=dataclasses.replace(
+        cfg.regions, placement_timeout_s=1.0, emulation=ComputeEmulation(slowdown={r: 40.0 for r in regions})))
+    run = BackgroundRun(cfg, tmp_path / "run").start()
+    run.wait_rounds(2, timeout_s=120)
+    assert main(["join", str(run.run_dir), "--region", "eu-south-9", "--label", "nowhere", "--wait", "60"]) == EXIT["refused"]
+    refused = json.loads(capsys.readouterr().out)
+    assert refused["event"] == "control_refused" and "no alive Ray node carries" in refused["why"], refused
+    joined = _ask(capsys, "join", str(run.run_dir), "--region", new, "--wait", "120")
+    assert joined["event"] == "region_joined" and joined["new"] is True and joined["label"] is None
+    assert joined["alive"] == [*regions, new]
+    summary = run.join(timeout_s=200)
+    assert run.error is None, run.error
+    first = joined["first_round"]
+
+    # Its certificate is the run's CA's; its links are the emulator's default, measured before round `first`.
+    assert (run.run_dir / "tls" / f"{new}.pem").is_file() and (run.run_dir / "tls" / f"{new}.key").stat().st_mode & 0o077 == 0
+    assert [(e["region"], e["like"]) for e in events(run.run_dir, "links_added")] == [(new, None)]
+    probed = [e for e in events(run.run_dir, "links_probed") if e.get("after") == "join"]
+    assert len(probed) == 1 and probed[0]["round"] == first
+    for region in regions:  # both ways: the others' links to it too
+        assert new in {t["peer"] for t in probed[0]["probes"][region]}, probed[0]["probes"]
+    assert {t["peer"] for t in probed[0]["probes"][new]} == set(regions)
+    rejoined = events(run.run_dir, "region_rejoined")
+    assert [(e["region"], e["after"]) for e in rejoined] == [(new, "join")] and rejoined[0]["donor"] in regions
+
+    # Planned from round `first` over three regions: it sends and receives, and rounds.jsonl lists it.
+    rounds = read_jsonl(run.run_dir / "rounds.jsonl")
+    assert [r["round"] for r in rounds] == list(range(8)) and 2 <= first < 8
+    for rec in rounds:
+        expect = regions if rec["round"] < first else [*regions, new]
+        assert rec["alive"] == expect and rec["regions_reported"] == sorted(expect), rec["round"]
+        assert any(new in link for link in rec["codecs"]) == (rec["round"] >= first)
+    last = rounds[-1]["links"]
+    assert last[f"{new}->{STAYS}"]["configured_bandwidth_mbps"] == 400.0 and last[f"{STAYS}->{new}"]["configured_rtt_ms"] == 4.0
+    mine = [m for m in read_jsonl(run.run_dir / "metrics.jsonl") if m["region"] == new]
+    seen = [(m["round"], sorted(m["codecs"]), m["peers_missing"], m["bytes_sent"]) for m in mine]
+    assert [m["round"] for m in mine] == list(range(first, 8)) and all(m["bytes_sent"] > 0 for m in mine), seen
+
+    # The summary names it; DiLoCo over full: after its rounds it holds its peers' model.
+    assert summary["joined"] == {new: {"round": first, "request": joined["request"], "new": True, "label": None}}
+    assert set(summary["eval_per_region"]) == {*regions, new} and summary["consensus_distance"] < 1e-4
+    assert new in summary["placement"] and not events(run.run_dir, "region_failed")
+    assert not events(run.run_dir, "member_muted"), seen  # nobody's update was missed for long
