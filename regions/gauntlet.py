@@ -141,8 +141,9 @@ class Gauntlet:
         # The scratch is the model's structure without its parameters' values: each reading lends it
         # the parameters it scores (theta itself, theta - update) and takes them back after, so
         # between rounds the gauntlet holds no model-sized buffer (a full copy kept for good cost
-        # 4 B/param, issue 39). Its buffers (masks, norms' statistics) are its own, copied per reading.
-        self._scratch = copy.deepcopy(model, memo={id(p): _placeholder(p) for p in model.parameters()})
+        # 4 B/param, issue 39). Its buffers (masks, norms' statistics) and frozen parameters (never
+        # lent: theta holds the trained ones only) are its own, copied.
+        self._scratch = copy.deepcopy(model, memo={id(p): _placeholder(p) for p in model.parameters() if p.requires_grad})
         self._scratch.eval()  # no dropout noise in a score
         self._params = [p for p in self._scratch.parameters() if p.requires_grad]
         # A claimed model (theta -/+ update) is made one module at a time, as the forward pass reaches

@@ -247,12 +247,14 @@ def test_the_gauntlet_reads_whole_a_model_whose_forward_reads_a_parameter_outsid
     def loss(m, b):
         return torch.nn.functional.cross_entropy(m(b).reshape(-1, 11), b.reshape(-1))
 
+    model.mid.bias.requires_grad_(False)  # a frozen parameter is the scratch's own, never lent
     gauntlet = Gauntlet(model=model, loss=loss, batches=batches, margin=0.5)
-    theta = [p.detach().clone() for p in model.parameters()]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    theta = [p.detach().clone() for p in trained]
     update = [torch.randn_like(t) * 0.1 for t in theta]
     score = gauntlet.score("b", 0, theta, update)
     with torch.no_grad():
-        for p, t, u in zip(model.parameters(), theta, update):
+        for p, t, u in zip(trained, theta, update):
             p.copy_(t - u)
         want = sum(float(loss(model.eval(), b)) for b in batches) / len(batches)
     assert score.loss_after == want and gauntlet._layerwise is False
