@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,23 +98,35 @@ def chromium_image_widths(html: Path, timeout: float = 60) -> list[int]:
 def assert_plots_rendered(html: Path, tmp: Path) -> None:
     """Every plot decoded in Chromium, and the page's screenshot is not blank."""
     n_imgs = html.read_text().count("<img")
-    widths = chromium_image_widths(html)
-    assert len(widths) == n_imgs > 0, (widths, n_imgs)
-    assert all(w > 100 for w in widths), f"images Chromium could not show (width 0): {widths}"
     shot = tmp / "screenshot.png"
-    chromium_screenshot(html, shot)
+    # The two Chromium launches (each a browser start, seconds) run at once, each with its own profile.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        screenshot = pool.submit(chromium_screenshot, html, shot)
+        widths = chromium_image_widths(html)
+        assert len(widths) == n_imgs > 0, (widths, n_imgs)
+        assert all(w > 100 for w in widths), f"images Chromium could not show (width 0): {widths}"
+        screenshot.result()
     assert_screenshot_not_blank(shot)
 
 
-def test_chromium_renders_the_report(tmp_path):
-    html = write_report(fake_run_dir(tmp_path / "run", rounds=5))
+@pytest.fixture(scope="module")
+def rendered_run(tmp_path_factory) -> tuple[Path, Path]:
+    """One fake run and its report.html, written once: both tests below read it (the second a copy)."""
+    run = fake_run_dir(tmp_path_factory.mktemp("report") / "run", rounds=5)
+    return run, write_report(run)
+
+
+def test_chromium_renders_the_report(rendered_run, tmp_path):
+    _, html = rendered_run
     assert report_problems(html) == []
     assert_plots_rendered(html, tmp_path)
 
 
-def test_the_screenshot_check_sees_missing_plots(tmp_path):
+def test_the_screenshot_check_sees_missing_plots(rendered_run, tmp_path):
     """The same page with its PNGs deleted must fail the check above, or the check proves nothing."""
-    html = write_report(fake_run_dir(tmp_path / "run", rounds=5))
+    run, written = rendered_run
+    shutil.copytree(run, tmp_path / "run")
+    html = tmp_path / "run" / written.relative_to(run)
     for png in html.parent.glob("*.png"):
         png.unlink()
     with pytest.raises(AssertionError, match="could not show"):
