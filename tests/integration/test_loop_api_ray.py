@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,12 @@ def _losses(run_dir: Path) -> list[tuple[int, str, float]]:
 def test_the_loop_api_over_ray_trains_the_task_paths_weights(tmp_path):
     """Serial DiLoCo, 5 rounds, 2 regions over Ray actors, gRPC + mTLS and the emulated WAN."""
     mapping = _mapping(rounds=5)
-    task_summary = _fit(None, mapping, tmp_path / "task")
-    loop_summary = _fit(user_loop.train_region, mapping, tmp_path / "loop")
+    # The two runs train side by side (their own actors and run directories); generous deadlines
+    # keep every update on time, so the comparison is the same as one run after the other.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        task_run = pool.submit(_fit, None, mapping, tmp_path / "task")
+        loop_summary = _fit(user_loop.train_region, mapping, tmp_path / "loop")
+        task_summary = task_run.result()
 
     want, got = _weights(tmp_path / "task"), _weights(tmp_path / "loop")
     assert sorted(got) == sorted(want)
@@ -118,14 +123,18 @@ def test_a_sigkilled_loop_api_run_resumes_to_the_undisturbed_weights(tmp_path):
     rounds = 10
     mapping = _mapping(rounds)
     reference = tmp_path / "reference"
-    _fit(user_loop.train_region, mapping, reference)
-
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(mapping))
     run_dir = tmp_path / "run"
-    kill_driver_and_resume(lambda log: _start_user_script([str(config), str(run_dir)], cwd=tmp_path, log=log),
-                           lambda log: _start_user_script([str(config), str(run_dir), "--resume"], cwd=tmp_path, log=log),
-                           run_dir=run_dir, after_rounds=4, tmp_path=tmp_path)
+    # The undisturbed reference (this process, the session's Ray) trains beside the killed script
+    # (its own Ray); generous deadlines keep every update of both on time.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        undisturbed = pool.submit(_fit, user_loop.train_region, mapping, reference)
+        kill_driver_and_resume(lambda log: _start_user_script([str(config), str(run_dir)], cwd=tmp_path, log=log),
+                               lambda log: _start_user_script([str(config), str(run_dir), "--resume"], cwd=tmp_path,
+                                                              log=log),
+                               run_dir=run_dir, after_rounds=4, tmp_path=tmp_path)
+        undisturbed.result()
 
     (event,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resumed"]
     assert 0 <= event["from_checkpoint"] < rounds - 1
