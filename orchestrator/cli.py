@@ -20,7 +20,8 @@ BENCH_MISSING = ("geofed bench: the benchmarks are not installed (a distribution
 # driver/rundir.SAFE_ON_RESUME, spelled out here so that --help imports nothing (a test keeps them equal).
 RESUMABLE_KEYS = ("run.rounds", "run.max_steps", "run.target", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
                   "run.report", "run.trackers", "run.on_region_failure", "regions.start_timeout_s", "regions.placement_timeout_s",
-                  "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s")
+                  "regions.heartbeat_timeout_s", "ray.address", "ray.num_cpus", "ray.init_timeout_s",
+                  "run.orphan_timeout_s")
 
 
 SET_HELP = ("A relative path given here is from the working directory (one in the file: from the file's folder); "

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASETS = Path(os.environ.get("GEOFED_TEST_DATASETS") or ROOT.parent / "shared" / "datasets")
 NO_DATA = "needs the test datasets: no mirror at {} (set GEOFED_TEST_DATASETS)"
 FETCHED = ("cora", "citeseer", "tinyshakespeare")
+TEST_NODE_LABEL, TEST_NODE_VALUE = "geofed-test-node", "any"
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +27,9 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # The label: a `geofed run` subprocess that joins this Ray (ray.address) pins every region to this node
+    # (regions.label_key TEST_NODE_LABEL, each region's label TEST_NODE_VALUE: tests/e2e/test_driver_reattach.py)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, labels={TEST_NODE_LABEL: TEST_NODE_VALUE},
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}})
     yield ray
     ray.shutdown()

@@ -120,6 +120,8 @@ class Runner:
         self.faults: Faults | None = None
         self.pacing: Pacing | None = None
         self.membership: Membership | None = None
+        # A resume's round that re-attached regions finished after their driver died: their reports (driver/reattach.py)
+        self.replay: dict[str, RoundReport] = {}
 
     # What callers watching a run read (benches, tests).
     @property
@@ -247,9 +249,17 @@ class Runner:
                                 elapsed_s=t_end, steps_done=coordinator.steps_done)
 
     def _run_round(self, r: int, plans: dict[str, Any]) -> Reports:
-        refs = self.pacing.dispatch(plans, self.faults.muted(r))
-        results = self.pacing.gather(refs, r, timeout=self.cfg.sync.deadline.max_s * 3 + 600,
-                                     on_result=lambda region, m, waiting: self._notice_done(r, region, m, waiting))
+        kept, self.replay = self.replay, {}
+        if kept:
+            # Run by the re-attached regions after their driver died: their reports are the round, taken as if
+            # just read (driver/reattach.py); `planned` differs only if this plan is not the one they ran.
+            results = {g: m for g, m in kept.items() if m.round == r}
+            self.journal.event("round_replayed", round=r, regions=sorted(results),
+                               **({"planned": sorted(plans)} if set(plans) != set(results) else {}))
+        else:
+            refs = self.pacing.dispatch(plans, self.faults.muted(r))
+            results = self.pacing.gather(refs, r, timeout=self.cfg.sync.deadline.max_s * 3 + 600,
+                                         on_result=lambda region, m, waiting: self._notice_done(r, region, m, waiting))
         now = round(self.clock.now(), 4)
         for region, m in results.items():
             results[region] = dataclasses.replace(m, t_start=round(now - m.wall_s, 4), t_end=now)
@@ -350,18 +360,18 @@ class Runner:
         for why in skipped:
             journal.event("checkpoint_skipped", who="driver", why=why)
         self.membership.load_state_dict(state.get("membership") or {})  # who left stays gone
-        got = regions.restore_checkpoint(regions.alive, r, timeout=300)
-        exact = [reg for reg, g in got.items() if g["round"] == r]
-        for reg, g in got.items():
-            for why in g["skipped"]:
-                journal.event("checkpoint_skipped", who=reg, why=why)
-        behind = [reg for reg, g in got.items() if g["round"] != r]
-        if behind and not exact:
-            raise RunFailed(f"{self.run_dir}: no region has a usable checkpoint of round {r}")
-        for reg in behind:
-            # Its checkpoint of round r is missing or corrupt: the model of a region that has it.
-            donor, _ = ray.get(regions.catch_up_ref(reg, exact), timeout=300)
-            journal.event("region_state_from_peer", region=reg, own_round=got[reg]["round"], donor=donor)
+        # Regions that outlived their killed driver keep their state when it fits the checkpoint (driver/reattach.py)
+        live, decision = self.ready.live, self.ready.decision
+        kept = [g for g in regions.alive if g in live]
+        restore = [g for g in regions.alive if g not in live]
+        if decision is not None:
+            journal.event("regions_reattached", regions=kept, pids={g: live[g].info.get("pid") for g in kept},
+                          restored=restore, replay_round=decision.replay, rounds=decision.rounds,
+                          why_restored=decision.why, gone=self.ready.gone)
+        self._restore_regions(r, restore, kept=kept)
+        if decision is not None and decision.replay is not None:
+            self.replay = {g: live[g].report for g in kept}
+            lost = [x for x in lost if x != decision.replay]  # logged again from the reports, not done again
         self.coordinator.load_state_dict(state["coordinator"])
         journal.counts.update(state["faults"])
         self.faults.load_state_dict(state.get("withhold") or {})  # muted members stay muted
@@ -372,6 +382,23 @@ class Runner:
         # The progress counts bytes over the whole run, as the summary does.
         self.bytes_sent = sum(rec.get("bytes_sent") or 0 for rec in read_jsonl(self.run_dir / "rounds.jsonl"))
         journal.event("resumed", from_checkpoint=r, lost_rounds=lost)
+
+    def _restore_regions(self, r: int, names: list[str], *, kept: list[str]) -> None:
+        """`names` restore their own checkpoint of round r, or take the model of a region that has it
+        (or of a `kept` one, whose state is of round r) when theirs is missing or corrupt."""
+        journal, regions = self.journal, self.regions
+        got = regions.restore_checkpoint(names, r, timeout=300) if names else {}
+        exact = [reg for reg, g in got.items() if g["round"] == r] + kept
+        for reg, g in got.items():
+            for why in g["skipped"]:
+                journal.event("checkpoint_skipped", who=reg, why=why)
+        behind = [reg for reg, g in got.items() if g["round"] != r]
+        if behind and not exact:
+            raise RunFailed(f"{self.run_dir}: no region has a usable checkpoint of round {r}")
+        for reg in behind:
+            # Its checkpoint of round r is missing or corrupt: the model of a region that has it.
+            donor, _ = ray.get(regions.catch_up_ref(reg, exact), timeout=300)
+            journal.event("region_state_from_peer", region=reg, own_round=got[reg]["round"], donor=donor)
 
     def _stop_cleanly(self) -> None:
         last = self.next_round - 1

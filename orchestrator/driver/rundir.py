@@ -303,6 +303,7 @@ SAFE_ON_RESUME: dict[str, str] = {
     "ray.address": "which Ray cluster runs the resumed run",
     "ray.num_cpus": "the size of a local Ray",
     "ray.init_timeout_s": "patience while Ray starts",
+    "run.orphan_timeout_s": "how long the regions outlive a driver that dies, from this driver on",
 }
 NEVER_ON_RESUME = ("security.",)  # TLS cannot be turned off, nor message checks loosened, mid-run
 

@@ -151,9 +151,11 @@ def reattach(cfg: RunConfig, named: dict[str, str], restored: DriverCheckpoint,
     live, gone = find_live(named, job=ray.get_runtime_context().get_job_id(),
                            timeout_s=cfg.sync.deadline.max_s * 2 + 120, orphan_timeout_s=cfg.run.orphan_timeout_s)
     in_run = restored.state.get("alive") or list(named)
-    # No round is taken from the regions' reports yet: regions a round ahead start again from the checkpoint.
+    # A quorum round's report may arrive rounds late: its round is never taken from the reports.
+    quorum = cfg.sync.pacing.mode == "quorum"
     decision = decide(restored.round, [g for g in named if g in in_run],
-                      {g: int(lv.info.get("completed_round", -1)) for g, lv in live.items()}, {})
+                      {g: int(lv.info.get("completed_round", -1)) for g, lv in live.items()},
+                      {} if quorum else {g: getattr(lv.report, "round", None) for g, lv in live.items()})
     live, gone = settle(named, live, gone, decision)
     return live, gone, decision
 
