@@ -119,3 +119,15 @@ def kill_driver_and_resume(start, resume, *, run_dir: Path, after_rounds: int, t
     finally:
         proc.kill()
         kill_exactly(set(tree))
+
+
+def train_reference(cfg, run_dir: Path) -> dict:
+    """The undisturbed run a crash test compares with: trained in this process on the session's
+    Ray (geofed's Runner), its summary returned and its actors ended."""
+    from geofed.orchestrator.driver.run import Runner
+
+    runner = Runner(cfg, run_dir, show_progress=False)
+    try:
+        return runner.run()
+    finally:
+        runner.shutdown()

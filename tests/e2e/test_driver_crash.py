@@ -23,13 +23,13 @@ from e2e_harness import (
     kill_exactly,
     rounds_logged,
     start_geofed,
+    train_reference,
     wait_gone,
     wait_rounds,
 )
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.resume import load_driver_checkpoint
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.run import Runner
 from geofed.regions import checkpoint
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -74,7 +74,7 @@ def test_sigkilled_driver_resumes_from_its_last_round_with_the_same_policy_state
     # run (its own driver and Ray): generous deadlines keep both runs' every update on time.
     ref_dir = tmp_path / "reference"
     with ThreadPoolExecutor(max_workers=1) as pool:
-        reference = pool.submit(_train, config_from_mapping(json.loads(json.dumps(cfg_map))), ref_dir)
+        reference = pool.submit(train_reference, config_from_mapping(json.loads(json.dumps(cfg_map))), ref_dir)
         before, r = _kill_and_resume(tmp_path, cfg_map)
         ref_summary = reference.result()
     run_dir = tmp_path / "run"
@@ -99,14 +99,6 @@ def test_sigkilled_driver_resumes_from_its_last_round_with_the_same_policy_state
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval"]["value"] == pytest.approx(ref_summary["eval"]["value"], abs=1e-9)
     assert summary["rounds"] == 14
-
-
-def _train(cfg, run_dir) -> dict:
-    runner = Runner(cfg, run_dir, show_progress=False)
-    try:
-        return runner.run()
-    finally:
-        runner.shutdown()
 
 
 def _kill_and_resume(tmp_path, cfg_map):

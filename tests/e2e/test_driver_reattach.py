@@ -26,11 +26,10 @@ import pytest
 import ray
 import yaml
 from conftest import TEST_NODE_LABEL, TEST_NODE_VALUE
-from e2e_harness import rounds_logged, start_geofed, wait_rounds
+from e2e_harness import rounds_logged, start_geofed, train_reference, wait_rounds
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.reattach import RUN_NAMESPACE
 from geofed.orchestrator.driver.rundir import read_jsonl
-from geofed.orchestrator.driver.run import Runner
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -74,14 +73,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _train(cfg, run_dir) -> dict:
-    runner = Runner(cfg, run_dir, show_progress=False)
-    try:
-        return runner.run()
-    finally:
-        runner.shutdown()
-
-
 def _kill_when(proc, run_dir, rounds: int, log) -> None:
     wait_rounds(proc, run_dir, rounds, timeout_s=240, log=log)
     os.kill(proc.pid, signal.SIGKILL)
@@ -98,7 +89,7 @@ def test_a_killed_drivers_regions_are_reattached_then_reaped_when_nobody_resumes
     run_dir = tmp_path / "run"
     procs = []
     with ThreadPoolExecutor(max_workers=1) as pool:
-        reference = pool.submit(_train, config_from_mapping(json.loads(json.dumps(mapping))), tmp_path / "reference")
+        reference = pool.submit(train_reference, config_from_mapping(json.loads(json.dumps(mapping))), tmp_path / "reference")
         try:
             # 1. the first driver, killed after 4 rounds: its regions live on
             log = tmp_path / "first.log"
