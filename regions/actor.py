@@ -122,6 +122,9 @@ class RegionActor:
         self.region = None
         self._pool.assign(cfg=cfg, region=region, run_dir=run_dir, tls=tls)  # first: a restart from here on builds this run's region
         self.region, self._loop = _build(cfg, region, run_dir, tls, train_fn=train_fn)
+        # The new region has no server yet: start() must start it, not hand out the last run's
+        # (closed) address, and a re-attach must not see the last run's report.
+        self._address, self._last_report = None, None
         # close() above closed the notice: without this a spot notice would end the adopted region at once
         self._notice.reopen(getattr(cfg.regions, "leave_grace_s", 30.0))
         self._start = {"process_s": None, "init_s": round(time.monotonic() - t0, 3),
