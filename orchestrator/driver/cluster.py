@@ -226,22 +226,11 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
             pooled[region], handles[region] = reused[region]
             adopting[region] = handles[region].adopt.remote(cfg, region, run_dir, tls=tls[region])  # -> node_info
             continue
-        selector = {rc.label_key: rc.label_of(region)} if pin else None
-        cls = region_actor_class(num_cpus=cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
-                                 label_selector=selector)
-        if region in named:
-            drop_assignment(named[region])  # a killed predecessor's: a new actor must not read its dead driver's job
-            handles[region] = cls.options(name=named[region], namespace=RUN_NAMESPACE, lifetime="detached").remote(
-                cfg, region, run_dir, tls=tls[region], pool={"name": named[region], "job": job,
-                                                             "idle_s": cfg.run.orphan_timeout_s})
-        elif cfg.ray.warm_pool_s > 0:
-            name = new_name(slot_of(cfg, region, cpus, pin=pin, code=code))
-            pooled[region] = name
-            handles[region] = cls.options(name=name, namespace=POOL_NAMESPACE, lifetime="detached").remote(
-                cfg, region, run_dir, tls=tls[region], pool={"name": name, "job": job})
-        else:
-            handles[region] = cls.options(name=None).remote(cfg, region, run_dir, tls=tls[region], **loop,
-                                                            **({"plugin": hostile[region]} if region in hostile else {}))
+        handles[region], pool_name = _new_region_actor(
+            cfg, region, run_dir, tls=tls[region], cpus=cpus, pin=pin, job=job, code=code,
+            named=named.get(region), extra={**loop, **({"plugin": hostile[region]} if region in hostile else {})})
+        if pool_name is not None:
+            pooled[region] = pool_name
     actors = RegionActors(handles, pooled=pooled, named=dict(named))
     try:
         if rc.workers > 1:
@@ -260,6 +249,26 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
         actors.kill()
         raise
     return actors
+
+
+def _new_region_actor(cfg: RunConfig, region: str, run_dir: str, *, tls: Any, cpus: float, pin: bool, job: str,
+                      code: str, named: str | None, extra: dict[str, Any]) -> tuple[Any, str | None]:
+    """A new actor for `region`: detached under `named` (it outlives this driver), a warm-pool
+    actor (ray.warm_pool_s), or a plain one given `extra` (the loop's function, a bench's plugin).
+    Returns its handle and its pool name (None unless it is a warm-pool actor)."""
+    rc = cfg.regions
+    selector = {rc.label_key: rc.label_of(region)} if pin else None
+    cls = region_actor_class(num_cpus=cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
+                             label_selector=selector)
+    if named is not None:
+        drop_assignment(named)  # a killed predecessor's: a new actor must not read its dead driver's job
+        return cls.options(name=named, namespace=RUN_NAMESPACE, lifetime="detached").remote(
+            cfg, region, run_dir, tls=tls, pool={"name": named, "job": job, "idle_s": cfg.run.orphan_timeout_s}), None
+    if cfg.ray.warm_pool_s > 0:
+        name = new_name(slot_of(cfg, region, cpus, pin=pin, code=code))
+        return cls.options(name=name, namespace=POOL_NAMESPACE, lifetime="detached").remote(
+            cfg, region, run_dir, tls=tls, pool={"name": name, "job": job}), name
+    return cls.options(name=None).remote(cfg, region, run_dir, tls=tls, **extra), None
 
 
 def create_workers(cfg: RunConfig, run_dir: str, *, cpus: float, pin: bool) -> dict[str, list[Any]]:
