@@ -152,7 +152,7 @@ def test_a_function_that_never_calls_sync_fails_the_start_naming_it(tmp_path):
     mapping = _mapping(rounds=2)
     # The wait is the test's cost. Short is safe: an actor slower to start than this (a loaded host)
     # fails with the same message, which names ctx.sync whenever a training function runs.
-    mapping["regions"]["start_timeout_s"] = 8.0
+    mapping["regions"]["start_timeout_s"] = 2.0
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match=r"must call ctx.sync\(model, optimizer\) within that time"):
         _fit(_never_syncs, mapping, tmp_path / "run")
