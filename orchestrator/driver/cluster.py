@@ -24,7 +24,7 @@ from geofed.regions.actor import FOLLOWER_GROUP, RegionWorkerActor, grpc_log_env
 from geofed.regions.warm import POOL_NAMESPACE, drop_assignment
 
 from ..config import RunConfig
-from .reattach import RUN_NAMESPACE
+from .reattach import RUN_NAMESPACE, release_name
 from .warmpool import claim_pooled, end_pooled, new_name, slot_of
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,8 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
                                  "one worker a region")
             actors.workers = create_workers(cfg, run_dir, cpus=cpus, pin=pin)
         waiting = {r: h for r, h in actors.handles.items() if r not in live}
-        actors.info = {**{r: dict(live[r].info) for r in live},
+        # a resume's live joiners under new names are membership.py's to take back, placed by their own label
+        actors.info = {**{r: dict(live[r].info) for r in rc.names if r in live},
                        **wait_ready(waiting, rc.start_timeout_s, cfg, started=adopting, looping=bool(loop))}
         if pin:
             check_placement(cfg, actors.info)
@@ -252,10 +253,11 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
 
 
 def _new_region_actor(cfg: RunConfig, region: str, run_dir: str, *, tls: Any, cpus: float, pin: bool, job: str,
-                      code: str, named: str | None, extra: dict[str, Any]) -> tuple[Any, str | None]:
+                      code: str, named: str | None, extra: dict[str, Any], pool: bool = True) -> tuple[Any, str | None]:
     """A new actor for `region`: detached under `named` (it outlives this driver), a warm-pool
-    actor (ray.warm_pool_s), or a plain one given `extra` (the loop's function, a bench's plugin).
-    Returns its handle and its pool name (None unless it is a warm-pool actor)."""
+    actor (ray.warm_pool_s; not when `pool` is False: a joiner's), or a plain one given `extra` (the
+    loop's function, a bench's plugin). Returns its handle and its pool name (None unless it is a
+    warm-pool actor)."""
     rc = cfg.regions
     selector = {rc.label_key: rc.label_of(region)} if pin else None
     cls = region_actor_class(num_cpus=cpus, num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
@@ -264,7 +266,7 @@ def _new_region_actor(cfg: RunConfig, region: str, run_dir: str, *, tls: Any, cp
         drop_assignment(named)  # a killed predecessor's: a new actor must not read its dead driver's job
         return cls.options(name=named, namespace=RUN_NAMESPACE, lifetime="detached").remote(
             cfg, region, run_dir, tls=tls, pool={"name": named, "job": job, "idle_s": cfg.run.orphan_timeout_s}), None
-    if cfg.ray.warm_pool_s > 0:
+    if pool and cfg.ray.warm_pool_s > 0:
         name = new_name(slot_of(cfg, region, cpus, pin=pin, code=code))
         return cls.options(name=name, namespace=POOL_NAMESPACE, lifetime="detached").remote(
             cfg, region, run_dir, tls=tls, pool={"name": name, "job": job}), name
@@ -443,23 +445,29 @@ def check_placement(cfg: RunConfig, info: dict[str, dict]) -> None:
 
 
 def create_region_actor(cfg: RunConfig, run_dir: str, region: str, *, pin: bool,
-                        train_fn: Callable[[Any], None] | None = None) -> tuple[Any, dict]:
+                        train_fn: Callable[[Any], None] | None = None, named: str | None = None) -> tuple[Any, dict]:
     """One region's actor for a region joining a live run (driver/membership.py): placed as set-up
     places it (only on nodes with its label when `pin`), its certificate from RUN_DIR/tls, never
-    pooled; its handle and node_info. PlacementError as create_region_actors says it."""
+    pooled; with `named` (run.orphan_timeout_s, driver/reattach.py) detached under that name as
+    set-up's are, so that it outlives this driver too, once a predecessor that still holds the name
+    has ended. Its handle and node_info. PlacementError as create_region_actors says it."""
     rc = cfg.regions
-    selector = {rc.label_key: rc.label_of(region)} if pin else None
-    cls = region_actor_class(num_cpus=region_cpus(cfg, pin=pin), num_gpus=rc.num_gpus, max_restarts=rc.max_restarts,
-                             label_selector=selector)
     tls = load_tls(Path(run_dir) / "tls", region) if cfg.security.tls else None
     loop = {"train_fn": train_fn} if train_fn is not None else {}
-    handle = cls.options(name=None).remote(cfg, region, str(Path(run_dir).resolve()), tls=tls, **loop)
+    if named is not None:
+        release_name(named)
+    handle, _ = _new_region_actor(cfg, region, str(Path(run_dir).resolve()), tls=tls, cpus=region_cpus(cfg, pin=pin),
+                                  pin=pin, job=ray.get_runtime_context().get_job_id(), code="", named=named,
+                                  extra=loop, pool=False)
     try:
         info = wait_ready({region: handle}, rc.start_timeout_s, cfg, looping=bool(loop))
         if pin:
             check_placement(cfg, info)
     except BaseException:
-        ray.kill(handle, no_restart=True)
+        if named is not None:
+            end_pooled(named, handle)
+        else:
+            ray.kill(handle, no_restart=True)
         raise
     return handle, info[region]
 

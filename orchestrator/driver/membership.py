@@ -438,10 +438,11 @@ class Membership:
         return {"left": dict(self.left), "joined": dict(self.joined), "out": sorted(self.out),
                 "grown": [[region, label] for region, label in self.grown.items()]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, live: Mapping[str, Any] | None = None) -> None:
         """A resumed run: the regions out stay out (their new actors are retired at once); the regions
         that joined under new names are the run's again, in their order, and those not out get a
-        new actor each (its own checkpoint then restores it as any region's does)."""
+        new actor each (its own checkpoint then restores it as any region's does), or take their
+        actor that outlived the killed driver (`live`: region -> reattach.Live, driver/reattach.py)."""
         self.left.update(state.get("left") or {})
         self.joined.update(state.get("joined") or {})
         out = state.get("out", list(state.get("left") or {}))
@@ -454,15 +455,19 @@ class Membership:
                 self.out.add(region)
         rebuilt = [region for region, _ in grown if region not in self.out]
         for region in rebuilt:
-            self._rebuild(region)
+            self._rebuild(region, (live or {}).get(region))
         if rebuilt and self.connect is not None:
             self.connect()
 
-    def _rebuild(self, region: str) -> None:
-        """A resumed run's joiner under a new name: a new actor and server, in the run (not yet connected)."""
+    def _rebuild(self, region: str, live: Any = None) -> None:
+        """A resumed run's joiner under a new name: a new actor and server, or its `live` one as it is
+        (its server runs already), in the run (not yet connected)."""
         regions = self.regions
         try:
-            handle, info = self._place(region, self.grown[region], new=False, issue=True)
+            if live is not None:
+                handle, info = live.handle, dict(live.info)
+            else:
+                handle, info = self._place(region, self.grown[region], new=False, issue=True)
             regions.actors.handles[region] = handle
             assert self.start is not None
             address = self.start(region)

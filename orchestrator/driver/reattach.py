@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,26 @@ def actor_names(run_dir: Path, regions: Iterable[str]) -> dict[str, str]:
     """region -> the name of its detached actor in RUN_NAMESPACE."""
     rid = run_id(run_dir)
     return {r: actor_name(rid, r) for r in regions}
+
+
+def joined_regions(state: Mapping[str, Any]) -> list[str]:
+    """The regions a driver checkpoint's run took in under new names (membership.py keeps them as
+    `grown`, in join order) and that had not left: their actors are detached and named as the
+    starting regions' are, so a resume looks them up too."""
+    membership = state.get("membership") or {}
+    out = set(membership.get("out") or ())
+    return [region for region, _label in membership.get("grown") or () if region not in out]
+
+
+def release_name(name: str) -> None:
+    """Free `name` for a new actor of its region: a region that joins again under its name finds it
+    held by its predecessor, retired (Ray frees a name only once its actor is dead) or failed for
+    good. That one is ended, and the wait bounded as a resume's is."""
+    try:
+        handle = ray.get_actor(name, namespace=RUN_NAMESPACE)
+    except ValueError:
+        return
+    _end({name: handle})
 
 
 def region_pids(run_dir: Path) -> set[int]:

@@ -34,6 +34,7 @@ from .membership import Membership, requeue_unanswered, wait_for_label
 from .pacing import Pacing
 from .privacy import DpBudget
 from .progress import RunProgress
+from .reattach import actor_names, detached
 from .recovery import Interrupted, RunFailed, StopSignals, signal_name
 from .resume import train_fn_name
 from .rundir import Clock, read_jsonl, release_run_dir, write_json
@@ -306,8 +307,12 @@ class Runner:
             raise ValueError("joins place one actor a region: not with regions.workers > 1 or hostile regions")
         if label is not None:
             wait_for_label(cfg.regions.label_key, label, cfg.regions.placement_timeout_s, node_labels)
-        return create_region_actor(cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address) or label is not None,
-                                   train_fn=self.train_fn)
+        # detached and named as set-up's regions are: it outlives a killed driver too (driver/reattach.py)
+        named = actor_names(self.run_dir, [region]) if detached(self.cfg, hostile=self.hostile, train_fn=self.train_fn) else {}
+        placed = create_region_actor(cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address) or label is not None,
+                                     train_fn=self.train_fn, named=named.get(region))
+        self.actors.named.update(named)  # ended at the run's end, or by its orphan timeout, as theirs are
+        return placed
 
     def _grow(self, region: str, label: str | None) -> None:
         """A region joined under a new name: the coordinator plans over it, the emulator shapes its links."""
@@ -359,7 +364,8 @@ class Runner:
         journal, regions = self.journal, self.regions
         for why in skipped:
             journal.event("checkpoint_skipped", who="driver", why=why)
-        self.membership.load_state_dict(state.get("membership") or {})  # who left stays gone
+        # who left stays gone; a joiner under a new name takes its live actor back (driver/reattach.py)
+        self.membership.load_state_dict(state.get("membership") or {}, live=self.ready.live)
         # Regions that outlived their killed driver keep their state when it fits the checkpoint (driver/reattach.py)
         live, decision = self.ready.live, self.ready.decision
         kept = [g for g in regions.alive if g in live]

@@ -28,7 +28,7 @@ from .emulation import start_emulation
 from .handles import RegionHandles
 from .journal import Journal
 from .recovery import StopSignals, marked_processes, record_processes
-from .reattach import Decision, Live, actor_names, decide, detached, find_live, region_pids, settle
+from .reattach import Decision, Live, actor_names, decide, detached, find_live, joined_regions, region_pids, settle
 from .resume import DriverCheckpoint, emulation_for_resume, load_driver_checkpoint, reap_previous_driver, train_fn_name
 from .rundir import JsonlLog, ensure_private_dir, lock_run_dir
 from .trackers import Trackers
@@ -113,6 +113,8 @@ def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, r
     stop.reclaim()
     # A resume rewrites the logs (dropping rounds after its checkpoint) before they are opened.
     restored = load_driver_checkpoint(run_dir) if resume else None
+    if named and restored is not None:  # regions that joined under new names outlived the driver too
+        named.update(actor_names(run_dir, joined_regions(restored.state)))
     live, gone, decision = ({}, {}, None) if not named or restored is None else reattach(cfg, named, restored)
     opened.actors = create_region_actors(cfg, str(run_dir), pin=bool(cfg.ray.address), hostile=hostile,
                                          train_fn=train_fn, named=named, live=live)

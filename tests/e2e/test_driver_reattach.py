@@ -156,3 +156,44 @@ def test_a_killed_drivers_regions_are_reattached_then_reaped_when_nobody_resumes
     while any(_alive(i["pid"]) for i in third["regions"].values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(i["pid"]) for i in third["regions"].values())
+
+
+@pytest.mark.slow  # a driver, a join under a new name, a kill and a resume that finishes the run: about a minute
+@pytest.mark.usefixtures("ray_session")
+def test_a_region_that_joined_mid_run_outlives_the_killed_driver_and_is_reattached(tmp_path, capsys):
+    from geofed.orchestrator.cli import main
+
+    joiner, rounds = "ap-northeast-1", 10
+    mapping = _config()
+    mapping["run"].update({"name": "reattach-join", "rounds": rounds})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**mapping, "ray": {"address": ray.get_runtime_context().gcs_address}}))
+    run_dir = tmp_path / "run"
+    log = tmp_path / "first.log"
+    procs = [start_geofed(["run", str(config), "--out", str(run_dir), "--quiet", "--no-report"], cwd=tmp_path, log=log)]
+    try:
+        wait_rounds(procs[0], run_dir, 2, timeout_s=240, log=log)
+        capsys.readouterr()
+        assert main(["join", str(run_dir), "--region", joiner, "--label", TEST_NODE_VALUE, "--wait", "180"]) == 0
+        joined = json.loads(capsys.readouterr().out)
+        assert joined["event"] == "region_joined" and joined["new"] is True
+        _kill_when(procs[0], run_dir, joined["first_round"] + 2, log)
+        assert _alive(joined["pid"])  # detached: the driver's death did not take it
+
+        log = tmp_path / "resume.log"
+        procs.append(start_geofed(["run", "--resume", str(run_dir), "--quiet", "--no-report"], cwd=tmp_path, log=log))
+        assert procs[-1].wait(300) == 0, log.read_text()[-4000:]
+    finally:
+        for p in procs:
+            p.kill()
+    (attached,) = _events(run_dir, "regions_reattached")
+    # the joiner is looked up with the starting regions and kept as they are: same process, no restore
+    assert sorted(attached["regions"]) == sorted([*REGIONS, joiner]), attached
+    assert attached["pids"][joiner] == joined["pid"] and attached["restored"] == [] and attached["gone"] == {}
+    assert _events(run_dir, "resumed")[-1]["lost_rounds"] == []
+    assert not [e for e in _events(run_dir, "region_left") if e["region"] == joiner]
+    rounds_run = read_jsonl(run_dir / "rounds.jsonl")
+    assert [x["round"] for x in rounds_run] == list(range(rounds))
+    assert joiner in rounds_run[-1]["regions_reported"]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RUN_NAMESPACE]
+    assert not names, names  # the run's end ended the joiner's named actor too

@@ -370,6 +370,13 @@ def test_a_region_joins_under_a_new_name_and_a_resumed_run_rebuilds_it(tmp_path)
     assert again_calls["start"] == ["d"] and again_calls["connect"] == [True]
     assert again_regions.actors.handles == {"d": "handle-d"}
     assert resumed.joined == membership.joined
+    # Its actor outlived a killed driver (run.orphan_timeout_s, driver/reattach.py): taken as it is, no new one.
+    kept, kept_regions, kept_calls = _growing(tmp_path / "reattached")
+    kept.load_state_dict(json.loads(json.dumps(state)),
+                         live={"d": SimpleNamespace(handle="live-d", info={"pid": 7, "completed_round": 4})})
+    assert kept_calls["spawn"] == [] and kept_regions.actors.handles == {"d": "live-d"}
+    assert kept_regions.alive == [*NAMES, "d"] and kept_calls["start"] == ["d"] and kept_calls["connect"] == [True]
+    assert not (tmp_path / "reattached" / "tls" / "d.key").exists()  # it keeps the certificate it holds
 
 
 def test_a_new_name_whose_actor_cannot_be_placed_leaves_the_run_as_it_was(tmp_path):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver import reattach
-from geofed.orchestrator.driver.reattach import actor_names, decide, detached, run_id
+from geofed.orchestrator.driver.reattach import actor_names, decide, detached, joined_regions, run_id
 from geofed.regions import warm
 
 REGIONS = ["a", "b", "c"]
@@ -55,6 +55,13 @@ def test_the_run_id_is_made_once_and_names_each_region(tmp_path):
     assert actor_names(tmp_path, ["a", "b"]) == {"a": f"geofed/{rid}/a", "b": f"geofed/{rid}/b"}
     (tmp_path / reattach.RUN_ID_FILE).write_text('{"run_id": "../x"}')  # not ours: a new one
     assert run_id(tmp_path) != "../x"
+
+
+def test_a_resume_looks_up_the_regions_that_joined_under_new_names_and_had_not_left():
+    # the driver checkpoint's membership (membership.py state_dict): d joined and is in, e joined and left
+    state = {"membership": {"grown": [["d", None], ["e", "zone-9"]], "out": ["b", "e"]}}
+    assert joined_regions(state) == ["d"]
+    assert joined_regions({}) == [] and joined_regions({"membership": {}}) == []
 
 
 def test_only_a_task_run_on_a_cluster_that_outlives_its_driver_detaches():
