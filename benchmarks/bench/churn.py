@@ -4,7 +4,7 @@
                        [--quick] [--json] [--out DIR] [--set KEY=VALUE ...]
 
 Two arms, run side by side and interleaved (repetition i runs them in an order rotated by i):
-``undisturbed`` and ``churn``, the same run with one fault every `--every` seconds (30), in
+``undisturbed`` and ``churn``, the same run with one fault every `--every` seconds (30) from its first round, in
 rotation: kill -9 of a region, SIGSTOP of a region for 10 s, a 10 s outage of a link, a graceful
 `geofed leave` followed by `geofed join` 30 s later, and kill -9 of the driver followed by
 `geofed run --resume` (bench/churn_faults.py). Each run is a real `geofed run` in a process of its
@@ -117,7 +117,9 @@ def measure(run_dir: Path, *, wall_s: float, batch_size: int) -> dict[str, Any]:
         if m.get("rss_mb") is not None:
             peaks[m["region"]] = max(peaks.get(m["region"], 0.0), float(m["rss_mb"]))
     ev = summary.get("eval") or {}
-    return {"run_dir": str(run_dir), "wall_s": round(wall_s, 2), "examples": examples,
+    rounds = read_jsonl(run_dir / "rounds.jsonl")
+    return {"round_s": round((rounds[-1]["t_end"] - rounds[0]["t_start"]) / len(rounds), 4) if rounds else None,
+            "run_dir": str(run_dir), "wall_s": round(wall_s, 2), "examples": examples,
             "examples_per_s": round(examples / wall_s, 1) if wall_s > 0 else None,
             "final_metric": ev.get("value"), "metric": ev.get("metric"), "higher_is_better": ev.get("higher_is_better", True),
             "rounds": summary.get("rounds"),
@@ -205,6 +207,7 @@ def run_one(setup: Setup, arm: str, where: Path, *, address: str, round_s: float
         raise RuntimeError(f"bench churn: the {arm} run ended with exit code {code} (its log: {where / 'driver.log'})")
     got = measure(where / "run", wall_s=wall, batch_size=cfg.sync.inner.batch_size)
     got["faults_done"] = sum(1 for a in injector.actions if a["ok"])
+    got["round0_s"] = injector.round0_s  # when the faults' clock started (None: no faults)
     console.print(f"{arm}: {got['examples_per_s']} examples/s over {got['wall_s']} s, final {got['metric']} "
                   f"{got['final_metric']}, rounds redone {got['rounds_redone']}, peak RSS {got['peak_rss_mb']} MB"
                   + (f", {got['faults_done']}/{len(injector.actions)} fault actions done" if faults else ""))
@@ -237,7 +240,7 @@ def run_bench(out: Path, setup: Setup, *, reps: int, quick: bool, console: Conso
             got, actions = run_one(setup, arm, out / f"rep{rep}" / arm, address=address, round_s=round_s, console=console)
             per_rep[rep][arm] = got
             if arm == "undisturbed" and got["rounds"]:
-                round_s = got["wall_s"] / got["rounds"]  # where the churn arm's outages fall, by round
+                round_s = got["round_s"] or round_s  # where the churn arm's outages fall, by round
             else:
                 faults[rep] = actions
             with (out / "rows.jsonl").open("a") as f:  # a bench cut short keeps what it measured

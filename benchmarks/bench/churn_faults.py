@@ -1,7 +1,7 @@
 """The faults of `geofed bench churn`: a plan of them in rotation, and the thread that lays them on
 a live run whose driver is a `geofed run` process of its own (so that it can be killed -9).
 
-The rotation (one fault every `every_s` seconds from the run's start):
+The rotation (one fault every `every_s` seconds from the run's first round):
 
 * ``region-kill``: SIGKILL of a region's process (Ray restarts it; it rejoins with a peer's state);
 * ``leave-join``: `geofed leave RUN_DIR NAME`, then `geofed join RUN_DIR --region NAME` `rejoin_after_s` later;
@@ -167,14 +167,17 @@ class DriverProcess:
 
 
 class Injector:
-    """Lays `faults` on the run of `driver` from `t0` (time.monotonic() of its first launch), on a
-    thread of its own; `actions` records each thing it did."""
+    """Lays `faults` on the run of `driver` on a thread of its own, each `at_s` after the run's first
+    round began (its set-up, 15-50 s, is the same in both arms: a fault in it would hit no round, or
+    kill a driver that has no checkpoint to resume from); `actions` records each thing it did, `t_s`
+    from `t0` (time.monotonic() of the driver's first launch), and `round0_s` when round 0 began."""
 
     def __init__(self, driver: DriverProcess, faults: Sequence[Fault], *, t0: float, timing: Timing,
                  cli_timeout_s: float = 90.0, clock: Callable[[], float] = time.monotonic):
         self.driver, self.faults, self.t0, self.timing = driver, list(faults), t0, timing
         self.cli_timeout_s, self.clock = cli_timeout_s, clock
         self.actions: list[dict[str, Any]] = []
+        self.round0_s: float | None = None
         self.done = threading.Event()  # set when the run ended: no more faults
         self._stopped: set[int] = set()
         self._threads: list[threading.Thread] = []
@@ -196,10 +199,20 @@ class Injector:
         self.actions.append({"t_s": round(self.clock() - self.t0, 2), "kind": kind, "region": region, "ok": ok, **detail})
 
     def _sleep_until(self, at_s: float) -> bool:
-        """False when the run ended first."""
-        return not self.done.wait(max(0.0, self.t0 + at_s - self.clock()))
+        """Until `at_s` after round 0 began; False when the run ended first."""
+        return not self.done.wait(max(0.0, self.t0 + (self.round0_s or 0.0) + at_s - self.clock()))
+
+    def _wait_round0(self) -> bool:
+        """Until the driver's set-up is done (its setup_done event); False when the run ended first."""
+        while not any(e.get("event") == "setup_done" for e in read_jsonl(self.driver.run_dir / "events.jsonl")):
+            if self.done.wait(0.2):
+                return False
+        self.round0_s = round(self.clock() - self.t0, 2)
+        return True
 
     def _main(self) -> None:
+        if not self._wait_round0():
+            return
         for fault in self.faults:
             if not self._sleep_until(fault.at_s):
                 return

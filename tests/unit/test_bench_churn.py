@@ -94,3 +94,67 @@ def test_measure_counts_each_round_once_over_the_whole_wall_time(tmp_path):
 def test_bad_arguments_exit_2_before_any_run(argv, capsys):
     assert churn.main(argv) == 2
     assert "geofed bench churn" in capsys.readouterr().err
+
+
+def _timeline(d, rounds, *, missing=(), launches=((5.0, None),)):
+    """A run directory of regions a, b, c (10 steps each a round unless `missing`: (round, region))
+    with `rounds` (round, t_start, t_end) and one setup_done per launch (its process age at its first
+    round, and the checkpoint a resume started from)."""
+    d.mkdir()
+    _write(d / "rounds.jsonl", [{"round": n, "t_start": s, "t_end": e} for n, s, e in rounds])
+    _write(d / "metrics.jsonl", [{"region": g, "round": n, "steps": 10} for n, _, _ in rounds for g in "abc"
+                                 if (n, g) not in missing])
+    events = []
+    for age, ckpt in launches:
+        events += ([{"event": "resumed", "from_checkpoint": ckpt}] if ckpt is not None else [])
+        events.append({"event": "setup_done", "process_to_round0_s": age})
+    _write(d / "events.jsonl", events)
+    return d
+
+
+def test_fault_costs_split_round_time_missing_examples_and_a_driver_kills_gap(tmp_path):
+    from geofed.bench.churn_costs import fault_costs
+
+    calm = _timeline(tmp_path / "calm", [(n, float(n), n + 1.0) for n in range(10)])  # 1 s rounds, 60 examples each
+    # region b is killed at 7.5 s (run clock 2.5): round 3 lasts 1.5 s without it. The driver is killed at 11 s
+    # in round 5 and resumed from the checkpoint of round 4 (wall 10.5); its first round ends at wall 16.
+    hurt = _timeline(tmp_path / "hurt", [(0, 0.0, 1.0), (1, 1.0, 2.0), (2, 2.0, 3.0), (3, 3.0, 4.5), (4, 4.5, 5.5),
+                                         (5, 6.0, 7.0), (6, 7.0, 8.0), (7, 8.0, 9.0)],
+                     missing={(3, "b")}, launches=((5.0, None), (4.0, 4)))
+    actions = [{"t_s": 7.5, "kind": "region-kill", "region": "b", "ok": True},
+               {"t_s": 9.0, "kind": "region-stop", "region": "c", "ok": False},  # did not act: not a fault
+               {"t_s": 11.0, "kind": "driver-kill", "region": None, "ok": True},
+               {"t_s": 17.5, "kind": "link-outage", "region": "c", "ok": True}]
+    got = fault_costs(calm, hurt, actions, batch_size=2, regions=["a", "b", "c"])
+    assert got["steady"]["period_s"] == 1.0 and got["steady"]["rate"] == 60.0
+    kill, driver, outage = got["faults"]
+    assert (kill["kind"], kill["round_s"], kill["examples"], kill["seconds"]) == ("region-kill", 0.5, 20, 0.83)
+    assert (driver["gap_s"], driver["seconds"]) == (4.5, 4.5)  # 16 - 10.5 - one round's 1 s
+    assert outage["seconds"] == 0.0 and got["unattributed_s"] == 0.0
+    assert got["by_kind"]["region-kill"] == {"count": 1, "seconds_each": [0.83], "round_s": 0.5, "examples_s": 0.33,
+                                             "gap_s": 0.0, "median_s": 0.83, "total_s": 0.83}
+    assert sorted(got["by_kind"]) == ["driver-kill", "link-outage", "region-kill"]
+
+
+def test_the_faults_clock_starts_at_the_runs_first_round_not_at_its_launch(tmp_path):
+    import time
+    from types import SimpleNamespace
+
+    from geofed.bench.churn_faults import Injector
+
+    killed = []
+    driver = SimpleNamespace(run_dir=tmp_path, kill_and_resume=lambda: killed.append(time.monotonic()) or 42)
+    _write(tmp_path / "events.jsonl", [{"event": "started"}])
+    t0 = time.monotonic()
+    injector = Injector(driver, [Fault(at_s=0.1, kind="driver-kill", region="b")], t0=t0, timing=Timing()).start()
+    time.sleep(0.5)
+    assert killed == []  # still setting up: no fault yet
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "setup_done"}) + "\n")
+    deadline = time.monotonic() + 5
+    while not killed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    injector.join(5)
+    assert injector.round0_s >= 0.5 and killed[0] - t0 >= injector.round0_s + 0.1
+    assert injector.actions == [{"t_s": injector.actions[0]["t_s"], "kind": "driver-kill", "region": None, "ok": True,
+                                 "pid": 42}]
