@@ -77,7 +77,8 @@ class Coordinator:
         self._round_wall: float | None = None   # slowest region's wall time of the last observed round
         self._rounds_seen = 0
         self.pacing = cfg.sync.pacing
-        self._region_steps: dict[str, deque[float]] = {}  # region -> its recent step times (time-budget)
+        # region -> its recent rounds' (step time, steps that measured it) (time-budget)
+        self._region_steps: dict[str, deque[tuple[float, int]]] = {}
         self._warm_steps: dict[str, float] = {}  # region -> its set-up warm-up pass time (time-budget)
 
     @property
@@ -197,9 +198,24 @@ class Coordinator:
         return {r: max(1, min(CALIBRATION_STEPS, round(CALIBRATION_STEPS * mid / w))) for r, w in warm.items()}
 
     def region_step_time(self, region: str) -> float | None:
-        """A region's step time (the median of its last few rounds), or None before it reported one."""
-        steps = self._region_steps.get(region)
-        return statistics.median(steps) if steps else None
+        """A region's step time: the median of its last few rounds' with each round weighted by its
+        steps, or None before it reported one. Weighted: a round of one or two steps reports its cold
+        first step (a new round's data, allocation), 10-40x a steady one; unweighted, one such round
+        beside a 10-step one set the next budget 20x too long (fresh-clone CI, test_hetero_rounds)."""
+        rounds = self._region_steps.get(region)
+        if not rounds:
+            return None
+        ordered = sorted(rounds)
+        half, seen = sum(n for _, n in ordered) / 2, 0
+        for t, n in ordered:
+            seen += n
+            if seen >= half:
+                return t
+        return ordered[-1][0]
+
+    def _observe_steps(self, region: str, m: RoundReport) -> None:
+        step = m.steps.step_time_steady_s or m.steps.step_time_s  # without the round's first step
+        self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append((step, max(1, m.steps.steps)))
 
     def _pacing_fields(self, H: int, alive: list[str]) -> dict[str, Any]:
         """The plan's sync.pacing fields (regions/pacing.py): time-budget: the budget (H steps of the
@@ -273,8 +289,7 @@ class Coordinator:
         if not results:
             return
         for region, m in results.items():
-            step = m.steps.step_time_steady_s or m.steps.step_time_s  # without the round's first step
-            self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(step)
+            self._observe_steps(region, m)
         if self.pacing.mode == "time-budget":
             # The budget is H steps of the median region: the policy sizes H on its step time.
             self._steps.append(statistics.median(m.steps.step_time_s for m in results.values()))
@@ -290,8 +305,7 @@ class Coordinator:
 
     def observe_late(self, region: str, m: RoundReport) -> None:
         """A round that ended after its quorum round closed: its step time and links still count."""
-        step = m.steps.step_time_steady_s or m.steps.step_time_s  # without the round's first step
-        self._region_steps.setdefault(region, deque(maxlen=STEP_WINDOW)).append(step)
+        self._observe_steps(region, m)
         self.link_view.observe_round({region: {"links": m.links}})
 
     @property
@@ -312,7 +326,7 @@ class Coordinator:
         return {"policy": self.policy.state_dict(), "step_time_s": self.step_time_s, "loss": self.loss,
                 "last_sync_s": self.last_sync_s, "steps_done": self.steps_done,
                 "overheads": list(self._overheads), "steps": list(self._steps), "links": self.link_view.state_dict(),
-                "region_steps": {r: list(v) for r, v in self._region_steps.items()}}
+                "region_steps": {r: [list(x) for x in v] for r, v in self._region_steps.items()}}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore `state_dict()` (keys missing from older checkpoints keep their fresh values)."""
@@ -321,6 +335,8 @@ class Coordinator:
         self.steps_done = int(d.get("steps_done", 0))
         self._overheads = deque(d.get("overheads", []), maxlen=OVERHEAD_WINDOW)
         self._steps = deque(d.get("steps", []), maxlen=STEP_WINDOW)
-        self._region_steps = {r: deque(v, maxlen=STEP_WINDOW) for r, v in d.get("region_steps", {}).items()}
+        # Checkpoints before the steps weighting hold bare step times: one step each.
+        self._region_steps = {r: deque(((x, 1) if isinstance(x, (int, float)) else (float(x[0]), int(x[1])) for x in v),
+                                       maxlen=STEP_WINDOW) for r, v in d.get("region_steps", {}).items()}
         if "links" in d:
             self.link_view.load_state_dict(d["links"])

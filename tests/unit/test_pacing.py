@@ -288,6 +288,43 @@ def test_a_time_budget_run_calibrates_with_fewer_steps_for_a_slower_region_then_
     assert plans["a"].budget_s == pytest.approx(100 * 0.01)
 
 
+def test_a_budget_is_not_sized_on_one_step_rounds_cold_first_step():
+    """The fresh-clone CI's case: after a 10-step round at 1.2 ms a step, a one-step round reports
+    its cold first step (48 ms) as its steady time; the next budget stays near H x 1.2 ms, not the
+    two rounds' midpoint (20x longer), and a checkpoint of the estimate keeps the weights."""
+    from geofed.orchestrator.driver.coordinator import Coordinator
+
+    class Clock:
+        def now(self) -> float:
+            return 0.0
+
+    cfg = config_from_mapping({
+        "run": {"rounds": 10}, "task": {"kind": "mlp-digits", "hidden": 8},
+        "regions": {"names": ["a", "b", "c"]}, "network": {"emulation": {"mode": "none"}},
+        "sync": {"policy": {"kind": "fixed", "H": 20}, "pacing": {"mode": "time-budget"}},
+    })
+    c = Coordinator(cfg, model_numel=1000, clock=Clock())
+    alive = ["a", "b", "c"]
+    c.observe({r: report(region=r, steps=10, step_time_s=0.002, step_time_steady_s=0.0012, train_loss=1.0,
+                         wall_s=0.1) for r in alive})
+    c.observe({r: report(region=r, steps=1, step_time_s=0.048, step_time_steady_s=0.048, train_loss=1.0,
+                         wall_s=0.1) for r in alive})
+    assert c.region_step_time("a") == pytest.approx(0.0012)
+    assert c.plan(2, alive=alive, evaluate=False)["a"].budget_s == pytest.approx(20 * 0.0012)
+    # Rounds of one step that keep coming outweigh the old estimate: a region that slowed is seen.
+    for _ in range(4):
+        c.observe({r: report(region=r, steps=1, step_time_s=0.048, step_time_steady_s=0.048, train_loss=1.0,
+                             wall_s=0.1) for r in alive})
+    assert c.region_step_time("a") == pytest.approx(0.048)
+    again = Coordinator(cfg, model_numel=1000, clock=Clock())
+    again.load_state_dict(c.state_dict())
+    assert again.region_step_time("a") == pytest.approx(0.048)
+    # A checkpoint written before the weighting (bare step times) still loads.
+    old = {**c.state_dict(), "region_steps": {"a": [0.01, 0.02, 0.03]}}
+    again.load_state_dict(old)
+    assert again.region_step_time("a") == pytest.approx(0.02)
+
+
 def test_a_region_catching_up_accepts_the_round_it_is_about_to_run():
     """A late quorum region is rounds behind when it takes the model from a peer: its peers push
     the round it will run while the fetch is still going, past its window, unless it looks ahead."""
