@@ -24,6 +24,7 @@ from geofed.regions.actor import FOLLOWER_GROUP, RegionWorkerActor, grpc_log_env
 from geofed.regions.warm import POOL_NAMESPACE, drop_assignment
 
 from ..config import RunConfig
+from .failures import OOM, death_cause
 from .reattach import RUN_NAMESPACE, release_name
 from .warmpool import claim_pooled, end_pooled, new_name, slot_of
 
@@ -406,12 +407,25 @@ def wait_ready(handles: dict[str, Any], timeout_s: float, cfg: RunConfig, *,
     for ref in ready:
         try:
             info[refs[ref]] = ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            # e.g. no free port in network.port_range, a data path missing on that node
-            raise PlacementError(f"region {refs[ref]}: its actor failed to start: {exc}") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
+            # e.g. no free port in network.port_range, a data path missing on that node, a model too big
+            raise start_failure(refs[ref], exc) from None
         except ray.exceptions.RayTaskError as exc:  # a warm actor's adopt
             raise PlacementError(f"region {refs[ref]}: its warm-pool actor failed to take the run: {exc.cause!r}") from None
     return info
+
+
+def start_failure(region: str, exc: BaseException) -> PlacementError:
+    """The error for a region actor that died while starting: one line naming the region and, when
+    Ray's memory monitor killed it (OutOfMemoryError is no RayActorError), saying so and what to do,
+    instead of Ray's multi-line OutOfMemoryError reaching the user raw."""
+    death = death_cause(exc)
+    if death.cause == OOM:
+        return PlacementError(
+            f"region {region}: its actor ran out of memory while starting (Ray's memory monitor killed it: "
+            f"{death.detail}); a region holds about 64-72 bytes per parameter (delayed DiLoCo, int8; "
+            f"docs/bench-memory.md): use a node with more memory, a smaller model, or fewer regions a node")
+    return PlacementError(f"region {region}: its actor failed to start: {exc}")
 
 
 def wait_for_labels(cfg: RunConfig) -> None:

@@ -162,3 +162,18 @@ def test_the_report_names_the_failed_regions(tmp_path):
 @pytest.mark.parametrize("rounds, ranges", [([], []), ([3], [[3, 3]]), ([4, 2, 3, 7, 9, 8], [[2, 4], [7, 9]])])
 def test_round_ranges(rounds, ranges):
     assert round_ranges(rounds) == ranges
+
+
+def test_an_actor_killed_for_memory_while_starting_fails_set_up_in_one_line_that_says_so():
+    """Set-up's wait for the region actors (cluster.wait_ready) raised Ray's OutOfMemoryError raw:
+    several lines of Ray's, no region named. Now: one PlacementError naming the region and the cause."""
+    from geofed.orchestrator.driver.cluster import PlacementError, start_failure
+
+    err = start_failure("eu-west-1", ray.exceptions.OutOfMemoryError(MONITOR))
+    assert isinstance(err, PlacementError)
+    text = str(err)
+    assert text.startswith("region eu-west-1: its actor ran out of memory while starting")
+    assert "1 worker(s) were killed due to the node running low on memory" in text and "\n" not in text
+    assert "bytes per parameter" in text and "docs/bench-memory.md" in text
+    other = str(start_failure("eu-west-1", ray.exceptions.RayActorError()))
+    assert other.startswith("region eu-west-1: its actor failed to start") and "memory" not in other
