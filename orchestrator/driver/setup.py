@@ -60,16 +60,17 @@ class Opened:
 
 
 class PhaseTimer:
-    """Seconds each set-up phase took, wall and this process's CPU (where start-up time goes)."""
+    """Seconds each set-up phase took, wall and this process's CPU (where start-up time goes).
+    Its own monotonic clock, not the run's: a resume sets the run's clock to the checkpoint's time
+    mid-set-up, and the phase across that (logs_restore) read minus the run's age."""
 
-    def __init__(self, journal: Journal):
-        self.clock = journal.clock
+    def __init__(self) -> None:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
-        self._last = (self.clock.now(), time.process_time())
+        self._last = (time.monotonic(), time.process_time())
 
     def mark(self, name: str) -> None:
-        now, cpu = self.clock.now(), time.process_time()
+        now, cpu = time.monotonic(), time.process_time()
         self.wall[name] = round(now - self._last[0], 3)
         self.cpu[name] = round(cpu - self._last[1], 3)
         self._last = (now, cpu)
@@ -100,7 +101,7 @@ def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, r
     `train_fn`: the user's training loop each region actor runs (None: the task's built-in stepper)."""
     ensure_private_dir(run_dir)  # 0700, also for a Runner started without new_run_dir
     lock_run_dir(run_dir)  # held until shutdown(); new_run_dir or --resume may hold it already
-    timer = PhaseTimer(journal)
+    timer = PhaseTimer()
     names = list(cfg.regions.names)
     renewed = make_tls(run_dir, names, resume=resume)
     timer.mark("tls")

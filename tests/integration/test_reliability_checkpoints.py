@@ -60,6 +60,9 @@ def test_resume_detects_corrupt_checkpoints_and_falls_back(finished_run, tmp_pat
         ("eu-west-1", f"{region_r3}: checksum mismatch (truncated or corrupt)")}
     (resumed,) = events(tmp_path, "resumed")
     assert resumed["from_checkpoint"] == 3 and resumed["lost_rounds"] == [4]
+    # The resume's set-up phases are its own seconds (logs_restore read minus the run's age).
+    resumed_setup = events(tmp_path, "setup_done")[-1]
+    assert resumed_setup["phases_s"] and all(v >= 0 for v in resumed_setup["phases_s"].values()), resumed_setup
     (from_peer,) = events(tmp_path, "region_state_from_peer")
     assert from_peer["region"] == "eu-west-1" and from_peer["own_round"] == 2
     assert from_peer["donor"] in set(REGIONS3) - {"eu-west-1"}
