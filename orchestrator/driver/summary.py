@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
                       for reg, info in placement.items()},
         "transport": _transport(transport_stats),
         "faults": {**faults, "late_dropped": sum(s.get("late_dropped", 0) for s in transport_stats.values()),
-                   "region_rounds_out": _rounds_out(cfg, rounds), "by_region": _by_region(cfg, rounds, events)},
+                   "region_rounds_out": _rounds_out(cfg, rounds, events), "by_region": _by_region(cfg, rounds, events)},
         "live_regions": _live_regions(cfg, rounds, events),
         "refusals": refusals,
         "config": {"task": cfg.task.kind, "algorithm": cfg.sync.algorithm, "policy": cfg.sync.policy.kind,
@@ -80,14 +81,23 @@ def build_summary(cfg: RunConfig, run_dir: Path, *, eval_avg, eval_per_region, c
     }
 
 
-def _rounds_out(cfg: RunConfig, rounds: list[dict]) -> int:
+def _rounds_out(cfg: RunConfig, rounds: list[dict], events: list[dict]) -> int:
     """Region-rounds a region was out of the run (failed or stalled: not in the round's ``alive``).
     peers_left_out counts only updates a participant missed; a stalled region is no participant,
     so a 10 s stall showed as nothing there. A region that left the run (``members_out``,
-    driver/membership.py) is no fault."""
-    names = set(cfg.regions.names)
-    return sum(len(names - set(r["alive"]) - set(r.get("members_out") or ()))
+    driver/membership.py) is no fault; one that joined under a new name counts from its first round."""
+    members = _members(cfg, events)
+    return sum(len(members(r["round"]) - set(r["alive"]) - set(r.get("members_out") or ()))
                for r in rounds if isinstance(r.get("alive"), list))
+
+
+def _members(cfg: RunConfig, events: list[dict]) -> Callable[[Any], set[str]]:
+    """round -> the run's members then: regions.names and every region that joined under a new name
+    (`geofed join`, events.jsonl's region_joined with new) from its first round on."""
+    joined = {e["region"]: int(e.get("first_round", 0)) for e in events
+              if e.get("event") == "region_joined" and e.get("new") and isinstance(e.get("region"), str)}
+    names = set(cfg.regions.names)
+    return lambda r: names | {g for g, first in joined.items() if isinstance(r, int) and r >= first}
 
 
 def _by_region(cfg: RunConfig, rounds: list[dict], events: list[dict]) -> dict[str, dict[str, Any]]:
@@ -119,10 +129,11 @@ def _by_region(cfg: RunConfig, rounds: list[dict], events: list[dict]) -> dict[s
         elif kind == "region_rejoined" and e.get("after") == "restart":
             entry(region)["restarts"] += 1
     names = list(cfg.regions.names)
+    members = _members(cfg, events)
     missed: dict[str, list[int]] = {}
     for r in rounds:
         if isinstance(r.get("alive"), list):
-            for region in set(names) - set(r["alive"]) - set(r.get("members_out") or ()):
+            for region in members(r["round"]) - set(r["alive"]) - set(r.get("members_out") or ()):
                 missed.setdefault(region, []).append(r["round"])
     for region, rs in missed.items():
         entry(region)["rounds_out"] = round_ranges(rs)

@@ -177,3 +177,30 @@ def test_an_actor_killed_for_memory_while_starting_fails_set_up_in_one_line_that
     assert "bytes per parameter" in text and "docs/bench-memory.md" in text
     other = str(start_failure("eu-west-1", ray.exceptions.RayActorError()))
     assert other.startswith("region eu-west-1: its actor failed to start") and "memory" not in other
+
+
+def test_a_region_joined_under_a_new_name_counts_its_rounds_out_from_its_first_round(tmp_path):
+    """summary's rounds out knew only regions.names: a region that joined under a new name (geofed
+    join) and then failed was out of no round. It counts from its join round, not before."""
+    metrics, rounds, events = (JsonlLog(tmp_path / f"{n}.jsonl") for n in ("metrics", "rounds", "events"))
+    two = ["us-east-1", "eu-west-1"]
+    alive_of = {0: two, 1: two, 2: [*two, "sa-east-1"], 3: [*two, "sa-east-1"], 4: two, 5: two}
+    for r, alive in alive_of.items():
+        for region in alive:
+            metrics.write({"round": r, "region": region, "train_loss": 1.0, "compute_s": 0.1, "wall_s": 0.2,
+                           "bytes_sent": 10, "bytes_received": 10, "transfers": []})
+        rounds.write({"round": r, "t_start": r, "t_end": r + 1, "H": 5, "alive": alive, "regions_reported": alive,
+                      "links": {}})
+    events.write({"t": 0.0, "round": 0, "event": "started", "regions": {}})
+    events.write({"t": 2.0, "round": 2, "event": "region_joined", "region": "sa-east-1", "first_round": 2,
+                  "new": True, "label": None, "alive": [*two, "sa-east-1"]})
+    events.write({"t": 4.5, "round": 4, "event": "region_failed", "region": "sa-east-1", "cause": "process died"})
+    for log in (metrics, rounds, events):
+        log.close()
+    cfg = config_from_mapping({"regions": {"names": two}, "task": {"kind": "mlp-digits"},
+                               "network": {"emulation": {"mode": "none"}}})
+    faults = {"region_restarts": 0, "region_failures": 1, "peers_left_out": 0, "late_dropped": 0, "region_stalls": 0}
+    summary = build_summary(cfg, tmp_path, eval_avg=None, eval_per_region=None, consensus=None, transport_stats={},
+                            faults=faults, placement={}, emulator=None, wall_s=6.0)
+    assert summary["faults"]["region_rounds_out"] == 2
+    assert summary["faults"]["by_region"]["sa-east-1"]["rounds_out"] == [[4, 5]]
