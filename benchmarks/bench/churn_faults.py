@@ -202,11 +202,20 @@ class Injector:
         """Until `at_s` after round 0 began; False when the run ended first."""
         return not self.done.wait(max(0.0, self.t0 + (self.round0_s or 0.0) + at_s - self.clock()))
 
-    def _wait_round0(self) -> bool:
-        """Until the driver's set-up is done (its setup_done event); False when the run ended first."""
-        while not any(e.get("event") == "setup_done" for e in read_jsonl(self.driver.run_dir / "events.jsonl")):
+    def _wait_set_up(self) -> bool:
+        """Until the driver of the moment is done setting up (a setup_done event for each launch: a
+        region killed while a resumed driver re-attaches to it fails that driver's set-up, not its
+        rounds); False when the run ended first."""
+        while sum(e.get("event") == "setup_done" for e in read_jsonl(self.driver.run_dir / "events.jsonl")) < \
+                max(1, self.driver.launches):
             if self.done.wait(0.2):
                 return False
+        return True
+
+    def _wait_round0(self) -> bool:
+        """Until the driver's first set-up is done; False when the run ended first."""
+        if not self._wait_set_up():
+            return False
         self.round0_s = round(self.clock() - self.t0, 2)
         return True
 
@@ -214,7 +223,7 @@ class Injector:
         if not self._wait_round0():
             return
         for fault in self.faults:
-            if not self._sleep_until(fault.at_s):
+            if not self._sleep_until(fault.at_s) or not self._wait_set_up():
                 return
             try:
                 self._act(fault)

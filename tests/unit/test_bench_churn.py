@@ -136,25 +136,42 @@ def test_fault_costs_split_round_time_missing_examples_and_a_driver_kills_gap(tm
     assert sorted(got["by_kind"]) == ["driver-kill", "link-outage", "region-kill"]
 
 
-def test_the_faults_clock_starts_at_the_runs_first_round_not_at_its_launch(tmp_path):
+def test_faults_start_at_the_runs_first_round_and_wait_for_a_resumed_drivers_set_up(tmp_path):
     import time
     from types import SimpleNamespace
 
     from geofed.bench.churn_faults import Injector
 
     killed = []
-    driver = SimpleNamespace(run_dir=tmp_path, kill_and_resume=lambda: killed.append(time.monotonic()) or 42)
+
+    def kill_and_resume():
+        killed.append(time.monotonic())
+        driver.launches += 1
+        return 42
+
+    driver = SimpleNamespace(run_dir=tmp_path, kill_and_resume=kill_and_resume, launches=1)
+
+    def set_up_done():
+        with (tmp_path / "events.jsonl").open("a") as f:
+            f.write(json.dumps({"event": "setup_done"}) + "\n")
+
+    def wait_kills(n):
+        deadline = time.monotonic() + 5
+        while len(killed) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     _write(tmp_path / "events.jsonl", [{"event": "started"}])
     t0 = time.monotonic()
-    injector = Injector(driver, [Fault(at_s=0.1, kind="driver-kill", region="b")], t0=t0, timing=Timing()).start()
-    time.sleep(0.5)
+    faults = [Fault(at_s=0.1, kind="driver-kill", region="b"), Fault(at_s=0.2, kind="driver-kill", region="c")]
+    injector = Injector(driver, faults, t0=t0, timing=Timing()).start()
+    time.sleep(0.4)
     assert killed == []  # still setting up: no fault yet
-    with (tmp_path / "events.jsonl").open("a") as f:
-        f.write(json.dumps({"event": "setup_done"}) + "\n")
-    deadline = time.monotonic() + 5
-    while not killed and time.monotonic() < deadline:
-        time.sleep(0.02)
+    set_up_done()
+    wait_kills(1)
+    time.sleep(0.4)
+    assert len(killed) == 1  # the resumed driver is setting up: the next fault waits for it
+    set_up_done()
+    wait_kills(2)
     injector.join(5)
-    assert injector.round0_s >= 0.5 and killed[0] - t0 >= injector.round0_s + 0.1
-    assert injector.actions == [{"t_s": injector.actions[0]["t_s"], "kind": "driver-kill", "region": None, "ok": True,
-                                 "pid": 42}]
+    assert injector.round0_s >= 0.4 and killed[0] - t0 >= injector.round0_s + 0.1 and killed[1] - killed[0] >= 0.4
+    assert [(a["kind"], a["ok"], a["pid"]) for a in injector.actions] == [("driver-kill", True, 42)] * 2
