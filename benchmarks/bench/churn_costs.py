@@ -13,7 +13,9 @@ round once: a resume truncates the rounds it does again):
 
 with p_r the time from the previous round's end to this round's end, p the undisturbed median,
 x_r the examples its regions reported and x a full round's (every region, H steps). The first
-term (round time) goes to the last fault before the round, whatever it hit; the second
+term (round time) goes to the last fault before the round, whatever it hit, except in a round
+that a region joined or came back restarted in (the driver brings it in between rounds while the
+others wait: that is the fault's that took it out, the leave or the kill); the second
 (examples) goes region by region to the last fault that hit the missing region (a region-kill, a
 leave, a stop of that region; a driver kill hits them all). A driver kill costs, besides its
 rounds, the wall time that is in no round: from the end of the last round before the kill to
@@ -107,6 +109,12 @@ def fault_costs(undisturbed: Path, churn: Path, actions: Sequence[dict[str, Any]
         hit = [f for f in faults if f["t_s"] <= at and (region is None or f["region"] == region or f["kind"] in HITS_ALL)]
         return hit[-1] if hit else None
 
+    # The driver brings a joiner or a restarted region in between rounds, the others waiting: that round's
+    # time is the fault's that took the region out, whatever came in between.
+    brought: dict[int, str] = {}
+    for e in read_jsonl(churn / "events.jsonl"):
+        if e.get("event") == "region_joined" or (e.get("event") == "region_rejoined" and e.get("after") == "restart"):
+            brought.setdefault(int(e["round"]), e["region"])
     other = {"round_s": 0.0, "examples": 0.0}
     for r in rounds:
         n = r["round"]
@@ -116,6 +124,8 @@ def fault_costs(undisturbed: Path, churn: Path, actions: Sequence[dict[str, Any]
             if offset_at(n) != offset_at(n - 1):  # the first round after a resume: all of the gap is the kill's
                 kill = next((f for f in reversed(faults) if f["kind"] == "driver-kill" and f["t_s"] <= start_wall), None)
                 (kill or other)["gap_s" if kill else "round_s"] += slow
+            elif n in brought:
+                (last_fault(start_wall, brought[n]) or other)["round_s"] += slow
             else:
                 (last_fault(start_wall) or other)["round_s"] += slow
         got = examples.get(n, {})
