@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,26 @@ def cluster():
         c.stop()
 
 
+@pytest.fixture(scope="module")
+def failing_runs(cluster, tmp_path_factory):
+    """The two runs that must fail go beside the first test's run (it requests this fixture): the one
+    with a region no node carries fails before it creates an actor, so it takes none of the cluster's
+    CPUs, and the one pointed where no head answers needs no cluster. Each times itself; the tests
+    that read them assert on them."""
+    root = tmp_path_factory.mktemp("failing")
+    (root / "no-node").mkdir()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"no_node": pool.submit(_timed, _geofed_run, cluster, root / "no-node" / "run", "--set",
+                                      "regions.names=[us-east-1, eu-west-1, ap-southeast-2, sa-east-1]", timeout_s=90),
+               "no_head": pool.submit(_timed, _no_head_run, root)}
+
+
+def _timed(run, *args, **kwargs) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = run(*args, **kwargs)
+    return proc, time.monotonic() - t0
+
+
 def _geofed_run(cluster: LocalCluster, out: Path, *overrides: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
     lo, hi = cluster.grpc_port_range
     # --verbose: Ray's own start-up lines (which say it joined the cluster) reach stderr.
@@ -61,7 +82,7 @@ def _why(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
 
 
-def test_each_region_runs_on_its_labelled_node_and_updates_cross_over_grpc(cluster, tmp_path):
+def test_each_region_runs_on_its_labelled_node_and_updates_cross_over_grpc(cluster, failing_runs, tmp_path):
     proc = _geofed_run(cluster, tmp_path / "run")
     assert proc.returncode == 0, _why(proc)
     run = tmp_path / "run"
@@ -100,11 +121,8 @@ def test_each_region_runs_on_its_labelled_node_and_updates_cross_over_grpc(clust
     assert "Connected to Ray cluster" in proc.stderr or "Connecting to existing Ray cluster" in proc.stderr
 
 
-def test_a_region_without_a_node_fails_fast_naming_it_and_the_labels_seen(cluster, tmp_path):
-    t0 = time.monotonic()
-    proc = _geofed_run(cluster, tmp_path / "run", "--set",
-                       "regions.names=[us-east-1, eu-west-1, ap-southeast-2, sa-east-1]", timeout_s=90)
-    elapsed = time.monotonic() - t0
+def test_a_region_without_a_node_fails_fast_naming_it_and_the_labels_seen(cluster, failing_runs):
+    proc, elapsed = failing_runs["no_node"].result()
     assert proc.returncode == 1, _why(proc)
     out = proc.stdout + proc.stderr
     assert f"region(s) sa-east-1 ({LABEL}=sa-east-1)" in out, _why(proc)
@@ -116,18 +134,22 @@ def test_a_region_without_a_node_fails_fast_naming_it_and_the_labels_seen(cluste
     assert "Traceback" not in out
 
 
-def test_an_address_where_no_head_answers_fails_within_init_timeout(tmp_path):
+def test_an_address_where_no_head_answers_fails_within_init_timeout(failing_runs):
     """No cluster needed: nothing listens on the port, the driver gives up after ray.init_timeout_s."""
+    (proc, port), elapsed = failing_runs["no_head"].result()
+    assert proc.returncode == 1, _why(proc)
+    assert f"no Ray head answers at 127.0.0.1:{port} within 3s (ray.init_timeout_s)" in proc.stdout + proc.stderr
+    assert elapsed < 60
+
+
+def _no_head_run(tmp_path: Path) -> tuple[subprocess.CompletedProcess, int]:
     from geofed.bench.local_cluster import free_ports
 
     port = free_ports("127.0.0.1", 1)[0]
-    t0 = time.monotonic()
     proc = subprocess.run([GEOFED, "run", str(CONFIG), "--address", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"),
                            "--no-report", "--quiet", "--set", "ray.init_timeout_s=3"],
                           capture_output=True, text=True, timeout=90, cwd=tmp_path, check=False)
-    assert proc.returncode == 1, _why(proc)
-    assert f"no Ray head answers at 127.0.0.1:{port} within 3s (ray.init_timeout_s)" in proc.stdout + proc.stderr
-    assert time.monotonic() - t0 < 60
+    return proc, port
 
 
 def _ray_looking_pids_not_in(cluster: LocalCluster) -> set[int]:
@@ -144,7 +166,8 @@ def _ray_looking_pids_not_in(cluster: LocalCluster) -> set[int]:
     return out
 
 
-def test_teardown_stops_only_what_the_cluster_started(cluster):
+def test_teardown_stops_only_what_the_cluster_started(cluster, failing_runs: dict[str, Future]):
+    wait(failing_runs.values())  # the failing runs' drivers are gone before the cluster stops
     # A decoy that looks like Ray to a name-based kill (`ray stop`, pkill raylet): it must survive.
     decoy = subprocess.Popen(["bash", "-c", "exec -a raylet sleep 120"], start_new_session=True)
     try:
