@@ -77,34 +77,42 @@ def test_a_dead_node_a_preemption_and_the_driver_own_reasons():
     assert failures.worker_exit(None) is None
 
 
-def _run_dir(tmp_path, *, last_back: bool):
-    """Six rounds: eu-west-1 OOM-killed in round 2, back (restarted) in round 4; ap-south-1 stalls in
-    round 4, is killed in round 5 and (last_back False) never comes back."""
-    metrics, rounds, events = (JsonlLog(tmp_path / f"{n}.jsonl") for n in ("metrics", "rounds", "events"))
-    alive_of = {0: REGIONS, 1: REGIONS, 2: ["us-east-1", "ap-south-1"], 3: ["us-east-1", "ap-south-1"],
-                4: ["us-east-1", "eu-west-1"], 5: ["us-east-1", "eu-west-1"]}
+def _write_run(tmp_path, alive_of: dict[int, list[str]], events: list[dict], names: list[str], faults: dict) -> dict:
+    """A run directory whose rounds had `alive_of` alive (each alive region's metrics, a quiet round's)
+    and `events` after `started`; its summary as build_summary makes it for `names`."""
+    metrics, rounds, log = (JsonlLog(tmp_path / f"{n}.jsonl") for n in ("metrics", "rounds", "events"))
     for r, alive in alive_of.items():
         for region in alive:
             metrics.write({"round": r, "region": region, "train_loss": 1.0, "compute_s": 0.1, "wall_s": 0.2,
                            "bytes_sent": 10, "bytes_received": 10, "transfers": []})
         rounds.write({"round": r, "t_start": r, "t_end": r + 1, "H": 5, "alive": alive, "regions_reported": alive,
                       "links": {}})
-    events.write({"t": 0.0, "round": 0, "event": "started", "regions": {}})
-    events.write({"t": 2.5, "round": 2, "event": "region_failed", "region": "eu-west-1", "cause": "OOM",
-                  "why": "actor died during round 2: OOM"})
-    events.write({"t": 4.0, "round": 4, "event": "region_rejoined", "region": "eu-west-1", "after": "restart"})
-    events.write({"t": 4.5, "round": 4, "event": "region_stalled", "region": "ap-south-1"})
-    events.write({"t": 5.5, "round": 5, "event": "region_failed", "region": "ap-south-1", "cause": "stalled",
-                  "why": "stalled for 30s; killed for Ray to restart"})
-    if not last_back:  # the final checkpoint, after round 5 was logged: us-east-1 dies there too
-        events.write({"t": 6.5, "round": 6, "event": "region_failed", "region": "us-east-1", "cause": "process died"})
-    for log in (metrics, rounds, events):
-        log.close()
-    cfg = config_from_mapping({"regions": {"names": REGIONS}, "task": {"kind": "mlp-digits"},
+    for e in [{"t": 0.0, "round": 0, "event": "started", "regions": {}}, *events]:
+        log.write(e)
+    for f in (metrics, rounds, log):
+        f.close()
+    cfg = config_from_mapping({"regions": {"names": names}, "task": {"kind": "mlp-digits"},
                                "network": {"emulation": {"mode": "none"}}})
-    faults = {"region_restarts": 1, "region_failures": 2, "peers_left_out": 0, "late_dropped": 0, "region_stalls": 1}
     return build_summary(cfg, tmp_path, eval_avg=None, eval_per_region=None, consensus=None, transport_stats={},
                          faults=faults, placement={}, emulator=None, wall_s=6.0)
+
+
+def _run_dir(tmp_path, *, last_back: bool):
+    """Six rounds: eu-west-1 OOM-killed in round 2, back (restarted) in round 4; ap-south-1 stalls in
+    round 4, is killed in round 5 and (last_back False) never comes back."""
+    alive_of = {0: REGIONS, 1: REGIONS, 2: ["us-east-1", "ap-south-1"], 3: ["us-east-1", "ap-south-1"],
+                4: ["us-east-1", "eu-west-1"], 5: ["us-east-1", "eu-west-1"]}
+    events: list[dict] = []
+    events.append({"t": 2.5, "round": 2, "event": "region_failed", "region": "eu-west-1", "cause": "OOM",
+                   "why": "actor died during round 2: OOM"})
+    events.append({"t": 4.0, "round": 4, "event": "region_rejoined", "region": "eu-west-1", "after": "restart"})
+    events.append({"t": 4.5, "round": 4, "event": "region_stalled", "region": "ap-south-1"})
+    events.append({"t": 5.5, "round": 5, "event": "region_failed", "region": "ap-south-1", "cause": "stalled",
+                   "why": "stalled for 30s; killed for Ray to restart"})
+    if not last_back:  # the final checkpoint, after round 5 was logged: us-east-1 dies there too
+        events.append({"t": 6.5, "round": 6, "event": "region_failed", "region": "us-east-1", "cause": "process died"})
+    faults = {"region_restarts": 1, "region_failures": 2, "peers_left_out": 0, "late_dropped": 0, "region_stalls": 1}
+    return _write_run(tmp_path, alive_of, events, REGIONS, faults)
 
 
 def test_the_summary_names_each_region_its_causes_and_the_rounds_it_missed(tmp_path, capsys, monkeypatch):
@@ -182,25 +190,12 @@ def test_an_actor_killed_for_memory_while_starting_fails_set_up_in_one_line_that
 def test_a_region_joined_under_a_new_name_counts_its_rounds_out_from_its_first_round(tmp_path):
     """summary's rounds out knew only regions.names: a region that joined under a new name (geofed
     join) and then failed was out of no round. It counts from its join round, not before."""
-    metrics, rounds, events = (JsonlLog(tmp_path / f"{n}.jsonl") for n in ("metrics", "rounds", "events"))
     two = ["us-east-1", "eu-west-1"]
     alive_of = {0: two, 1: two, 2: [*two, "sa-east-1"], 3: [*two, "sa-east-1"], 4: two, 5: two}
-    for r, alive in alive_of.items():
-        for region in alive:
-            metrics.write({"round": r, "region": region, "train_loss": 1.0, "compute_s": 0.1, "wall_s": 0.2,
-                           "bytes_sent": 10, "bytes_received": 10, "transfers": []})
-        rounds.write({"round": r, "t_start": r, "t_end": r + 1, "H": 5, "alive": alive, "regions_reported": alive,
-                      "links": {}})
-    events.write({"t": 0.0, "round": 0, "event": "started", "regions": {}})
-    events.write({"t": 2.0, "round": 2, "event": "region_joined", "region": "sa-east-1", "first_round": 2,
-                  "new": True, "label": None, "alive": [*two, "sa-east-1"]})
-    events.write({"t": 4.5, "round": 4, "event": "region_failed", "region": "sa-east-1", "cause": "process died"})
-    for log in (metrics, rounds, events):
-        log.close()
-    cfg = config_from_mapping({"regions": {"names": two}, "task": {"kind": "mlp-digits"},
-                               "network": {"emulation": {"mode": "none"}}})
+    events = [{"t": 2.0, "round": 2, "event": "region_joined", "region": "sa-east-1", "first_round": 2,
+               "new": True, "label": None, "alive": [*two, "sa-east-1"]},
+              {"t": 4.5, "round": 4, "event": "region_failed", "region": "sa-east-1", "cause": "process died"}]
     faults = {"region_restarts": 0, "region_failures": 1, "peers_left_out": 0, "late_dropped": 0, "region_stalls": 0}
-    summary = build_summary(cfg, tmp_path, eval_avg=None, eval_per_region=None, consensus=None, transport_stats={},
-                            faults=faults, placement={}, emulator=None, wall_s=6.0)
+    summary = _write_run(tmp_path, alive_of, events, two, faults)
     assert summary["faults"]["region_rounds_out"] == 2
     assert summary["faults"]["by_region"]["sa-east-1"]["rounds_out"] == [[4, 5]]
