@@ -14,9 +14,12 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_estimate_within_10_percent_after_3_transfers_and_follows_a_step(tmp_path):
     pki = make_pki(tmp_path / "tls", ["a", "b"])
+    # 20 then 8 Mbit/s (were 40 and 16): the sender, the receiver and the user-space proxy share this
+    # process, and their per-chunk CPU is a larger share of a faster link's transfer; a fresh-clone CI run
+    # on a slow spell of this host read 34.9 Mbit/s of 40 (-13%); the estimator is what is tested, not the proxy.
     cfg = EmulationConfig(mode="proxy", preset=None,
-                          default=LinkSpec(latency_ms=5.0, bandwidth_mbps=40.0, jitter_ms=0.0, loss=0.0),
-                          schedule=(ScheduleEvent(link="a->b", at_round=1, set=LinkSpec(bandwidth_mbps=16.0)),))
+                          default=LinkSpec(latency_ms=5.0, bandwidth_mbps=20.0, jitter_ms=0.0, loss=0.0),
+                          schedule=(ScheduleEvent(link="a->b", at_round=1, set=LinkSpec(bandwidth_mbps=8.0)),))
     a, b = (GrpcTransport(r, tls=load_tls(pki.directory, r), max_message_bytes=4 << 20) for r in ("a", "b"))
     b.mailbox.set_validator(lambda sender, round, payload: len(payload))
     with WanEmulator(cfg, ["a", "b"]) as emu:
@@ -43,12 +46,12 @@ def test_estimate_within_10_percent_after_3_transfers_and_follows_a_step(tmp_pat
             assert est.bandwidth_bps is None
             for _ in range(3):
                 transfer()
-            assert est.bandwidth_bps / 1e6 == pytest.approx(40.0, rel=0.10)
+            assert est.bandwidth_bps / 1e6 == pytest.approx(20.0, rel=0.10)
             emu.set_round(1)
-            assert emu.configured("a", "b").bandwidth_mbps == 16.0
+            assert emu.configured("a", "b").bandwidth_mbps == 8.0
             for _ in range(3):
                 transfer()
-            assert est.bandwidth_bps / 1e6 == pytest.approx(16.0, rel=0.10)
+            assert est.bandwidth_bps / 1e6 == pytest.approx(8.0, rel=0.10)
         finally:
             a.close()
             b.close()
