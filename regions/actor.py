@@ -218,8 +218,9 @@ class RegionActor:
         """The group's rendezvous on this node (HOST:PORT), for the driver to hand the other workers."""
         return self._paused(lambda r: _group_of(r).open(ray.util.get_node_ip_address()))
 
-    def join_group(self, address: str) -> None:
-        return self._paused(lambda r: _group_of(r).join(address, r.device))
+    def join_group(self, address: str, rebuilt: bool = False) -> None:
+        """Join the group at `address`; `rebuilt` (after a worker died): the whole state goes to the others first."""
+        return self._paused(lambda r: _group_of(r).join(address, r.device, rebuilt=rebuilt))
 
     def finish_loop(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The run is over (the loop API): the user's loop sees should_stop, its function is waited
@@ -279,8 +280,10 @@ class RegionWorkerActor:
         self.region = Region(cfg, region, run_dir, transport=InMemoryTransport(region, InMemoryHub()), workers=group)
         self.group = group
 
+    @ray.method(concurrency_group=FOLLOWER_GROUP)
     def node_info(self) -> dict[str, Any]:
-        """What the placement check reads: the node it runs on and its labels (as RegionActor.node_info)."""
+        """What the placement check reads: the node it runs on and its labels (as RegionActor.node_info),
+        and its pid; on a thread of its own, so that it answers while `follow` holds the main one."""
         return {"region": self.region.region, "rank": self.group.rank, "pid": os.getpid(), **_node_facts()}
 
     def join_group(self, address: str) -> None:

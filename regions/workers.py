@@ -26,6 +26,13 @@ Worker 0 leads, the others follow its commands over the group:
 - STOP, when the region closes.
 
 The exchange is not sharded yet: worker 0 sends and receives the region's whole update.
+
+A worker that dies (a SIGKILL, an OOM kill) breaks every collective of the others: gloo sees the
+closed connection at once, and a collective that hears nothing gives up at regions.group_timeout_s
+(the group's timeout), so no call waits without a deadline. Each survivor's collective then raises
+GroupLost and leaves the group; the driver counts the region as failed and rebuilds it
+(orchestrator/driver/regroup.py): worker 0 in a fresh process, the survivors joining the new group,
+worker 0's whole state broadcast before the first step (`join(..., rebuilt=True)`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,6 +53,11 @@ STEP, SYNC, STATE, CHECK, STOP = 1, 2, 3, 4, 5
 
 class GroupError(RuntimeError):
     """A region's workers could not form their process group (or lost it), named by region and worker."""
+
+
+class GroupLost(GroupError):
+    """A collective failed (a worker of the region died, or one passed regions.group_timeout_s): this
+    worker left the group. Not a fault of the run: the driver fails the region and rebuilds its group."""
 
 
 class WorkerGroup:
@@ -79,9 +92,11 @@ class WorkerGroup:
                                     wait_for_workers=False)
         return f"{host}:{self._store.port}"
 
-    def join(self, address: str, device: torch.device) -> None:
+    def join(self, address: str, device: torch.device, *, rebuilt: bool = False) -> None:
         """Join the group at `address` (worker 0's `open`) within regions.group_timeout_s; GroupError
-        naming the region and this worker otherwise. A first all_reduce checks every worker is in."""
+        naming the region and this worker otherwise. A first all_reduce checks every worker is in.
+        `rebuilt` (a group formed again after a worker died): worker 0's first command is its whole
+        state, since the survivors hold whatever their last step left and a new worker its seed's model."""
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         host, _, port = address.rpartition(":")
@@ -101,6 +116,7 @@ class WorkerGroup:
                              f"within {self.timeout.total_seconds():g}s (regions.group_timeout_s; waited "
                              f"{time.monotonic() - t0:.1f}s): {detail}") from None
         self.joined = True
+        self._stale = self._stale or (rebuilt and self.leader)
 
     def close(self) -> None:
         """Worker 0 tells the others to stop; every worker leaves the group. Best effort: a worker
@@ -132,26 +148,29 @@ class WorkerGroup:
     def lead_step(self, region: Any, lr_scale: float) -> None:
         """Before each of worker 0's inner steps: the others take one too (its state first, if stale)."""
         self._check_joined()
-        if self._stale:
-            self._send_state(region)
-        self._command(STEP, lr_scale)
+        with self._collective("an inner step"):
+            if self._stale:
+                self._send_state(region)
+            self._command(STEP, lr_scale)
 
     def lead_sync(self, region: Any) -> None:
         """At the end of worker 0's round: the others take its model (its whole state, if stale)."""
         self._check_joined()
-        if self._stale:
-            self._send_state(region)
-            return
-        self._command(SYNC)
-        self._broadcast_model(region.model)
+        with self._collective("the round's model broadcast"):
+            if self._stale:
+                self._send_state(region)
+                return
+            self._command(SYNC)
+            self._broadcast_model(region.model)
 
     def check(self, region: Any) -> None:
         """Worker 0, at a checkpoint: every worker holds its model bitwise, or GroupError naming who does not."""
         self._check_joined()
-        if self._stale:
-            self._send_state(region)
-        self._command(CHECK)
-        differ = self._compare(region.model)
+        with self._collective("the checkpoint's digest check"):
+            if self._stale:
+                self._send_state(region)
+            self._command(CHECK)
+            differ = self._compare(region.model)
         if differ:
             raise GroupError(f"region {self.region}: worker(s) {', '.join(map(str, differ))} of {self.size} hold "
                              f"another model than worker 0's (the workers' steps went apart)")
@@ -171,9 +190,20 @@ class WorkerGroup:
         dist.broadcast(torch.tensor([float(op), arg], dtype=torch.float64, device=self.device), src=0)
 
     def _check_joined(self) -> None:
-        if not self.joined:
-            raise GroupError(f"{self.who()} holds no process group: the region's workers formed none, or this "
-                             f"actor was restarted (a region of several workers does not survive a restart yet)")
+        if not self.joined:  # lost: a collective failed before, and the driver has not formed it again yet
+            raise GroupLost(f"{self.who()} holds no process group: its region's group was lost, or never formed")
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Collectives of this worker: one that fails (a worker died: gloo's closed connection, or
+        regions.group_timeout_s passed) leaves the group and raises GroupLost, in the region's words."""
+        try:
+            yield
+        except GroupError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gloo's and nccl's errors have no common type
+            self._destroy()
+            raise GroupLost(f"{self.who()} lost its region's process group during {what}: {_first_line(exc)}") from None
 
     # -- every worker -------------------------------------------------------------------------
     def average_grads(self, params: list[torch.Tensor], loss: torch.Tensor) -> float:
@@ -183,12 +213,13 @@ class WorkerGroup:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params] + [loss.detach().reshape(1).to(params[0].dtype)]
-        for group in _by_dtype(grads):
-            flat = torch.cat([g.reshape(-1) for g in group])
-            dist.all_reduce(flat)
-            flat.div_(self.size)
-            for g, piece in zip(group, flat.split([g.numel() for g in group])):
-                g.copy_(piece.view_as(g))
+        with self._collective("the gradient all_reduce"):
+            for group in _by_dtype(grads):
+                flat = torch.cat([g.reshape(-1) for g in group])
+                dist.all_reduce(flat)
+                flat.div_(self.size)
+                for g, piece in zip(group, flat.split([g.numel() for g in group])):
+                    g.copy_(piece.view_as(g))
         return float(grads[-1].item())
 
     def _broadcast_model(self, model: torch.nn.Module) -> None:
@@ -232,13 +263,19 @@ class WorkerGroup:
                     return steps
                 else:
                     raise GroupError(f"{self.who()}: unknown command {op} from worker 0")
+        except GroupLost as exc:
+            raise GroupLost(f"{exc} (after {steps} steps)") from None
         except GroupError:
             raise
         except Exception as exc:  # noqa: BLE001 - worker 0 gone, a collective past its deadline
-            raise GroupError(f"{self.who()} lost its region's process group after {steps} steps: "
-                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+            raise GroupLost(f"{self.who()} lost its region's process group after {steps} steps: {_first_line(exc)}") from None
         finally:
             self._destroy()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _digest(model: torch.nn.Module) -> str:

@@ -54,6 +54,11 @@ class Faults:
             if region in regions.stalled:
                 sent += self._revive_stalled(region, r)
                 continue
+            if self.cfg.regions.workers > 1:  # worker 0 restarted, then its group formed again (regroup.py)
+                info = regions.regroup.poll(region)
+                if info is not None:
+                    sent += self._rejoin(region, r, info)
+                continue
             probe = regions.probes.get(region)
             if probe is None:
                 regions.probes[region] = regions.node_info_ref(region)
@@ -108,7 +113,9 @@ class Faults:
             restored = ray.get(regions.restore_ref(region, r - 1), timeout=120)
         except _ACTOR_GONE as exc:
             log.warning("region %s did not come back yet: %s", region, first_line(exc))
-            if not restarted:  # the dead-region path restarts it: a fresh actor whose start() works
+            # the dead-region path restarts it: a fresh actor whose start() works; a region of several
+            # workers formed its group again around this worker 0, and a fresh one forms it anew (regroup.py)
+            if not restarted or self.cfg.regions.workers > 1:
                 regions.kill(region)
             return 0
         regions.rejoin(region, address, info)

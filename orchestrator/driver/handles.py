@@ -19,12 +19,14 @@ from typing import Any
 
 import ray
 from geofed.regions.messages import RoundPlan, RoundReport
+from geofed.regions.workers import GroupLost
 
 from ..config import RunConfig
 from .cluster import RegionActors
 from .failures import ACTOR_DEATHS, Death, cause_of_text, death_cause, worker_exit
 from .journal import Journal
 from .recovery import RunFailed
+from .regroup import Regroup, worker_death
 
 Results = dict[str, dict[str, Any]]
 Reports = dict[str, RoundReport]  # a round's reports by region (run_round's refs, gathered)
@@ -82,6 +84,7 @@ class RegionHandles:
         self.stalled: dict[str, dict[str, float]] = {}  # stalled region (in dead; its probe is its pending call)
         self.addresses: dict[str, str] = {}
         self.leaving: dict[str, dict] = {}  # region -> its heartbeat saying it got a SIGTERM (driver/membership.py)
+        self.regroup = Regroup(cfg, actors, journal, run_dir)  # regions.workers > 1: rebuilt after a worker died
 
     # -- gathering ---------------------------------------------------------------------------
     def gather(self, refs: dict[Any, str], what: str, *, timeout: float, on_result: OnResult | None = None) -> dict[str, Any]:
@@ -128,13 +131,23 @@ class RegionHandles:
     def collect(self, ref: Any, region: str, what: str, out: dict[str, Any]) -> None:
         """One finished call into `out`; a dead actor fails its region (with why it died: OOM or
         not, driver/failures.py), an error in the call the run."""
+        n = self.cfg.regions.workers
         try:
             out[region] = ray.get(ref)
         except ACTOR_DEATHS as exc:
             death = self.death_of(region, exc)
-            self.fail(region, f"actor died during {what} ({death.cause})", death=death)
+            if n > 1:
+                self.fail(region, f"worker 0 of {n} died during {what} ({death.cause})", death=death, worker=0)
+            else:
+                self.fail(region, f"actor died during {what} ({death.cause})", death=death)
         except ray.exceptions.RayTaskError as exc:
-            raise RunFailed(f"region {region} failed in {what}: {exc.cause!r}") from None
+            if not isinstance(exc.cause, GroupLost):
+                raise RunFailed(f"region {region} failed in {what}: {exc.cause!r}") from None
+            # One of its other workers died (regions.workers): the region fails, worker 0 restarts (regroup.py)
+            rank, death = worker_death(self.actors, region, exc)
+            who = f"worker {rank} of {n} died" if rank is not None else "its workers lost their process group"
+            self.fail(region, f"{who} during {what} ({death.cause})", death=death, worker=rank)
+            self.kill(region)
 
     def kill(self, region: str) -> None:
         """Kill a region's actor for Ray to restart (it did not finish a call in time)."""
@@ -145,9 +158,10 @@ class RegionHandles:
         return death_cause(exc, worker_exit((self.actors.info.get(region) or {}).get("pid")))
 
     # -- membership --------------------------------------------------------------------------
-    def fail(self, region: str, why: str, *, death: Death | None = None) -> None:
+    def fail(self, region: str, why: str, *, death: Death | None = None, worker: int | None = None) -> None:
         """The region failed: left out (elastic) or the run stops (fail-fast). `death`: why its actor
-        died, when it did (else the cause is read from `why`: a timeout, a stall)."""
+        died, when it did (else the cause is read from `why`: a timeout, a stall); `worker`: which of
+        a region's workers died (regions.workers > 1), when it is known."""
         if region in self.leaving:  # its spot notice's grace ran out mid-call: it leaves (driver/membership.py)
             self.leave_out(region, f"{why} (after a SIGTERM: leaving)")
             return
@@ -155,7 +169,8 @@ class RegionHandles:
         death = death or Death(cause=cause_of_text(why), detail="")
         self.journal.count("region_failures")
         self.journal.event("region_failed", region=region, why=why, cause=death.cause,
-                           **({"detail": death.detail} if death.detail else {}))
+                           **({"detail": death.detail} if death.detail else {}),
+                           **({"worker": worker} if worker is not None else {}))
         if self.cfg.run.on_region_failure == "fail-fast":
             raise RunFailed(f"region {region} failed in round {r} ({why}); run.on_region_failure is fail-fast; "
                             f"the checkpoint of round {self.journal.last_checkpoint} stands: "
