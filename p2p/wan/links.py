@@ -51,6 +51,18 @@ class Outage:
     mode: str               # "stall" | "reset"
 
 
+def _warn_unmeasured(preset: Preset | None, pairs: Sequence[Pair]) -> None:
+    """One line for every link the preset has no figures for (a run of 10 regions with one unnamed
+    region has 18 such links, and a line each buried the rest of the output)."""
+    if preset is None:
+        return
+    missing = [link_name(p) for p in pairs if preset.link(*p) is None]
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        log.warning("wan: preset %r has no figures for %d link%s (%s); %s network.emulation.default", preset.name,
+                    len(missing), "s" * (len(missing) > 1), shown, "they use" if len(missing) > 1 else "it uses")
+
+
 class LinkTable:
     """Every directed link between `regions`, resolved now; times are seconds on the emulator clock."""
 
@@ -63,6 +75,7 @@ class LinkTable:
         self.pairs: tuple[Pair, ...] = tuple((a, b) for a in self.regions for b in self.regions if a != b)
         self._lock = threading.Lock()
         self._base = {p: self._resolve_base(p, preset) for p in self.pairs}
+        _warn_unmeasured(preset, self.pairs)
         self._changes: dict[Pair, LinkSpec] = {}
         self._outages: dict[Pair, list[Outage]] = {p: [] for p in self.pairs}
         self._shapes = {p: self._shape_of(p) for p in self.pairs}
@@ -88,6 +101,7 @@ class LinkTable:
                 base[(a, b)] = self._resolve_base((a, b), self.preset)
             else:
                 base[(a, b)] = self._base[(like, b) if a == region else (a, like)]
+        _warn_unmeasured(self.preset, [p for p in new if like is None or like in p])
         with self._lock:
             self._base.update(base)
             self._outages.update({p: [] for p in new})
@@ -106,8 +120,6 @@ class LinkTable:
     def _resolve_base(self, pair: Pair, preset: Preset | None) -> LinkSpec:
         default = self.config.default
         measured = preset.link(*pair) if preset is not None else None
-        if preset is not None and measured is None:
-            log.warning("wan: preset %r has no figures for %s; using network.emulation.default", preset.name, link_name(pair))
         spec = default.merged(measured) if measured is not None else default
         # 'a<->b' first so that a directed 'a->b' override wins over it.
         for key, over in sorted(self.config.links.items(), key=lambda kv: "->" in kv[0] and "<->" not in kv[0]):

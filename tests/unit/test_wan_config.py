@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import yaml
 
@@ -111,6 +113,21 @@ def test_pairs_the_preset_lacks_use_default(caplog):
     t = LinkTable(cfg, ["us-east-1", "r-local"], load_preset("aws"))
     assert t.configured("r-local", "us-east-1") == LinkSpec(latency_ms=7, bandwidth_mbps=9, jitter_ms=0.0, loss=0.0)
     assert "no figures for" in caplog.text
+
+
+def test_the_links_a_preset_lacks_are_named_in_one_warning_per_table(caplog):
+    caplog.set_level(logging.WARNING, logger="geofed.p2p.wan.links")
+    regions = ["us-east-1", "eu-west-1", "eu-central-1", "r-9"]
+    t = LinkTable(EmulationConfig(), regions, load_preset("aws"))
+    (line,) = [r.getMessage() for r in caplog.records if "no figures" in r.getMessage()]
+    assert "has no figures for 6 links (us-east-1->r-9, " in line and "they use network.emulation.default" in line
+    caplog.clear()
+    t.add_region("r-10")  # a joiner under a new name: its 8 links, one line
+    (line,) = [r.getMessage() for r in caplog.records if "no figures" in r.getMessage()]
+    assert "for 8 links" in line and "and 2 more" in line
+    caplog.clear()
+    LinkTable(EmulationConfig(), regions[:3], load_preset("aws"))
+    assert "no figures" not in caplog.text
 
 
 def test_links_and_schedule_must_name_run_regions():
