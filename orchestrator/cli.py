@@ -97,9 +97,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds to wait for the driver's answer (default 300; 0: write the request and exit)")
     join = sub.add_parser("join", help="bring a region into a live run, back or under a new name (docs/reliability.md)",
                           description="Ask a live run's driver (through RUN_DIR/control) to bring region NAME into "
-                          "the run before its next round: a new actor (placed with its label when the run pins "
-                          "labels, or on a node labelled --label), its certificate from the run's CA in RUN_DIR/tls, "
-                          "the current model and outer state from a peer, its links probed. NAME is one of the run's "
+                          "the run: a new actor (placed with its label when the run pins labels, or on a node "
+                          "labelled --label), its certificate from the run's CA in RUN_DIR/tls; the rounds go on "
+                          "while it starts, and the round after it answers it takes the current model and outer "
+                          "state from a peer, its links probed (the driver gives it regions.start_timeout_s). "
+                          "Waits for that real join. NAME is one of the run's "
                           "regions that left or failed for good, or a new name (checked as regions.names' entries "
                           "are), which then joins the run's regions for topology and mixing from the next round. "
                           "Prints the driver's answer (events.jsonl) as JSON. Exit codes as geofed leave's: 0 "

@@ -460,12 +460,64 @@ def check_placement(cfg: RunConfig, info: dict[str, dict]) -> None:
 
 def create_region_actor(cfg: RunConfig, run_dir: str, region: str, *, pin: bool,
                         train_fn: Callable[[Any], None] | None = None, named: str | None = None) -> tuple[Any, dict]:
-    """One region's actor for a region joining a live run (driver/membership.py): placed as set-up
-    places it (only on nodes with its label when `pin`), its certificate from RUN_DIR/tls, never
-    pooled; with `named` (run.orphan_timeout_s, driver/reattach.py) detached under that name as
-    set-up's are, so that it outlives this driver too, once a predecessor that still holds the name
-    has ended. Its handle and node_info. PlacementError as create_region_actors says it."""
-    rc = cfg.regions
+    """One region's actor for a region joining a live run (driver/membership.py), waited for: its
+    handle and node_info once it started, within regions.start_timeout_s. PlacementError as
+    create_region_actors says it. `start_region_actor` makes the same actor without waiting."""
+    starting = start_region_actor(cfg, run_dir, region, pin=pin, train_fn=train_fn, named=named)
+    try:
+        info = wait_ready({region: starting.handle}, cfg.regions.start_timeout_s, cfg, started={region: starting.ref},
+                          looping=train_fn is not None)
+        if pin:
+            check_placement(cfg, info)
+    except BaseException:
+        starting.end()
+        raise
+    return starting.handle, info[region]
+
+
+@dataclass
+class StartingActor:
+    """A region actor made without waiting for it (a joiner's, driver/membership.py): `poll()` asks,
+    without blocking, whether it has started (its node_info) and `end()` ends it, named or not. The
+    round loop goes on meanwhile, as it does while Ray restarts a region (faults.Faults.revive)."""
+
+    cfg: RunConfig
+    region: str
+    handle: Any
+    pin: bool
+    named: str | None
+    ref: Any  # its node_info call, made with the actor: it answers once the actor has started
+
+    def poll(self) -> dict | None:
+        """Its node_info once it answered, else None; PlacementError (the actor ended) when it died
+        while starting or landed on a node without its label."""
+        if not ray.wait([self.ref], timeout=0)[0]:
+            return None
+        try:
+            info = ray.get(self.ref)
+            if self.pin:
+                check_placement(self.cfg, {self.region: info})
+        except ray.exceptions.RayError as exc:  # OutOfMemoryError is no RayActorError: start_failure says which
+            self.end()
+            raise start_failure(self.region, exc) from None
+        except PlacementError:
+            self.end()
+            raise
+        return info
+
+    def end(self) -> None:
+        if self.named is not None:
+            end_pooled(self.named, self.handle)
+        else:
+            ray.kill(self.handle, no_restart=True)
+
+
+def start_region_actor(cfg: RunConfig, run_dir: str, region: str, *, pin: bool,
+                       train_fn: Callable[[Any], None] | None = None, named: str | None = None) -> StartingActor:
+    """One region's actor for a region joining a live run, not waited for: placed as set-up places
+    it (only on nodes with its label when `pin`), its certificate from RUN_DIR/tls, never pooled;
+    with `named` (run.orphan_timeout_s, driver/reattach.py) detached under that name as set-up's
+    are, so that it outlives this driver too, once a predecessor that still holds the name has ended."""
     tls = load_tls(Path(run_dir) / "tls", region) if cfg.security.tls else None
     loop = {"train_fn": train_fn} if train_fn is not None else {}
     if named is not None:
@@ -473,17 +525,7 @@ def create_region_actor(cfg: RunConfig, run_dir: str, region: str, *, pin: bool,
     handle, _ = _new_region_actor(cfg, region, str(Path(run_dir).resolve()), tls=tls, cpus=region_cpus(cfg, pin=pin),
                                   pin=pin, job=ray.get_runtime_context().get_job_id(), code="", named=named,
                                   extra=loop, pool=False)
-    try:
-        info = wait_ready({region: handle}, rc.start_timeout_s, cfg, looping=bool(loop))
-        if pin:
-            check_placement(cfg, info)
-    except BaseException:
-        if named is not None:
-            end_pooled(named, handle)
-        else:
-            ray.kill(handle, no_restart=True)
-        raise
-    return handle, info[region]
+    return StartingActor(cfg=cfg, region=region, handle=handle, pin=pin, named=named, ref=handle.node_info.remote())
 
 
 def _fmt_seen(seen: dict[str, list[str]]) -> str:

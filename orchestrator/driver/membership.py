@@ -18,14 +18,21 @@ plan names who is in the round: its weight goes to them). A SIGTERM to a region'
 (regions/leave_notice.py) reaches the driver in the region's report or heartbeat and is a leave
 request of its own. A region that left joins again under its name in a new actor, through the
 path of a restarted region (faults.py: the current model and outer state from a peer), its links
-probed, planned from the next round. summary.json's `left` and `joined` say who, when and why.
+probed, planned from the next round. The driver does not wait for that actor while it starts (a
+new process that imports torch): the rounds go on without the joiner (`region_joining`), and the
+first poll after its actor answers brings it in, as faults.py brings back a restarted region;
+only then is the join answered (`region_joined`). One that has not started within
+regions.start_timeout_s is refused and ended. A driver killed meanwhile leaves its request taken
+and unanswered: the resume takes it again (requeue_unanswered). summary.json's `left` and
+`joined` say who, when and why.
 
 A region may also join under a NEW name (`geofed join RUN_DIR --region NEW [--label VALUE]`): the
 name is checked as regions.names' entries are, the run's CA (RUN_DIR/tls) issues its certificate,
 its actor is placed on a node labelled VALUE (regions.label_key) when given, else as the run
-places its regions, and the emulator adds its links (driver/emulation.py). It is appended to the
-run's regions: the coordinator plans over them from the next round, and each plan names them
-(RoundPlan.members), so every region's topology and mixing weights follow. The driver checkpoint
+places its regions; once that actor answers, the emulator adds its links (driver/emulation.py)
+and it is appended to the run's regions: the coordinator plans over them from the next round,
+and each plan names them (RoundPlan.members), so every region's topology and mixing weights
+follow; a region not in yet is in no plan, so nobody waits for it or mixes it. The driver checkpoint
 records the joined names (`grown`), and a resumed run rebuilds them. Runs that cannot grow are
 refused with the reason (`growth_refusal`).
 """
@@ -55,7 +62,7 @@ if TYPE_CHECKING:  # the commands' side (request_from_args) runs without Ray
     from .handles import RegionHandles
     from .journal import Journal
 
-__all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Membership", "request_from_args", "parse_request",
+__all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Joining", "Membership", "request_from_args", "parse_request",
            "requeue_unanswered", "run_is_live", "take_requests", "withdraw_request", "write_request",
            "grown_config", "growth_refusal", "label_refusal", "wait_for_label"]
 
@@ -77,6 +84,23 @@ class Request:
     action: str
     region: str
     label: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Joining:
+    """A join whose actor is starting while the rounds go on: who asked (`request`, before round
+    `asked_round`), a new name's node `label`, the actor's `handle` and `started` (a
+    cluster.StartingActor: poll() its node_info without blocking, end() it), since when and until
+    when it may start (monotonic seconds; regions.start_timeout_s)."""
+
+    request: str | None
+    label: str | None
+    new: bool
+    asked_round: int
+    handle: Any
+    started: Any
+    since: float
+    deadline: float
 
 
 def parse_request(request_id: str, raw: bytes) -> Request:
@@ -208,7 +232,7 @@ def requeue_unanswered(run_dir: Path) -> list[str]:
     control = Path(run_dir) / CONTROL_DIR
     if not control.is_dir():
         return []
-    answered = {e.get("request") for e in read_jsonl(Path(run_dir) / "events.jsonl")}
+    answered = {e.get("request") for e in read_jsonl(Path(run_dir) / "events.jsonl") if e.get("event") in _ANSWERS}
     back = []
     for taken in sorted(control.glob("*.json.taken")):
         request_id = taken.name[: -len(".json.taken")]
@@ -254,7 +278,8 @@ class Membership:
     `note_reports(results)` after it. `busy()` names regions with a round in flight (a quorum round's
     straggler), whose leave waits for that round; `drain(region)` finishes a leaver's exchange in
     flight before it goes; `spawn(region)` places a new actor for a joiner of the run's config (its
-    handle and node_info), `spawn(region, cfg, label)` one of a region joined under a new name,
+    handle and its start: a cluster.StartingActor that `poll` asks without blocking, or node_info
+    when it started already), `spawn(region, cfg, label)` one of a region joined under a new name,
     built from `cfg` (the run's config with those regions: `config()`) and placed on a node with
     `label` when one is given; `rejoin(region, r, info)` brings it in
     as a restarted region is (faults.py); `probe(regions)` measures their links before they carry
@@ -279,6 +304,7 @@ class Membership:
         self.out: set[str] = set()  # left and not back
         self.waiting: list[Request] = []  # leaves held until the region's round in flight returns
         self.kept: set[str] = set()  # the last region, which a SIGTERM cannot retire (said once)
+        self.joining: dict[str, Joining] = {}  # region -> its join whose actor is starting
 
     def poll(self, r: int) -> list[str]:
         """Take the requests in RUN_DIR/control and act on them, in the order written, before round
@@ -312,6 +338,7 @@ class Membership:
                 continue
             self.leave(region, r, why="sigterm")
             gone.append(region)
+        self._arrivals(r)
         return gone
 
     def note_reports(self, results: Mapping[str, Any]) -> None:
@@ -329,10 +356,14 @@ class Membership:
         regions = self.regions
         if req.action == "join" and (self.spawn is None or self.rejoin is None):
             return "this run cannot place new region actors (joins need the Ray driver)"
+        if req.action == "join" and req.region in self.joining:
+            asked = self.joining[req.region]
+            return (f"region {req.region} is joining already (request {asked.request}, before round {asked.asked_round}): "
+                    "its actor is starting")
         if req.action == "join" and req.region not in regions.names:
             if self.grow is None:
                 return "this run cannot add regions under new names"
-            return growth_refusal(regions.cfg, self.grown, req.region, req.label)
+            return growth_refusal(regions.cfg, {**self.grown, **self._joining_new()}, req.region, req.label)
         if req.region not in regions.names:
             return f"unknown region {req.region!r}: the run's regions are {', '.join(regions.names)}"
         if req.action == "join":
@@ -375,43 +406,97 @@ class Membership:
                           f"{len(regions.alive)} regions go on: {', '.join(regions.alive)}", style="green")
 
     def join(self, region: str, r: int, *, request: str | None = None, label: str | None = None) -> None:
-        """`region` (one that left, or failed and was given up, or a new name) comes back before round r:
-        a new actor, the current model and outer state from a peer (the rejoin path: region_rejoined,
-        after: join), its links probed; planned from round r. A new name is added to the run (its
-        certificate, its links, the topology over it) once its actor is placed."""
+        """`region` (one that left, or failed and was given up, or a new name) asks to come back before
+        round r: its new actor is made (a new name's certificate first) and not waited for. The
+        rounds go on without it while it starts (a new process that imports torch: seconds); the
+        first poll after it answers brings it in (`_come_in`). An actor that started at once (an
+        in-process spawn's) comes in now."""
         regions = self.regions
         new = region not in regions.names
         if region in regions.dead:
             regions.retire(region)  # failed and not back: its old actor goes for good, a new one takes its place
+        label = label if new else self.grown.get(region)
         try:
-            handle, info = self._place(region, label if new else self.grown.get(region), new=new)
+            handle, started = self._place(region, label, new=new)
         except Exception as exc:  # noqa: BLE001 - a placement error: the run goes on without it
             self._refuse(request or "-", region, f"its actor could not be placed: {exc}")
             return
-        if new:
-            self._add(region, label)
-        regions.actors.handles[region] = handle
+        regions.actors.handles[region] = handle  # the run's end ends it with the others, started or not
+        now = time.monotonic()
+        joining = Joining(request=request, label=label, new=new, asked_round=r, handle=handle, started=started,
+                          since=now, deadline=now + regions.cfg.regions.start_timeout_s)
+        if isinstance(started, dict):
+            self._come_in(region, r, joining, started)
+            return
+        self.joining[region] = joining
+        self.journal.event("region_joining", region=region, request=request, asked_round=r, new=new,
+                           start_timeout_s=regions.cfg.regions.start_timeout_s, **({"label": label} if new else {}))
+        self.journal.note(f"region {region} is joining: its actor is starting; the rounds go on without it until it "
+                          "answers")
+
+    def _arrivals(self, r: int) -> None:
+        """Joiners whose actor answered since the last round come in before round r (the probe a
+        restarted region gets, faults.Faults.revive: never blocking); one that failed to start, or
+        did not within regions.start_timeout_s, is refused and its actor ended."""
+        for region, joining in list(self.joining.items()):
+            try:
+                info = joining.started.poll()
+            except Exception as exc:  # noqa: BLE001 - it died starting (cluster.start_failure says why)
+                self._give_up(region, joining, f"its actor could not be placed: {exc}")
+                continue
+            if info is not None:
+                del self.joining[region]
+                self._come_in(region, r, joining, info)
+            elif time.monotonic() > joining.deadline:
+                joining.started.end()
+                self._give_up(region, joining, f"its actor could not be placed: it did not start within "
+                                               f"{self.regions.cfg.regions.start_timeout_s:g}s (regions.start_timeout_s)")
+
+    def _give_up(self, region: str, joining: Joining, why: str) -> None:
+        del self.joining[region]
+        if self.regions.actors.handles.get(region) is joining.handle:
+            del self.regions.actors.handles[region]
+        self._refuse(joining.request or "-", region, why)
+
+    def end_joins(self, last: int) -> None:
+        """The run is over (after round `last`): joins still starting are refused and their actors ended."""
+        for region, joining in list(self.joining.items()):
+            joining.started.end()
+            self._give_up(region, joining, f"the run ended after round {last} before its actor started")
+
+    def _come_in(self, region: str, r: int, joining: Joining, info: dict) -> None:
+        """A joiner whose actor has started comes in before round r: a new name is added to the run
+        (its links, the topology over it), then the rejoin path (its server, everyone reconnects, the
+        current model and outer state from a peer: region_rejoined, after: join), its links probed;
+        planned from round r."""
+        regions = self.regions
+        if joining.new:
+            self._add(region, joining.label)
         regions.actors.info[region] = info
         regions.dead[region] = "joining"  # the rejoin path brings a dead region back
         self.rejoin(region, r, info)
         if region not in regions.alive:
-            self._refuse(request or "-", region, "its new actor did not come up in time: it rejoins once it answers")
+            self._refuse(joining.request or "-", region,
+                         "its new actor did not come up in time: it rejoins once it answers")
             return
         if self.probe is not None:
             self.probe(list(regions.alive))
         self.out.discard(region)
-        grown = {"new": True, "label": self.grown[region]} if new else {}
-        self.joined[region] = {"round": r, "request": request, **grown}
+        grown = {"new": True, "label": self.grown[region]} if joining.new else {}
+        self.joined[region] = {"round": r, "request": joining.request, **grown}
         self.journal.count("regions_joined")
-        self.journal.event("region_joined", region=region, request=request, first_round=r,
-                           pid=info.get("pid"), alive=list(regions.alive), **grown)
+        waited = {} if r == joining.asked_round else {"asked_round": joining.asked_round,
+                                                       "start_s": round(time.monotonic() - joining.since, 2)}
+        self.journal.event("region_joined", region=region, request=joining.request, first_round=r,
+                           pid=info.get("pid"), alive=list(regions.alive), **waited, **grown)
         self.journal.note(f"region {region} joined the run before round {r}"
-                          + (" under a new name" if new else ""), style="green")
+                          + (" under a new name" if joining.new else ""), style="green")
 
-    def _place(self, region: str, label: str | None, *, new: bool, issue: bool = False) -> tuple[Any, dict]:
-        """A joiner's new actor; a new name first gets its certificate from the run's CA (RUN_DIR/tls),
-        as set-up's make_tls issues each region's (a rebuilt one a fresh one: no expiry to track)."""
-        cfg = grown_config(self.regions.cfg, {**self.grown, region: label}) if new else self.config()
+    def _place(self, region: str, label: str | None, *, new: bool, issue: bool = False) -> tuple[Any, Any]:
+        """A joiner's new actor and its start (a dict: started; else a cluster.StartingActor); a new
+        name first gets its certificate from the run's CA (RUN_DIR/tls), as set-up's make_tls issues
+        each region's (a rebuilt one a fresh one: no expiry to track)."""
+        cfg = grown_config(self.regions.cfg, {**self.grown, **self._joining_new(), region: label}) if new else self.config()
         if (new or issue) and cfg.security.tls:
             from geofed.p2p.tls import issue_region
 
@@ -420,6 +505,24 @@ class Membership:
         if region in self.regions.cfg.regions.names:
             return self.spawn(region)
         return self.spawn(region, cfg, label)
+
+    def _joining_new(self) -> dict[str, str | None]:
+        """New names whose actor is starting: counted as the run's for a later joiner's name, index and
+        the servers' size."""
+        return {region: j.label for region, j in self.joining.items() if j.new}
+
+    def _started(self, region: str, started: Any) -> dict:
+        """A resume's rebuilt joiner, waited for (set-up: no round runs yet) within regions.start_timeout_s."""
+        if isinstance(started, dict):
+            return started
+        timeout = self.regions.cfg.regions.start_timeout_s
+        deadline = time.monotonic() + timeout
+        while (info := started.poll()) is None:
+            if time.monotonic() > deadline:
+                started.end()
+                raise TimeoutError(f"region {region}: its actor did not start within {timeout:g}s (regions.start_timeout_s)")
+            time.sleep(0.2)
+        return info
 
     def _add(self, region: str, label: str | None) -> None:
         """`region`, placed, is one of the run's regions from now on: after regions.names' and the
@@ -467,7 +570,8 @@ class Membership:
             if live is not None:
                 handle, info = live.handle, dict(live.info)
             else:
-                handle, info = self._place(region, self.grown[region], new=False, issue=True)
+                handle, started = self._place(region, self.grown[region], new=False, issue=True)
+                info = self._started(region, started)
             regions.actors.handles[region] = handle
             assert self.start is not None
             address = self.start(region)
@@ -486,6 +590,8 @@ class Membership:
 # -- the CLI's side: `geofed leave` -----------------------------------------------------------
 EXIT = {"done": 0, "refused": 1, "bad_input": 2, "not_running": 3, "timed_out": 4}
 _DONE = {"leave": "region_left", "join": "region_joined"}
+# The events that answer a request; `region_joining` (its actor is starting) is progress, not an answer.
+_ANSWERS = (*_DONE.values(), "control_refused")
 
 
 def run_is_live(run_dir: Path) -> bool:
@@ -571,13 +677,27 @@ def request_from_args(args: Any, action: str) -> int:
         print(json.dumps({"request": request_id, "region": args.region, "action": action}))
         return EXIT["done"]
     deadline = time.monotonic() + args.wait
+    joining: dict[str, Any] | None = None  # the driver's region_joining: taken, its actor starting
     while True:
         live = run_is_live(run_dir)  # before reading: a driver that answers and ends is read after its end
         for record in tail.new():
-            if record.get("request") == request_id and record.get("event") in (_DONE[action], "control_refused"):
+            if record.get("request") != request_id:
+                continue
+            if record.get("event") in (_DONE[action], "control_refused"):
                 print(json.dumps(record))
                 return EXIT["done"] if record["event"] == _DONE[action] else EXIT["refused"]
+            if record.get("event") == "region_joining" and joining is None:
+                joining = record
+                _say(f"the driver took the request before round {record.get('asked_round')}: region {args.region}'s actor is "
+                     f"starting while the run goes on (the driver gives it {record.get('start_timeout_s')}s, "
+                     f"regions.start_timeout_s); it joins between rounds once it answers; waiting "
+                     f"{max(0.0, deadline - time.monotonic()):.0f}s more")
         if not live or time.monotonic() > deadline:
+            if joining is not None:
+                _say(("the run ended" if not live else f"no answer within {args.wait:g}s") +
+                     f" while region {args.region}'s actor was starting (request {request_id}; events.jsonl: "
+                     "region_joined or control_refused)" + (": geofed run --resume takes the request again" if not live else ""))
+                return EXIT["not_running"] if not live else EXIT["timed_out"]
             if withdraw_request(run_dir, request_id):
                 _say("the run ended before its driver took the request (withdrawn)" if not live else
                      f"the driver did not take the request within {args.wait:g}s (withdrawn): it takes requests "

@@ -21,7 +21,7 @@ from geofed.regions.messages import RoundReport, rss_mb
 
 from ..config import RunConfig
 from ..config.strict import ConfigError
-from .cluster import RegionActors, create_region_actor, node_labels
+from .cluster import RegionActors, StartingActor, node_labels, start_region_actor
 from .coordinator import Coordinator
 from .emulation import add_emulated_region, configured_link
 from .evaluation import RunEvaluation, consensus_from_sketches, fetched_bytes
@@ -299,9 +299,10 @@ class Runner:
         if self.cfg.sync.overlap:
             self.regions.finish_pending([region], timeout=self.cfg.sync.deadline.max_s * 2 + 120)
 
-    def _spawn(self, region: str, cfg: RunConfig | None = None, label: str | None = None) -> tuple[Any, dict]:
+    def _spawn(self, region: str, cfg: RunConfig | None = None, label: str | None = None) -> tuple[Any, StartingActor]:
         """A joiner's new actor (`geofed join`) built from `cfg` (the run's, with the regions joined under
-        new names; None: the run's), placed as set-up places the region's, or on a node labelled `label`."""
+        new names; None: the run's), placed as set-up places the region's, or on a node labelled `label`;
+        not waited for: membership brings it in once it answers, the rounds go on meanwhile."""
         cfg = cfg or self.cfg
         if self.cfg.regions.workers > 1 or self.hostile:
             raise ValueError("joins place one actor a region: not with regions.workers > 1 or hostile regions")
@@ -309,10 +310,10 @@ class Runner:
             wait_for_label(cfg.regions.label_key, label, cfg.regions.placement_timeout_s, node_labels)
         # detached and named as set-up's regions are: it outlives a killed driver too (driver/reattach.py)
         named = actor_names(self.run_dir, [region]) if detached(self.cfg, hostile=self.hostile, train_fn=self.train_fn) else {}
-        placed = create_region_actor(cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address) or label is not None,
-                                     train_fn=self.train_fn, named=named.get(region))
+        starting = start_region_actor(cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address) or label is not None,
+                                      train_fn=self.train_fn, named=named.get(region))
         self.actors.named.update(named)  # ended at the run's end, or by its orphan timeout, as theirs are
-        return placed
+        return starting.handle, starting
 
     def _grow(self, region: str, label: str | None) -> None:
         """A region joined under a new name: the coordinator plans over it, the emulator shapes its links."""
@@ -420,6 +421,7 @@ class Runner:
 
     def _finish(self) -> dict[str, Any]:
         regions, last = self.regions, self.next_round - 1
+        self.membership.end_joins(last)  # a joiner still starting is answered, not left waiting
         self.pacing.drain(timeout=self.cfg.sync.deadline.max_s * 3 + 600)
         self.pacing.catch_up_behind(self.faults.muted(last))
         regions.finish_pending(regions.alive, timeout=self.cfg.sync.deadline.max_s * 2 + 120)

@@ -31,11 +31,13 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300),
 LEAVER = "eu-west-1"  # leaves by request, then joins again
 SPOT = "ap-northeast-1"  # gets the SIGTERM
 STAYS = "us-east-1"
-ROUNDS = 16
+ROUNDS = 22
+GROW_ROUNDS = 14  # the join under a new name's run
 # Every region's steps are slowed (a sleep after each, no CPU) so that a round lasts about a second
-# on any host: the join's new actor (a fresh process that imports torch) then costs a few rounds,
-# not the rest of the run, and the SIGTERM lands with rounds to go (a CI run on a quiet host once
-# finished all 14 of its unslowed rounds before the notice came).
+# on any host: the join's new actor (a fresh process that imports torch) starts while the rounds go
+# on, so it costs a few rounds (more on a loaded host: hence the rounds to spare), not the rest of
+# the run, and the SIGTERM lands with rounds to go (a CI run on a quiet host once finished all 14
+# of its unslowed rounds before the notice came).
 PACE = ComputeEmulation(slowdown={r: 40.0 for r in REGIONS3})
 
 
@@ -158,7 +160,8 @@ def test_a_region_joins_under_a_new_name_and_holds_its_peers_model_after_its_joi
     # slowed peers' updates, about a second a round, several on a loaded host. Its deadline learns
     # from those waits; shrunk below a slow round's it missed a peer's update (muted as withholding
     # once, apart in the last round once): min_s keeps it above them; a round ends once all arrive.
-    cfg = small_config(regions=regions, rounds=8, H=5, run={"name": "grow", "rounds": 8, "checkpoint_every": 0},
+    cfg = small_config(regions=regions, rounds=GROW_ROUNDS, H=5, run={"name": "grow", "rounds": GROW_ROUNDS, "checkpoint_every": 0,
+                                                           "eval_every": 1},  # each round's consensus distance
                        sync={"deadline": {"initial_s": 8.0, "min_s": 8.0, "max_s": 10.0}},
                        network={"emulation": {"mode": "proxy", "preset": None,
                                               "default": {"latency_ms": 2.0, "bandwidth_mbps": 400.0}}})
@@ -189,7 +192,7 @@ def test_a_region_joins_under_a_new_name_and_holds_its_peers_model_after_its_joi
 
     # Planned from round `first` over three regions: it sends and receives, and rounds.jsonl lists it.
     rounds = read_jsonl(run.run_dir / "rounds.jsonl")
-    assert [r["round"] for r in rounds] == list(range(8)) and 2 <= first < 8
+    assert [r["round"] for r in rounds] == list(range(GROW_ROUNDS)) and 2 <= first < GROW_ROUNDS
     for rec in rounds:
         expect = regions if rec["round"] < first else [*regions, new]
         assert rec["alive"] == expect and rec["regions_reported"] == sorted(expect), rec["round"]
@@ -198,7 +201,16 @@ def test_a_region_joins_under_a_new_name_and_holds_its_peers_model_after_its_joi
     assert last[f"{new}->{STAYS}"]["configured_bandwidth_mbps"] == 400.0 and last[f"{STAYS}->{new}"]["configured_rtt_ms"] == 4.0
     mine = [m for m in read_jsonl(run.run_dir / "metrics.jsonl") if m["region"] == new]
     seen = [(m["round"], sorted(m["codecs"]), m["peers_missing"], m["bytes_sent"]) for m in mine]
-    assert [m["round"] for m in mine] == list(range(first, 8)) and all(m["bytes_sent"] > 0 for m in mine), seen
+    assert [m["round"] for m in mine] == list(range(first, GROW_ROUNDS)) and all(m["bytes_sent"] > 0 for m in mine), seen
+
+    # The rounds went on while its actor started: asked before round `asked`, the rounds from there to
+    # `first` ran without it (its new process imports torch: it cannot answer the poll that made it).
+    [starting] = [e for e in events(run.run_dir, "region_joining") if e["request"] == joined["request"]]
+    asked = starting["asked_round"]
+    assert joined["asked_round"] == asked < first and starting["new"] is True
+    assert [rec["regions_reported"] for rec in rounds[asked:first]] == [sorted(regions)] * (first - asked)
+    # After its join round it holds its peers' model: the round's sketches of all three agree.
+    assert rounds[first]["regions_reported"] == sorted([*regions, new]) and rounds[first]["consensus_distance"] < 1e-4
 
     # The summary names it; DiLoCo over full: after its rounds it holds its peers' model.
     assert summary["joined"] == {new: {"round": first, "request": joined["request"], "new": True, "label": None}}

@@ -415,3 +415,135 @@ def test_geofed_join_checks_a_new_name_and_its_label_before_asking(tmp_path, cap
     assert (request.action, request.region, request.label) == ("join", "d", "zone-9")
     with pytest.raises(ValueError, match="only a join takes one"):
         parse_request("id", b'{"action": "leave", "region": "a", "label": "x"}')
+
+
+class Starting:
+    """What the driver's spawn hands back for a real actor (cluster.StartingActor): poll() says None
+    until the test sets its node_info (or raises `fail`), end() is recorded."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.info: dict | None = None
+        self.fail, self.ended = fail, False
+
+    def poll(self) -> dict | None:
+        if self.fail is not None:
+            raise self.fail
+        return self.info
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def _starting(membership: Membership, calls: dict[str, list]) -> dict[str, Starting]:
+    starts: dict[str, Starting] = {}
+
+    def spawn(region, cfg=None, label=None):
+        calls["spawn"].append(region)
+        starts[region] = Starting()
+        return f"handle-{region}", starts[region]
+
+    membership.spawn = spawn
+    return starts
+
+
+def test_the_rounds_go_on_while_a_joiners_actor_starts_and_it_joins_once_it_answers(tmp_path):
+    membership, regions, calls = _growing(tmp_path)
+    starts = _starting(membership, calls)
+    write_request(tmp_path, "leave", "b")
+    membership.poll(2)
+    back = write_request(tmp_path, "join", "b")
+    new = write_request(tmp_path, "join", "d")
+    membership.poll(3)
+    # Both actors are starting: the poll returned, nobody is added, planned, connected or probed for them yet.
+    assert set(membership.joining) == {"b", "d"} and regions.actors.handles == {"b": "handle-b", "d": "handle-d"}
+    assert regions.alive == ["a", "c"] and regions.names == NAMES and membership.out == {"b"}
+    assert calls["rejoin"] == calls["grow"] == calls["probe"] == []
+    by_id = {e["request"]: e for e in _events(tmp_path)}
+    assert by_id[back]["event"] == by_id[new]["event"] == "region_joining" and by_id[new]["new"] is True
+    assert by_id[back]["asked_round"] == 3 and by_id[back]["start_timeout_s"] == CFG.regions.start_timeout_s
+    again = write_request(tmp_path, "join", "b")
+    membership.poll(4)  # a round later, still starting
+    assert "is joining already" in {e["request"]: e for e in _events(tmp_path)}[again]["why"]
+    starts["b"].info = {"pid": 8}
+    membership.poll(5)
+    assert calls["rejoin"] == [("b", 5)] and calls["probe"] == [NAMES] and regions.alive == NAMES
+    assert set(membership.joining) == {"d"} and membership.out == set()
+    joined = {e["request"]: e for e in _events(tmp_path)}[back]
+    assert joined["event"] == "region_joined" and joined["first_round"] == 5 and joined["asked_round"] == 3
+    assert joined["pid"] == 8 and joined["start_s"] >= 0
+    starts["d"].info = {"pid": 9}
+    membership.poll(6)
+    # A new name is the run's only once it answered: then its links, the topology over it, its probes.
+    assert calls["grow"] == [("d", None)] and regions.names == [*NAMES, "d"] and regions.alive == [*NAMES, "d"]
+    assert calls["rejoin"][-1] == ("d", 6) and calls["probe"][-1] == [*NAMES, "d"]
+    assert membership.summary_fields()["joined"] == {"b": {"round": 5, "request": back},
+                                                     "d": {"round": 6, "request": new, "new": True, "label": None}}
+    assert membership.state_dict()["grown"] == [["d", None]]
+
+
+def test_a_joiner_that_dies_starting_or_does_not_start_in_time_is_refused_and_ended(tmp_path):
+    import dataclasses
+
+    from geofed.orchestrator.driver.membership import requeue_unanswered
+
+    membership, regions, calls = _growing(tmp_path)
+    regions.cfg = dataclasses.replace(CFG, regions=dataclasses.replace(CFG.regions, start_timeout_s=0.2))
+    starts = _starting(membership, calls)
+    slow, dies, late = (write_request(tmp_path, "join", name) for name in ("d", "e", "f"))
+    membership.poll(1)
+    starts["e"].fail = RuntimeError("region e: its actor failed to start: worker died")
+    time.sleep(0.3)
+    starts["f"].info = {"pid": 5}  # in time: it joins
+    membership.poll(2)
+    by_id = {e["request"]: e for e in _events(tmp_path)}
+    assert by_id[slow]["event"] == "control_refused" and "did not start within 0.2s (regions.start_timeout_s)" in by_id[slow]["why"]
+    assert by_id[dies]["event"] == "control_refused" and "its actor could not be placed: region e: its actor failed" in by_id[dies]["why"]
+    assert by_id[late]["event"] == "region_joined"
+    assert starts["d"].ended and regions.names == [*NAMES, "f"] and set(regions.actors.handles) == {"f"}
+    # Still starting when the run ends: answered, and its actor ended.
+    last = write_request(tmp_path, "join", "g")
+    membership.poll(3)
+    membership.end_joins(3)
+    assert starts["g"].ended and membership.joining == {} and "g" not in regions.actors.handles
+    assert "the run ended after round 3 before its actor started" in {e["request"]: e for e in _events(tmp_path)}[last]["why"]
+    # A driver killed while a joiner starts: its request was taken, region_joining is no answer, so a resume takes it again.
+    killed = write_request(tmp_path, "join", "h")
+    membership.poll(4)
+    assert requeue_unanswered(tmp_path) == [killed]
+
+
+def test_geofed_join_waits_for_the_real_join_and_says_the_actor_is_starting(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path)
+    lock_run_dir(run_dir)
+    try:
+        membership, regions, journal, _ = _membership(run_dir)
+        starts = _starting(membership, {"spawn": []})
+        membership.rejoin = lambda region, r, info: regions.rejoin(region, "127.0.0.1:1", info)
+        write_request(run_dir, "leave", "b")
+        membership.poll(0)
+        stop = threading.Event()
+
+        def driver() -> None:  # rounds go on; the joiner's actor answers five polls after it was made
+            r, made = 1, None
+            while not stop.is_set():
+                membership.poll(r)
+                made = r if made is None and "b" in starts else made
+                if made is not None and r >= made + 5:
+                    starts["b"].info = {"pid": 11}
+                r += 1
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=driver, daemon=True)
+        thread.start()
+        try:
+            assert main(["join", str(run_dir), "--region", "b", "--wait", "10"]) == EXIT["done"]
+        finally:
+            stop.set()
+            thread.join(5)
+        out, err = capsys.readouterr()
+        joined = json.loads(out)
+        assert joined["event"] == "region_joined" and joined["first_round"] > joined["asked_round"]
+        assert "region b's actor is starting while the run goes on" in err and "regions.start_timeout_s" in err
+        journal.close()
+    finally:
+        release_run_dir(run_dir)
