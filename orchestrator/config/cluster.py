@@ -39,15 +39,18 @@ class RegionsSection:
         "cuda); inner steps are data-parallel, each worker a sync.inner.batch_size batch of the region's shard "
         "(N x it a step); 1: one actor, no group"))
     group_timeout_s: float = field(default=60.0, metadata=_doc(
-        "regions.workers > 1: fail if a region's workers have not formed their process group within this, and "
-        "the deadline of each collective inside the region"))
+        "regions.workers > 1: fail if a region's workers have not formed their process group within this (at "
+        "set-up, and again when a region is rebuilt after a worker died), and the deadline of each collective "
+        "inside the region: a dead worker's collective holds the region no longer"))
     torch_threads: int = field(default=1, metadata=_doc("torch intra-op threads per region worker"))
     device: str = field(default="auto", metadata=_doc(
         "where each region trains, decided on its node: auto (its first GPU if any, else the CPU), cpu, cuda, "
         "cuda:N; cuda where the node has none is an error, never a silent fallback"))
     num_gpus: float = field(default=0.0, metadata=_doc(
         "GPUs Ray reserves per region actor (fractions share one GPU: 0.25 puts 4 regions on it)"))
-    max_restarts: int = field(default=3, metadata=_doc("Ray restarts of a crashed region actor"))
+    max_restarts: int = field(default=3, metadata=_doc(
+        "Ray restarts of a crashed region actor (regions.workers > 1: of worker 0, restarted by each rebuild "
+        "after any of the region's workers died)"))
     placement_timeout_s: float = field(default=60.0, metadata=_doc("fail if some region has no alive Ray node carrying its label within this (nodes may still be joining)"))
     start_timeout_s: float = field(default=180.0, metadata=_doc("fail if a region actor has not started (placed, torch imported, model and data built) within this"))
     heartbeat_timeout_s: float = field(default=10.0, metadata=_doc(
