@@ -171,10 +171,14 @@ def probe_links(cfg: RunConfig, ready: Ready, journal: Journal) -> tuple[float |
     ready.timer.mark("logs_restore")
     per_probe = cfg.network.probe_s + 30.0
     regions = ready.regions
-    probes = regions.probe(regions.alive, timeout=2 * per_probe + 60.0)
-    ready.coordinator.observe_probe(probes)
-    journal.event("links_probed", links=ready.coordinator.links_record(),
-                  probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
+    if links_kept(ready):
+        journal.event("links_probed", links=ready.coordinator.links_record(), probes={},
+                      skipped="every region was re-attached: the links' estimates are the driver checkpoint's")
+    else:
+        probes = regions.probe(regions.alive, timeout=2 * per_probe + 60.0)
+        ready.coordinator.observe_probe(probes)
+        journal.event("links_probed", links=ready.coordinator.links_record(),
+                      probes={r: m["transfers"] for r, m in probes.items() if m["transfers"]})
     ready.timer.mark("probes")
     setup_s = journal.clock.now() if ready.restored is None else None
     startup_s = process_age_s()  # from `geofed run` (this process) to round 0
@@ -186,6 +190,22 @@ def probe_links(cfg: RunConfig, ready: Ready, journal: Journal) -> tuple[float |
         # Wall time counts training; set-up (Ray, actors, TLS, warming the links) is setup_s.
         journal.clock.restart()
     return setup_s, startup_s
+
+
+def links_kept(ready: Ready) -> bool:
+    """Whether a resume may skip set-up's link probes: every region in the run was re-attached (its
+    process, its server and its link estimators lived on, driver/reattach.py) and the driver
+    checkpoint's coordinator state, restored by now, holds a measurement of every link between
+    them. The run then plans from what the undisturbed run knew at that round (a bandwidth still
+    unknown stays so, as it would have), and the probes' 2.9 s of a 9-10 s re-attached resume on the
+    2-core host are saved (docs/reliability.md, "Where churn's throughput goes"). A link never
+    measured (a region in a new actor, a joiner's) is probed, with every other, as before."""
+    alive = ready.regions.alive
+    if ready.restored is None or not alive or any(region not in ready.live for region in alive):
+        return False
+    view = ready.coordinator.link_view
+    estimates = [view.estimate(f"{src}->{dst}") for src in alive for dst in alive if src != dst]
+    return all(e.bandwidth_bps or e.rtt_s for e in estimates)
 
 
 def make_tls(run_dir: Path, names: list[str], *, resume: bool) -> list[str]:

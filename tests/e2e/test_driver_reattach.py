@@ -117,6 +117,9 @@ def test_a_killed_drivers_regions_are_reattached_then_reaped_when_nobody_resumes
             assert ({r: i["grpc_address"] for r, i in second["regions"].items()}
                     == {r: i["grpc_address"] for r, i in started["regions"].items()})
             assert not any(e["who"] != "driver" for e in _events(run_dir, "checkpoint_skipped"))
+            # every region re-attached: the checkpoint's link estimates stand, no set-up probes (setup.links_kept)
+            probed = _events(run_dir, "links_probed")
+            assert len(probed) == 2 and probed[1]["probes"] == {} and "re-attached" in probed[1]["skipped"], probed
 
             # 2. nobody resumes the second kill: the orphans end themselves within the bound
             t0 = time.monotonic()
@@ -142,6 +145,8 @@ def test_a_killed_drivers_regions_are_reattached_then_reaped_when_nobody_resumes
     assert len(_events(run_dir, "resumed")[-1]["lost_rounds"]) <= 1
     third = _events(run_dir, "started")[-1]
     assert not set(i["pid"] for i in third["regions"].values()) & set(pids.values())
+    last_probes = _events(run_dir, "links_probed")[-1]  # new actors: their links measured again
+    assert "skipped" not in last_probes and last_probes["probes"], last_probes
     # Every round once, and the run is the undisturbed one: state kept (1.) and restored (3.) exactly.
     rounds, ref_rounds = read_jsonl(run_dir / "rounds.jsonl"), read_jsonl(tmp_path / "reference" / "rounds.jsonl")
     assert [x["round"] for x in rounds] == list(range(ROUNDS))
@@ -163,7 +168,8 @@ def test_a_killed_drivers_regions_are_reattached_then_reaped_when_nobody_resumes
 def test_a_region_that_joined_mid_run_outlives_the_killed_driver_and_is_reattached(tmp_path, capsys):
     from geofed.orchestrator.cli import main
 
-    joiner, rounds = "ap-northeast-1", 10
+    # rounds to spare: the joiner's actor starts while the rounds go on (a few rounds, more on a loaded host)
+    joiner, rounds = "ap-northeast-1", 16
     mapping = _config()
     mapping["run"].update({"name": "reattach-join", "rounds": rounds})
     config = tmp_path / "run.yaml"

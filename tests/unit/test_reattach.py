@@ -106,3 +106,30 @@ def test_a_resumed_driver_claims_an_orphan_before_its_timeout_and_keeps_it(monke
     assert not ended.wait(0.6)  # held by a live driver again: never ends
     alive["j2"] = False
     assert ended.wait(3.0)
+
+
+def test_a_resume_skips_the_set_up_probes_only_when_every_region_was_reattached_with_its_links_known():
+    from geofed.orchestrator.driver.setup import links_kept
+    from geofed.orchestrator.policies.links import LinkView
+
+    view = LinkView()
+    for src in REGIONS:
+        for dst in REGIONS:
+            if src != dst:
+                view.observe(f"{src}->{dst}", {"bandwidth_mbps": 50.0, "rtt_ms": 80.0})
+
+    def ready(*, live=REGIONS, alive=REGIONS, restored=(4, {}, [], [])):
+        return SimpleNamespace(restored=restored, live={g: object() for g in live}, regions=SimpleNamespace(alive=alive),
+                               coordinator=SimpleNamespace(link_view=view))
+
+    assert links_kept(ready())
+    assert not links_kept(ready(restored=None))  # a fresh run measures its links
+    assert not links_kept(ready(live=["a", "b"]))  # c in a new actor: its estimators start empty
+    assert links_kept(ready(alive=["a", "b"], live=["a", "b"]))  # c is out of the run
+    assert not links_kept(ready(alive=[*REGIONS, "d"], live=[*REGIONS, "d"]))  # no estimate of d's links
+    view.observe("d->a", {"rtt_ms": 20.0})  # an RTT alone (bandwidth unknown): measured, as the run knew it
+    assert not links_kept(ready(alive=["a", "d"], live=["a", "d"]))  # a->d never measured
+    view.observe("a->d", {"bandwidth_mbps": None, "rtt_ms": None})  # reported with nothing in it
+    assert not links_kept(ready(alive=["a", "d"], live=["a", "d"]))
+    view.observe("a->d", {"bandwidth_mbps": 40.0})
+    assert links_kept(ready(alive=["a", "d"], live=["a", "d"]))
