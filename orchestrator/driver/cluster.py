@@ -275,19 +275,22 @@ def _new_region_actor(cfg: RunConfig, region: str, run_dir: str, *, tls: Any, cp
 
 
 def create_workers(cfg: RunConfig, run_dir: str, *, cpus: float, pin: bool) -> dict[str, list[Any]]:
-    """Workers 1..N-1 of each region (regions.workers), placed as its actor is: its label, its CPUs
-    and GPUs each. No restarts: a worker restarted alone would not find its group again."""
+    """Workers 1..N-1 of each region (regions.workers), placed as its actor is."""
+    return {region: [new_worker(cfg, run_dir, region, rank, cpus=cpus, pin=pin) for rank in range(1, cfg.regions.workers)]
+            for region in cfg.regions.names}
+
+
+def new_worker(cfg: RunConfig, run_dir: str, region: str, rank: int, *, cpus: float, pin: bool) -> Any:
+    """Worker `rank` of `region`: its label, its CPUs and GPUs, as the region's actor. No Ray restarts:
+    a worker restarted alone would not find its group again; a region rebuilt after a worker died
+    gets a new one (driver/regroup.py)."""
     rc = cfg.regions
-    out: dict[str, list[Any]] = {}
-    for region in rc.names:
-        options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": rc.num_gpus, "max_restarts": 0, "max_task_retries": 0,
-                                   "runtime_env": {"env_vars": grpc_log_env()},
-                                   "concurrency_groups": {FOLLOWER_GROUP: 1}}
-        if pin:
-            options["label_selector"] = {rc.label_key: rc.label_of(region)}
-        cls = ray.remote(**options)(RegionWorkerActor)
-        out[region] = [cls.remote(cfg, region, run_dir, rank) for rank in range(1, rc.workers)]
-    return out
+    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": rc.num_gpus, "max_restarts": 0, "max_task_retries": 0,
+                               "runtime_env": {"env_vars": grpc_log_env()},
+                               "concurrency_groups": {FOLLOWER_GROUP: 1}}
+    if pin:
+        options["label_selector"] = {rc.label_key: rc.label_of(region)}
+    return ray.remote(**options)(RegionWorkerActor).remote(cfg, region, run_dir, rank)
 
 
 def form_groups(cfg: RunConfig, actors: RegionActors, *, pin: bool) -> None:

@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from geofed.regions.actor import FOLLOWER_GROUP, RegionWorkerActor, grpc_log_env
 
 from ..config import RunConfig
-from .cluster import RegionActors, region_cpus
+from .cluster import RegionActors, new_worker, region_cpus
 from .failures import ACTOR_DEATHS, Death, cause_of_text, death_cause
 from .journal import Journal
 
@@ -145,7 +144,8 @@ class Regroup:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead is fine
                 pass
-            workers[rank - 1] = new_worker(self.cfg, self.run_dir, region, rank, pin=self.pin)
+            workers[rank - 1] = new_worker(self.cfg, self.run_dir, region, rank, pin=self.pin,
+                                          cpus=region_cpus(self.cfg, pin=self.pin))
             rb.starting[rank] = workers[rank - 1].node_info.remote()
             rb.replaced.append(rank)
         self.actors.following.pop(region, None)
@@ -196,18 +196,6 @@ class Regroup:
         log.warning("region %s: its group did not form again (%s); trying again with new workers", region, why)
         self.pending[region] = _Rebuild(old_pid=(rb.info or {}).get("pid", rb.old_pid), since=rb.since, renew_all=True)
         ray.kill(self.actors.handles[region], no_restart=False)
-
-
-def new_worker(cfg: RunConfig, run_dir: str, region: str, rank: int, *, pin: bool) -> Any:
-    """Worker `rank` of `region` (regions.workers), placed as set-up places its workers
-    (cluster.create_workers): the region's label, its CPUs and GPUs, no Ray restarts."""
-    rc = cfg.regions
-    options: dict[str, Any] = {"num_cpus": region_cpus(cfg, pin=pin), "num_gpus": rc.num_gpus, "max_restarts": 0,
-                               "max_task_retries": 0, "runtime_env": {"env_vars": grpc_log_env()},
-                               "concurrency_groups": {FOLLOWER_GROUP: 1}}
-    if pin:
-        options["label_selector"] = {rc.label_key: rc.label_of(region)}
-    return ray.remote(**options)(RegionWorkerActor).remote(cfg, region, run_dir, rank)
 
 
 def _left_alive(ref: Any) -> bool:
