@@ -282,8 +282,8 @@ class Membership:
     when it started already), `spawn(region, cfg, label)` one of a region joined under a new name,
     built from `cfg` (the run's config with those regions: `config()`) and placed on a node with
     `label` when one is given; `rejoin(region, r, info)` brings it in
-    as a restarted region is (faults.py); `probe(regions)` measures their links before they carry
-    updates. A joiner under a new name also needs `grow(region, label)` (the coordinator's and the
+    as a restarted region is (faults.py); `probe(regions, joiner)` measures their links before
+    they carry updates (or says why they need not be). A joiner under a new name also needs `grow(region, label)` (the coordinator's and the
     emulator's side) and, to rebuild it on a resume, `start(region)` (its server's address) and
     `connect()` (every region to every other). Without `spawn` joins are refused."""
 
@@ -291,7 +291,7 @@ class Membership:
                  busy: Callable[[], Collection[str]], drain: Callable[[str], None],
                  spawn: Callable[..., tuple[Any, dict]] | None = None,
                  rejoin: Callable[[str, int, dict], Any] | None = None,
-                 probe: Callable[[list[str]], None] | None = None,
+                 probe: Callable[[list[str], str], None] | None = None,
                  grow: Callable[[str, str | None], None] | None = None,
                  start: Callable[[str], str] | None = None, connect: Callable[[], None] | None = None):
         self.run_dir, self.regions, self.journal = Path(run_dir), regions, journal
@@ -480,7 +480,7 @@ class Membership:
                          "its new actor did not come up in time: it rejoins once it answers")
             return
         if self.probe is not None:
-            self.probe(list(regions.alive))
+            self.probe(list(regions.alive), region)
         self.out.discard(region)
         grown = {"new": True, "label": self.grown[region]} if joining.new else {}
         self.joined[region] = {"round": r, "request": joining.request, **grown}

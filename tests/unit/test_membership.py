@@ -225,13 +225,13 @@ def test_a_region_that_left_joins_again_through_the_rejoin_path(tmp_path):
         regions.alive = [n for n in NAMES if n in regions.alive or n == region]
 
     membership.spawn = lambda region: placed.append(region) or ("handle", {"pid": 42})  # a region of the config
-    membership.rejoin, membership.probe = rejoin, probed.append
+    membership.rejoin, membership.probe = rejoin, lambda alive, joiner: probed.append((alive, joiner))
     early = write_request(tmp_path, "join", "a")  # in the run: refused
     write_request(tmp_path, "leave", "b")
     back = write_request(tmp_path, "join", "b")  # after its leave, in the order written
     new = write_request(tmp_path, "join", "d")
     assert membership.poll(3) == ["b"]
-    assert placed == ["b"] and rejoined == [("b", 3, 42)] and probed == [NAMES] and regions.alive == NAMES
+    assert placed == ["b"] and rejoined == [("b", 3, 42)] and probed == [(NAMES, "b")] and regions.alive == NAMES
     assert regions.actors.handles == {"b": "handle"}
     by_id = {e["request"]: e for e in _events(tmp_path)}
     assert "is in the run" in by_id[early]["why"]
@@ -328,7 +328,8 @@ def _growing(tmp_path: Path) -> tuple[Membership, Regions, dict[str, list]]:
         del regions.dead[region]
         regions.alive = [n for n in regions.names if n in regions.alive or n == region]
 
-    membership.spawn, membership.rejoin, membership.probe = spawn, rejoin, calls["probe"].append
+    membership.spawn, membership.rejoin = spawn, rejoin
+    membership.probe = lambda alive, joiner: calls["probe"].append((alive, joiner))
     membership.grow = lambda region, label: calls["grow"].append((region, label))
     membership.start = lambda region: calls["start"].append(region) or f"127.0.0.1:{len(calls['start'])}"
     membership.connect = lambda: calls["connect"].append(True)
@@ -350,7 +351,7 @@ def test_a_region_joins_under_a_new_name_and_a_resumed_run_rebuilds_it(tmp_path)
     # Built from the run's config with d appended, placed on its label; then the coordinator and emulator grow.
     assert calls["spawn"] == [("d", [*NAMES, "d"], "zone-9", "zone-9")] and calls["grow"] == [("d", "zone-9")]
     assert regions.names == [*NAMES, "d"] and regions.alive == [*NAMES, "d"] and calls["rejoin"] == [("d", 4)]
-    assert calls["probe"] == [[*NAMES, "d"]]  # its links measured before round 4 carries its update
+    assert calls["probe"] == [([*NAMES, "d"], "d")]  # its links measured before round 4 carries its update
     joined = by_id[join]
     assert joined["event"] == "region_joined" and joined["new"] is True and joined["label"] == "zone-9"
     assert joined["first_round"] == 4 and joined["alive"] == [*NAMES, "d"]
@@ -466,7 +467,7 @@ def test_the_rounds_go_on_while_a_joiners_actor_starts_and_it_joins_once_it_answ
     assert "is joining already" in {e["request"]: e for e in _events(tmp_path)}[again]["why"]
     starts["b"].info = {"pid": 8}
     membership.poll(5)
-    assert calls["rejoin"] == [("b", 5)] and calls["probe"] == [NAMES] and regions.alive == NAMES
+    assert calls["rejoin"] == [("b", 5)] and calls["probe"] == [(NAMES, "b")] and regions.alive == NAMES
     assert set(membership.joining) == {"d"} and membership.out == set()
     joined = {e["request"]: e for e in _events(tmp_path)}[back]
     assert joined["event"] == "region_joined" and joined["first_round"] == 5 and joined["asked_round"] == 3
@@ -475,7 +476,7 @@ def test_the_rounds_go_on_while_a_joiners_actor_starts_and_it_joins_once_it_answ
     membership.poll(6)
     # A new name is the run's only once it answered: then its links, the topology over it, its probes.
     assert calls["grow"] == [("d", None)] and regions.names == [*NAMES, "d"] and regions.alive == [*NAMES, "d"]
-    assert calls["rejoin"][-1] == ("d", 6) and calls["probe"][-1] == [*NAMES, "d"]
+    assert calls["rejoin"][-1] == ("d", 6) and calls["probe"][-1] == ([*NAMES, "d"], "d")
     assert membership.summary_fields()["joined"] == {"b": {"round": 5, "request": back},
                                                      "d": {"round": 6, "request": new, "new": True, "label": None}}
     assert membership.state_dict()["grown"] == [["d", None]]
