@@ -38,6 +38,11 @@ class RegionsSection:
         "(same label, num_cpus and num_gpus each), one torch.distributed group inside the region (gloo, nccl on "
         "cuda); inner steps are data-parallel, each worker a sync.inner.batch_size batch of the region's shard "
         "(N x it a step); 1: one actor, no group"))
+    per_process: int = field(default=1, metadata=_doc(
+        "regions one actor process hosts (docs/many-regions.md): K > 1 packs the regions, K at a time in "
+        "regions.names order, into processes that import torch once, each region with its own gRPC server and "
+        "emulated links as before; regions.num_cpus is then each process's. Such a process is never pooled nor "
+        "detached (run.orphan_timeout_s does not keep it), and its death fails its K regions. 1: an actor a region"))
     group_timeout_s: float = field(default=60.0, metadata=_doc(
         "regions.workers > 1: fail if a region's workers have not formed their process group within this (at "
         "set-up, and again when a region is rebuilt after a worker died), and the deadline of each collective "
@@ -55,8 +60,9 @@ class RegionsSection:
     start_timeout_s: float = field(default=180.0, metadata=_doc("fail if a region actor has not started (placed, torch imported, model and data built) within this"))
     heartbeat_timeout_s: float = field(default=10.0, metadata=_doc(
         "a region busy with a call that does not answer the driver's liveness probe (a Ray call served on its own "
-        "thread) for this long is stalled (SIGSTOP, swap, a hung host): elastic runs go on without it and it "
-        "rejoins when it answers again; fail-fast runs stop"))
+        "thread) for this long (a quarter of it, at least 2 s, once another region has finished the same call) is "
+        "stalled (SIGSTOP, swap, a hung host): elastic runs go on without it and it rejoins when it answers "
+        "again; fail-fast runs stop"))
     leave_grace_s: float = field(default=30.0, metadata=_doc(
         "a SIGTERM to a region's process (a spot notice) asks the run to let it leave: its round in flight "
         "finishes and it is retired after it; a round still running after this many seconds ends the process "
@@ -83,6 +89,8 @@ class RegionsSection:
             raise ValueError(f"num_cpus: must be in (0, 1024], got {self.num_cpus}")
         if not 1 <= self.workers <= 64:
             raise ValueError(f"workers: must be in [1, 64], got {self.workers}")
+        if not 1 <= self.per_process <= MAX_REGIONS:
+            raise ValueError(f"per_process: must be in [1, {MAX_REGIONS}], got {self.per_process}")
         if not 0 < self.group_timeout_s <= 86400:
             raise ValueError(f"group_timeout_s: must be in (0, 86400], got {self.group_timeout_s}")
         if not 1 <= self.torch_threads <= 256:

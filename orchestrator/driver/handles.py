@@ -4,7 +4,8 @@ the driver makes, and who of the regions is still in the run.
 Every call to several regions is gathered: an actor that died, or did not answer in time, fails
 its region (elastic: the run carries on without it; fail-fast: RunFailed). While it waits, the
 gather probes the regions it waits on (a heartbeat served on each actor's own thread): one silent
-for regions.heartbeat_timeout_s is stalled (SIGSTOP, swap, a hung host) and left out like a
+for regions.heartbeat_timeout_s (a quarter of it, at least 2 s, once another region has answered)
+is stalled (SIGSTOP, swap, a hung host) and left out like a
 failed one, without a restart; its pending call is its probe (faults.py revives it). What each
 method returns is what the region's method returns, region by region: a round's RoundReport
 (regions/messages.py, `Reports`), dicts for the other calls.
@@ -23,6 +24,7 @@ from geofed.regions.workers import GroupLost
 
 from ..config import RunConfig
 from .cluster import RegionActors
+from .hosts import HostedRegion, actor_of
 from .failures import ACTOR_DEATHS, Death, cause_of_text, death_cause, worker_exit
 from .journal import Journal
 from .recovery import RunFailed
@@ -31,6 +33,16 @@ from .regroup import Regroup, worker_death
 Results = dict[str, dict[str, Any]]
 Reports = dict[str, RoundReport]  # a round's reports by region (run_round's refs, gathered)
 OnResult = Callable[[str, Any, Collection[str]], None]
+
+
+def _quick_stall(timeout_s: float) -> float:
+    """How long a region may be silent once another region of the gather has finished its call: a
+    quarter of regions.heartbeat_timeout_s, at least 2 s (never more than the timeout). The probe is
+    served on the actor's own thread, so a busy region answers it within milliseconds (a 12,000-step
+    round of 3 s answered every probe of a 1 s timeout: tests/security/test_stalled_region.py); a
+    region silent for 2 s while its peers are done is stopped or hung, and every second more is a
+    second every other region waits (a 10 s SIGSTOP held the whole run 10 s: docs/reliability.md)."""
+    return min(timeout_s, max(2.0, timeout_s / 4))
 
 
 class _Liveness:
@@ -46,9 +58,9 @@ class _Liveness:
         self.last_ok: dict[str, float] = {}
         self.inflight: dict[str, Any] = {}
 
-    def silent(self, regions: Iterable[str]) -> dict[str, float]:
+    def silent(self, regions: Iterable[str], timeout_s: float | None = None) -> dict[str, float]:
         """region -> seconds since its last answer (since the gather began if none), for those
-        of `regions` silent longer than the timeout."""
+        of `regions` silent longer than `timeout_s` (the probe's timeout when None)."""
         now = time.monotonic()
         out = {}
         for region in regions:
@@ -65,7 +77,7 @@ class _Liveness:
             if region not in self.inflight:
                 self.inflight[region] = self.handles[region].heartbeat.remote()
             silent_s = now - self.last_ok.get(region, self.t0)
-            if silent_s > self.timeout_s:
+            if silent_s > (self.timeout_s if timeout_s is None else timeout_s):
                 out[region] = silent_s
         return out
 
@@ -91,7 +103,8 @@ class RegionHandles:
         """region -> result of one call per region. A region whose actor died, or that did not
         answer within `timeout` (then it is killed for Ray to restart), is failed; one that stops
         answering the liveness probe for regions.heartbeat_timeout_s is stalled: the gather goes
-        on without it. Elastic runs carry on without either, fail-fast runs stop. An exception
+        on without it; once another region of the gather has answered its call, a quarter of that
+        (at least 2 s) is enough (`_quick_stall`). Elastic runs carry on without either, fail-fast runs stop. An exception
         inside the call stops the run. `on_result(region, result, still_waiting)` sees each result as it
         comes (the loop's senders-done notices), not a probe period later."""
         if not refs:
@@ -112,7 +125,7 @@ class RegionHandles:
                     on_result(region, out[region], set(pending.values()))
             if not pending:
                 break
-            silent = probe.silent(pending.values())
+            silent = probe.silent(pending.values(), timeout_s=_quick_stall(probe.timeout_s) if out else None)
             for ref, region in list(pending.items()):
                 if region in silent:
                     del pending[ref]
@@ -150,8 +163,9 @@ class RegionHandles:
             self.kill(region)
 
     def kill(self, region: str) -> None:
-        """Kill a region's actor for Ray to restart (it did not finish a call in time)."""
-        ray.kill(self.actors.handles[region], no_restart=False)
+        """Kill a region's actor for Ray to restart (it did not finish a call in time); a hosted
+        region's is its host's (regions.per_process): the host's other regions fail with it."""
+        ray.kill(actor_of(self.actors.handles[region]), no_restart=False)
 
     def death_of(self, region: str, exc: BaseException) -> Death:
         """Why `region`'s actor died, from what its call raised and its worker's row in Ray's GCS."""
@@ -216,7 +230,8 @@ class RegionHandles:
                 ray.get(handle.close.remote(), timeout=10)
             except ray.exceptions.RayError:
                 pass  # dead or hung: the kill below ends it either way
-            ray.kill(handle, no_restart=True)
+            if not isinstance(handle, HostedRegion):  # a host's other regions go on (regions.per_process)
+                ray.kill(handle, no_restart=True)
         for worker in self.actors.workers.pop(region, []):  # regions.workers > 1: its workers 1..N-1 go with it
             ray.kill(worker, no_restart=True)
 

@@ -101,7 +101,8 @@ def test_a_frozen_region_is_left_out_by_the_deadline_and_rejoins_when_it_answers
     # Logged: events.jsonl and the terminal (stderr).
     stalled = _events(hurt.run_dir, "region_stalled")
     assert [e["region"] for e in stalled] == [VICTIM], stalled
-    assert stalled[0]["pid"] == pid and stalled[0]["silent_s"] >= HEARTBEAT_S
+    # silent past the timeout, or past 2 s once another region had reported (handles._quick_stall)
+    assert stalled[0]["pid"] == pid and stalled[0]["silent_s"] >= 2.0
     assert f"region {VICTIM} stalled in round" in capsys.readouterr().err
     # It rejoined once it answered: the same process (no restart), its state from a peer.
     (back,) = _events(hurt.run_dir, "region_rejoined")
