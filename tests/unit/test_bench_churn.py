@@ -90,6 +90,23 @@ def test_measure_counts_each_round_once_over_the_whole_wall_time(tmp_path):
     assert [a["name"] for a in doc["arms"]] == ["undisturbed", "churn"]
 
 
+def test_the_ceiling_counts_what_leaves_and_stops_take_by_construction():
+    """A 30 s leave and a 10 s stop of 4 regions over 200 s of undisturbed training: 40 region-seconds
+    of 800 out, a ceiling of 0.95; a failed action, a kill and an outage take nothing by construction."""
+    calm = {"train_s": 200.0}
+    acts = [{"kind": "leave", "ok": True}, {"kind": "join", "ok": True},
+            {"kind": "region-stop", "ok": True, "stop_s": 10.0}, {"kind": "region-stop", "ok": False, "stop_s": 10.0},
+            {"kind": "region-kill", "ok": True}, {"kind": "link-outage", "ok": True, "outage_s": 10.0}]
+    got = churn.ceiling(calm, acts, regions=4, timing=Timing())
+    assert got == {"absent_region_s": 40.0, "throughput_ceiling": 0.95}
+    assert churn.ceiling({"train_s": None}, acts, regions=4, timing=Timing())["throughput_ceiling"] is None
+    hurt = {"examples_per_s": 0.855, "final_metric": 0.97, "metric": "accuracy", "rounds_redone": 0, "peak_rss_mb": 1.0}
+    doc = churn.document([{"undisturbed": {**calm, "examples_per_s": 1.0, "final_metric": 0.97, "metric": "accuracy",
+                                           "rounds_redone": 0, "peak_rss_mb": 1.0}, "churn": hurt}],
+                         quick=False, faults=[acts], setup=churn.Setup(task="digits", regions=4, rounds=3, H=200, timing=Timing()))
+    assert doc["ceiling"]["throughput_ceiling"] == 0.95 and doc["ceiling"]["throughput_of_ceiling"] == 0.9
+
+
 @pytest.mark.parametrize("argv", [["--reps", "0"], ["--rounds", "3"], ["--every", "0"], ["--set", "sync.inner.lr=-1"]])
 def test_bad_arguments_exit_2_before_any_run(argv, capsys):
     assert churn.main(argv) == 2
