@@ -123,7 +123,7 @@ class Region:
         self.stepper = self if stepper is None else stepper  # SyncContext.stepper
         self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
         if sec.rollback_on_nonfinite:
-            self.add_hook(Rollback(self))
+            self.add_hook(Rollback(self, directory=self.run_dir / "rollback" if sec.rollback_copy == "disk" else None))
         self.completed_round = -1
         self.add_hook(StepWeight(cfg.sync.pacing))  # before DP: the weighted update is the one clipped
         if cfg.sync.pacing.mode == "quorum" and cfg.sync.pacing.late_updates == "apply":
@@ -308,6 +308,9 @@ class Region:
             self.secagg.close()
         self.exchanger.close()
         self.transport.close()
+        for hook in self.hooks:
+            if isinstance(hook, Rollback):  # its copy's file, where it went to disk
+                hook.release()
         if self.workers is not None:  # worker 0 stops the region's other workers; each leaves the group
             self.workers.close()
 

@@ -11,7 +11,8 @@ Sizes (``task.n_layer`` x ``task.d_model``): 1M (5 x 128), 10M (6 x 384), 30M (6
 ``eager``, ``fragments`` (4 fragments, eager), ``gossip`` (sync.algorithm gossip: CHOCO, so no error
 feedback), ``secagg`` (serial, security.secure_aggregation with 8-bit masks: no overlap; 3 regions: it needs 3), ``checkpoint``
 (delayed, run.checkpoint_every 1), ``no-rollback`` (delayed, security.rollback_on_nonfinite false: no copy of
-each round's start) and ``export`` (delayed, up to the run's end).
+each round's start), ``rollback-memory`` (delayed, security.rollback_copy memory: the copy in the process, not in a
+file), ``recompute`` (delayed, task.activation_checkpointing) and ``export`` (delayed, up to the run's end).
 
 How it is measured, without a line in the regions' code: while a run goes, a thread reads each
 region process's high-water mark of resident memory (VmHWM in /proc/PID/status, the kernel's own
@@ -66,6 +67,10 @@ ARMS: dict[str, tuple[dict[str, Any], str]] = {
     # delayed without rollback's copy of every round's start (model, AdamW, outer state: 20 B/param),
     # which the issue's 32 B/param floor does not count
     "no-rollback": ({"sync": {"overlap": True}, "security": {"rollback_on_nonfinite": False}}, "rounds"),
+    # delayed with rollback's copy held in the process (security.rollback_copy memory; disk is the default)
+    "rollback-memory": ({"sync": {"overlap": True}, "security": {"rollback_copy": "memory"}}, "rounds"),
+    # delayed with each gpt block recomputed in the backward pass (activations of about one block)
+    "recompute": ({"sync": {"overlap": True}, "task": {"activation_checkpointing": True}}, "rounds"),
     "export": ({"sync": {"overlap": True}}, "end"),
 }
 POLL_S = 0.1

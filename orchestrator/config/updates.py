@@ -71,6 +71,11 @@ class SecuritySection:
     rollback_on_nonfinite: bool = field(default=True, metadata=_doc(
         "a region whose loss or model turns non-finite goes back to its state at the start of the round and "
         "drops the round's inputs (an event), instead of failing the run; 3 in a row still fail it"))
+    rollback_copy: Literal["disk", "memory"] = field(default="disk", metadata=_doc(
+        "where rollback_on_nonfinite keeps its copy of the round's start (DiLoCo with AdamW: 8 B/param through the "
+        "inner steps, 16 from the outer step to the round's end): disk writes it to a file of the region's run "
+        "directory (rollback/, deleted when the round stands) and reads it back only to restore, so it is not "
+        "resident (page cache, not the region's memory); memory keeps it in the process and skips the writes"))
     secure_aggregation: bool = field(default=False, metadata=_doc(
         "mask every region's update with pairwise X25519/ChaCha20 masks that cancel in the sum, so a region learns "
         "only the sum of the others' updates; full-topology diloco, >= 3 regions, TLS, and a codec that sums as "

@@ -259,6 +259,10 @@ class GPTConfig:
     partition: Literal["contiguous", "iid"] = field(
         default="contiguous", metadata={"doc": "contiguous: each region a different stretch of text (non-IID); iid: windows from anywhere"})
     eval_sequences: int = field(default=64, metadata={"doc": "held-out sequences scored at evaluation"})
+    activation_checkpointing: bool = field(default=False, metadata={"doc": (
+        "keep only each block's input through the forward pass and recompute the block in the backward pass "
+        "(torch.utils.checkpoint): activations fall from all blocks' to about one block's (at 100M parameters, "
+        "batch 4 x 256: docs/bench-memory.md) for about one more forward pass of compute per step")})
 
     def __post_init__(self):
         if not self.path:  # the dataset's file in this machine's cache (the driver's, where configs are built)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 from .base import EvalResult, Task, register_task
@@ -66,6 +67,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_head, cfg.dropout) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.checkpointing = cfg.activation_checkpointing
         self.head = nn.Linear(cfg.d_model, vocab, bias=False)
         self.apply(self._init)
         if cfg.tie_embeddings:
@@ -85,8 +87,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.tok(idx) + self.pos(pos))
+        recompute = self.checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            # Recomputed in the backward pass with the RNG state of its forward pass (dropout draws the same).
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.head(self.ln_f(x))
 
 

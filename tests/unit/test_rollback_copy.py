@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from geofed.regions.rollback import copy_state
 
@@ -43,17 +44,16 @@ def test_a_rounds_copy_is_made_after_the_last_one_is_dropped(monkeypatch):
     held_while_copying = []
 
     def spy(obj):
-        if isinstance(obj, dict) and "model" in obj:  # the round's copy, not its recursion
-            held_while_copying.append(hook._state)
+        held_while_copying.append(hook._state)
         return copy_state(obj)
 
     monkeypatch.setattr(rollback, "copy_state", spy)
     hook.plan(None)
     hook.plan(None)
-    assert held_while_copying == [None, None] and hook._state is not None
+    assert held_while_copying and all(s is None for s in held_while_copying) and hook._state is not None
 
 
-def _overlap_region(tmp_path):
+def _overlap_region(tmp_path, copy="disk"):
     from geofed.orchestrator.config import config_from_mapping
     from geofed.p2p.memory import InMemoryHub, InMemoryTransport
     from geofed.regions.region import Region
@@ -61,21 +61,25 @@ def _overlap_region(tmp_path):
     cfg = config_from_mapping({
         "run": {"seed": 0, "checkpoint_every": 0}, "task": {"kind": "mlp-digits", "hidden": 8},
         "regions": {"names": ["a"]}, "network": {"emulation": {"mode": "none"}},
-        "sync": {"overlap": True, "deadline": {"initial_s": 2.0, "min_s": 0.5, "max_s": 5.0}}})
+        "security": {"rollback_copy": copy}, "sync": {"overlap": True, "deadline": {"initial_s": 2.0, "min_s": 0.5, "max_s": 5.0}}})
     return Region(cfg, "a", tmp_path, transport=InMemoryTransport("a", InMemoryHub()))
 
 
-def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_outer_step(tmp_path):
+@pytest.mark.parametrize("copy", ["memory", "disk"])
+def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_outer_step(tmp_path, copy):
     """Issue 39: through the inner steps the copy holds the inner optimizer and the model's buffers
     only (whole-model DiLoCo restarts its parameters from the global copy; its outer state changes
     only at the outer step, copied then), and none once the round stands. The guarantee is unchanged:
     a round that fails in its inner steps (no outer copy made) or after its outer step goes back to
-    its start bitwise: global model, outer momentum, AdamW moments, and the model restarted there."""
+    its start bitwise: global model, outer momentum, AdamW moments, and the model restarted there.
+    With rollback_copy disk every part of the copy is a file while it is held (not a tensor of the
+    process), and the files are gone once the round stands or has been restored."""
     from geofed.regions.hooks import RoundHook
     from geofed.regions.messages import RoundPlan
-    from geofed.regions.rollback import Rollback
+    from geofed.regions.rollback import OnDisk, Rollback
 
-    region = _overlap_region(tmp_path)
+    region = _overlap_region(tmp_path, copy)
+    files = tmp_path / "rollback"
     try:
         rb = next(h for h in region.hooks if isinstance(h, Rollback))
         held: list[dict] = []
@@ -84,7 +88,12 @@ def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_ou
         def training_loss(model, batch):  # the inner steps' (the probe runs without grad): what is held then
             if not torch.is_grad_enabled():
                 return loss(model, batch)
-            held.append(dict(rb._state))
+            parts = dict(rb._state)
+            if copy == "disk":
+                assert all(isinstance(p, OnDisk) and p.path.parent == files and p.path.stat().st_size > 0
+                           for p in parts.values())
+                parts = {k: p.load() for k, p in parts.items()}
+            held.append(parts)
             return loss(model, batch) * (float("nan") if nan[0] else 1.0)  # NaN: AdamW's moments turn NaN too
 
         region.task.loss = training_loss
@@ -102,6 +111,7 @@ def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_ou
         for r in range(3):
             region.run_round(RoundPlan(round=r, H=2))
         assert rb._state is None  # released once the round stood
+        assert not files.exists() or not any(files.iterdir())
         params = {n for n, _ in region.model.named_parameters()}
         assert set(held[-1]) == {"model", "inner"} and not set(held[-1]["model"]) & params
 
@@ -130,5 +140,6 @@ def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_ou
         m = region.run_round(RoundPlan(round=4, H=2))  # the outer step applied round 2's mean, then failed
         assert m.security.rolled_back["why"] == "rejected after the outer step"
         assert_restored(start)
+        assert not files.exists() or not any(files.iterdir())
     finally:
         region.close()
