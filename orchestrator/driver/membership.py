@@ -101,6 +101,7 @@ class Joining:
     started: Any
     since: float
     deadline: float
+    names: tuple[str, ...] = ()  # a new name's: the run's regions its actor was built with (its index is the last)
 
 
 def parse_request(request_id: str, raw: bytes) -> Request:
@@ -423,8 +424,9 @@ class Membership:
             return
         regions.actors.handles[region] = handle  # the run's end ends it with the others, started or not
         now = time.monotonic()
+        built = (*regions.cfg.regions.names, *self.grown, *self._joining_new(), region) if new else ()
         joining = Joining(request=request, label=label, new=new, asked_round=r, handle=handle, started=started,
-                          since=now, deadline=now + regions.cfg.regions.start_timeout_s)
+                          since=now, deadline=now + regions.cfg.regions.start_timeout_s, names=built)
         if isinstance(started, dict):
             self._come_in(region, r, joining, started)
             return
@@ -444,13 +446,38 @@ class Membership:
             except Exception as exc:  # noqa: BLE001 - it died starting (cluster.start_failure says why)
                 self._give_up(region, joining, f"its actor could not be placed: {exc}")
                 continue
-            if info is not None:
+            if info is not None and joining.new and joining.names != (*self.regions.names, region):
+                self._out_of_turn(region, joining)
+            elif info is not None:
                 del self.joining[region]
                 self._come_in(region, r, joining, info)
             elif time.monotonic() > joining.deadline:
                 joining.started.end()
                 self._give_up(region, joining, f"its actor could not be placed: it did not start within "
                                                f"{self.regions.cfg.regions.start_timeout_s:g}s (regions.start_timeout_s)")
+
+    def _out_of_turn(self, region: str, joining: Joining) -> None:
+        """A new name's actor answered, but it was built with another index than it would come in at:
+        a new name asked before it is still starting (it waits for that one: names only grow at the end,
+        in the order asked), or one asked before it gave up (its actor is built again, with the run's
+        names as they are). Each region's index fixes its data shard and its place in the topology, and
+        a region refuses members that do not extend its own list (Region.set_members)."""
+        ahead = list(self.joining)[:list(self.joining).index(region)]
+        if any(self.joining[other].new for other in ahead):
+            return
+        joining.started.end()
+        built = (*self.regions.names, region)
+        try:
+            handle, started = self._place(region, joining.label, new=True, before=dict(self.grown))
+        except Exception as exc:  # noqa: BLE001 - a placement error: refused as a first placement's would be
+            self._give_up(region, joining, f"its actor could not be placed again: {exc}")
+            return
+        self.regions.actors.handles[region] = handle
+        now = time.monotonic()
+        self.joining[region] = dataclasses.replace(
+            joining, handle=handle, started=started, names=built, deadline=now + self.regions.cfg.regions.start_timeout_s)
+        self.journal.note(f"region {region}: its actor was built as region {len(joining.names)} of the run, which "
+                          f"has {len(built)} with it (a new name asked before it did not join): built again")
 
     def _give_up(self, region: str, joining: Joining, why: str) -> None:
         del self.joining[region]
@@ -492,11 +519,15 @@ class Membership:
         self.journal.note(f"region {region} joined the run before round {r}"
                           + (" under a new name" if joining.new else ""), style="green")
 
-    def _place(self, region: str, label: str | None, *, new: bool, issue: bool = False) -> tuple[Any, Any]:
+    def _place(self, region: str, label: str | None, *, new: bool, issue: bool = False,
+               before: Mapping[str, str | None] | None = None) -> tuple[Any, Any]:
         """A joiner's new actor and its start (a dict: started; else a cluster.StartingActor); a new
         name first gets its certificate from the run's CA (RUN_DIR/tls), as set-up's make_tls issues
-        each region's (a rebuilt one a fresh one: no expiry to track)."""
-        cfg = grown_config(self.regions.cfg, {**self.grown, **self._joining_new(), region: label}) if new else self.config()
+        each region's (a rebuilt one a fresh one: no expiry to track). A new name is built after the
+        names `before` it (default: those that joined, then those still starting)."""
+        if before is None:
+            before = {**self.grown, **self._joining_new()}
+        cfg = grown_config(self.regions.cfg, {**before, region: label}) if new else self.config()
         if (new or issue) and cfg.security.tls:
             from geofed.p2p.tls import issue_region
 

@@ -482,6 +482,26 @@ def test_the_rounds_go_on_while_a_joiners_actor_starts_and_it_joins_once_it_answ
     assert membership.state_dict()["grown"] == [["d", None]]
 
 
+def test_two_new_names_come_in_in_the_order_asked_whichever_answers_first(tmp_path):
+    """Each new name is built as the next region after those asked before it (its data shard and its
+    place in the topology); one that answers before an earlier one waits for it, so the run's names
+    grow in that order and each region's members extend its own list (Region.set_members)."""
+    membership, regions, calls = _growing(tmp_path)
+    starts = _starting(membership, calls)
+    first, second = write_request(tmp_path, "join", "d"), write_request(tmp_path, "join", "e")
+    membership.poll(1)
+    assert membership.joining["d"].names == (*NAMES, "d") and membership.joining["e"].names == (*NAMES, "d", "e")
+    starts["e"].info = {"pid": 7}  # the later one answers first: it waits
+    membership.poll(2)
+    assert regions.names == NAMES and set(membership.joining) == {"d", "e"} and not starts["e"].ended
+    starts["d"].info = {"pid": 6}
+    membership.poll(3)
+    assert regions.names == [*NAMES, "d", "e"] and membership.joining == {}
+    assert calls["grow"] == [("d", None), ("e", None)] and calls["spawn"] == ["d", "e"]
+    by_id = {e["request"]: e for e in _events(tmp_path)}
+    assert by_id[first]["first_round"] == by_id[second]["first_round"] == 3
+
+
 def test_a_joiner_that_dies_starting_or_does_not_start_in_time_is_refused_and_ended(tmp_path):
     import dataclasses
 
@@ -494,22 +514,28 @@ def test_a_joiner_that_dies_starting_or_does_not_start_in_time_is_refused_and_en
     membership.poll(1)
     starts["e"].fail = RuntimeError("region e: its actor failed to start: worker died")
     time.sleep(0.3)
-    starts["f"].info = {"pid": 5}  # in time: it joins
+    first_f = starts["f"]
+    first_f.info = {"pid": 5}  # in time, but built as the 6th region, after d and e: they gave up, so it is built again
     membership.poll(2)
     by_id = {e["request"]: e for e in _events(tmp_path)}
     assert by_id[slow]["event"] == "control_refused" and "did not start within 0.2s (regions.start_timeout_s)" in by_id[slow]["why"]
     assert by_id[dies]["event"] == "control_refused" and "its actor could not be placed: region e: its actor failed" in by_id[dies]["why"]
-    assert by_id[late]["event"] == "region_joined"
+    assert first_f.ended and starts["f"] is not first_f and calls["spawn"].count("f") == 2
+    assert membership.joining["f"].names == (*NAMES, "f") and regions.names == NAMES and calls["grow"] == []
+    starts["f"].info = {"pid": 6}
+    membership.poll(3)
+    by_id = {e["request"]: e for e in _events(tmp_path)}
+    assert by_id[late]["event"] == "region_joined" and by_id[late]["pid"] == 6
     assert starts["d"].ended and regions.names == [*NAMES, "f"] and set(regions.actors.handles) == {"f"}
     # Still starting when the run ends: answered, and its actor ended.
     last = write_request(tmp_path, "join", "g")
-    membership.poll(3)
-    membership.end_joins(3)
+    membership.poll(4)
+    membership.end_joins(4)
     assert starts["g"].ended and membership.joining == {} and "g" not in regions.actors.handles
-    assert "the run ended after round 3 before its actor started" in {e["request"]: e for e in _events(tmp_path)}[last]["why"]
+    assert "the run ended after round 4 before its actor started" in {e["request"]: e for e in _events(tmp_path)}[last]["why"]
     # A driver killed while a joiner starts: its request was taken, region_joining is no answer, so a resume takes it again.
     killed = write_request(tmp_path, "join", "h")
-    membership.poll(4)
+    membership.poll(5)
     assert requeue_unanswered(tmp_path) == [killed]
 
 
