@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # the commands' side (request_from_args) runs without Ray
 
 __all__ = ["CONTROL_DIR", "ACTIONS", "EXIT", "Request", "Joining", "Membership", "request_from_args", "parse_request",
            "requeue_unanswered", "run_is_live", "take_requests", "withdraw_request", "write_request",
-           "grown_config", "growth_refusal", "label_refusal", "wait_for_label"]
+           "AwaitingNode", "grown_config", "growth_refusal", "label_refusal"]
 
 CONTROL_DIR = "control"
 ACTIONS = ("leave", "join")
@@ -136,23 +136,38 @@ def label_refusal(label: Any) -> str | None:
     return None
 
 
-def wait_for_label(label_key: str, value: str, timeout_s: float, seen: Callable[[str], Mapping[str, Any]], *,
-                   poll_s: float = 1.0) -> None:
-    """Until an alive node carries `label_key`=`value` (seen(label_key): value -> its nodes, as
-    cluster.node_labels gives them), at most timeout_s (regions.placement_timeout_s: nodes may still
-    be joining); then ValueError naming the labels seen. A joiner's actor is created only after it,
-    instead of waiting for a node until regions.start_timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        labels = seen(label_key)
-        if value in labels:
-            return
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-    shown = ", ".join(sorted(labels)) or "none"
-    raise ValueError(f"no alive Ray node carries {label_key}={value} after {timeout_s:g}s (regions.placement_timeout_s); "
-                     f"values seen: {shown}")
+class AwaitingNode:
+    """A joiner's start while no alive Ray node carries its label yet (`geofed join --label`): each
+    poll() looks again without waiting and, once a node carries it, makes the actor (`make()`: a
+    cluster.StartingActor) and answers for that from then on; past `deadline` (monotonic seconds,
+    regions.placement_timeout_s) it raises ValueError naming the labels seen. The rounds go on
+    meanwhile, as they do while an actor starts; `handle` is None until the actor is made."""
+
+    def __init__(self, label_key: str, value: str, *, timeout_s: float, seen: Callable[[str], Mapping[str, Any]],
+                 make: Callable[[], Any]):
+        self.label_key, self.value, self.timeout_s, self.seen, self.make = label_key, value, timeout_s, seen, make
+        self.deadline = time.monotonic() + timeout_s
+        self.started: Any = None
+
+    @property
+    def handle(self) -> Any:
+        return None if self.started is None else self.started.handle
+
+    def poll(self) -> dict | None:
+        if self.started is None:
+            labels = self.seen(self.label_key)
+            if self.value not in labels:
+                if time.monotonic() >= self.deadline:
+                    raise ValueError(f"no alive Ray node carries {self.label_key}={self.value} after "
+                                     f"{self.timeout_s:g}s (regions.placement_timeout_s); values seen: "
+                                     f"{', '.join(sorted(labels)) or 'none'}")
+                return None
+            self.started = self.make()
+        return self.started.poll()
+
+    def end(self) -> None:
+        if self.started is not None:
+            self.started.end()
 
 
 def grown_config(cfg: RunConfig, grown: Mapping[str, str | None]) -> RunConfig:
@@ -422,7 +437,8 @@ class Membership:
         except Exception as exc:  # noqa: BLE001 - a placement error: the run goes on without it
             self._refuse(request or "-", region, f"its actor could not be placed: {exc}")
             return
-        regions.actors.handles[region] = handle  # the run's end ends it with the others, started or not
+        if handle is not None:  # None: no node carries its label yet (AwaitingNode), no actor to end
+            regions.actors.handles[region] = handle  # the run's end ends it with the others, started or not
         now = time.monotonic()
         built = (*regions.cfg.regions.names, *self.grown, *self._joining_new(), region) if new else ()
         joining = Joining(request=request, label=label, new=new, asked_round=r, handle=handle, started=started,
@@ -450,6 +466,9 @@ class Membership:
                 self._out_of_turn(region, joining)
             elif info is not None:
                 del self.joining[region]
+                if joining.handle is None:  # its node came up after the join was asked (AwaitingNode)
+                    joining = dataclasses.replace(joining, handle=joining.started.handle)
+                    self.regions.actors.handles[region] = joining.handle
                 self._come_in(region, r, joining, info)
             elif time.monotonic() > joining.deadline:
                 joining.started.end()
@@ -472,7 +491,8 @@ class Membership:
         except Exception as exc:  # noqa: BLE001 - a placement error: refused as a first placement's would be
             self._give_up(region, joining, f"its actor could not be placed again: {exc}")
             return
-        self.regions.actors.handles[region] = handle
+        if handle is not None:
+            self.regions.actors.handles[region] = handle
         now = time.monotonic()
         self.joining[region] = dataclasses.replace(
             joining, handle=handle, started=started, names=built, deadline=now + self.regions.cfg.regions.start_timeout_s)
@@ -481,7 +501,8 @@ class Membership:
 
     def _give_up(self, region: str, joining: Joining, why: str) -> None:
         del self.joining[region]
-        if self.regions.actors.handles.get(region) is joining.handle:
+        handle = joining.started.handle if joining.handle is None else joining.handle
+        if handle is not None and self.regions.actors.handles.get(region) is handle:
             del self.regions.actors.handles[region]
         self._refuse(joining.request or "-", region, why)
 
@@ -603,6 +624,7 @@ class Membership:
             else:
                 handle, started = self._place(region, self.grown[region], new=False, issue=True)
                 info = self._started(region, started)
+                handle = started.handle if handle is None else handle  # made once its node came up
             regions.actors.handles[region] = handle
             assert self.start is not None
             address = self.start(region)

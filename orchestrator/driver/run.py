@@ -30,7 +30,7 @@ from .faults import Faults
 from .handles import RegionHandles, Reports
 from .journal import Journal
 from .loops import LoopEnds, one_initial_model
-from .membership import Membership, requeue_unanswered, wait_for_label
+from .membership import AwaitingNode, Membership, requeue_unanswered
 from .pacing import Pacing
 from .privacy import DpBudget
 from .progress import RunProgress
@@ -299,20 +299,31 @@ class Runner:
         if self.cfg.sync.overlap:
             self.regions.finish_pending([region], timeout=self.cfg.sync.deadline.max_s * 2 + 120)
 
-    def _spawn(self, region: str, cfg: RunConfig | None = None, label: str | None = None) -> tuple[Any, StartingActor]:
+    def _spawn(self, region: str, cfg: RunConfig | None = None,
+               label: str | None = None) -> tuple[Any, StartingActor | AwaitingNode]:
         """A joiner's new actor (`geofed join`) built from `cfg` (the run's, with the regions joined under
         new names; None: the run's), placed as set-up places the region's, or on a node labelled `label`;
-        not waited for: membership brings it in once it answers, the rounds go on meanwhile."""
+        not waited for: membership brings it in once it answers, the rounds go on meanwhile. With no
+        node carrying `label` yet, the actor is made once one does (membership.AwaitingNode: looked for
+        each round until regions.placement_timeout_s; the handle is None until then)."""
         cfg = cfg or self.cfg
         if self.cfg.regions.workers > 1 or self.hostile:
             raise ValueError("joins place one actor a region: not with regions.workers > 1 or hostile regions")
-        if label is not None:
-            wait_for_label(cfg.regions.label_key, label, cfg.regions.placement_timeout_s, node_labels)
         # detached and named as set-up's regions are: it outlives a killed driver too (driver/reattach.py)
         named = actor_names(self.run_dir, [region]) if detached(self.cfg, hostile=self.hostile, train_fn=self.train_fn) else {}
-        starting = start_region_actor(cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address) or label is not None,
-                                      train_fn=self.train_fn, named=named.get(region))
-        self.actors.named.update(named)  # ended at the run's end, or by its orphan timeout, as theirs are
+
+        def make() -> StartingActor:
+            starting = start_region_actor(cfg, str(self.run_dir), region, pin=bool(self.cfg.ray.address) or label is not None,
+                                          train_fn=self.train_fn, named=named.get(region))
+            self.actors.named.update(named)  # ended at the run's end, or by its orphan timeout, as theirs are
+            return starting
+
+        if label is not None and label not in node_labels(cfg.regions.label_key):
+            # no node carries it yet: looked for again each round, not waited for (regions.placement_timeout_s)
+            waiting = AwaitingNode(cfg.regions.label_key, label, timeout_s=cfg.regions.placement_timeout_s,
+                                   seen=node_labels, make=make)
+            return None, waiting
+        starting = make()
         return starting.handle, starting
 
     def _grow(self, region: str, label: str | None) -> None:

@@ -18,12 +18,12 @@ from geofed.orchestrator.config import config_from_mapping
 from geofed.orchestrator.driver.journal import Journal
 from geofed.orchestrator.driver.membership import (
     EXIT,
+    AwaitingNode,
     Membership,
     growth_refusal,
     parse_request,
     run_is_live,
     take_requests,
-    wait_for_label,
     withdraw_request,
     write_request,
 )
@@ -302,13 +302,32 @@ def test_a_run_that_can_grow_takes_new_names_up_to_its_servers_size():
     assert "must be unique" in growth_refusal(CFG, {"d": None}, "a", None)
 
 
-def test_a_label_no_node_has_is_refused_after_the_placement_deadline():
-    seen = []
+def test_a_label_no_node_has_yet_is_looked_for_at_each_poll_and_refused_after_the_placement_deadline():
+    """geofed join --label: the rounds do not wait for a node with the label; each poll looks again,
+    the actor is made once a node carries it, and past regions.placement_timeout_s the join is refused."""
+    seen, log = {"a": ["10.0.0.1"], "b": []}, []
+
+    class Made:  # what cluster.start_region_actor hands back
+        handle = "handle-d"
+
+        def poll(self):
+            return {"pid": 3}
+
+        def end(self):
+            log.append("ended")
+
+    waiting = AwaitingNode("zone", "edge-9", timeout_s=30.0, seen=lambda key: log.append(key) or seen,
+                           make=lambda: log.append("made") or Made())
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"no alive Ray node carries zone=edge-9 after 0.3s .*values seen: a, b"):
-        wait_for_label("zone", "edge-9", 0.3, lambda key: seen.append(key) or {"a": ["10.0.0.1"], "b": []}, poll_s=0.1)
-    assert 0.3 <= time.monotonic() - t0 < 2 and len(seen) >= 3 and set(seen) == {"zone"}  # polled until the deadline
-    wait_for_label("zone", "a", 0.0, lambda key: {"a": ["10.0.0.1"]})  # there: at once
+    assert waiting.poll() is None and waiting.handle is None and log == ["zone"]  # not there: no actor, no wait
+    assert time.monotonic() - t0 < 0.5
+    seen["edge-9"] = ["10.0.0.2"]
+    assert waiting.poll() == {"pid": 3} and waiting.handle == "handle-d" and log == ["zone", "zone", "made"]
+    waiting.end()
+    assert log[-1] == "ended"
+    late = AwaitingNode("zone", "edge-9", timeout_s=0.0, seen=lambda key: {"a": [], "b": []}, make=Made)
+    with pytest.raises(ValueError, match=r"no alive Ray node carries zone=edge-9 after 0s .*values seen: a, b"):
+        late.poll()
 
 
 def _growing(tmp_path: Path) -> tuple[Membership, Regions, dict[str, list]]:
@@ -383,8 +402,8 @@ def test_a_region_joins_under_a_new_name_and_a_resumed_run_rebuilds_it(tmp_path)
 def test_a_new_name_whose_actor_cannot_be_placed_leaves_the_run_as_it_was(tmp_path):
     membership, regions, calls = _growing(tmp_path)
 
-    def no_node(region, cfg, label):
-        wait_for_label(cfg.regions.label_key, label, 0.0, lambda key: {})
+    def no_node(region, cfg, label):  # run._spawn's, past regions.placement_timeout_s with no node labelled
+        return None, AwaitingNode(cfg.regions.label_key, label, timeout_s=0.0, seen=lambda key: {}, make=object)
 
     membership.spawn = no_node
     join = write_request(tmp_path, "join", "d", label="edge-9")
