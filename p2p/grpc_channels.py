@@ -1,7 +1,7 @@
 """The client half of the gRPC transport: one long-lived channel per peer, and whether it is warm.
 
-Why a module of its own: a channel's life (opened once by ``connect()``, replaced when a peer's
-address changes, closed in parallel at the end) and its connection epochs (which send paid for a
+Why a module of its own: a channel's life (opened at the first call to its peer after ``connect()``,
+replaced when a peer's address changes, closed in parallel at the end) and its connection epochs (which send paid for a
 fresh connection) change on gRPC's connectivity thread, apart from any call; the calls in
 ``grpc_transport.py`` only look a peer up here and report when a send finished.
 
@@ -52,30 +52,30 @@ class PeerChannels:
     def __init__(self, region: str, tls: TlsMaterial | None):
         self.region, self.tls = region, tls
         self._lock = threading.Lock()
-        self._channels: dict[str, PeerChannel] = {}
+        self._addresses: dict[str, str] = {}  # every connected peer's, opened or not
+        self._channels: dict[str, PeerChannel] = {}  # the ones opened: a first get() opens one
         self._epochs: Counter[str] = Counter()
         self._warm_epoch: dict[str, int] = {}
         self._closed = False
 
     def connect(self, peers: Mapping[str, str]) -> list[grpc.Channel]:
-        """Open a channel to every peer but this region (with TLS, the certificate must name the
-        peer, also through a proxy); a peer whose address changed gets a new channel. Returns the
-        channels replaced, for the caller to close_all()."""
-        opened, stale = {}, []
-        for peer, address in peers.items():
-            if peer == self.region:
-                continue
-            with self._lock:
-                current = self._channels.get(peer)
-            if current is not None and current.address == address:
-                continue
-            opened[peer] = self._open(peer, address)
-            if current is not None:
-                stale.append(current.channel)
+        """Know every peer but this region at its address; a channel opens at the first call to a peer
+        (`get`). Each open channel has a gRPC connectivity thread waking every 0.2 s (its READY
+        epochs), so a channel to every region would cost N-1 threads a region: 1,008 in a process of
+        16 regions of 64 (regions.per_process), whose wake-ups starved the process (4 processes,
+        load 230 on 2 cores, no region connected within 60 s), where a region talks to its
+        topology's neighbours (11 of 63, exponential). A peer whose address changed loses its open
+        channel, returned for the caller to close_all()."""
+        stale = []
         with self._lock:
-            self._channels.update(opened)
-            for peer in opened:
-                self._warm_epoch.pop(peer, None)
+            for peer, address in peers.items():
+                if peer == self.region or self._addresses.get(peer) == address:
+                    continue
+                self._addresses[peer] = address
+                current = self._channels.pop(peer, None)
+                if current is not None:
+                    stale.append(current.channel)
+                    self._warm_epoch.pop(peer, None)
         return stale
 
     def _open(self, peer: str, address: str) -> PeerChannel:
@@ -117,8 +117,11 @@ class PeerChannels:
             if self._closed:
                 raise TransportError(f"{self.region}: transport is closed", peer=peer, reason="closed")
             entry = self._channels.get(peer)
-        if entry is None:
-            raise ValueError(f"peer: {peer!r} is not connected (connect() it first)")
+            if entry is None:
+                address = self._addresses.get(peer)
+                if address is None:
+                    raise ValueError(f"peer: {peer!r} is not connected (connect() it first)")
+                entry = self._channels[peer] = self._open(peer, address)  # under the lock: one channel a peer
         return entry
 
     def note_warm(self, peer: str) -> bool:

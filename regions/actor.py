@@ -65,7 +65,8 @@ class RegionActor:
     """
 
     def __init__(self, cfg: Any, region: str, run_dir: str, *, tls=None, pool: dict[str, Any] | None = None,
-                 plugin=None, train_fn: Callable[[RegionContext], Any] | None = None):
+                 plugin=None, train_fn: Callable[[RegionContext], Any] | None = None,
+                 build_region: Callable[..., Region] = Region, notice: LeaveNotice | None = None):
         # `tls`: this region's TlsMaterial, sent by the driver with the actor's creation (small,
         # once); the node never needs the driver's RUN_DIR/tls. `pool`: {"name", "job"} of a pooled
         # actor and the Ray job of the run that creates it.
@@ -83,10 +84,14 @@ class RegionActor:
         # train_fn: the user's function (the loop API), built like `plugin`: the region built around its model
         self.region: Region | None
         self._loop: LoopHost | None
-        self.region, self._loop = _build(cfg, region, run_dir, tls, plugin=plugin, train_fn=train_fn)  # plugin: a bench's, no config key
-        # A SIGTERM (a spot notice) asks the run to let this region leave (regions/leave_notice.py)
-        self._notice = LeaveNotice(getattr(cfg.regions, "leave_grace_s", 30.0))
-        if _in_actor():  # a RegionActor built as a plain class (tests) leaves its process's handler alone
+        # build_region: Region, or (regions.per_process > 1, regions/host.py) one that shares its process
+        self.region, self._loop = _build(cfg, region, run_dir, tls, plugin=plugin, train_fn=train_fn,  # plugin: a bench's, no config key
+                                         build_region=build_region)
+        # A SIGTERM (a spot notice) asks the run to let this region leave (regions/leave_notice.py);
+        # `notice`: the process's, shared by the regions a host process holds (it closes it itself)
+        self._own_notice = notice is None
+        self._notice = notice if notice is not None else LeaveNotice(getattr(cfg.regions, "leave_grace_s", 30.0))
+        if self._own_notice and _in_actor():  # a RegionActor built as a plain class (tests) leaves its process's handler alone
             self._notice.install()
         # cpu_s: this process's CPU from its start (Ray's worker, the imports, the build): what a
         # region's start costs whatever else the host is doing, where process_s and init_s are wall time.
@@ -229,7 +234,8 @@ class RegionActor:
 
     def close(self) -> None:
         """Close the region (a pooled actor keeps running without one until adopted or ended)."""
-        self._notice.close()  # a SIGTERM from now on is an orderly shutdown's
+        if self._own_notice:
+            self._notice.close()  # a SIGTERM from now on is an orderly shutdown's
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -247,13 +253,15 @@ def _in_actor() -> bool:
 
 
 def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
-           train_fn: Callable[[RegionContext], Any] | None = None) -> tuple[Region, LoopHost | None]:
+           train_fn: Callable[[RegionContext], Any] | None = None,
+           build_region: Callable[..., Region] = Region) -> tuple[Region, LoopHost | None]:
     """The region (and, with `train_fn`, the LoopHost running it: its ctx.sync builds the region)."""
     host_address = advertised_host(cfg)
     if train_fn is None:
         group = None if cfg.regions.workers == 1 else WorkerGroup(region, 0, cfg.regions.workers,
                                                                    timeout_s=cfg.regions.group_timeout_s)
-        return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin, workers=group), None
+        return build_region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin,
+                            workers=group), None
 
     def build(**injected: Any) -> Region:
         return Region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin, **injected)

@@ -79,6 +79,8 @@ class RunConfig:
                              "budget, so no round ends at a given step count; use run.eval_every")
         if self.regions.workers > 1:
             _check_workers(self, traits)
+        if self.regions.per_process > 1:
+            _check_per_process(self)
         if self.sync.fragments > 1 and self.security.secure_aggregation:
             raise ValueError("sync.fragments: secure aggregation (security.secure_aggregation) masks whole-model "
                              "updates; it does not combine with fragments")
@@ -104,6 +106,21 @@ def _check_workers(cfg: RunConfig, traits: AlgorithmTraits) -> None:
                          f"set sync.pacing.fill_gaps false")
     if cfg.ray.warm_pool_s > 0:
         raise ValueError(f"regions.workers: {n} workers a region are not pooled; set ray.warm_pool_s 0")
+
+
+def _check_per_process(cfg: RunConfig) -> None:
+    """regions.per_process > 1: what a process of several regions (regions/host.py) does not carry.
+    Its regions share the process's cores and torch's generator, so a thread filling gaps in one
+    region would take another's turn; a pooled process would outlive its run with K regions."""
+    k = cfg.regions.per_process
+    if cfg.regions.workers > 1:
+        raise ValueError(f"regions.per_process: {k} regions a process need regions.workers 1, "
+                         f"got {cfg.regions.workers}")
+    if cfg.ray.warm_pool_s > 0:
+        raise ValueError(f"regions.per_process: {k} regions a process are not pooled; set ray.warm_pool_s 0")
+    if cfg.sync.pacing.mode == "time-budget" and cfg.sync.pacing.fill_gaps:
+        raise ValueError(f"regions.per_process: {k} regions a process do not fill gaps between rounds; "
+                         f"set sync.pacing.fill_gaps false")
 
 
 def _check_choco_compression(c: CompressionSection) -> None:

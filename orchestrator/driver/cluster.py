@@ -25,6 +25,7 @@ from geofed.regions.warm import POOL_NAMESPACE, drop_assignment
 
 from ..config import RunConfig
 from .failures import OOM, death_cause
+from .hosts import actor_of, create_hosts, pack
 from .reattach import RUN_NAMESPACE, release_name
 from .warmpool import claim_pooled, end_pooled, new_name, slot_of
 
@@ -157,12 +158,17 @@ class RegionActors:
                     ray.kill(h, no_restart=True)
                 except Exception:  # noqa: BLE001 - already dead is fine
                     pass
+        killed: set[Any] = set()
         for region, h in self.handles.items():
             if region in self.pooled or region in self.named:
                 end_pooled(self.pooled.get(region) or self.named[region], h)
                 continue
+            actor = actor_of(h)  # regions.per_process > 1: the host of several, killed once
+            if actor in killed:
+                continue
+            killed.add(actor)
             try:
-                ray.kill(h, no_restart=True)
+                ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead is fine
                 pass
 
@@ -215,6 +221,19 @@ def create_region_actors(cfg: RunConfig, run_dir: str, *, pin: bool, hostile: di
     # Absolute: an actor's working directory is not the driver's, and on another node each region
     # writes its checkpoints under this same path on its own disk.
     run_dir = str(Path(run_dir).resolve())
+    if rc.per_process > 1:  # regions/host.py: no pool, no detached actors, no workers (the config refused them)
+        if train_fn is not None or hostile:
+            raise ValueError("regions.per_process > 1: a training function (the loop API) and hostile regions run "
+                             "one region a process")
+        actors = RegionActors(create_hosts(cfg, run_dir, tls=tls, cpus=cpus, pin=pin))
+        try:
+            actors.info = wait_ready(actors.handles, rc.start_timeout_s, cfg)
+            if pin:
+                check_placement(cfg, actors.info)
+        except BaseException:
+            actors.kill()
+            raise
+        return actors
     reused, code = claim_pooled(cfg, cpus, pin=pin)  # warm actors of an earlier run (ray.warm_pool_s)
     job = ray.get_runtime_context().get_job_id()
     handles, pooled, adopting = {}, {}, {}
@@ -346,7 +365,8 @@ def region_cpus(cfg: RunConfig, *, pin: bool) -> float:
     created: PlacementError with the arithmetic and the key to change, instead of actors that
     wait for CPUs until regions.start_timeout_s. Unset on a local run, it shrinks to fit."""
     rc = cfg.regions
-    n = len(rc.names) * rc.workers  # regions.workers: every worker of a region asks the same
+    # regions.workers: every worker of a region asks the same; regions.per_process: each process does
+    n = len(rc.names) * rc.workers if rc.per_process == 1 else len(pack(list(rc.names), rc.per_process))
     total = float(ray.cluster_resources().get("CPU", 0.0))
     cpus = rc.num_cpus if rc.num_cpus is not None else DEFAULT_REGION_CPUS
     if rc.num_cpus is None and not pin and total > 0:
@@ -357,7 +377,8 @@ def region_cpus(cfg: RunConfig, *, pin: bool) -> float:
         hint = (f"set regions.num_cpus to at most {math.floor(total / n * 1e4) / 1e4:g}"
                 + (" (or leave it unset: a local run then fits the regions to its CPUs)" if rc.num_cpus is not None else "")
                 + ", or give Ray more CPUs (ray.num_cpus)")
-        actors = f"{n} regions" if rc.workers == 1 else f"{len(rc.names)} regions x regions.workers {rc.workers}"
+        actors = (f"{n} processes of regions.per_process {rc.per_process} regions" if rc.per_process > 1
+                  else f"{n} regions" if rc.workers == 1 else f"{len(rc.names)} regions x regions.workers {rc.workers}")
         raise PlacementError(f"{actors} x regions.num_cpus {cpus:g} = {n * cpus:g} CPUs requested, "
                              f"but the Ray cluster has {total:g}: {hint}")
     return cpus

@@ -25,6 +25,7 @@ from geofed.regions.workers import GroupLost
 from ..config import RunConfig
 from .cluster import RegionActors
 from .failures import ACTOR_DEATHS, Death, cause_of_text, death_cause, worker_exit
+from .hosts import HostedRegion, actor_of
 from .journal import Journal
 from .recovery import RunFailed
 from .regroup import Regroup, worker_death
@@ -162,8 +163,9 @@ class RegionHandles:
             self.kill(region)
 
     def kill(self, region: str) -> None:
-        """Kill a region's actor for Ray to restart (it did not finish a call in time)."""
-        ray.kill(self.actors.handles[region], no_restart=False)
+        """Kill a region's actor for Ray to restart (it did not finish a call in time); a hosted
+        region's is its host's (regions.per_process): the host's other regions fail with it."""
+        ray.kill(actor_of(self.actors.handles[region]), no_restart=False)
 
     def death_of(self, region: str, exc: BaseException) -> Death:
         """Why `region`'s actor died, from what its call raised and its worker's row in Ray's GCS."""
@@ -228,7 +230,8 @@ class RegionHandles:
                 ray.get(handle.close.remote(), timeout=10)
             except ray.exceptions.RayError:
                 pass  # dead or hung: the kill below ends it either way
-            ray.kill(handle, no_restart=True)
+            if not isinstance(handle, HostedRegion):  # a host's other regions go on (regions.per_process)
+                ray.kill(handle, no_restart=True)
         for worker in self.actors.workers.pop(region, []):  # regions.workers > 1: its workers 1..N-1 go with it
             ray.kill(worker, no_restart=True)
 

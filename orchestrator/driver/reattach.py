@@ -49,10 +49,10 @@ _CLAIM_TIMEOUT_S = 10.0
 def detached(cfg: RunConfig, *, hostile: dict | None = None, train_fn: Callable[..., Any] | None = None) -> bool:
     """Whether this run's region actors outlive their driver: a Ray cluster that outlives it
     (ray.address), run.orphan_timeout_s > 0, no warm pool (pooled actors have names of their own and
-    are rebuilt by the next run that claims them), one worker a region, a task's own stepper (the
+    are rebuilt by the next run that claims them), one worker and one region a process, a task's own stepper (the
     loop API's function runs in the driver's script) and no hostile region (a bench's)."""
     return (bool(cfg.ray.address) and cfg.run.orphan_timeout_s > 0 and cfg.ray.warm_pool_s == 0
-            and cfg.regions.workers == 1 and train_fn is None and not hostile)
+            and cfg.regions.workers == 1 and cfg.regions.per_process == 1 and train_fn is None and not hostile)
 
 
 def run_id(run_dir: Path) -> str:
