@@ -395,12 +395,21 @@ def check_label_cpus(cfg: RunConfig, cpus: float) -> None:
     wanted: dict[str, list[str]] = {}
     for r in rc.names:
         wanted.setdefault(rc.label_of(r), []).append(r)
+    # the actors each label's nodes host: regions x workers, or (regions.per_process) the processes
+    # of its regions (hosts.create_hosts refuses a process whose regions' labels differ)
+    hosts: dict[str, int] = {}
+    for group in pack(list(rc.names), rc.per_process):
+        hosts[rc.label_of(group[0])] = hosts.get(rc.label_of(group[0]), 0) + 1
+    actors = {label: len(regs) * rc.workers if rc.per_process == 1 else hosts[label] for label, regs in wanted.items()}
     short = [(label, regs, have.get(label, 0.0)) for label, regs in sorted(wanted.items())
-             if len(regs) * rc.workers * cpus > have.get(label, 0.0) + 1e-9]
+             if actors[label] * cpus > have.get(label, 0.0) + 1e-9]
     if short:
-        each = "" if rc.workers == 1 else f" x regions.workers {rc.workers}"
-        detail = "; ".join(f"{rc.label_key}={label}: {len(regs)} region(s){each} x regions.num_cpus {cpus:g} = "
-                           f"{len(regs) * rc.workers * cpus:g} CPUs requested, its nodes have {got:g}"
+        each = "" if rc.workers == 1 else f" x regions.workers {rc.workers}"  # workers > 1: per_process is 1
+        detail = "; ".join(f"{rc.label_key}={label}: "
+                           + (f"{len(regs)} region(s){each}" if rc.per_process == 1
+                              else f"{actors[label]} process(es) of regions.per_process {rc.per_process}")
+                           + f" x regions.num_cpus {cpus:g} = {actors[label] * cpus:g} CPUs requested, "
+                           f"its nodes have {got:g}"
                            for label, regs, got in short)
         raise PlacementError(f"{detail}: lower regions.num_cpus or give those nodes more CPUs")
 

@@ -7,7 +7,10 @@ import pytest
 import ray
 import torch
 
+from conftest import TEST_NODE_LABEL, TEST_NODE_VALUE
+
 from geofed.orchestrator.config import config_from_mapping
+from geofed.orchestrator.driver.cluster import PlacementError, check_label_cpus
 from geofed.orchestrator.driver.rundir import read_jsonl
 from geofed.orchestrator.driver.run import Runner
 
@@ -62,3 +65,24 @@ def test_four_regions_in_two_processes_train_the_model_of_four(tmp_path):
     for r in REGIONS:
         for a, b in zip(packed[r], alone[r]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pinned_runs_cpus_are_counted_by_process():
+    """On a cluster (pinned regions) the CPUs a label's nodes must hold are its processes': 4 regions
+    of 1.5 CPUs in 2 processes fit the session's 4-CPU node, in 4 actors they do not."""
+    def cfg(per_process):
+        return config_from_mapping({
+            "run": {"name": "t"}, "task": {"kind": "mlp-digits"},
+            "regions": {"names": REGIONS, "num_cpus": 1.5, "per_process": per_process, "label_key": TEST_NODE_LABEL,
+                        "labels": {r: TEST_NODE_VALUE for r in REGIONS}}})
+
+    check_label_cpus(cfg(2), 1.5)
+    with pytest.raises(PlacementError, match=f"{TEST_NODE_LABEL}={TEST_NODE_VALUE}: 4 region.s. x regions.num_cpus "
+                                             "1.5 = 6 CPUs requested, its nodes have 4"):
+        check_label_cpus(cfg(1), 1.5)
+    with pytest.raises(PlacementError, match="3 process.es. of regions.per_process 2 x regions.num_cpus 1.5 = 4.5"):
+        check_label_cpus(config_from_mapping({
+            "run": {"name": "t"}, "task": {"kind": "mlp-digits"},
+            "regions": {"names": REGIONS + ["sa-east-1", "us-west-2"], "num_cpus": 1.5, "per_process": 2,
+                        "label_key": TEST_NODE_LABEL,
+                        "labels": {r: TEST_NODE_VALUE for r in REGIONS + ["sa-east-1", "us-west-2"]}}}), 1.5)
