@@ -22,7 +22,7 @@ def start_emulation(cfg: RunConfig, regions: Sequence[str]):
 def configured_link(emulator, src: str, dst: str) -> dict:
     """What the emulator was told for src->dst (RTT = both one-way latencies, so asymmetric links
     are right) and what it measured passing through."""
-    stats = emulator.link_stats().get(f"{src}->{dst}", {})
+    stats = emulator.link_stats([(src, dst)]).get(f"{src}->{dst}", {})  # this link's only: N(N-1) in all
     forward, back = emulator.configured(src, dst), emulator.configured(dst, src)
     return {"configured_bandwidth_mbps": forward.bandwidth_mbps,
             "configured_rtt_ms": (forward.latency_ms or 0.0) + (back.latency_ms or 0.0),

@@ -353,3 +353,17 @@ def test_an_open_ended_outage_ends_at_a_round(sink):
             emu.set_round(2)
             assert sock.recv(1) == b"p"
             assert time.monotonic() - t < 0.2
+
+
+def test_link_stats_of_some_pairs_are_those_of_every_link(sink):
+    """What a round's record asks for, one link at a time (driver/emulation.py: configured_link):
+    the link's own entry as the every-link call gives it, without the N(N-1) others."""
+    with emulator(mbps=50, latency_ms=5, regions=("a", "b", "c")) as emu:
+        with connect(emu.route("a", "b", sink.address)) as sock:
+            bulk(sock, 200_000)
+        one = emu.link_stats([("a", "b"), ("x", "y")])
+        every = emu.link_stats()
+        assert list(one) == ["a->b"] and len(every) == 6
+        assert one["a->b"]["bytes"] == every["a->b"]["bytes"] >= 200_000
+        assert {k: v for k, v in one["a->b"].items() if k != "outage_s"} == \
+            {k: v for k, v in every["a->b"].items() if k != "outage_s"}
