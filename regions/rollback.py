@@ -39,6 +39,7 @@ import copy
 import logging
 import math
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -83,7 +84,8 @@ class OnDisk:
 
     def __init__(self, obj: Any, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f"{os.getpid()}-", suffix=".pt", dir=directory)  # workers share the folder
+        # Named by host and process: the region's workers share the folder, and a later process clears a dead one's.
+        fd, name = tempfile.mkstemp(prefix=f"{_owner(os.getpid())}-", suffix=".pt", dir=directory)
         os.close(fd)
         self.path = Path(name)
         try:
@@ -97,6 +99,34 @@ class OnDisk:
 
     def drop(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _owner(pid: int) -> str:
+    return f"{socket.gethostname()}-{pid}"
+
+
+def drop_stale(directory: Path) -> int:
+    """Delete the copies that processes of this host left when they died (killed mid-round, a region's
+    restarted actor's predecessor); a live process's are kept. The number deleted."""
+    host = _owner(0)[:-2]  # this host's name
+    dropped = 0
+    for path in directory.glob(f"{host}-*.pt") if directory.is_dir() else ():
+        pid = path.name[len(host) + 1:].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path.unlink(missing_ok=True)
+        dropped += 1
+    return dropped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class Guarded(Protocol):
@@ -121,6 +151,8 @@ class Rollback(RoundHook):
     def __init__(self, w: Guarded, *, directory: Path | None = None):
         """`directory`: where the copy is written (security.rollback_copy disk); None keeps it in memory."""
         self.w, self.directory = w, directory
+        if directory is not None:
+            drop_stale(directory)
         self.probe_batch: Any = None  # the loop API (regions/loop.py): no task, no shard; the loss and weights are checked
         if w.task is not None:
             gen = torch.Generator().manual_seed(w.cfg.run.seed * 1000 + w.index + _PROBE_SEED)

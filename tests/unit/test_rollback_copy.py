@@ -143,3 +143,24 @@ def test_diloco_rollback_copies_no_parameters_and_the_outer_state_only_at_the_ou
         assert not files.exists() or not any(files.iterdir())
     finally:
         region.close()
+
+
+def test_a_dead_processs_copies_are_cleared_and_a_live_ones_kept(tmp_path):
+    """A region killed mid-round leaves its copy (8-16 B/param) in rollback/; the next Rollback on the
+    folder (the restarted region, a worker) deletes the files of this host's dead processes only."""
+    import os
+    import subprocess
+    import sys
+
+    from geofed.regions.rollback import OnDisk, drop_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    mine = OnDisk({"x": torch.ones(3)}, tmp_path)
+    left = tmp_path / mine.path.name.replace(f"-{os.getpid()}-", f"-{pid}-", 1)
+    left.write_bytes(mine.path.read_bytes())
+    other_host = tmp_path / f"elsewhere.invalid-{pid}-x.pt"
+    other_host.write_bytes(b"")
+    assert drop_stale(tmp_path) == 1
+    assert not left.exists() and mine.path.exists() and other_host.exists()
+    assert torch.equal(mine.load()["x"], torch.ones(3))
