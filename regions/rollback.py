@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .checkpoint import make_private_dirs
 from .hooks import RoundHook
 from .sync.common import no_exchange_metrics
 
@@ -83,7 +84,7 @@ class OnDisk:
     restore, and deleted when the round stands. Loaded with `weights_only`: the run directory is data."""
 
     def __init__(self, obj: Any, directory: Path):
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(directory)  # 0700, as checkpoints/: it holds the model's state
         # Named by host and process: the region's workers share the folder, and a later process clears a dead one's.
         fd, name = tempfile.mkstemp(prefix=f"{_owner(os.getpid())}-", suffix=".pt", dir=directory)
         os.close(fd)

@@ -18,10 +18,6 @@ from geofed.regions.host import region_host_class, slot_group
 
 from ..config import RunConfig
 
-# RegionHost's methods declared on groups of their own: the handle does not move them.
-_OWN_GROUP = frozenset({"heartbeat", "senders_done"})
-
-
 @dataclass(frozen=True)
 class _HostedMethod:
     method: Any  # the host's Ray actor method, on the region's group
@@ -33,19 +29,101 @@ class _HostedMethod:
 
 @dataclass(frozen=True)
 class HostedRegion:
-    """A region hosted by `host` (a RegionHost actor) as its `slot`-th region, called as a region actor is."""
+    """A region hosted by `host` (a RegionHost actor) as its `slot`-th region, called as a region actor
+    is: one property per RegionHost method (no call goes by a name in a string), each on the region's
+    concurrency group there, but the heartbeat and the senders-done notice, which RegionHost declares
+    on groups of their own."""
 
     host: Any
     region: str
     slot: int
 
-    def __getattr__(self, name: str) -> _HostedMethod:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        method = getattr(self.host, name)
-        if name not in _OWN_GROUP:
-            method = method.options(concurrency_group=slot_group(self.slot))
-        return _HostedMethod(method, self.region)
+    def _on_slot(self, method: Any) -> _HostedMethod:
+        return _HostedMethod(method.options(concurrency_group=slot_group(self.slot)), self.region)
+
+    @property
+    def heartbeat(self) -> _HostedMethod:
+        return _HostedMethod(self.host.heartbeat, self.region)
+
+    @property
+    def senders_done(self) -> _HostedMethod:
+        return _HostedMethod(self.host.senders_done, self.region)
+
+    @property
+    def start(self) -> _HostedMethod:
+        return self._on_slot(self.host.start)
+
+    @property
+    def connect(self) -> _HostedMethod:
+        return self._on_slot(self.host.connect)
+
+    @property
+    def probe(self) -> _HostedMethod:
+        return self._on_slot(self.host.probe)
+
+    @property
+    def run_round(self) -> _HostedMethod:
+        return self._on_slot(self.host.run_round)
+
+    @property
+    def catch_up(self) -> _HostedMethod:
+        return self._on_slot(self.host.catch_up)
+
+    @property
+    def finish_pending(self) -> _HostedMethod:
+        return self._on_slot(self.host.finish_pending)
+
+    @property
+    def flush_exchange(self) -> _HostedMethod:
+        return self._on_slot(self.host.flush_exchange)
+
+    @property
+    def get_params(self) -> _HostedMethod:
+        return self._on_slot(self.host.get_params)
+
+    @property
+    def evaluate(self) -> _HostedMethod:
+        return self._on_slot(self.host.evaluate)
+
+    @property
+    def result_state(self) -> _HostedMethod:
+        return self._on_slot(self.host.result_state)
+
+    @property
+    def sketch(self) -> _HostedMethod:
+        return self._on_slot(self.host.sketch)
+
+    @property
+    def save_checkpoint(self) -> _HostedMethod:
+        return self._on_slot(self.host.save_checkpoint)
+
+    @property
+    def restore_checkpoint(self) -> _HostedMethod:
+        return self._on_slot(self.host.restore_checkpoint)
+
+    @property
+    def take_refusals(self) -> _HostedMethod:
+        return self._on_slot(self.host.take_refusals)
+
+    @property
+    def transport_stats(self) -> _HostedMethod:
+        return self._on_slot(self.host.transport_stats)
+
+    @property
+    def info(self) -> _HostedMethod:
+        return self._on_slot(self.host.info)
+
+    @property
+    def node_info(self) -> _HostedMethod:
+        return self._on_slot(self.host.node_info)
+
+    @property
+    def finish_loop(self) -> _HostedMethod:
+        return self._on_slot(self.host.finish_loop)
+
+    @property
+    def close(self) -> _HostedMethod:
+        return self._on_slot(self.host.close)
 
 
 def actor_of(handle: Any) -> Any:
