@@ -32,7 +32,7 @@ LEAVER = "eu-west-1"  # leaves by request, then joins again
 SPOT = "ap-northeast-1"  # gets the SIGTERM
 STAYS = "us-east-1"
 ROUNDS = 22
-GROW_ROUNDS = 14  # the join under a new name's run
+GROW_ROUNDS = 30  # the join under a new name's run: the label join ahead of it no longer holds the rounds (AwaitingNode), so the join comes later
 # Every region's steps are slowed (a sleep after each, no CPU) so that a round lasts about a second
 # on any host: the join's new actor (a fresh process that imports torch) starts while the rounds go
 # on, so it costs a few rounds (more on a loaded host: hence the rounds to spare), not the rest of
