@@ -1,6 +1,6 @@
 """The GPU check: one prepared script, under 5 minutes on one GPU, that prints its figures as JSON.
 
-    python benchmarks/gpu_check.py [--out DIR] [--max-steps 300] [--run-timeout 210]
+    python benchmarks/gpu_check.py [--out DIR] [--max-steps 300] [--run-timeout 210] [--parts codecs,run,region]
 
 1. `geofed run configs/gpt-wan.yaml` with four regions sharing the one GPU
    (regions.device cuda, regions.num_gpus 0.25, sync.inner.precision bf16) on a bigger gpt
@@ -12,6 +12,15 @@
    encode_into/decode_into with the input and sections on the GPU, and the path a region takes
    today (`codec.encode` of a CUDA tensor: the copy to the host, then encoding there), in GB/s
    of fp32 input.
+
+3. A region of two GPUs (issue 39, item 6), where the machine has two or more: two regions of
+   `regions.workers` 2 each (four actors of `regions.num_gpus` 0.5: Ray packs fractional GPUs, and
+   creates every region's worker 0 before the others, so worker 0s share one GPU and worker 1s
+   the other, one GPU per worker of a region as NCCL needs), NCCL inside each region, mutual-TLS
+   gRPC across, against the same run with one worker a region; reports each arm's examples/s per
+   region (steps x batch x workers over compute seconds) and their ratio (2.0 would be linear).
+   Where Ray placed both of a region's workers on one GPU, NCCL refuses the group and the arm's
+   `error` says so.
 
 Without CUDA it exits 2 at once, before anything starts. Needs tinyshakespeare in the data
 cache (`geofed data fetch tinyshakespeare`).
@@ -34,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"task.n_layer": 8, "task.n_head": 8, "task.d_model": 512, "task.context": 256}
 CODECS = ["fp16", "bf16", "int8", "int4", {"kind": "topk", "fraction": 0.01}]
+PARTS = ("codecs", "run", "region")
 
 
 def refuse_without_cuda() -> None:
@@ -46,7 +56,7 @@ def refuse_without_cuda() -> None:
 
 
 class GpuSampler(threading.Thread):
-    """nvidia-smi's utilisation and memory, once a second, while the run trains."""
+    """nvidia-smi's utilisation (mean over the GPUs) and memory (summed), once a second, while a run trains."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -57,10 +67,11 @@ class GpuSampler(threading.Thread):
         smi = shutil.which("nvidia-smi")
         while smi and not self.stop.wait(1.0):
             try:
-                out = subprocess.run([smi, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
-                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout
-                util, mem = (float(v) for v in out.strip().split(","))
-                self.samples.append((util, mem))
+                out = subprocess.run([smi, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                rows = [[float(v) for v in line.split(",")] for line in out.strip().splitlines()]
+                # every GPU's: the mean utilisation, the memory summed (part 3 uses two)
+                self.samples.append((sum(u for u, _ in rows) / len(rows), sum(m for _, m in rows)))
             except (ValueError, OSError, subprocess.TimeoutExpired):
                 continue
 
@@ -78,6 +89,46 @@ def run_regions(out: Path, max_steps: int, timeout_s: float) -> dict:
     """Four regions on one GPU over the emulated WAN; figures from the run's own records."""
     sets = {"regions.device": "cuda", "regions.num_gpus": 0.25, "regions.num_cpus": 1, "sync.inner.precision": "bf16",
             "sync.inner.batch_size": 32, "run.max_steps": max_steps, "network.emulation.bandwidth_scale": 1.0, **MODEL}
+    return geofed_run(out, sets, timeout_s)
+
+
+def region_sets(workers: int, max_steps: int) -> dict:
+    """The two-GPU part's overrides for one arm: two regions of `workers` workers, half a GPU each."""
+    return {"regions.names": "[us-east-1,eu-west-1]", "regions.workers": workers, "regions.device": "cuda",
+            "regions.num_gpus": 0.5, "regions.num_cpus": 1, "sync.inner.precision": "bf16",
+            "sync.inner.batch_size": 32, "run.max_steps": max_steps, "network.emulation.bandwidth_scale": 1.0, **MODEL}
+
+
+def run_region_of_two(out: Path, max_steps: int, timeout_s: float) -> dict:
+    """Part 3: two regions of two GPU workers each against one worker each (module docstring)."""
+    have = torch.cuda.device_count()
+    if have < 2:
+        return {"skipped": f"needs 2 CUDA devices, this machine has {have}"}
+    arms = {}
+    for workers in (1, 2):
+        sets = region_sets(workers, max_steps)
+        res = geofed_run(out / f"workers{workers}", sets, timeout_s)
+        for r in res.get("regions", {}).values():
+            r["examples_per_s_compute"] = (r["steps"] * sets["sync.inner.batch_size"] * workers / r["compute_s"]
+                                           if r["compute_s"] else None)
+        arms[f"workers{workers}"] = res
+    return {"arms": arms, "examples_per_s_ratio": examples_ratio(arms)}
+
+
+def examples_ratio(arms: dict) -> float | None:
+    """The two-worker arm's median examples/s per region over the one-worker arm's (2.0 is linear)."""
+    med = {}
+    for name, res in arms.items():
+        rates = sorted(r["examples_per_s_compute"] for r in res.get("regions", {}).values()
+                       if r.get("examples_per_s_compute"))
+        if not rates:
+            return None
+        med[name] = rates[len(rates) // 2]
+    return med["workers2"] / med["workers1"]
+
+
+def geofed_run(out: Path, sets: dict, timeout_s: float) -> dict:
+    """`geofed run configs/gpt-wan.yaml` with `sets`, the GPU sampled meanwhile; figures from its records."""
     cmd = [sys.executable, "-m", "geofed.orchestrator.cli", "run", str(ROOT / "configs" / "gpt-wan.yaml"),
            "--out", str(out), "--no-report", "--quiet"]
     for k, v in sets.items():
@@ -181,17 +232,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-timeout", type=float, default=210.0, help="seconds the run may take (default 210)")
     ap.add_argument("--numel", type=int, default=25_000_000, help="floats per codec update (default 25M)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"which checks, comma-separated, of {', '.join(PARTS)} (default: all)")
     args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     refuse_without_cuda()
     out = args.out or Path(tempfile.mkdtemp(prefix="geofed-gpu-check-"))
     t0 = time.monotonic()
-    doc = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
-           "codecs": bench_codecs(args.numel, args.repeat),
-           "run": run_regions(out, args.max_steps, args.run_timeout)}
+    doc: dict = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+                 "cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    if "codecs" in parts:
+        doc["codecs"] = bench_codecs(args.numel, args.repeat)
+    if "run" in parts:
+        doc["run"] = run_regions(out / "run", args.max_steps, args.run_timeout)
+    if "region" in parts:
+        doc["region_of_two"] = run_region_of_two(out / "region", args.max_steps, args.run_timeout)
     doc["total_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(doc, indent=2))
-    return 0 if doc["run"]["rc"] == 0 else 1
+    return 1 if failed_runs(doc) else 0
+
+
+def failed_runs(doc: dict) -> list[str]:
+    """The runs of `doc` that did not end with exit 0 (by part and arm)."""
+    runs = {"run": doc.get("run")} | {f"region_of_two.{k}": v for k, v in doc.get("region_of_two", {}).get("arms", {}).items()}
+    return [name for name, res in runs.items() if res is not None and res.get("rc") != 0]
 
 
 if __name__ == "__main__":

@@ -47,3 +47,32 @@ def test_the_runs_overrides_are_valid_keys(tinyshakespeare_txt):
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
     assert main(args) == 0
+
+
+def test_the_region_of_two_overrides_are_valid_keys(tinyshakespeare_txt):
+    # Part 3's arms with the device swapped for the CPU: two regions of two workers is a config validate takes.
+    for workers in (1, 2):
+        sets = {**gpu_check.region_sets(workers, 300), "regions.device": "cpu", "regions.num_gpus": 0}
+        args = ["validate", str(ROOT / "configs" / "gpt-wan.yaml")]
+        for k, v in sets.items():
+            args += ["--set", f"{k}={v}"]
+        assert main(args) == 0, workers
+
+
+def test_the_examples_ratio_is_the_median_region_of_two_workers_over_one():
+    def arm(*rates):
+        return {"regions": {f"r{i}": {"examples_per_s_compute": x} for i, x in enumerate(rates)}}
+    assert gpu_check.examples_ratio({"workers1": arm(100.0, 110.0), "workers2": arm(190.0, 200.0)}) == 200.0 / 110.0
+    assert gpu_check.examples_ratio({"workers1": arm(100.0), "workers2": {"regions": {}}}) is None  # a failed arm
+
+
+def test_an_unknown_part_is_refused_before_anything_starts(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--parts", "codecs,regoin"])
+    assert e.value.code == 2 and "--parts: unknown regoin" in capsys.readouterr().err
+
+
+def test_failed_runs_names_each_part_and_arm_that_did_not_exit_0():
+    doc = {"run": {"rc": 0}, "region_of_two": {"arms": {"workers1": {"rc": 0}, "workers2": {"rc": "timeout"}}}}
+    assert gpu_check.failed_runs(doc) == ["region_of_two.workers2"]
+    assert gpu_check.failed_runs({"codecs": []}) == []
