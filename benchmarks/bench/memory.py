@@ -71,13 +71,17 @@ ARMS: dict[str, tuple[dict[str, Any], str]] = {
     "rollback-memory": ({"sync": {"overlap": True}, "security": {"rollback_copy": "memory"}}, "rounds"),
     # delayed with each gpt block recomputed in the backward pass (activations of about one block)
     "recompute": ({"sync": {"overlap": True}, "task": {"activation_checkpointing": True}}, "rounds"),
+    # delayed with the outer state in host memory (sync.outer.offload): on a CPU region the same buffers
+    # (it moves nothing off a CPU model); on a GPU it is offload_cuda_check's to measure
+    "offload": ({"sync": {"overlap": True, "outer": {"offload": True}}}, "rounds"),
     "export": ({"sync": {"overlap": True}}, "end"),
 }
 POLL_S = 0.1
 
 
-def arm_config(arm: str, size: str, *, rounds: int, H: int, seed: int = 0):
-    """The run config of one arm at one size."""
+def arm_config(arm: str, size: str, *, rounds: int, H: int, seed: int = 0,
+               extra: dict[str, dict[str, Any]] | None = None):
+    """The run config of one arm at one size (`extra`: sections merged over the arm's)."""
     n_layer, n_head, d_model = SIZES[size]
     sections, _ = ARMS[arm]
     m: dict[str, Any] = {
@@ -90,9 +94,46 @@ def arm_config(arm: str, size: str, *, rounds: int, H: int, seed: int = 0):
         "compression": {"codec": "int8", "error_feedback": True},
         "sync": {"policy": {"kind": "fixed", "H": H}, "inner": {"kind": "adamw", "lr": 0.001, "batch_size": 4}},
     }
-    for key, part in sections.items():
-        m[key] = {**m.get(key, {}), **part}
+    for more in (sections, extra or {}):
+        for key, part in more.items():
+            m[key] = {**m.get(key, {}), **part}
     return config_from_mapping(m)
+
+
+def offload_cuda_check(size: str = "10M", *, rounds: int = 3, H: int = 2, out: Path | None = None) -> dict[str, Any]:
+    """On a GPU: the delayed arm at `size`, its 2 regions in this process (regions/inprocess.py) on
+    cuda:0, once without and once with sync.outer.offload: torch.cuda.max_memory_allocated of each
+    (both regions: per region is half), per parameter, and every model-sized buffer whose device is
+    not the one its Diloco's placement says (an empty list where all are). RuntimeError without CUDA."""
+    import tempfile
+
+    import torch
+
+    from geofed.regions.inprocess import InProcessRegions
+    from geofed.regions.messages import RoundPlan
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("offload_cuda_check needs CUDA: torch.cuda.is_available() is False")
+    rows = []
+    for offload in (False, True):
+        cfg = arm_config("offload" if offload else "delayed", size, rounds=rounds, H=H,
+                         extra={"regions": {"device": "cuda:0", "num_gpus": 0.5}})
+        params = count_params(cfg)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with tempfile.TemporaryDirectory(dir=out) as tmp, InProcessRegions(cfg, tmp) as group:
+            for r in range(rounds):
+                group.run_round({reg: RoundPlan(round=r, H=H, final=r == rounds - 1) for reg in group.regions})
+            misplaced = [f"{reg}: {name} on {t.device} (pinned {t.is_pinned()}), placement {part.placement}"
+                         for reg, w in group.workers.items() for part in w.algorithm.parts
+                         for name, ts in part.outer_buffers().items() for t in ts
+                         if t.device != part.placement.device or t.is_pinned() != part.placement.pin]
+            peak = torch.cuda.max_memory_allocated() - base
+        rows.append({"offload": offload, "params": params, "cuda_max_allocated_bytes": peak,
+                     "device_bytes_per_param_per_region": round(peak / len(cfg.regions.names) / params, 2),
+                     "misplaced": misplaced})
+    return {"size": size, "rounds": rounds, "H": H, "rows": rows}
 
 
 def count_params(cfg: Any) -> int:
@@ -329,4 +370,5 @@ def main(argv: Sequence[str]) -> int:
     return 1 if doc["failed"] else 0
 
 
-__all__ = ["ARMS", "FLOOR_BYTES_PER_PARAM", "SIZES", "arm_config", "count_params", "drop_bulk", "main", "run_bench", "vm_hwm"]
+__all__ = ["ARMS", "FLOOR_BYTES_PER_PARAM", "SIZES", "arm_config", "count_params", "drop_bulk", "main",
+           "offload_cuda_check", "run_bench", "vm_hwm"]

@@ -59,8 +59,15 @@ class OuterOptimizer:
     path: str | None = field(default=None, metadata=_doc(
         "a plug-in kind: folder put on sys.path before importing its module", path="config"))
     options: Mapping[str, Any] = field(default_factory=dict, metadata=_doc("a plug-in kind: keyword arguments for it"))
+    offload: bool = field(default=False, metadata=_doc(
+        "DiLoCo's outer state (the global copy, outer momentum, overlap's start) in host memory, pinned where CUDA "
+        "is, while the model and the inner optimizer stay on the model's device (as INTELLECT-1 does); the "
+        "pseudo-gradient, mix and outer step then run on the host. The error-feedback residual and the codec are "
+        "on the host either way. On a CPU model nothing moves (docs/bench-memory.md)"))
 
     def __post_init__(self):
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload: must be true or false, got {self.offload!r}")
         if self.kind not in OUTER_KINDS and not _PLUGIN_OUTER.fullmatch(self.kind):
             raise ValueError(f"kind: expected one of {', '.join(OUTER_KINDS)} or python:module:Name, got {self.kind!r}")
         if not 0 < self.lr <= 10 or not 0 <= self.momentum < 1:

@@ -34,6 +34,7 @@ import torch
 from ..algorithm_traits import algorithm_traits
 from .common import exchange_metrics
 from .fragments import Layout, fragment_state, load_fragment_state
+from .offload import outer_placement, placed_clone, pseudo_gradient_into, rebase_into, restart_behind_into
 from .outer import make_outer_optimizer, preview_step
 from .overlap import Overlap
 from .protocol import Shapes, SyncContext
@@ -45,11 +46,19 @@ if TYPE_CHECKING:
 
 class Diloco:
     """DiLoCo on `live` (views of the model's parameters: all of them, or one fragment's pieces):
-    their global copy, its outer optimizer, and where the next pseudo-gradient starts."""
+    their global copy, its outer optimizer, and where the next pseudo-gradient starts. With
+    ``sync.outer.offload`` these live on the host while `live` is on a GPU (regions/sync/offload.py):
+    `split` says so, and the steps that cross the two go through offload's chunked copies."""
 
     def __init__(self, ctx: SyncContext, live: list[torch.Tensor], *, stream: str = ""):
         self.ctx, self.live, self.stream = ctx, live, stream
-        self.global_params = [v.detach().clone() for v in live]
+        model_device = live[0].device if live else torch.device("cpu")
+        self.placement = outer_placement(model_device, bool(getattr(ctx.settings.outer, "offload", False)))
+        # Only a placement off the model's device takes offload's paths: on a CPU model the same code
+        # (and bits) as without offload.
+        self.split = self.placement.device != model_device
+        self.global_params = [placed_clone(v, self.placement) for v in live] if self.split \
+            else [v.detach().clone() for v in live]
         # No .grad between steps: `step` lends the mix as the gradient (a model's worth less).
         self.outer_opt = make_outer_optimizer(ctx.settings.outer, self.global_params)
         # With overlap the next pseudo-gradient starts where the region last restarted its model, not
@@ -59,6 +68,8 @@ class Diloco:
     def payload(self, plan: RoundPlan, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The pseudo-gradient: start - params."""
         start = self.global_params if self.start is None else self.start
+        if self.split:
+            return pseudo_gradient_into(start, params)
         return [s.detach() - p.detach() for s, p in zip(start, params)]
 
     def apply(self, plan: RoundPlan, own: Sequence[torch.Tensor], received: ExchangeResult) -> dict[str, Any]:
@@ -125,7 +136,7 @@ class Diloco:
         """The next pseudo-gradient starts from the live tensors as they are now (copied into the
         start buffers where there are some: nothing else holds them, fragment_state copies)."""
         if self.start is None:
-            self.start = [v.detach().clone() for v in self.live]
+            self.start = [placed_clone(v, self.placement) if self.split else v.detach().clone() for v in self.live]
             return
         with torch.no_grad():
             for s, v in zip(self.start, self.live):
@@ -134,6 +145,9 @@ class Diloco:
     def restart_behind(self, delta: Sequence[torch.Tensor]) -> None:
         """Delayed overlap's restart: live = global - delta (the progress not yet synced), in place,
         and the next pseudo-gradient starts there."""
+        if self.split and self.start is not None:
+            restart_behind_into(self.live, self.start, self.global_params, delta)
+            return
         with torch.no_grad():
             for v, g, d in zip(self.live, self.global_params, delta):
                 torch.sub(g, d, out=v)
@@ -143,11 +157,21 @@ class Diloco:
         """After an overlapped step: live = global - the progress not yet sent (start - live), kept as
         the next pseudo-gradient's, which now starts at the global copy."""
         assert self.start is not None, "rebase without overlap"
+        if self.split:
+            rebase_into(self.live, self.start, self.global_params)
+            return
         with torch.no_grad():  # in place, the same two subtractions: no model-sized temporaries
             for v, s, g in zip(self.live, self.start, self.global_params):
                 torch.sub(s, v, out=v)
                 torch.sub(g, v, out=v)
                 s.copy_(g)
+
+    def outer_buffers(self) -> dict[str, list[torch.Tensor]]:
+        """The model-sized tensors of the outer state, by name: where `placement` puts them
+        (sync.outer.offload; tests/unit/test_outer_offload.py, benchmarks' gpu check)."""
+        momentum = [t for st in self.outer_opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return {"global": list(self.global_params), "outer state": momentum, "start": list(self.start or [])}
 
     def state_dict(self) -> dict[str, Any]:
         """The global copy and the outer optimizer's state_dict (its momentum, moments): references,
@@ -183,7 +207,7 @@ class DilocoSync:
             if settings.overlap else None
         if self.overlap is not None:
             for part in self.parts:
-                part.start = [v.detach().clone() for v in part.live]
+                part.mark_start()  # a copy of the live tensors, where the outer state lives
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:

@@ -123,5 +123,11 @@ def load_fragment_state(parts: Sequence[OuterPart], d: dict[str, Any], *, region
         if d.get("region") != region or (overlap and "start" not in d):
             part.set_live(part.global_params, start=overlap)
         elif overlap:
-            part.start = [s.detach().clone() for s in d["start"][at:at + n]]
+            saved = d["start"][at:at + n]
+            if part.start is None:
+                part.start = [s.detach().clone() for s in saved]
+            else:  # in place: the start stays where the outer state lives (sync.outer.offload)
+                with torch.no_grad():
+                    for s, x in zip(part.start, saved):
+                        s.copy_(x)
         at += n

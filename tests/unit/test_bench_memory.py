@@ -35,6 +35,10 @@ def test_every_arm_is_a_valid_run_config_and_the_sizes_are_what_they_say(tinysha
     assert arm_config("secagg", "1M", rounds=2, H=1).security.secure_aggregation
     assert arm_config("checkpoint", "1M", rounds=2, H=1).run.checkpoint_every == 1
     assert not arm_config("no-rollback", "1M", rounds=2, H=1).security.rollback_on_nonfinite
+    assert arm_config("offload", "1M", rounds=2, H=1).sync.outer.offload
+    assert not arm_config("delayed", "1M", rounds=2, H=1).sync.outer.offload
+    cuda = arm_config("delayed", "1M", rounds=2, H=1, extra={"regions": {"device": "cuda:0", "num_gpus": 0.5}})
+    assert cuda.regions.device == "cuda:0" and cuda.regions.names == arm_config("delayed", "1M", rounds=2, H=1).regions.names
     for size, want in [("1M", 1e6), ("10M", 1e7), ("30M", 3e7), ("100M", 1e8)]:
         n = count_params(arm_config("serial", size, rounds=1, H=1))  # on the meta device: no memory
         assert 0.9 * want <= n <= 1.1 * want, (size, n)
