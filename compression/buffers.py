@@ -2,13 +2,15 @@
 
 Page faults, not codec work, bound the encode of a big update on these machines: a fresh
 100 MB object costs ~40 ms (~0.4 ms per MB), identity's copy into a warm one ~5 ms. A stream
-encodes the same layout round after round, so its `CodecState` keeps the last two payloads it
-produced (`PayloadPool`) and overwrites one in place for a later encode of the same length,
-but only once *nothing else references it*: not the caller, not a send still in flight (which
-holds the payload or a memoryview of it), not a receiver's inbox. That is checked on the
-object's reference count, so a payload somebody still holds never changes under them, and
-double buffering (the next round encodes while this round's sends run, overlap mode) falls
-out of keeping two: the one still being sent is left alone and the other is reused.
+encodes the same layout round after round, so its `CodecState` keeps the last payload it
+produced (`PayloadPool`) and overwrites it in place for a later encode of the same length, but
+only once *nothing else references it*: not the caller, not a send still in flight (which holds
+the payload or a memoryview of it), not a receiver's inbox. That is checked on the object's
+reference count, so a payload somebody still holds never changes under them. A pool of two
+double-buffers (the next encode while the last payload's sends still run: the one being sent is
+left alone, the other reused); a stream keeps one, since overlap settles the exchange in flight
+before the next encode (regions/sync/overlap.py), and a push that stalls past it costs a fresh
+payload's page faults rather than a second payload held every round (1 B/param at int8, issue 39).
 
 Both tricks are CPython's (a bytes object's storage and reference count); each is verified at
 import, and where it does not hold this falls back to a fresh object per payload.

@@ -47,7 +47,11 @@ class CodecState:
         self.store: dict[str, Any] = {}  # codec-private entries, keyed "<kind>.<what>"
         self.input_absmax: float | None = None  # max |x| of the buffer being encoded, when known
         self._generator: torch.Generator | None = None
-        self.payloads = PayloadPool()  # the last payloads, reused once the caller drops them
+        # The last payload, reused once its holders drop it. One, not two: the exchange in flight is
+        # settled before the next is encoded (regions/sync/overlap.py), so the last one is free by then
+        # unless a stalled push still holds it (then a fresh one: its page faults, not a held 1 B/param
+        # at int8 every round; issue 39).
+        self.payloads = PayloadPool(capacity=1)
 
     @property
     def generator(self) -> torch.Generator:

@@ -29,6 +29,22 @@ def _decoded(payload) -> torch.Tensor:
 
 def test_a_dropped_payload_is_reused_and_a_held_one_never_changes():
     state = CodecState(error_feedback=False)
+    assert state.payloads.capacity == 1  # a stream keeps one payload between encodes (1 B/param at int8)
+    p1 = encode_update("identity", [_x(1)], state)
+    first = id(p1)
+    del p1
+    p2 = encode_update("identity", [_x(2)], state)  # p1 was dropped: its buffer comes back
+    assert id(p2) == first and state.payloads.reused == 1
+    snapshot = bytearray(p2)
+    p3 = encode_update("identity", [_x(3)], state)  # p2 is still held: a fresh buffer, p2 left alone
+    assert id(p3) != first and p2 == snapshot and state.payloads.reused == 1
+    assert len(state.payloads._bufs) == 1  # p3's: p2 is its holder's alone
+    assert torch.equal(_decoded(p3), _x(3)) and torch.equal(_decoded(p2), _x(2))
+
+
+def test_a_pool_of_two_double_buffers():
+    state = CodecState(error_feedback=False)
+    state.payloads = buffers.PayloadPool(capacity=2)
     p1 = encode_update("identity", [_x(1)], state)
     snapshot, first = bytearray(p1), id(p1)
     p2 = encode_update("identity", [_x(2)], state)  # p1 is still held: a fresh buffer
@@ -59,12 +75,14 @@ def test_views_and_threads_holding_a_payload_keep_it_intact():
     release.set()
     holder.join()
     assert seen == [True]
-    assert state.payloads.reused == 5  # the pool's other buffer, at every encode after the first two
+    assert state.payloads.reused == 5  # the pool's buffer, at every encode after the first two
 
 
 def test_held_payloads_survive_many_encodes_of_a_double_buffered_stream():
-    # Overlap mode: round r's payload is still being sent while round r + 1 encodes.
+    # Overlap mode: round r's payload is still being sent while round r + 1 encodes (a stalled push:
+    # a pool of one makes a fresh payload each time; of two, it alternates).
     state = CodecState(error_feedback=True)
+    state.payloads = buffers.PayloadPool(capacity=2)
     in_flight = None
     for r in range(6):
         payload, sent = encode_and_decode("int8", [_x(r)], state)
@@ -90,6 +108,7 @@ def test_a_reused_payload_hashes_and_compares_by_its_new_contents():
 
 def test_only_same_length_payloads_are_reused_and_at_most_two_are_kept():
     state = CodecState(error_feedback=False)
+    state.payloads = buffers.PayloadPool(capacity=2)
     ids = set()
     for spec in ["fp16", "int8", "fp16", "int8", "int4", "fp16"]:
         ids.add(id(encode_update(spec, [_x(0)], state)))
