@@ -1,6 +1,6 @@
 """The GPU check: one prepared script, under 5 minutes on one GPU, that prints its figures as JSON.
 
-    python benchmarks/gpu_check.py [--out DIR] [--max-steps 300] [--run-timeout 210] [--parts codecs,run,region]
+    python benchmarks/gpu_check.py [--out DIR] [--max-steps 300] [--run-timeout 210] [--parts codecs,run,region,offload]
 
 1. `geofed run configs/gpt-wan.yaml` with four regions sharing the one GPU
    (regions.device cuda, regions.num_gpus 0.25, sync.inner.precision bf16) on a bigger gpt
@@ -21,6 +21,12 @@
    region (steps x batch x workers over compute seconds) and their ratio (2.0 would be linear).
    Where Ray placed both of a region's workers on one GPU, NCCL refuses the group and the arm's
    `error` says so.
+
+4. `sync.outer.offload` on the GPU (issue 39, item 2): the delayed-overlap arm of `geofed bench
+   memory` at 10M, two regions in this process on cuda:0, without and with offload
+   (`geofed.bench.memory.offload_cuda_check`): `torch.cuda.max_memory_allocated` per region and
+   parameter for each, and every model-sized buffer not on the device its placement says
+   (`misplaced`, empty where all are).
 
 Without CUDA it exits 2 at once, before anything starts. Needs tinyshakespeare in the data
 cache (`geofed data fetch tinyshakespeare`).
@@ -43,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"task.n_layer": 8, "task.n_head": 8, "task.d_model": 512, "task.context": 256}
 CODECS = ["fp16", "bf16", "int8", "int4", {"kind": "topk", "fraction": 0.01}]
-PARTS = ("codecs", "run", "region")
+PARTS = ("codecs", "run", "region", "offload")
 
 
 def refuse_without_cuda() -> None:
@@ -250,15 +256,32 @@ def main(argv: list[str] | None = None) -> int:
         doc["run"] = run_regions(out / "run", args.max_steps, args.run_timeout)
     if "region" in parts:
         doc["region_of_two"] = run_region_of_two(out / "region", args.max_steps, args.run_timeout)
+    if "offload" in parts:
+        doc["offload"] = check_offload(out / "offload")
     doc["total_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(doc, indent=2))
     return 1 if failed_runs(doc) else 0
 
 
+def check_offload(out: Path) -> dict:
+    """Part 4: device memory with and without sync.outer.offload, and any misplaced buffer."""
+    from geofed.bench.memory import offload_cuda_check
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return offload_cuda_check("10M", out=out)
+    except Exception as exc:  # noqa: BLE001 - a failure here is a finding for the JSON, and the other parts still count
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
 def failed_runs(doc: dict) -> list[str]:
     """The runs of `doc` that did not end with exit 0 (by part and arm)."""
     runs = {"run": doc.get("run")} | {f"region_of_two.{k}": v for k, v in doc.get("region_of_two", {}).get("arms", {}).items()}
-    return [name for name, res in runs.items() if res is not None and res.get("rc") != 0]
+    failed = [name for name, res in runs.items() if res is not None and res.get("rc") != 0]
+    offload = doc.get("offload")
+    if offload is not None and ("error" in offload or any(r["misplaced"] for r in offload.get("rows", []))):
+        failed.append("offload")
+    return failed
 
 
 if __name__ == "__main__":

@@ -76,3 +76,13 @@ def test_failed_runs_names_each_part_and_arm_that_did_not_exit_0():
     doc = {"run": {"rc": 0}, "region_of_two": {"arms": {"workers1": {"rc": 0}, "workers2": {"rc": "timeout"}}}}
     assert gpu_check.failed_runs(doc) == ["region_of_two.workers2"]
     assert gpu_check.failed_runs({"codecs": []}) == []
+
+
+def test_the_offload_part_reports_no_cuda_as_its_error_and_counts_as_failed(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the offload part would measure, not fail")
+    res = gpu_check.check_offload(tmp_path)
+    assert "needs CUDA" in res["error"]
+    assert gpu_check.failed_runs({"offload": res}) == ["offload"]
+    assert gpu_check.failed_runs({"offload": {"rows": [{"misplaced": []}, {"misplaced": ["a: global on cpu"]}]}}) \
+        == ["offload"]
