@@ -18,6 +18,7 @@ from .leave_notice import LeaveNotice
 from .loop import LoopHost, LoopTimeouts, RegionContext
 from .region import Region
 from .warm import WarmSlot, load_assignment, process_age_s
+from .shards import ShardPeers
 from .workers import WorkerGroup
 from .messages import RoundPlan, RoundReport
 
@@ -227,6 +228,19 @@ class RegionActor:
         """Join the group at `address`; `rebuilt` (after a worker died): the whole state goes to the others first."""
         return self._paused(lambda r: _group_of(r).join(address, r.device, rebuilt=rebuilt))
 
+    def shard_addresses(self) -> list[str | None]:
+        """regions.shard_exchange: each worker's gRPC address by rank, as gathered when the group formed
+        (worker 0's own is None: its peers dial the region's address, connect)."""
+        return self._paused(lambda r: list(_group_of(r).shard_addresses))
+
+    def connect_shards(self, peers: ShardPeers) -> None:
+        """regions.shard_exchange: each follower dials worker k of every region (ShardPeers, from the driver)."""
+        def lead(r: Region) -> None:
+            if peers.region != r.region:
+                raise ValueError(f"region {r.region}: shard peers sent for region {peers.region}")
+            _group_of(r).lead_peers(peers)
+        return self._paused(lead)
+
     def finish_loop(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The run is over (the loop API): the user's loop sees should_stop, its function is waited
         for (LoopHost.finish); what it passed to ctx.report ({} without a loop). Raises what it raised."""
@@ -259,7 +273,8 @@ def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
     host_address = advertised_host(cfg)
     if train_fn is None:
         group = None if cfg.regions.workers == 1 else WorkerGroup(region, 0, cfg.regions.workers,
-                                                                   timeout_s=cfg.regions.group_timeout_s)
+                                                                   timeout_s=cfg.regions.group_timeout_s,
+                                                                   sharded=cfg.regions.shard_exchange)
         return build_region(cfg, region, run_dir, tls=tls, advertised_host=host_address, plugin=plugin,
                             workers=group), None
 
@@ -279,14 +294,21 @@ def _build(cfg: Any, region: str, run_dir: str, tls, *, plugin=None,
 class RegionWorkerActor:
     """Worker `rank` (1..N-1) of a region of N (regions.workers, regions/workers.py): a Region that
     only trains, in step with worker 0 (its transport is an in-memory one nobody reaches: the
-    exchange is worker 0's). `follow` holds the actor's main thread for the whole run."""
+    exchange is worker 0's). With regions.shard_exchange it exchanges its shard too (regions/shards.py),
+    over a gRPC server of its own with the region's TLS material (`tls`): peers accept it as the region.
+    `follow` holds the actor's main thread for the whole run."""
 
-    def __init__(self, cfg: Any, region: str, run_dir: str, rank: int):
+    def __init__(self, cfg: Any, region: str, run_dir: str, rank: int, tls=None):
         from geofed.p2p.memory import InMemoryHub, InMemoryTransport
 
-        group = WorkerGroup(region, rank, cfg.regions.workers, timeout_s=cfg.regions.group_timeout_s)
-        self.region = Region(cfg, region, run_dir, transport=InMemoryTransport(region, InMemoryHub()), workers=group)
+        sharded = bool(cfg.regions.shard_exchange)
+        group = WorkerGroup(region, rank, cfg.regions.workers, timeout_s=cfg.regions.group_timeout_s, sharded=sharded)
+        if sharded:
+            self.region = Region(cfg, region, run_dir, tls=tls, advertised_host=advertised_host(cfg), workers=group)
+        else:
+            self.region = Region(cfg, region, run_dir, transport=InMemoryTransport(region, InMemoryHub()), workers=group)
         self.group = group
+        self._address: str | None = None  # its gRPC server's, once started (sharded)
 
     @ray.method(concurrency_group=FOLLOWER_GROUP)
     def node_info(self) -> dict[str, Any]:
@@ -295,7 +317,9 @@ class RegionWorkerActor:
         return {"region": self.region.region, "rank": self.group.rank, "pid": os.getpid(), **_node_facts()}
 
     def join_group(self, address: str) -> None:
-        self.group.join(address, self.region.device)
+        if self.group.sharded and self._address is None:  # its server serves its shard's peers (a survivor's stays)
+            self._address = self.region.start()
+        self.group.join(address, self.region.device, serves=self._address)
 
     def follow(self) -> int:
         """Worker 0's commands until it closes the region; the steps taken."""

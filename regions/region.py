@@ -121,7 +121,13 @@ class Region:
             log.info("region %s: security.score_updates is off with the loop API (it scores updates with the "
                      "task's loss on the region's data, which are the user's)", region)
         self.stepper = self if stepper is None else stepper  # SyncContext.stepper
-        self.algorithm: SyncAlgorithm = algorithm_cls(self._sync_context())
+        self.algorithm: SyncAlgorithm
+        if workers is not None and workers.sharded:  # regions.shard_exchange: worker k exchanges shard k
+            from .shards import ShardedDiloco
+
+            self.algorithm = ShardedDiloco(self._sync_context(), workers)
+        else:
+            self.algorithm = algorithm_cls(self._sync_context())
         if sec.rollback_on_nonfinite:
             self.add_hook(Rollback(self, directory=self.run_dir / "rollback" if sec.rollback_copy == "disk" else None))
         self.completed_round = -1
@@ -466,8 +472,10 @@ class Region:
         return metrics
 
     def forward_backward(self) -> float:
-        """One batch of the shard: gradients zeroed, then forward and backward; returns the loss."""
-        self.inner.zero_grad(set_to_none=False)
+        """One batch of the shard: gradients let go, then forward and backward; returns the loss."""
+        # None, not zeros: the forward pass's activations then never share memory with a model's worth
+        # of gradients (the backward makes them as it frees activations; issue 39).
+        self.inner.zero_grad(set_to_none=True)
         batch = to_device(next(self.batches), self.device)
         self.batches_drawn += 1
         if self.dp.recording is not None:  # record-level DP: clipped per-example gradients plus noise
@@ -475,6 +483,9 @@ class Region:
         with self.precision.autocast():
             loss = self.task.loss(self.model, batch)
         self.precision.backward(loss, self.inner)
+        for p in self.params:  # a parameter the batch did not reach steps on zeros, as before (issue 39)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.workers is not None:  # DDP-style: gradients (and loss) averaged over the region's workers
             return self.workers.average_grads(self.params, loss)
         return float(loss.detach())
@@ -806,6 +817,11 @@ class Region:
         self._set_completed(int(state["round"]))
         if self.workers is not None:
             self.workers.mark_stale()
+
+    def take_up(self, round_: int) -> None:
+        """Take up the run after `round_` (`_set_completed`): a worker of the region that did not run the
+        rounds before, whose mailbox must take peers' next round (regions.shard_exchange's followers)."""
+        self._set_completed(round_)
 
     def _set_completed(self, round_: int) -> None:
         """Take up the run at `round_`: the mailbox closes every round up to it, so peers pushing

@@ -25,7 +25,11 @@ Worker 0 leads, the others follow its commands over the group:
   checkpoint that stands for models the region does not hold.
 - STOP, when the region closes.
 
-The exchange is not sharded yet: worker 0 sends and receives the region's whole update.
+With regions.shard_exchange (regions/shards.py) the exchange is sharded: worker 0's SHARD (with the
+round's plan) starts every worker's exchange of its shard over its own gRPC server; the mixed shards
+are gathered (one broadcast from each worker) and every worker takes the same outer step, so SYNC
+then sends only the model's buffers. PEERS hands each follower its shard's peers (ShardPeers).
+Without it worker 0 sends and receives the region's whole update.
 
 A worker that dies (a SIGKILL, an OOM kill) breaks every collective of the others: gloo sees the
 closed connection at once, and a collective that hears nothing gives up at regions.group_timeout_s
@@ -48,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STEP, SYNC, STATE, CHECK, STOP = 1, 2, 3, 4, 5
+STEP, SYNC, STATE, CHECK, STOP, SHARD, PEERS = 1, 2, 3, 4, 5, 6, 7
 
 
 class GroupError(RuntimeError):
@@ -68,9 +72,12 @@ class WorkerGroup:
     (torch.distributed's default group: one region worker is one actor process).
     """
 
-    def __init__(self, region: str, rank: int, size: int, *, timeout_s: float):
+    def __init__(self, region: str, rank: int, size: int, *, timeout_s: float, sharded: bool = False):
         assert 0 <= rank < size and size >= 2, (rank, size)
         self.region, self.rank, self.size = region, rank, size
+        # regions.shard_exchange: each worker exchanges its shard over its own server (regions/shards.py)
+        self.sharded = sharded
+        self.shard_addresses: list[str | None] = []  # every worker's gRPC address, gathered at join (sharded)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cpu")
         self.joined = False
@@ -92,11 +99,12 @@ class WorkerGroup:
                                     wait_for_workers=False)
         return f"{host}:{self._store.port}"
 
-    def join(self, address: str, device: torch.device, *, rebuilt: bool = False) -> None:
+    def join(self, address: str, device: torch.device, *, rebuilt: bool = False, serves: str | None = None) -> None:
         """Join the group at `address` (worker 0's `open`) within regions.group_timeout_s; GroupError
         naming the region and this worker otherwise. A first all_reduce checks every worker is in.
         `rebuilt` (a group formed again after a worker died): worker 0's first command is its whole
-        state, since the survivors hold whatever their last step left and a new worker its seed's model."""
+        state, since the survivors hold whatever their last step left and a new worker its seed's model.
+        `serves` (sharded): this worker's gRPC address, gathered by every worker (worker 0 hands them to the driver)."""
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         host, _, port = address.rpartition(":")
@@ -109,6 +117,10 @@ class WorkerGroup:
             dist.all_reduce(count)
             if int(count.item()) != self.size:
                 raise RuntimeError(f"{int(count.item())} workers answered")
+            if self.sharded:
+                gathered: list[Any] = [None] * self.size
+                dist.all_gather_object(gathered, serves)
+                self.shard_addresses = list(gathered)
         except Exception as exc:  # noqa: BLE001 - said once, in the region's words
             self._destroy()
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -161,7 +173,45 @@ class WorkerGroup:
                 self._send_state(region)
                 return
             self._command(SYNC)
-            self._broadcast_model(region.model)
+            if self.sharded:  # every worker took the same outer step (regions/shards.py): its buffers only
+                self._broadcast_buffers(region.model)
+            else:
+                self._broadcast_model(region.model)
+
+    def lead_shard(self, plan: Any, metrics: dict[str, Any]) -> None:
+        """Worker 0, after the round's inner steps: every worker starts its shard's exchange of `plan`,
+        with the steps' metrics (the payload hooks read them: pacing's step weight)."""
+        self._check_joined()
+        with self._collective("the start of the sharded exchange"):
+            if self._stale:  # lead_step sent it before the round's first step: a round without one is a bug
+                raise GroupError(f"{self.who()}: its state changed after the round's steps, before its shard exchange")
+            self._command(SHARD)
+            dist.broadcast_object_list([(plan, dict(metrics))], src=0, device=self._object_device())
+
+    def lead_peers(self, peers: Any) -> None:
+        """Worker 0: each follower connects to worker k of every peer region (a ShardPeers, between rounds)."""
+        self._check_joined()
+        with self._collective("the shard peers' addresses"):
+            self._command(PEERS)
+            dist.broadcast_object_list([peers], src=0, device=self._object_device())
+
+    def gather_shards(self, own: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every worker's flat shard (`sizes[k]` elements of `dtype` from worker k), on every worker:
+        one broadcast from each (the shards' sizes differ, which all_gather does not allow)."""
+        out = []
+        with self._collective("the gather of the mixed shards"):
+            for k, n in enumerate(sizes):
+                flat = own.to(self.device) if k == self.rank else torch.empty(n, dtype=dtype, device=self.device)
+                dist.broadcast(flat, src=k)
+                out.append(flat)
+        return out
+
+    def gather_metrics(self, own: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Every worker's exchange metrics, on worker 0 (None on the others)."""
+        every: list[Any] = [None] * self.size
+        with self._collective("the gather of the shard exchanges' metrics"):
+            dist.all_gather_object(every, own)
+        return every if self.leader else None
 
     def check(self, region: Any) -> None:
         """Worker 0, at a checkpoint: every worker holds its model bitwise, or GroupError naming who does not."""
@@ -185,6 +235,7 @@ class WorkerGroup:
         self._command(STATE)
         dist.broadcast_object_list([region.state_dict()], src=0, device=self._object_device())
         self._stale = False
+
 
     def _command(self, op: int, arg: float = 0.0) -> None:
         dist.broadcast(torch.tensor([float(op), arg], dtype=torch.float64, device=self.device), src=0)
@@ -234,6 +285,18 @@ class WorkerGroup:
                 for t, piece in zip(group, flat.split([t.numel() for t in group])):
                     t.copy_(piece.view_as(t))
 
+    def _broadcast_buffers(self, model: torch.nn.Module) -> None:
+        """Worker 0's buffers (running statistics) and frozen parameters into every worker's: what the
+        workers' own steps do not keep equal (each saw its own batches)."""
+        tensors = [t.detach() for t in model.buffers()] + [p.detach() for p in model.parameters() if not p.requires_grad]
+        for group in _by_dtype(tensors):
+            flat = torch.cat([t.reshape(-1) for t in group]) if self.leader else \
+                torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
+            dist.broadcast(flat, src=0)
+            if not self.leader:
+                for t, piece in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(piece.view_as(t))
+
     def _object_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
 
@@ -252,7 +315,18 @@ class WorkerGroup:
                     region.optimizer_step(arg)
                     steps += 1
                 elif op == SYNC:
-                    self._broadcast_model(region.model)
+                    if self.sharded:
+                        self._broadcast_buffers(region.model)
+                    else:
+                        self._broadcast_model(region.model)
+                elif op == SHARD:
+                    plan_box: list[Any] = [None]
+                    dist.broadcast_object_list(plan_box, src=0, device=self._object_device())
+                    _shard_round(region, *plan_box[0])
+                elif op == PEERS:
+                    peers_box: list[Any] = [None]
+                    dist.broadcast_object_list(peers_box, src=0, device=self._object_device())
+                    region.connect(peers_box[0].for_rank(self.rank))
                 elif op == STATE:
                     box: list[Any] = [None]
                     dist.broadcast_object_list(box, src=0, device=self._object_device())
@@ -271,6 +345,18 @@ class WorkerGroup:
             raise GroupLost(f"{self.who()} lost its region's process group after {steps} steps: {_first_line(exc)}") from None
         finally:
             self._destroy()
+
+
+def _shard_round(region: Any, plan: Any, metrics: dict[str, Any]) -> None:
+    """A follower's part of worker 0's round `plan` (regions/shards.py): its shard's exchange. Its
+    mailbox first takes up the run where worker 0's is (after a restore or a rejoin, worker 0's
+    state came with STATE; a new worker's mailbox would call the round a future one)."""
+    if plan.members is not None:
+        region.set_members(plan.members)
+    if region.completed_round < plan.round - 1:
+        region.take_up(plan.round - 1)
+    region.algorithm.exchange_shard(plan, metrics)
+    region.completed_round = plan.round
 
 
 def _first_line(exc: BaseException) -> str:

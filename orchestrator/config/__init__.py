@@ -106,6 +106,32 @@ def _check_workers(cfg: RunConfig, traits: AlgorithmTraits) -> None:
                          f"set sync.pacing.fill_gaps false")
     if cfg.ray.warm_pool_s > 0:
         raise ValueError(f"regions.workers: {n} workers a region are not pooled; set ray.warm_pool_s 0")
+    if cfg.regions.shard_exchange:
+        _check_shard_exchange(cfg)
+
+
+def _check_shard_exchange(cfg: RunConfig) -> None:
+    """regions.shard_exchange with regions.workers > 1 (regions/shards.py): what the sharded exchange
+    does not carry. Each refused feature reads or changes the whole update in one place (a masked sum,
+    clipping and noise of the whole pseudo-gradient, a score of the whole model), runs the exchange
+    beside the next round's steps (overlap), or shapes one proxy link per pair of regions (a worker's
+    shard would bypass it)."""
+    why = None
+    if cfg.sync.overlap:
+        why = f"sync.overlap {cfg.sync.overlap!r} is not sharded yet; set sync.overlap false"
+    elif cfg.sync.fragments > 1:
+        why = "sync.fragments > 1 is not sharded (the shards are the fragments of one round); set sync.fragments 1"
+    elif cfg.security.secure_aggregation:
+        why = "secure aggregation masks whole-model updates; set security.secure_aggregation false"
+    elif cfg.privacy.dp.mode == "update":
+        why = "update-level DP clips whole-model pseudo-gradients; set privacy.dp.mode off"
+    elif cfg.security.score_updates and cfg.security.robust_aggregation != "none":
+        why = "security.score_updates scores whole-model updates; set it false"
+    elif cfg.network.emulation.mode != "none":
+        why = (f"network.emulation.mode {cfg.network.emulation.mode!r} shapes one link a pair of regions, which a "
+               f"worker's shard would bypass; set it none (shape the nodes' own links instead)")
+    if why is not None:
+        raise ValueError(f"regions.shard_exchange: {why}")
 
 
 def _check_per_process(cfg: RunConfig) -> None:

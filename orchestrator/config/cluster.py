@@ -38,6 +38,14 @@ class RegionsSection:
         "(same label, num_cpus and num_gpus each), one torch.distributed group inside the region (gloo, nccl on "
         "cuda); inner steps are data-parallel, each worker a sync.inner.batch_size batch of the region's shard "
         "(N x it a step); 1: one actor, no group"))
+    shard_exchange: bool = field(default=False, metadata=_doc(
+        "regions.workers > 1: the WAN exchange sharded over the region's workers (docs/regions-as-clusters.md): "
+        "worker k owns shard k of the flat parameters, encodes it with its own codec stream and error feedback and "
+        "exchanges it with worker k of every peer region over its own gRPC server (the region's TLS identity), so a "
+        "region's WAN bytes leave through all its workers; the mixed shards are gathered inside the region and "
+        "every worker takes the same outer step. Refused with sync.overlap, sync.fragments > 1, secure "
+        "aggregation, update-level DP, security.score_updates and an emulated WAN (network.emulation.mode). "
+        "false: worker 0 alone exchanges the whole update; no effect with regions.workers 1"))
     per_process: int = field(default=1, metadata=_doc(
         "regions one actor process hosts (docs/many-regions.md): K > 1 packs the regions, K at a time in "
         "regions.names order, into processes that import torch once, each region with its own gRPC server and "

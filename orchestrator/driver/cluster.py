@@ -309,7 +309,9 @@ def new_worker(cfg: RunConfig, run_dir: str, region: str, rank: int, *, cpus: fl
                                "concurrency_groups": {FOLLOWER_GROUP: 1}}
     if pin:
         options["label_selector"] = {rc.label_key: rc.label_of(region)}
-    return ray.remote(**options)(RegionWorkerActor).remote(cfg, region, run_dir, rank)
+    # regions.shard_exchange: it serves its shard with the region's certificate (peers take it as the region)
+    tls = load_tls(Path(run_dir) / "tls", region) if rc.shard_exchange and cfg.security.tls else None
+    return ray.remote(**options)(RegionWorkerActor).remote(cfg, region, run_dir, rank, tls)
 
 
 def form_groups(cfg: RunConfig, actors: RegionActors, *, pin: bool) -> None:

@@ -39,6 +39,7 @@ from .recovery import Interrupted, RunFailed, StopSignals, signal_name
 from .resume import train_fn_name
 from .rundir import Clock, read_jsonl, release_run_dir, write_json
 from .setup import Opened, Ready, probe_links, route, set_up
+from .shards import connect_shards
 from .summary import build_summary, evaluate_average
 
 __all__ = ["Runner", "RunFailed", "prepare_task", "round_record"]
@@ -293,6 +294,8 @@ class Runner:
     def _connect(self) -> None:
         regions = self.regions
         regions.connect(lambda src, dst: route(self.emulator, regions.addresses, src, dst))
+        # regions.shard_exchange: worker k of every region dials worker k of the others (driver/shards.py)
+        connect_shards(self.cfg, regions.actors.handles, list(regions.alive))
 
     def _drain(self, region: str) -> None:
         """A leaver's exchange in flight (overlap) is finished first: its update of its last round reaches its peers."""

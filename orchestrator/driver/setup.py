@@ -31,6 +31,7 @@ from .recovery import StopSignals, marked_processes, record_processes
 from .reattach import Decision, Live, actor_names, decide, detached, find_live, joined_regions, region_pids, settle
 from .resume import DriverCheckpoint, emulation_for_resume, load_driver_checkpoint, reap_previous_driver, train_fn_name
 from .rundir import JsonlLog, ensure_private_dir, lock_run_dir
+from .shards import connect_shards
 from .trackers import Trackers
 
 
@@ -126,6 +127,7 @@ def set_up(cfg: RunConfig, run_dir: Path, opened: Opened, journal: Journal, *, r
     regions.start(timeout=120)  # a re-attached region's server runs already: its address is the same
     opened.emulator = start_emulation(emulation_for_resume(cfg, restored), names)
     regions.connect(lambda src, dst: route(opened.emulator, regions.addresses, src, dst))
+    connect_shards(cfg, opened.actors.handles, list(regions.alive))  # regions.shard_exchange (driver/shards.py)
     timer.mark("servers_connected")
     coordinator = Coordinator(cfg, model_numel=opened.actors.info[names[0]]["params"], clock=journal.clock)
     metrics_log, rounds_log = JsonlLog(run_dir / "metrics.jsonl"), JsonlLog(run_dir / "rounds.jsonl")
