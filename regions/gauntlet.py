@@ -146,6 +146,8 @@ class Gauntlet:
         self._scratch = copy.deepcopy(model, memo={id(p): _placeholder(p) for p in model.parameters() if p.requires_grad})
         self._scratch.eval()  # no dropout noise in a score
         self._params = [p for p in self._scratch.parameters() if p.requires_grad]
+        # Where its forward passes run: theta may be on the host (sync.outer.offload), lent here.
+        self._devices = [p.device for p in self._params]
         # A claimed model (theta -/+ update) is made one module at a time, as the forward pass reaches
         # it, and let go when that module returns: a module's parameters at a time, not a model's
         # worth beside the update (issue 39). `_making` is the reading's maker (None: lent whole).
@@ -196,8 +198,8 @@ class Gauntlet:
                     return layerwise
             made = [params(i) for i in range(len(self._params))] if callable(params) else params
             try:
-                for dst, src in zip(self._params, made):
-                    dst.data = src.detach()
+                for dst, src, device in zip(self._params, made, self._devices):
+                    dst.data = _on_device(src.detach(), device)
                 losses = [float(self._loss(self._scratch, b)) for b in self._batches]
             finally:
                 _empty(self._params)
@@ -227,7 +229,7 @@ class Gauntlet:
         """A module's forward pass starts: make its parameters (a layer-wise reading only)."""
         if self._making is not None:
             for p, i in own:
-                p.data = self._making(i)
+                p.data = _on_device(self._making(i), self._devices[i])
 
     def _made(self, own: Sequence[tuple[torch.nn.Parameter, int]]) -> None:
         """A module's forward pass returned: let its parameters go (a layer-wise reading only)."""
@@ -344,6 +346,11 @@ class Gauntlet:
         with self._lock:
             out, self._quarantined = dict(self._quarantined), Counter()
         return out
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` where the scratch's parameter lives (a copy only where it is elsewhere: offload's host theta)."""
+    return t if t.device == device else t.to(device)
 
 
 def _empty(params: Iterable[torch.nn.Parameter]) -> None:

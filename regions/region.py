@@ -582,9 +582,12 @@ class Region:
         # the pushes it made that were delivered, and those it never made.
         self._pushes_done = (plan.round, res.finished_pushes(
             [self.regions[j] for j in self.topology.out_neighbours(self.index, plan.round)]))
-        res.received = move_received(res.received, self.device)
+        # Where the sent pseudo-gradient is, which the mix sums them with: the model's device, or the
+        # host with sync.outer.offload (a peer's update then never takes a model's worth of GPU memory).
+        where = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else self.device
+        res.received = move_received(res.received, where)
         if res.stale:
-            moved = move_received({f"{s}@{r}": t for s, r, t in res.stale}, self.device)
+            moved = move_received({f"{s}@{r}": t for s, r, t in res.stale}, where)
             res.stale = [(s, r, moved[f"{s}@{r}"]) for s, r, _ in res.stale]
         return res
 
