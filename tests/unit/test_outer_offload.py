@@ -99,11 +99,12 @@ def test_offload_config_is_a_bool_named_by_its_key():
         _cfg(offload="yes")
 
 
-@pytest.mark.parametrize("overlap", [True, "eager", False])
-def test_offloads_host_path_trains_the_plain_paths_bits(tmp_path, overlap):
-    with InProcessRegions(_cfg(offload=False, overlap=overlap), tmp_path / "plain") as group:
+@pytest.mark.parametrize("overlap,fragments", [(True, 1), ("eager", 1), (False, 1), (True, 2), ("eager", 2)])
+def test_offloads_host_path_trains_the_plain_paths_bits(tmp_path, overlap, fragments):
+    # Fragments with overlap rebase the part whose exchange lands (offload's chunked rebase).
+    with InProcessRegions(_cfg(offload=False, overlap=overlap, fragments=fragments), tmp_path / "plain") as group:
         plain = _rounds(group, 3)
-    with InProcessRegions(_cfg(offload=True, overlap=overlap), tmp_path / "split") as group:
+    with InProcessRegions(_cfg(offload=True, overlap=overlap, fragments=fragments), tmp_path / "split") as group:
         assert not _check_placed(group, torch.device("cpu"), True, stepped=False)
         assert all(not part.split for w in group.workers.values() for part in w.algorithm.parts)
         split = _rounds(group, 3, split=True)
