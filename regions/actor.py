@@ -226,7 +226,8 @@ class RegionActor:
 
     def join_group(self, address: str, rebuilt: bool = False) -> None:
         """Join the group at `address`; `rebuilt` (after a worker died): the whole state goes to the others first."""
-        return self._paused(lambda r: _group_of(r).join(address, r.device, rebuilt=rebuilt))
+        return self._paused(lambda r: _group_of(r).join(address, r.device, rebuilt=rebuilt,
+                                                        node_ip=ray.util.get_node_ip_address()))
 
     def shard_addresses(self) -> list[str | None]:
         """regions.shard_exchange: each worker's gRPC address by rank, as gathered when the group formed
@@ -319,7 +320,7 @@ class RegionWorkerActor:
     def join_group(self, address: str) -> None:
         if self.group.sharded and self._address is None:  # its server serves its shard's peers (a survivor's stays)
             self._address = self.region.start()
-        self.group.join(address, self.region.device, serves=self._address)
+        self.group.join(address, self.region.device, serves=self._address, node_ip=ray.util.get_node_ip_address())
 
     def follow(self) -> int:
         """Worker 0's commands until it closes the region; the steps taken."""

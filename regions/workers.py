@@ -99,14 +99,18 @@ class WorkerGroup:
                                     wait_for_workers=False)
         return f"{host}:{self._store.port}"
 
-    def join(self, address: str, device: torch.device, *, rebuilt: bool = False, serves: str | None = None) -> None:
+    def join(self, address: str, device: torch.device, *, rebuilt: bool = False, serves: str | None = None,
+             node_ip: str | None = None) -> None:
         """Join the group at `address` (worker 0's `open`) within regions.group_timeout_s; GroupError
         naming the region and this worker otherwise. A first all_reduce checks every worker is in.
         `rebuilt` (a group formed again after a worker died): worker 0's first command is its whole
         state, since the survivors hold whatever their last step left and a new worker its seed's model.
-        `serves` (sharded): this worker's gRPC address, gathered by every worker (worker 0 hands them to the driver)."""
+        `serves` (sharded): this worker's gRPC address, gathered by every worker (worker 0 hands them to the driver).
+        `node_ip`: this worker's node address (Ray's), which gloo's connections must use (_gloo_interface)."""
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "gloo" and node_ip:
+            _gloo_interface(node_ip)
         host, _, port = address.rpartition(":")
         t0 = time.monotonic()
         try:
@@ -345,6 +349,32 @@ class WorkerGroup:
             raise GroupLost(f"{self.who()} lost its region's process group after {steps} steps: {_first_line(exc)}") from None
         finally:
             self._destroy()
+
+
+def _gloo_interface(node_ip: str) -> None:
+    """Gloo's connections leave from the address this host's name resolves to; where that is a loopback
+    address while the node's own (Ray's) is not (nodes in network namespaces that share one hostname,
+    a host whose name maps to 127.0.1.1), the workers of other nodes would be told to dial 127.0.0.1.
+    GLOO_SOCKET_IFNAME (read when a group is made) then names the interface that holds the node's
+    address. A value the user set is kept."""
+    import ipaddress
+    import os
+    import socket
+
+    if os.environ.get("GLOO_SOCKET_IFNAME") or ipaddress.ip_address(node_ip).is_loopback:
+        return
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        resolved = "127.0.0.1"
+    if not ipaddress.ip_address(resolved).is_loopback:
+        return
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == node_ip for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
 
 
 def _shard_round(region: Any, plan: Any, metrics: dict[str, Any]) -> None:
