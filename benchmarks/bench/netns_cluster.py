@@ -21,6 +21,7 @@ not /tmp/ray, so a plain `ray.init()` elsewhere on the machine does not join thi
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import signal
@@ -33,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .hub import RegionLinks, RegionNet
-from geofed.p2p.wan.kernel import run_tool
+from .hub import DEVICE, MIN_BURST, RegionLinks, RegionNet
+from geofed.p2p.wan.kernel import TBF_BURST_S, run_tool
 
 from geofed.orchestrator.launch.plan import LaunchPlan
 from .local_cluster import LocalCluster, LocalNode, _signal_pid
@@ -296,3 +297,114 @@ def _events(path: Path) -> set[str]:
         except ValueError:
             break
     return out
+
+
+class NodeNetnsCluster(NetnsCluster):
+    """A NetnsCluster with `nodes_per_region` nodes a region, each in a namespace of its own (a RegionNet
+    keyed by node name): the head and a worker node of the head region, and copies of each other
+    region's worker node (`worker-<region>-<i>`), all with the region's label. For a region of several
+    workers (regions.workers) on several nodes: each node's egress is shaped on its own."""
+
+    def __init__(self, plan: LaunchPlan, net: RegionNet, *, nodes_per_region: int = 2, num_cpus: int = 1,
+                 object_store_mb: int = 100, start_timeout_s: float = 120.0):
+        LocalCluster.__init__(self, plan, regions=list(plan.regions), num_cpus=num_cpus,
+                              object_store_mb=object_store_mb, start_timeout_s=start_timeout_s)
+        extra = [dataclasses.replace(plan.node(f"worker-{r}"), name=f"worker-{r}-{i}")
+                 for r in plan.regions for i in range(1, nodes_per_region if r != plan.head_region else nodes_per_region - 1)]
+        first = len(self.nodes)
+        self.nodes += [LocalNode(plan=k, ip="", temp_dir=self.root / f"n{first + i}", log=self.root / f"n{first + i}.log")
+                       for i, k in enumerate(extra)]
+        self.net = net
+        for node in self.nodes:
+            node.ip = net.address(node.plan.name)
+
+    def _command(self, node: LocalNode, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.net.namespace(node.plan.name), *LocalCluster._command(self, node, argv)]
+
+
+def node_names(plan: LaunchPlan, nodes_per_region: int) -> dict[str, str]:
+    """Node name -> its region, as NodeNetnsCluster names them."""
+    out = {"head": plan.head_region}
+    for r in plan.regions:
+        out[f"worker-{r}"] = r
+        for i in range(1, nodes_per_region if r != plan.head_region else nodes_per_region - 1):
+            out[f"worker-{r}-{i}"] = r
+    return out
+
+
+class ShapedNodesCluster(ShapedCluster):
+    """ShapedCluster with `nodes_per_region` nodes a region (NodeNetnsCluster): every node's egress its own
+    tbf at `egress_mbps`, `latency_ms` one way between nodes of different regions, none inside a region."""
+
+    def __init__(self, plan: LaunchPlan, *, egress_mbps: float, latency_ms: float, nodes_per_region: int = 2,
+                 prefix: str = "gfn", num_cpus: int = 1, object_store_mb: int = 100, start_timeout_s: float = 120.0,
+                 lan_unshaped: bool = False):
+        """`lan_unshaped`: each node's tbf shapes only what it sends to other regions' nodes (a prio qdisc
+        whose filtered band holds the tbf); what it sends inside its region goes unshaped, as on a
+        region's LAN. False: the tbf shapes everything the node sends (RegionNet's own)."""
+        self.plan = plan
+        self.egress_mbps, self.lan_unshaped = egress_mbps, lan_unshaped
+        self.region_of = node_names(plan, nodes_per_region)
+        names = list(self.region_of)
+        links = RegionLinks(egress_mbps={n: egress_mbps for n in names},
+                            latency_ms={(a, b): (latency_ms if self.region_of[a] != self.region_of[b] else 0.0)
+                                        for a in names for b in names if a != b})
+        self.net = RegionNet(names, links, prefix=prefix)
+        self.nodes_per_region = nodes_per_region
+        self.cluster: NetnsCluster | None = None
+        self._kw = {"num_cpus": num_cpus, "object_store_mb": object_store_mb, "start_timeout_s": start_timeout_s}
+        self.started_s: float | None = None
+
+    def start(self) -> ShapedNodesCluster:
+        t0 = time.monotonic()
+        atexit.register(self.stop)
+        try:
+            self.net.up()
+            if self.lan_unshaped:
+                for node in self.region_of:
+                    self._shape_wan_only(node)
+            self.cluster = NodeNetnsCluster(self.plan, self.net, nodes_per_region=self.nodes_per_region, **self._kw)
+            self.cluster.start()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def _shape_wan_only(self, node: str) -> None:
+        """The node's egress: an htb root (this kernel has no prio qdisc) whose default class 1:2 is
+        unshaped (10 Gbit/s) and class 1:1 (u32 filters: the other regions' nodes' addresses) is held to
+        the egress rate with tbf's burst. Everything the node sends inside its region goes unshaped."""
+        ns = self.net.namespace(node)
+        bps = int(self.egress_mbps * 1e6)
+        burst = max(MIN_BURST, int(bps / 8 * TBF_BURST_S))
+        run_tool("tc", "-n", ns, "qdisc", "del", "dev", DEVICE, "root")
+        run_tool("tc", "-n", ns, "qdisc", "add", "dev", DEVICE, "root", "handle", "1:", "htb", "default", "2")
+        run_tool("tc", "-n", ns, "class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:1", "htb",
+                 "rate", f"{bps}bit", "ceil", f"{bps}bit", "burst", str(burst), "cburst", str(burst))
+        run_tool("tc", "-n", ns, "class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:2", "htb",
+                 "rate", "10gbit", "ceil", "10gbit")
+        for other, region in self.region_of.items():
+            if region != self.region_of[node]:
+                run_tool("tc", "-n", ns, "filter", "add", "dev", DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
+                         "u32", "match", "ip", "dst", f"{self.net.address(other)}/32", "flowid", "1:1")
+
+    def exec_argv(self, region: str, argv: Sequence[str]) -> list[str]:
+        """In the namespace of `region`'s node, or (a region) of its head or first worker node."""
+        node = region if region in self.region_of else ("head" if region == self.plan.head_region else f"worker-{region}")
+        return ["ip", "netns", "exec", self.net.namespace(node), *argv]
+
+    def wan_bytes_by_node(self, run: DriverRun, start: str = "launch", end: str = "end") -> dict[str, int]:
+        """TCP payload each node pushed to geofed's servers (network.port_range) on nodes of other regions,
+        between two snapshots: the WAN bytes of the regions' exchanges, by the node that sent them."""
+        assert self.cluster is not None and self.cluster.grpc_port_range
+        lo, hi = self.cluster.grpc_port_range
+        node_of = {self.net.address(n): n for n in self.region_of}
+        a, b = run.snapshot(start).flows, run.snapshot(end).flows
+        out = {n: 0 for n in self.region_of}
+        for key, (_, _, payload) in b.items():
+            src, dst = node_of.get(key[0]), node_of.get(key[1])
+            if src is None or dst is None or self.region_of[src] == self.region_of[dst] or not lo <= key[4] <= hi:
+                continue
+            out[src] += payload - a.get(key, (0, 0, 0))[2]
+        return out
