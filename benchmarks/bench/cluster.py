@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach (default 0.95)")
     p.add_argument("--max-steps", type=int, default=1500, help="inner steps per region at most (run.max_steps)")
     p.add_argument("--timeout-s", type=float, default=600, help="each run's limit")
+    p.add_argument("--shards", action="store_true",
+                   help="instead of the arms: the sharded exchange's wall time, 2 regions x 2 nodes against 1 node "
+                        "a region (bench/cluster_shards.py; --seeds pairs)")
     return p
 
 
@@ -134,6 +137,26 @@ def main(argv: Sequence[str]) -> int:
     out = Path(args.out or f"runs/bench-cluster-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
     spec = ClusterSpec(egress_mbps=args.egress_mbps, latency_ms=args.latency_ms)
     previous = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM unwinds like Ctrl-C: everything is stopped
+    if args.shards:
+        from .cluster_shards import print_shard_table, run_shard_bench
+
+        try:
+            doc = run_shard_bench(out, seeds=args.seeds, egress_mbps=args.egress_mbps, latency_ms=args.latency_ms,
+                                  timeout_s=min(args.timeout_s, 300))
+        except KeyboardInterrupt:
+            print(f"geofed bench cluster: interrupted; cluster stopped (run directories so far: {out})", file=sys.stderr)
+            return 130
+        except RuntimeError as exc:
+            print(f"geofed bench cluster: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if args.json:
+            print(json.dumps(doc, indent=2))
+        else:
+            print_shard_table(doc)
+            print(f"details: {out / 'bench.json'}")
+        return 0
     try:
         doc = run_bench(spec, args.arms, args.seeds, out, target=Target(value=args.target),
                         max_steps=args.max_steps, timeout_s=args.timeout_s)
