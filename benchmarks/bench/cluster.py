@@ -136,30 +136,21 @@ def main(argv: Sequence[str]) -> int:
         return 2
     out = Path(args.out or f"runs/bench-cluster-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}").resolve()
     spec = ClusterSpec(egress_mbps=args.egress_mbps, latency_ms=args.latency_ms)
-    previous = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM unwinds like Ctrl-C: everything is stopped
     if args.shards:
         from .cluster_shards import print_shard_table, run_shard_bench
 
-        try:
-            doc = run_shard_bench(out, seeds=args.seeds, egress_mbps=args.egress_mbps, latency_ms=args.latency_ms,
-                                  timeout_s=min(args.timeout_s, 300))
-        except KeyboardInterrupt:
-            print(f"geofed bench cluster: interrupted; cluster stopped (run directories so far: {out})", file=sys.stderr)
-            return 130
-        except RuntimeError as exc:
-            print(f"geofed bench cluster: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        if args.json:
-            print(json.dumps(doc, indent=2))
-        else:
-            print_shard_table(doc)
-            print(f"details: {out / 'bench.json'}")
-        return 0
+        def bench() -> dict:
+            return run_shard_bench(out, seeds=args.seeds, egress_mbps=args.egress_mbps, latency_ms=args.latency_ms,
+                                   timeout_s=min(args.timeout_s, 300))
+        show = print_shard_table
+    else:
+        def bench() -> dict:
+            return run_bench(spec, args.arms, args.seeds, out, target=Target(value=args.target),
+                             max_steps=args.max_steps, timeout_s=args.timeout_s)
+        show = print_table
+    previous = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM unwinds like Ctrl-C: everything is stopped
     try:
-        doc = run_bench(spec, args.arms, args.seeds, out, target=Target(value=args.target),
-                        max_steps=args.max_steps, timeout_s=args.timeout_s)
+        doc = bench()
     except KeyboardInterrupt:
         print(f"geofed bench cluster: interrupted; cluster stopped (run directories so far: {out})", file=sys.stderr)
         return 130
@@ -171,7 +162,7 @@ def main(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print_table(doc)
+        show(doc)
         print(f"details: {out / 'bench.json'}")
     return 0
 
