@@ -114,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", action="store_true",
                    help="instead of the arms: the sharded exchange's wall time, 2 regions x 2 nodes against 1 node "
                         "a region (bench/cluster_shards.py; --seeds pairs)")
+    p.add_argument("--hidden", type=int, default=3072,
+                   help="--shards: the width of the MLP's two hidden layers (default 3072: 9.7M parameters)")
     return p
 
 
@@ -141,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
 
         def bench() -> dict:
             return run_shard_bench(out, seeds=args.seeds, egress_mbps=args.egress_mbps, latency_ms=args.latency_ms,
-                                   timeout_s=min(args.timeout_s, 300))
+                                   hidden=args.hidden, timeout_s=min(args.timeout_s, 300))
         show = print_shard_table
     else:
         def bench() -> dict:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .hub import DEVICE, MIN_BURST, RegionLinks, RegionNet
-from geofed.p2p.wan.kernel import TBF_BURST_S, run_tool
+from .hub import RegionLinks, RegionNet
+from geofed.p2p.wan.kernel import run_tool
 
 from geofed.orchestrator.launch.plan import LaunchPlan
 from .local_cluster import LocalCluster, LocalNode, _signal_pid
@@ -339,9 +339,11 @@ class ShapedNodesCluster(ShapedCluster):
     def __init__(self, plan: LaunchPlan, *, egress_mbps: float, latency_ms: float, nodes_per_region: int = 2,
                  prefix: str = "gfn", num_cpus: int = 1, object_store_mb: int = 100, start_timeout_s: float = 120.0,
                  lan_unshaped: bool = False):
-        """`lan_unshaped`: each node's tbf shapes only what it sends to other regions' nodes (a prio qdisc
-        whose filtered band holds the tbf); what it sends inside its region goes unshaped, as on a
-        region's LAN. False: the tbf shapes everything the node sends (RegionNet's own)."""
+        """`lan_unshaped`: the nodes of a region are joined by a veth of their own (a /32 route to each
+        other's address through it), as on a region's LAN: what a node sends inside its region takes
+        it, unshaped and past the router, and its TUN device (the tbf, the router's delay) carries
+        only what it sends to other regions. False: every flow goes through the router, and the tbf
+        shapes everything the node sends (RegionNet's own)."""
         self.plan = plan
         self.egress_mbps, self.lan_unshaped = egress_mbps, lan_unshaped
         self.region_of = node_names(plan, nodes_per_region)
@@ -361,8 +363,7 @@ class ShapedNodesCluster(ShapedCluster):
         try:
             self.net.up()
             if self.lan_unshaped:
-                for node in self.region_of:
-                    self._shape_wan_only(node)
+                self._connect_lans()
             self.cluster = NodeNetnsCluster(self.plan, self.net, nodes_per_region=self.nodes_per_region, **self._kw)
             self.cluster.start()
         except BaseException:
@@ -371,23 +372,21 @@ class ShapedNodesCluster(ShapedCluster):
         self.started_s = time.monotonic() - t0
         return self
 
-    def _shape_wan_only(self, node: str) -> None:
-        """The node's egress: an htb root (this kernel has no prio qdisc) whose default class 1:2 is
-        unshaped (10 Gbit/s) and class 1:1 (u32 filters: the other regions' nodes' addresses) is held to
-        the egress rate with tbf's burst. Everything the node sends inside its region goes unshaped."""
-        ns = self.net.namespace(node)
-        bps = int(self.egress_mbps * 1e6)
-        burst = max(MIN_BURST, int(bps / 8 * TBF_BURST_S))
-        run_tool("tc", "-n", ns, "qdisc", "del", "dev", DEVICE, "root")
-        run_tool("tc", "-n", ns, "qdisc", "add", "dev", DEVICE, "root", "handle", "1:", "htb", "default", "2")
-        run_tool("tc", "-n", ns, "class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:1", "htb",
-                 "rate", f"{bps}bit", "ceil", f"{bps}bit", "burst", str(burst), "cburst", str(burst))
-        run_tool("tc", "-n", ns, "class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:2", "htb",
-                 "rate", "10gbit", "ceil", "10gbit")
-        for other, region in self.region_of.items():
-            if region != self.region_of[node]:
-                run_tool("tc", "-n", ns, "filter", "add", "dev", DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
-                         "u32", "match", "ip", "dst", f"{self.net.address(other)}/32", "flowid", "1:1")
+    def _connect_lans(self) -> None:
+        """A veth between every two nodes of a region, and in each a /32 route to the other's address
+        through it (source: the node's own address, so replies come back the same way). Nothing else
+        is added: the veths go with the namespaces (RegionNet.down)."""
+        nodes = list(self.region_of)
+        pairs = [(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:] if self.region_of[a] == self.region_of[b]]
+        for k, (a, b) in enumerate(pairs):
+            ends = [(a, f"lan{k}a", b), (b, f"lan{k}b", a)]
+            run_tool("ip", "link", "add", ends[0][1], "netns", self.net.namespace(a), "type", "veth",
+                     "peer", "name", ends[1][1], "netns", self.net.namespace(b))
+            for node, dev, other in ends:
+                ns = self.net.namespace(node)
+                run_tool("ip", "-n", ns, "link", "set", dev, "up")
+                run_tool("ip", "-n", ns, "route", "add", f"{self.net.address(other)}/32", "dev", dev,
+                         "src", self.net.address(node))
 
     def exec_argv(self, region: str, argv: Sequence[str]) -> list[str]:
         """In the namespace of `region`'s node, or (a region) of its head or first worker node."""

@@ -88,6 +88,7 @@ def test_sharded_exchange_gives_the_unsharded_model_with_each_worker_sending_hal
 
 
 
+@pytest.mark.slow  # the identity-codec equivalence above covers the default suite (it ran 19 s there)
 def test_sharded_int8_with_error_feedback_learns(tmp_path):
     """Each worker's shard goes through its own int8 codec stream with error feedback (`shard<k>`): the
     sharded run learns as the unsharded one does (held-out accuracy within 3 points after 8 rounds),
