@@ -151,13 +151,17 @@ class ShapedCluster:
         atexit.register(self.stop)   # an interrupted owner still stops its Ray nodes
         try:
             self.net.up()
-            self.cluster = NetnsCluster(self.plan, self.net, **self._kw)
+            self.cluster = self._ray_nodes()
             self.cluster.start()
         except BaseException:
             self.stop()
             raise
         self.started_s = time.monotonic() - t0
         return self
+
+    def _ray_nodes(self) -> NetnsCluster:
+        """The Ray nodes, once the namespaces are up (not started yet): one a region."""
+        return NetnsCluster(self.plan, self.net, **self._kw)
 
     def stop(self) -> None:
         """Every process this cluster started, then its namespaces. Idempotent."""
@@ -357,20 +361,11 @@ class ShapedNodesCluster(ShapedCluster):
         self._kw = {"num_cpus": num_cpus, "object_store_mb": object_store_mb, "start_timeout_s": start_timeout_s}
         self.started_s: float | None = None
 
-    def start(self) -> ShapedNodesCluster:
-        t0 = time.monotonic()
-        atexit.register(self.stop)
-        try:
-            self.net.up()
-            if self.lan_unshaped:
-                self._connect_lans()
-            self.cluster = NodeNetnsCluster(self.plan, self.net, nodes_per_region=self.nodes_per_region, **self._kw)
-            self.cluster.start()
-        except BaseException:
-            self.stop()
-            raise
-        self.started_s = time.monotonic() - t0
-        return self
+    def _ray_nodes(self) -> NetnsCluster:
+        """`nodes_per_region` Ray nodes a region, their LANs joined first where `lan_unshaped`."""
+        if self.lan_unshaped:
+            self._connect_lans()
+        return NodeNetnsCluster(self.plan, self.net, nodes_per_region=self.nodes_per_region, **self._kw)
 
     def _connect_lans(self) -> None:
         """A veth between every two nodes of a region, and in each a /32 route to the other's address
