@@ -121,13 +121,7 @@ class Region:
             log.info("region %s: security.score_updates is off with the loop API (it scores updates with the "
                      "task's loss on the region's data, which are the user's)", region)
         self.stepper = self if stepper is None else stepper  # SyncContext.stepper
-        self.algorithm: SyncAlgorithm
-        if workers is not None and workers.sharded:  # regions.shard_exchange: worker k exchanges shard k
-            from .shards import ShardedDiloco
-
-            self.algorithm = ShardedDiloco(self._sync_context(), workers)
-        else:
-            self.algorithm = algorithm_cls(self._sync_context())
+        self.algorithm: SyncAlgorithm = self._make_algorithm(algorithm_cls, workers)
         if sec.rollback_on_nonfinite:
             self.add_hook(Rollback(self, directory=self.run_dir / "rollback" if sec.rollback_copy == "disk" else None))
         self.completed_round = -1
@@ -145,6 +139,15 @@ class Region:
             self.add_hook(stepper)  # last: it sees the plan the round runs (Sync.round, .H, .lr_scale)
         # `plugin(region)`: called on the built region, its result kept (a bench's hook factory).
         self.plugin = None if plugin is None else plugin(self)
+
+    def _make_algorithm(self, algorithm_cls: Any, workers: WorkerGroup | None) -> SyncAlgorithm:
+        """The round's algorithm over this region's sync context; with regions.shard_exchange, the
+        sharded DiLoCo (worker k exchanges shard k, regions/shards.py)."""
+        if workers is not None and workers.sharded:
+            from .shards import ShardedDiloco
+
+            return ShardedDiloco(self._sync_context(), workers)
+        return algorithm_cls(self._sync_context())
 
     def _build_model_and_data(self, task, seed: int) -> None:
         """The device, the task, the model (one init everywhere), this region's shard and data
