@@ -166,6 +166,9 @@ class _OwnGeneratorRegion(Region):
     def forward_backward(self) -> float:
         return self.as_own(super().forward_backward)
 
+    def forward_backward_step(self, lr_scale: float) -> float:
+        return self.as_own(super().forward_backward_step, lr_scale)
+
     def evaluate_params(self, params, **kwargs) -> dict[str, Any]:
         return self.as_own(super().evaluate_params, params, **kwargs)
 

@@ -44,6 +44,7 @@ from geofed.p2p.topology import make_topology
 
 from . import checkpoint
 from .algorithm_traits import algorithm_traits
+from .backward_step import BackwardStep
 from .device import Precision, device_name, move_received, resolve_device, to_device
 from .emulation import Slowdown
 from .exchange import Exchanger
@@ -169,6 +170,7 @@ class Region:
         self.batches = self._batch_stream()
         self.batches_drawn = 0  # where the data stream is, so a restore resumes it exactly
         self.inner = self._make_inner_optimizer()
+        self.backward_step = BackwardStep(self.params, self.inner) if cfg.sync.inner.step_in_backward else None
 
     def _place(self) -> None:
         """Where and how the region computes: its device, precision, emulated slowdown and gap filler."""
@@ -193,6 +195,7 @@ class Region:
         self.shapes = [tuple(p.shape) for p in self.params]
         self.batches_drawn = 0
         self.inner = optimizer
+        self.backward_step = None  # the user's loop steps its own optimizer
 
     def _open_transport(self, transport, *, tls, advertised_host: str | None) -> None:
         """The transport (built here unless injected), wired to this region's validator, pacing and state."""
@@ -444,14 +447,18 @@ class Region:
         losses, durations = [], []
         t0 = time.monotonic()
         limit = H if budget_s is None else max(1, (max_steps or H) - len(filled))
+        in_backward = self._steps_in_backward(before_step)
         for k in range(limit):
             t_step = time.monotonic()
             if self.workers is not None:
                 self.workers.lead_step(self, lr_scale)  # the region's other workers take this step with it
-            losses.append(self.forward_backward())
-            if before_step is not None:
-                before_step(k)
-            self.optimizer_step(lr_scale)
+            if in_backward:
+                losses.append(self.forward_backward_step(lr_scale))
+            else:
+                losses.append(self.forward_backward())
+                if before_step is not None:
+                    before_step(k)
+                self.optimizer_step(lr_scale)
             self.slowdown.after_step(time.monotonic() - t_step)
             durations.append(time.monotonic() - t_step)
             if budget_s is not None and budget_over(time.monotonic() - t0, durations, budget_s):
@@ -474,8 +481,23 @@ class Region:
             raise exc
         return metrics
 
+    def _steps_in_backward(self, before_step) -> bool:
+        """Whether this round's inner steps step in the backward pass (sync.inner.step_in_backward, and
+        nothing that needs every gradient before the step: regions/backward_step.py)."""
+        return (self.backward_step is not None and before_step is None and self.workers is None
+                and self.dp.recording is None and self.precision.scaler is None)
+
     def forward_backward(self) -> float:
         """One batch of the shard: gradients let go, then forward and backward; returns the loss."""
+        return self._forward_backward(None)
+
+    def forward_backward_step(self, lr_scale: float) -> float:
+        """forward_backward with the inner optimizer's step (at `lr_scale`) taken in the backward pass
+        (sync.inner.step_in_backward; Region._steps_in_backward says when it may be); no gradient is
+        left behind. Returns the loss."""
+        return self._forward_backward(lr_scale)
+
+    def _forward_backward(self, step_lr_scale: float | None) -> float:
         # None, not zeros: the forward pass's activations then never share memory with a model's worth
         # of gradients (the backward makes them as it frees activations; issue 39).
         self.inner.zero_grad(set_to_none=True)
@@ -485,6 +507,12 @@ class Region:
             return self.dp.record_step(self.model, self.task.loss, batch, expected_batch=self.cfg.sync.inner.batch_size)
         with self.precision.autocast():
             loss = self.task.loss(self.model, batch)
+        if step_lr_scale is not None:
+            if self.backward_step is None:
+                raise RuntimeError(f"region {self.region}: a step in the backward pass without sync.inner.step_in_backward")
+            self._set_lr(step_lr_scale)
+            self.backward_step.run(loss.backward)
+            return float(loss.detach())
         self.precision.backward(loss, self.inner)
         for p in self.params:  # a parameter the batch did not reach steps on zeros, as before (issue 39)
             if p.grad is None:
@@ -495,9 +523,12 @@ class Region:
 
     def optimizer_step(self, lr_scale: float) -> None:
         """One inner optimizer step at sync.inner.lr x `lr_scale` (the plan's schedule)."""
+        self._set_lr(lr_scale)
+        self.precision.step(self.inner)
+
+    def _set_lr(self, lr_scale: float) -> None:
         for group in self.inner.param_groups:
             group["lr"] = self.cfg.sync.inner.lr * lr_scale
-        self.precision.step(self.inner)
 
     def warm_compute(self, passes: int = 3) -> float:
         """Forward and backward passes on one batch of the shard, before round 0 and outside the

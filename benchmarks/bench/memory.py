@@ -12,7 +12,8 @@ Sizes (``task.n_layer`` x ``task.d_model``): 1M (5 x 128), 10M (6 x 384), 30M (6
 feedback), ``secagg`` (serial, security.secure_aggregation with 8-bit masks: no overlap; 3 regions: it needs 3), ``checkpoint``
 (delayed, run.checkpoint_every 1), ``no-rollback`` (delayed, security.rollback_on_nonfinite false: no copy of
 each round's start), ``rollback-memory`` (delayed, security.rollback_copy memory: the copy in the process, not in a
-file), ``recompute`` (delayed, task.activation_checkpointing) and ``export`` (delayed, up to the run's end).
+file), ``recompute`` (delayed, task.activation_checkpointing), ``step-after`` (delayed,
+sync.inner.step_in_backward false: the inner step after the backward pass) and ``export`` (delayed, up to the run's end).
 
 How it is measured, without a line in the regions' code: while a run goes, a thread reads each
 region process's high-water mark of resident memory (VmHWM in /proc/PID/status, the kernel's own
@@ -74,6 +75,10 @@ ARMS: dict[str, tuple[dict[str, Any], str]] = {
     # delayed with the outer state in host memory (sync.outer.offload): on a CPU region the same buffers
     # (it moves nothing off a CPU model); on a GPU it is offload_cuda_check's to measure
     "offload": ({"sync": {"overlap": True, "outer": {"offload": True}}}, "rounds"),
+    # delayed with the inner step after the backward pass (sync.inner.step_in_backward false: every
+    # gradient alive at once before the step), as before the step moved into the backward pass
+    "step-after": ({"sync": {"overlap": True, "inner": {"kind": "adamw", "lr": 0.001, "batch_size": 4,
+                                                        "step_in_backward": False}}}, "rounds"),
     "export": ({"sync": {"overlap": True}}, "end"),
 }
 POLL_S = 0.1

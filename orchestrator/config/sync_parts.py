@@ -30,6 +30,11 @@ class InnerOptimizer:
     precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata=_doc(
         "autocast of the forward pass: bf16 or fp16 matrix products (fp16 with a loss scaler); parameters, "
         "optimizer state and updates stay fp32 (regions/device.py)"))
+    step_in_backward: bool = field(default=True, metadata=_doc(
+        "step each parameter in the backward pass as soon as its gradient is complete, and let the gradient go: "
+        "a model's worth of gradients is never held at once (4 B/param), the same weights (bitwise on the CPU; "
+        "regions/backward_step.py). Steps after the backward pass where a step needs every gradient first: "
+        "fp16, record-level DP, gradient tracking, regions.workers > 1, the allreduce baseline, your own optimizer"))
 
     def __post_init__(self):
         if not 0 < self.lr <= 10:
