@@ -13,7 +13,8 @@ feedback), ``secagg`` (serial, security.secure_aggregation with 8-bit masks: no 
 (delayed, run.checkpoint_every 1), ``no-rollback`` (delayed, security.rollback_on_nonfinite false: no copy of
 each round's start), ``rollback-memory`` (delayed, security.rollback_copy memory: the copy in the process, not in a
 file), ``recompute`` (delayed, task.activation_checkpointing), ``step-after`` (delayed,
-sync.inner.step_in_backward false: the inner step after the backward pass) and ``export`` (delayed, up to the run's end).
+sync.inner.step_in_backward false: the inner step after the backward pass), ``recompute-step-after`` (both)
+and ``export`` (delayed, up to the run's end).
 
 How it is measured, without a line in the regions' code: while a run goes, a thread reads each
 region process's high-water mark of resident memory (VmHWM in /proc/PID/status, the kernel's own
@@ -79,6 +80,11 @@ ARMS: dict[str, tuple[dict[str, Any], str]] = {
     # gradient alive at once before the step), as before the step moved into the backward pass
     "step-after": ({"sync": {"overlap": True, "inner": {"kind": "adamw", "lr": 0.001, "batch_size": 4,
                                                         "step_in_backward": False}}}, "rounds"),
+    # recompute with the inner step after the backward pass: where the gradients, not the activations,
+    # set the step's peak
+    "recompute-step-after": ({"sync": {"overlap": True, "inner": {"kind": "adamw", "lr": 0.001, "batch_size": 4,
+                                                                  "step_in_backward": False}},
+                              "task": {"activation_checkpointing": True}}, "rounds"),
     "export": ({"sync": {"overlap": True}}, "end"),
 }
 POLL_S = 0.1
