@@ -38,18 +38,28 @@ def fold_missing(in_weights: Mapping[Hashable, float], self_weight: float,
 
 
 def mix(own: Sequence[torch.Tensor], received: Mapping[Hashable, Sequence[torch.Tensor]],
-        in_weights: Mapping[Hashable, float], self_weight: float, *, consume_own: bool = False) -> list[torch.Tensor]:
+        in_weights: Mapping[Hashable, float], self_weight: float, *, consume_own: bool = False,
+        into_received: bool = False, own_scale: float | None = None) -> list[torch.Tensor]:
     """Weighted average of `own` and the received tensor lists; missing peers fold into self.
 
     Received entries for peers without a weight are an error (they should have been refused
     by the transport's sender check), as are shape mismatches. `consume_own`: the caller gives
     `own` up, and the average is summed into it (the same operations in the same order, without a
-    model-sized output beside it: DiLoCo's pseudo-gradient, issue 39).
+    model-sized output beside it: DiLoCo's pseudo-gradient, issue 39). `into_received`: the caller
+    keeps `own` untouched and gives the received lists up: the average is written into the first
+    weighted peer's tensors, one tensor at a time through a temporary of that tensor's size (delayed
+    overlap's DiLoCo, whose pseudo-gradient is where its next one starts; a new output where no peer
+    arrived). `own_scale`: `own` is multiplied by it first (the clip of a caller that keeps `own`:
+    robust.fair_share_clip_received), as fair_share_clip would have scaled it, for the same values.
     """
     extra = set(received) - set(in_weights)
     if extra:
         raise ValueError(f"received: values from peers without a weight this round: {sorted(map(str, extra))}")
     weights, w_self = fold_missing(in_weights, self_weight, received)
+    if into_received and weights:
+        return _mix_into_first(own, received, weights, w_self, own_scale)
+    if own_scale is not None:
+        own, consume_own = [t.detach() * own_scale for t in own], True
     out = [(t.detach() if consume_own else t.detach().clone()).mul_(w_self) for t in own]
     for j, w in weights.items():
         tensors = received[j]
@@ -59,6 +69,32 @@ def mix(own: Sequence[torch.Tensor], received: Mapping[Hashable, Sequence[torch.
             if t.shape != acc.shape:
                 raise ValueError(f"received: peer {j!r} sent shape {tuple(t.shape)}, expected {tuple(acc.shape)}")
             acc.add_(t.to(acc.dtype), alpha=w)
+    return out
+
+
+def _mix_into_first(own: Sequence[torch.Tensor], received: Mapping[Hashable, Sequence[torch.Tensor]],
+                    weights: Mapping[Hashable, float], w_self: float, own_scale: float | None) -> list[torch.Tensor]:
+    """mix's `into_received`: per tensor, each element takes the operations of mix's own loop in the
+    same order (own x w_self, then + w x each peer's, peers in `weights` order), in a temporary of the
+    tensor's size that is then copied into the first peer's tensor (read before it is written)."""
+    for j in weights:
+        if len(received[j]) != len(own):
+            raise ValueError(f"received: peer {j!r} sent {len(received[j])} tensors, expected {len(own)}")
+        for o, t in zip(own, received[j]):
+            if t.shape != o.shape:
+                raise ValueError(f"received: peer {j!r} sent shape {tuple(t.shape)}, expected {tuple(o.shape)}")
+    first = received[next(iter(weights))]
+    if any((t.dtype, t.device) != (o.dtype, o.device) for o, t in zip(own, first)):
+        # The mean is made in own's dtype: a peer's tensors of another dtype cannot hold it.
+        own = own if own_scale is None else [t.detach() * own_scale for t in own]
+        return mix(own, received, weights, w_self, consume_own=own_scale is not None)
+    out = []
+    for i, (o, dst) in enumerate(zip(own, first)):
+        acc = o.detach().mul(w_self) if own_scale is None else (o.detach() * own_scale).mul_(w_self)
+        for j, w in weights.items():
+            acc.add_(received[j][i].to(acc.dtype), alpha=w)
+        out.append(dst.detach().copy_(acc))
+        del acc
     return out
 
 

@@ -57,7 +57,7 @@ import torch
 
 from .mailbox import Refusal
 
-__all__ = ["MODES", "AdmissionPerLayout", "UpdateAdmission", "coordinate_median", "fair_share_clip", "l2_norm", "max_abs",
+__all__ = ["MODES", "AdmissionPerLayout", "UpdateAdmission", "coordinate_median", "fair_share_clip", "fair_share_clip_received", "l2_norm", "max_abs",
            "robust_mix", "trim_count", "trimmed_mean"]
 
 log = logging.getLogger("geofed.p2p")
@@ -145,20 +145,45 @@ def fair_share_clip(own: Sequence[torch.Tensor], received: Mapping[str, Sequence
     is over it every round: a model's worth, issue 39)."""
     if not received:
         return list(own), {}, []
+    own_scale, scales = _fair_share_scales(own, received, multiple)
+
+    def held(tensors: Sequence[torch.Tensor], scale: float | None) -> list[torch.Tensor]:
+        if scale is None:
+            return list(tensors)
+        return [t.mul_(scale) if in_place else t * scale for t in tensors]
+
+    out = {s: held(v, scales[s]) for s, v in received.items()}
+    return held(own, own_scale), out, sorted(s for s in received if scales[s] is not None)
+
+
+def fair_share_clip_received(own: Sequence[torch.Tensor], received: Mapping[str, Sequence[torch.Tensor]], *,
+                             multiple: float = 1.0) -> tuple[float | None, dict[str, list[torch.Tensor]], list[str]]:
+    """fair_share_clip for a caller that keeps its own update and gives the received ones up (delayed
+    overlap's DiLoCo: its pseudo-gradient is where its next one starts from): the received updates over
+    the bound are scaled in place, the own one is not touched. (own's scale, None where it is not
+    over; received; the peers scaled down): the mix applies own's scale where it reads own
+    (gossip.mix's `own_scale`), the same multiplication by the same factor, so the same values."""
+    if not received:
+        return None, {}, []
+    own_scale, scales = _fair_share_scales(own, received, multiple)
+    def held(tensors: Sequence[torch.Tensor], scale: float | None) -> list[torch.Tensor]:
+        return list(tensors) if scale is None else [t.mul_(scale) for t in tensors]
+
+    out = {s: held(v, scales[s]) for s, v in received.items()}
+    return own_scale, out, sorted(s for s in received if scales[s] is not None)
+
+
+def _fair_share_scales(own: Sequence[torch.Tensor], received: Mapping[str, Sequence[torch.Tensor]],
+                       multiple: float) -> tuple[float | None, dict[str, float | None]]:
+    """Each update's factor down to `multiple` x the round's median norm, None where it is not over."""
     norms = {s: l2_norm(v) for s, v in received.items()}
     own_norm = l2_norm(own)
     bound = multiple * statistics.median([own_norm, *norms.values()])
 
-    def over(norm: float) -> bool:  # float rounding of one same norm is not an outsized update
-        return norm > bound * (1 + 1e-6) and math.isfinite(bound)
+    def scale(norm: float) -> float | None:  # float rounding of one same norm is not an outsized update
+        return bound / norm if norm > bound * (1 + 1e-6) and math.isfinite(bound) else None
 
-    def held(tensors: Sequence[torch.Tensor], norm: float) -> list[torch.Tensor]:
-        if not over(norm):
-            return list(tensors)
-        return [t.mul_(bound / norm) if in_place else t * (bound / norm) for t in tensors]
-
-    out = {s: held(v, norms[s]) for s, v in received.items()}
-    return held(own, own_norm), out, sorted(s for s in received if over(norms[s]))
+    return scale(own_norm), {s: scale(n) for s, n in norms.items()}
 
 
 class UpdateAdmission:

@@ -39,7 +39,7 @@ from geofed.compression import CodecError, decode_update
 from geofed.p2p.admission import Refusal
 from geofed.p2p.deadline import AdaptiveDeadline
 from geofed.p2p.rejoin import STATE_DONORS, check_state, combine_states, fetch_checked_states
-from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, fair_share_clip, robust_mix
+from geofed.p2p.robust import AdmissionPerLayout, UpdateAdmission, fair_share_clip, fair_share_clip_received, robust_mix
 from geofed.p2p.topology import make_topology
 
 from . import checkpoint
@@ -625,24 +625,31 @@ class Region:
             res.stale = [(s, r, moved[f"{s}@{r}"]) for s, r, _ in res.stale]
         return res
 
-    def mix(self, plan: RoundPlan, own, res, *, consume_own: bool = False) -> list[torch.Tensor]:
+    def mix(self, plan: RoundPlan, own, res, *, consume_own: bool = False, into_received: bool = False) -> list[torch.Tensor]:
         """The round's aggregate of `own` and what `res` received: the topology's weighted mix, or the
         robust coordinate-wise one that security.robust_aggregation selects (full-topology runs only).
         `consume_own`: the caller gives `own` up and the weighted mix is summed into it (p2p mix).
+        `into_received`: `own` stays as it is and the received updates are given up: the weighted mix is
+        written into the first peer's (p2p mix's into_received; delayed overlap's DiLoCo).
         """
-        how = self.cfg.security.robust_aggregation
+        how, own_scale = self.cfg.security.robust_aggregation, None
         if self._clips_at_mix() and res.received:
-            own, received, clipped = fair_share_clip(own, res.received, multiple=self.cfg.security.clip_multiple,
-                                                     in_place=consume_own)  # DiLoCo gives its updates up
+            if into_received:  # the own update's scale is applied where the mix reads it
+                own_scale, received, clipped = fair_share_clip_received(
+                    own, res.received, multiple=self.cfg.security.clip_multiple)
+            else:
+                own, received, clipped = fair_share_clip(own, res.received, multiple=self.cfg.security.clip_multiple,
+                                                         in_place=consume_own)  # DiLoCo gives its updates up
             self.admission.note_clipped(clipped)
             res = dataclasses.replace(res, received=received)
+        gives = {"consume_own": consume_own, "into_received": into_received, "own_scale": own_scale}
         if how in ("trimmed-mean", "median"):  # the config allows them for full-topology diloco/allreduce only
             return robust_mix(own, res.received, how=how, trim_fraction=self.cfg.security.trim_fraction)
         if self.cfg.sync.pacing.mode != "barrier":
             # Paced rounds leave slow or absent regions out on purpose: the mean of what is in (the
             # same set at every region of the round), not a missing peer's weight folded into self.
             w = 1.0 / (1 + len(res.received))
-            return mix(own, res.received, {p: w for p in res.received}, w, consume_own=consume_own)
+            return mix(own, res.received, {p: w for p in res.received}, w, **gives)
         weights, self_w = self.in_weights(plan.round), self.topology.self_weight(self.index, plan.round)
         if self.cfg.sync.topology == "full" and plan.alive is not None:
             # Regions left out of the round (dead, stalled) are no miss: their weight goes to every
@@ -651,7 +658,7 @@ class Region:
             live = {p: w for p, w in weights.items() if p in plan.alive}
             total = self_w + sum(live.values())
             weights, self_w = {p: w / total for p, w in live.items()}, self_w / total
-        return mix(own, res.received, weights, self_w, consume_own=consume_own)
+        return mix(own, res.received, weights, self_w, **gives)
 
     def _clips_at_mix(self) -> bool:
         """security.robust_aggregation clip with clip_multiple on: each round's mix scales every peer

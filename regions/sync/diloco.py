@@ -48,9 +48,16 @@ class Diloco:
     """DiLoCo on `live` (views of the model's parameters: all of them, or one fragment's pieces):
     their global copy, its outer optimizer, and where the next pseudo-gradient starts. With
     ``sync.outer.offload`` these live on the host while `live` is on a GPU (regions/sync/offload.py):
-    `split` says so, and the steps that cross the two go through offload's chunked copies."""
+    `split` says so, and the steps that cross the two go through offload's chunked copies.
 
-    def __init__(self, ctx: SyncContext, live: list[torch.Tensor], *, stream: str = ""):
+    `behind` (delayed overlap of the whole model, not split): overlap's start is not copied. The
+    restart sets live = global - delta and keeps `delta` (the round's pseudo-gradient, which the
+    exchange in flight only reads: the mix is written into a peer's update, `mixed`) as `behind`, so
+    start == global - behind bitwise, made a tensor at a time where it is read, and made whole only
+    when the global copy is about to step (`_pin_start`), into behind's own storage: 4 B/param less
+    from the restart to the mix, while a peer's decoded update arrives (issue 39)."""
+
+    def __init__(self, ctx: SyncContext, live: list[torch.Tensor], *, stream: str = "", behind: bool = False):
         self.ctx, self.live, self.stream = ctx, live, stream
         model_device = live[0].device if live else torch.device("cpu")
         self.placement = outer_placement(model_device, bool(getattr(ctx.settings.outer, "offload", False)))
@@ -62,15 +69,41 @@ class Diloco:
         # No .grad between steps: `step` lends the mix as the gradient (a model's worth less).
         self.outer_opt = make_outer_optimizer(ctx.settings.outer, self.global_params)
         # With overlap the next pseudo-gradient starts where the region last restarted its model, not
-        # at the global copy (None: at the global copy).
+        # at the global copy (None: at the global copy, or global - behind while `behind` is set).
         self.start: list[torch.Tensor] | None = None
+        self._behind_wanted = behind
+        self.behind: list[torch.Tensor] | None = None
+
+    @property
+    def keeps_behind(self) -> bool:
+        """Whether overlap's start is derived from `behind` (delayed, whole model); offload's split
+        paths keep their start, in host memory."""
+        return self._behind_wanted and not self.split
+
+    @keeps_behind.setter
+    def keeps_behind(self, value: bool) -> None:
+        self._behind_wanted = value
 
     def payload(self, plan: RoundPlan, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The pseudo-gradient: start - params."""
+        """The pseudo-gradient: start - params. Where the start is `behind`'s pinned storage (delayed
+        overlap; it is read by nobody after this: the restart makes the next), in place."""
+        if self.keeps_behind:
+            return self._payload_behind(params)
         start = self.global_params if self.start is None else self.start
         if self.split:
             return pseudo_gradient_into(start, params)
         return [s.detach() - p.detach() for s, p in zip(start, params)]
+
+    def _payload_behind(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """payload with `keeps_behind`: the same subtraction from the same start values."""
+        with torch.no_grad():
+            if self.start is not None:
+                out = [torch.sub(s, p.detach(), out=s) for s, p in zip(self.start, params)]
+                self.start = None  # now the pseudo-gradient: the restart sets where the next one starts
+                return out
+            if self.behind is not None:  # start = global - behind, a tensor at a time
+                return [torch.sub(g, b).sub_(p.detach()) for g, b, p in zip(self.global_params, self.behind, params)]
+            return [g.detach() - p.detach() for g, p in zip(self.global_params, params)]
 
     def apply(self, plan: RoundPlan, own: Sequence[torch.Tensor], received: ExchangeResult) -> dict[str, Any]:
         """The mix of `own` and what was received, stepped by the outer optimizer; the live tensors
@@ -88,7 +121,10 @@ class Diloco:
         plan, res = self._screened(plan, res)
         # `own` is the round's pseudo-gradient, read by nobody after the mix: the mean is summed into it
         # (overlap restarts the model from it before the exchange starts), a model's worth less (issue 39).
-        mixed = ctx.mix_hooks(plan, ctx.mix(plan, own, res, consume_own=True), res, metrics)
+        # With `behind` it is where the next pseudo-gradient starts from: kept, the mean written into the
+        # first peer's decoded update instead (which is alive until the mix anyway).
+        keep = self.keeps_behind
+        mixed = ctx.mix_hooks(plan, ctx.mix(plan, own, res, consume_own=not keep, into_received=keep), res, metrics)
         return mixed, metrics
 
     def _screened(self, plan: RoundPlan, res: ExchangeResult) -> tuple[RoundPlan, ExchangeResult]:
@@ -111,6 +147,7 @@ class Diloco:
     def step(self, mixed: Sequence[torch.Tensor]) -> None:
         """The outer optimizer's step on the global copy, `mixed` as its gradient (lent, not copied:
         the mix is the round's own and is dropped after the step)."""
+        self._pin_start()
         for g, m in zip(self.global_params, mixed):
             m = m.detach()
             g.grad = m if (m.dtype, m.device) == (g.dtype, g.device) else m.to(g)
@@ -129,8 +166,24 @@ class Diloco:
         with torch.no_grad():
             for v, x in zip(self.live, values):
                 v.copy_(x)
-        if start:
+        if start and self.keeps_behind and values is self.global_params:
+            self.start = self.behind = None  # the start is the global copy (pinned before it steps)
+        elif start:
             self.mark_start()
+
+    def _pin_start(self) -> None:
+        """With `keeps_behind`, before the global copy changes: the start it implies made whole, into
+        behind's storage (the exchange that read it has mixed), or a copy of the global copy where
+        the start is the global copy itself (a restart from it while an exchange was in flight)."""
+        if not self.keeps_behind or self.start is not None:
+            return
+        with torch.no_grad():
+            if self.behind is None:
+                self.start = [g.detach().clone() for g in self.global_params]
+                return
+            for g, b in zip(self.global_params, self.behind):
+                torch.sub(g, b, out=b)
+        self.start, self.behind = self.behind, None
 
     def mark_start(self) -> None:
         """The next pseudo-gradient starts from the live tensors as they are now (copied into the
@@ -144,7 +197,14 @@ class Diloco:
 
     def restart_behind(self, delta: Sequence[torch.Tensor]) -> None:
         """Delayed overlap's restart: live = global - delta (the progress not yet synced), in place,
-        and the next pseudo-gradient starts there."""
+        and the next pseudo-gradient starts there (with `keeps_behind`: start = global - delta, kept as
+        `delta` itself, which nobody may change until the global copy steps)."""
+        if self.keeps_behind:
+            with torch.no_grad():
+                for v, g, d in zip(self.live, self.global_params, delta):
+                    torch.sub(g, d, out=v)
+            self.start, self.behind = None, list(delta)
+            return
         if self.split and self.start is not None:
             restart_behind_into(self.live, self.start, self.global_params, delta)
             return
@@ -156,7 +216,7 @@ class Diloco:
     def rebase(self) -> None:
         """After an overlapped step: live = global - the progress not yet sent (start - live), kept as
         the next pseudo-gradient's, which now starts at the global copy."""
-        assert self.start is not None, "rebase without overlap"
+        assert self.start is not None, "rebase without overlap (or, with `behind`, before the step pinned it)"
         if self.split:
             rebase_into(self.live, self.start, self.global_params)
             return
@@ -201,13 +261,16 @@ class DilocoSync:
         settings = ctx.settings
         self.layout = Layout(ctx.shapes, int(getattr(settings, "fragments", 1)))
         many = self.layout.n > 1  # a fragment's codec stream (its layout, its error feedback) is its own
-        self.parts = [Diloco(ctx, self.layout.views(ctx.params, f), stream=f"frag{f}" if many else "")
+        # Delayed overlap of the whole model derives overlap's start from the global copy (Diloco's `behind`).
+        behind = bool(settings.overlap) and settings.overlap != "eager" and self.layout.n == 1
+        self.parts = [Diloco(ctx, self.layout.views(ctx.params, f), stream=f"frag{f}" if many else "", behind=behind)
                       for f in range(self.layout.n)]
         self.overlap = Overlap(ctx, eager=settings.overlap == "eager", evaluate=self._evaluate_preview) \
             if settings.overlap else None
         if self.overlap is not None:
             for part in self.parts:
-                part.mark_start()  # a copy of the live tensors, where the outer state lives
+                if not part.keeps_behind:  # with it, a start of None is the global copy, the live tensors' equal
+                    part.mark_start()  # a copy of the live tensors, where the outer state lives
 
     @classmethod
     def wire_shapes(cls, settings: Any, shapes: Shapes) -> Shapes:

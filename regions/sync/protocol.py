@@ -56,8 +56,9 @@ class SyncContext:
     # window_s: the compute an overlapped exchange hides behind); a named stream has codec states of
     # its own (a fragment's layout and error feedback).
     exchange: Callable[..., ExchangeResult]
-    # mix(plan, own, result, *, consume_own=False) -> tensors: the topology's weighted (or the configured
-    # robust) mix; consume_own: the caller gives `own` up and the weighted mix may be summed into it.
+    # mix(plan, own, result, *, consume_own=False, into_received=False) -> tensors: the topology's weighted (or
+    # the configured robust) mix; consume_own: the caller gives `own` up and the weighted mix may be summed
+    # into it; into_received: `own` stays untouched and the mix may be written into the received updates.
     mix: Callable[[RoundPlan, Sequence[torch.Tensor], ExchangeResult], list[torch.Tensor]]
     in_weights: Callable[[int], dict[str, float]]   # round -> {in-neighbour: mixing weight}
     fetch_state: Callable[..., bytes]               # (peer, *, timeout_s) -> that peer's state bytes

@@ -87,18 +87,22 @@ def test_an_overlapped_exchange_keeps_no_received_update_and_the_outer_step_no_g
         algo.close()
 
 
-def test_an_overlapped_mean_is_summed_into_the_pseudo_gradient_sent_and_the_restart_read_it_first():
+def test_an_overlapped_mean_is_written_into_the_peers_update_and_the_pseudo_gradient_kept():
     """The mix's output was a model's worth beside the pseudo-gradient it was made of, held to the next
-    round's end; now the mean is summed into the pseudo-gradient (the same operations: the same
-    values), which the model's restart (live = global - delta) read before the exchange had it."""
+    round's end; then the mean was summed into the pseudo-gradient; now (delayed overlap) it is written
+    into the peer's decoded update (the same operations: the same values), and the pseudo-gradient is
+    kept as it was sent: the model restarted behind it (live = global - delta), and where the next
+    pseudo-gradient starts is global - delta, not a copy (Diloco.behind)."""
     cfg = config_from_mapping({"task": {"kind": "mlp-digits"}, "sync": {"overlap": True}})
     x = torch.zeros(64, requires_grad=True)
     sent: list[tuple[torch.Tensor, torch.Tensor]] = []
     peer = torch.linspace(-1.0, 1.0, 64)
+    peers: list[torch.Tensor] = []
 
     def exchange(plan, tensors, **kw):
         sent.append((tensors[0], tensors[0].clone()))
-        return ExchangeResult(received={"b": [peer.clone()]}, own_decoded={}, missing=[])
+        peers.append(peer.clone())
+        return ExchangeResult(received={"b": [peers[-1]]}, own_decoded={}, missing=[])
 
     ctx = SyncContext(region="a", index=0, params=[x], shapes=[(64,)], settings=cfg.sync, seed=0,
                       stepper=_Quadratic([x], torch.linspace(0.0, 3.0, 64), lr=0.3), exchange=exchange,
@@ -110,9 +114,12 @@ def test_an_overlapped_mean_is_summed_into_the_pseudo_gradient_sent_and_the_rest
         algo.run_round(RoundPlan(round=0, H=1))
         _, mixed, _, _ = algo.overlap._pending.result(timeout=30)
         own, delta = sent[0]
-        assert mixed[0].data_ptr() == own.data_ptr()  # no model-sized output beside it
+        assert mixed[0].data_ptr() == peers[0].data_ptr()  # no model-sized output beside it
         assert torch.equal(mixed[0], mix([delta], {"b": [peer]}, {"b": 0.5}, 0.5)[0])
-        assert torch.equal(x.detach(), algo.parts[0].global_params[0] - delta)  # restarted behind the delta as sent
+        assert torch.equal(own, delta)  # kept: the next pseudo-gradient starts from global - delta
+        part = algo.parts[0]
+        assert part.start is None and part.behind is not None and part.behind[0].data_ptr() == own.data_ptr()
+        assert torch.equal(x.detach(), part.global_params[0] - delta)  # restarted behind the delta as sent
     finally:
         algo.close()
 
