@@ -29,6 +29,9 @@ NODE_DIED = "node died"
 PREEMPTED = "node preempted"
 TIMEOUT = "timeout"
 STALLED = "stalled"
+# regions.workers > 1: the region's process group was lost while no worker's process died (a collective
+# that passed regions.group_timeout_s on a worker that hangs, a worker that left the group alive)
+GROUP_LOST = "worker group lost"
 STOPPED = "stopped by Ray"
 
 # Ray's memory monitor's own words (raylet: "N worker(s) were killed due to the node running low on
@@ -59,7 +62,7 @@ class Death:
 
 def cause_of_text(text: str) -> str:
     """The cause a region_failed event's text names (a `why` written without a cause, or Ray's
-    message): OOM, timeout, stalled, node died, or process died."""
+    message): OOM, timeout, stalled, node died, worker group lost, or process died."""
     low = text.lower()
     if any(w in low for w in _MONITOR_WORDS) or "outofmemoryerror" in low:
         return OOM
@@ -69,6 +72,9 @@ def cause_of_text(text: str) -> str:
         return STALLED
     if "node has died" in low or "node died" in low or "nodediederror" in low:
         return NODE_DIED
+    # regions/workers.py's GroupLost words: the group went, no process with it (a death is read first)
+    if "lost its region's process group" in low or "holds no process group" in low:
+        return GROUP_LOST
     return PROCESS_DIED
 
 

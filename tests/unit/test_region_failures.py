@@ -74,6 +74,11 @@ def test_a_dead_node_a_preemption_and_the_driver_own_reasons():
     assert failures.death_cause(ray.exceptions.ActorDiedError(cause=worker)).cause == failures.PROCESS_DIED
     assert failures.cause_of_text("round 4 did not finish within 612s") == failures.TIMEOUT
     assert failures.cause_of_text("stalled for 40s; killed for Ray to restart") == failures.STALLED
+    # a region of several workers whose group was lost with no process dead (regions/workers.py's GroupLost)
+    lost = "region a worker 0 of 2 lost its region's process group during the gradient all_reduce: timed out"
+    assert failures.cause_of_text(lost) == failures.GROUP_LOST
+    assert failures.cause_of_text("region a worker 1 of 2 holds no process group: its region's group was lost") \
+        == failures.GROUP_LOST
     assert failures.worker_exit(None) is None
 
 
