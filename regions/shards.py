@@ -29,6 +29,7 @@ passes each follower its rank's (regions/workers.py, PEERS).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -84,9 +85,14 @@ class ShardedDiloco:
         self.dtype = next(iter(dtypes))
         self.live = self.layout.views(ctx.params, self.rank)
         self.globals = self.layout.views(self.full.parts[0].global_params, self.rank)
-        # every shard's element count and piece shapes, for the gather (the same Layout on every worker)
+        # every shard's piece shapes (the same Layout on every worker); the pieces of shards 0..N-1 in
+        # order are the model's parameters flat in model order (split_fragments), so shard k is the
+        # run [bounds[k][0], bounds[k][1]) of one flat tensor and parameter i the run at offsets[i]
         self.piece_shapes = [[tuple(v.shape) for v in self.layout.views(ctx.params, k)] for k in range(group.size)]
-        self.sizes = [sum(_numel(s) for s in shapes) for shapes in self.piece_shapes]
+        sizes = [sum(_numel(s) for s in shapes) for shapes in self.piece_shapes]
+        self.bounds = [(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(group.size)]
+        numels = [p.numel() for p in ctx.params]
+        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
         self.stream = f"shard{self.rank}"
 
     @classmethod
@@ -104,8 +110,11 @@ class ShardedDiloco:
             p.grad = None
         t0 = time.monotonic()
         self.group.lead_shard(plan, metrics)
+        lead_s = time.monotonic() - t0
         metrics.update(self.exchange_shard(plan, metrics))
         metrics["sync_s"] = time.monotonic() - t0
+        if "shard_phases_s" in metrics:
+            metrics["shard_phases_s"]["lead"] = round(lead_s, 4)
         return metrics
 
     def exchange_shard(self, plan: RoundPlan, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -113,22 +122,49 @@ class ShardedDiloco:
         mixed shards gathered, the outer step on the whole global copy. Worker 0 gets the region's
         exchange metrics (bytes: every worker's summed, and each worker's in `worker_bytes_sent`)."""
         ctx, metrics = self.ctx, ({} if metrics is None else metrics)
-        t0 = time.monotonic()
-        with torch.no_grad():
-            delta = [g - v for g, v in zip(self.globals, self.live)]
-        sent = ctx.payload(plan, delta, metrics)
-        res = ctx.exchange(plan, sent, stream=self.stream)
-        exchange_s = time.monotonic() - t0
-        mixed = ctx.mix_hooks(plan, ctx.mix(plan, sent, res, consume_own=True), res, metrics)
-        whole = self.group.gather_shards(self._flat(mixed), self.sizes, self.dtype)
-        if self.group.leader:
-            ctx.before_outer_step()  # rollback's copy of the round's start (regions/rollback.py)
+        clock = _Phases()
+        # Worker 0's rollback copy of the algorithm's state (regions/rollback.py: to disk by default, a
+        # write of 8 B/param) is taken while the exchange waits on the WAN, not after it: nothing changes
+        # that state before the outer step, which waits for the copy.
+        copier = _Background(ctx.before_outer_step) if self.group.leader else None
+        try:
+            with torch.no_grad():
+                delta = [g - v for g, v in zip(self.globals, self.live)]
+            clock.mark("delta")
+            sent = ctx.payload(plan, delta, metrics)
+            clock.mark("payload")
+            res = ctx.exchange(plan, sent, stream=self.stream)
+            clock.mark("exchange")
+            exchange_s = clock.since_start()
+            mixed = ctx.mix_hooks(plan, ctx.mix(plan, sent, res, consume_own=True), res, metrics)
+            del sent, delta
+            clock.mark("mix")
+            # the round's whole mean, one flat tensor in model order: this worker's shard copied into its
+            # run, the others' received into theirs (no per-shard tensors, no reassembly)
+            flat = torch.empty(self.bounds[-1][1], dtype=self.dtype, device=self.group.device)
+            a, _ = self.bounds[self.rank]
+            with torch.no_grad():
+                for t in mixed:
+                    n = t.numel()
+                    flat[a:a + n].view_as(t).copy_(t)
+                    a += n
+            del mixed
+            self.group.gather_shards(flat, self.bounds)
+            clock.mark("gather")
+        finally:
+            if copier is not None:
+                copier.join()
+        clock.mark("rollback_wait")
         part = self.full.parts[0]
-        part.step(self.layout.assemble(self._pieces(whole)))
+        part.step([flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, ctx.params)])
+        del flat
+        clock.mark("outer_step")
         part.set_live(part.global_params)
+        clock.mark("set_live")
         own = {"bytes_sent": res.bytes_sent, "bytes_received": res.bytes_received, "missing": list(res.missing),
-               "exchange_s": round(exchange_s, 6)}
+               "exchange_s": round(exchange_s, 6), "phases_s": dict(clock.phases)}
         every = self.group.gather_metrics(own)
+        clock.mark("metrics")
         out = exchange_metrics(res)
         if every is not None:  # worker 0: the region's
             out["bytes_sent"] = sum(m["bytes_sent"] for m in every)
@@ -137,17 +173,9 @@ class ShardedDiloco:
             out["worker_bytes_sent"] = [m["bytes_sent"] for m in every]
             out["worker_bytes_received"] = [m["bytes_received"] for m in every]
             out["worker_exchange_s"] = [m["exchange_s"] for m in every]
-        return out
-
-    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).to(self.dtype) for t in tensors]) if tensors else \
-            torch.empty(0, dtype=self.dtype)
-
-    def _pieces(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every shard's flat tensor back into its pieces, in piece order (Layout.assemble's)."""
-        out = []
-        for flat, shapes in zip(flats, self.piece_shapes):
-            out += [t.view(s) for t, s in zip(flat.split([_numel(s) for s in shapes]), shapes)]
+            # each phase's seconds on every worker (by rank); the metrics gather's own is worker 0's
+            out["shard_phases_s"] = {name: [m["phases_s"][name] for m in every] for name in every[0]["phases_s"]}
+            out["shard_phases_s"]["metrics"] = clock.phases["metrics"]
         return out
 
     # -- the rest is the whole model's DiLoCo, kept alike on every worker --------------------
@@ -172,6 +200,43 @@ class ShardedDiloco:
 
     def close(self) -> None:
         self.full.close()
+
+
+class _Background:
+    """`fn()` in a thread of its own from now on; `join` waits for it and raises what it raised."""
+
+    def __init__(self, fn: Any):
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to join's caller
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="shard-rollback-copy", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class _Phases:
+    """Seconds of each phase of a worker's shard exchange, in order (the round's `shard_phases_s`)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = round(now - self.last, 4)
+        self.last = now
+
+    def since_start(self) -> float:
+        return self.last - self.t0
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -199,16 +199,13 @@ class WorkerGroup:
             self._command(PEERS)
             dist.broadcast_object_list([peers], src=0, device=self._object_device())
 
-    def gather_shards(self, own: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every worker's flat shard (`sizes[k]` elements of `dtype` from worker k), on every worker:
-        one broadcast from each (the shards' sizes differ, which all_gather does not allow)."""
-        out = []
+    def gather_shards(self, flat: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
+        """Every worker's shard into every worker's `flat` (on this group's device), in place: worker k
+        holds its own in `flat[bounds[k][0]:bounds[k][1]]` and the others' arrive there, one broadcast
+        from each (the shards' sizes differ, which all_gather does not allow)."""
         with self._collective("the gather of the mixed shards"):
-            for k, n in enumerate(sizes):
-                flat = own.to(self.device) if k == self.rank else torch.empty(n, dtype=dtype, device=self.device)
-                dist.broadcast(flat, src=k)
-                out.append(flat)
-        return out
+            for k, (a, b) in enumerate(bounds):
+                dist.broadcast(flat[a:b], src=k)
 
     def gather_metrics(self, own: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Every worker's exchange metrics, on worker 0 (None on the others)."""
