@@ -29,14 +29,13 @@ passes each follower its rank's (regions/workers.py, PEERS).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .sync.common import exchange_metrics
+from .sync.common import before_outer_step_during, exchange_metrics
 from .sync.diloco import DilocoSync
 from .sync.fragments import Layout
 from .sync.protocol import Shapes, SyncContext
@@ -123,21 +122,17 @@ class ShardedDiloco:
         exchange metrics (bytes: every worker's summed, and each worker's in `worker_bytes_sent`)."""
         ctx, metrics = self.ctx, ({} if metrics is None else metrics)
         clock = _Phases()
-        # Worker 0's rollback copy of the algorithm's state (regions/rollback.py: to disk by default, a
-        # write of 8 B/param) is taken while the exchange waits on the WAN, not after it: nothing changes
-        # that state before the outer step, which waits for the copy.
-        copier = _Background(ctx.before_outer_step) if self.group.leader else None
-        try:
-            with torch.no_grad():
-                delta = [g - v for g, v in zip(self.globals, self.live)]
-            clock.mark("delta")
+        with torch.no_grad():
+            delta = [g - v for g, v in zip(self.globals, self.live)]
+        clock.mark("delta")
+
+        def exchange_and_gather() -> tuple[Any, float, torch.Tensor]:
             sent = ctx.payload(plan, delta, metrics)
             clock.mark("payload")
             res = ctx.exchange(plan, sent, stream=self.stream)
             clock.mark("exchange")
             exchange_s = clock.since_start()
             mixed = ctx.mix_hooks(plan, ctx.mix(plan, sent, res, consume_own=True), res, metrics)
-            del sent, delta
             clock.mark("mix")
             # the round's whole mean, one flat tensor in model order: this worker's shard copied into its
             # run, the others' received into theirs (no per-shard tensors, no reassembly)
@@ -145,15 +140,19 @@ class ShardedDiloco:
             a, _ = self.bounds[self.rank]
             with torch.no_grad():
                 for t in mixed:
-                    n = t.numel()
-                    flat[a:a + n].view_as(t).copy_(t)
-                    a += n
-            del mixed
+                    flat[a:a + t.numel()].view_as(t).copy_(t)
+                    a += t.numel()
             self.group.gather_shards(flat, self.bounds)
             clock.mark("gather")
-        finally:
-            if copier is not None:
-                copier.join()
+            return res, exchange_s, flat
+
+        # Worker 0's rollback copy of the algorithm's state is taken while its exchange waits on the WAN,
+        # as a one-worker region's is (common.before_outer_step_during); `rollback_wait` is what is left
+        # of it after the gather.
+        if self.group.leader:
+            res, exchange_s, flat = before_outer_step_during(ctx.before_outer_step, exchange_and_gather)
+        else:
+            res, exchange_s, flat = exchange_and_gather()
         clock.mark("rollback_wait")
         part = self.full.parts[0]
         part.step([flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, ctx.params)])
@@ -200,27 +199,6 @@ class ShardedDiloco:
 
     def close(self) -> None:
         self.full.close()
-
-
-class _Background:
-    """`fn()` in a thread of its own from now on; `join` waits for it and raises what it raised."""
-
-    def __init__(self, fn: Any):
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to join's caller
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, name="shard-rollback-copy", daemon=True)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
 class _Phases:

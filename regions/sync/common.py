@@ -2,12 +2,54 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from geofed.p2p.gossip import mix  # re-exported: weights of missing peers fold into self
 
 from ..exchange import ExchangeResult
+
+
+class _Background:
+    """`fn()` in a thread of its own from now on (the rollback copy of a round's state, taken while the
+    exchange waits on the WAN: `before_outer_step_during`). `join` waits for it and raises what it
+    raised; `wait` only waits (an exception of the caller's own is on its way)."""
+
+    def __init__(self, fn: Callable[[], None], *, name: str):
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to join's caller
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def before_outer_step_during(before_outer_step: Callable[[], None], work: Callable[[], Any]) -> Any:
+    """`work()` (a round's exchange) while `before_outer_step()` runs in a thread; its result once both
+    are done. The rollback copy (regions/rollback.py; 8 B/param written to disk by default) then costs
+    the round nothing where the exchange waits on the network: an algorithm's state changes only at its
+    outer step, after this returns, so the copy taken meanwhile is the round's start as before."""
+    copier = _Background(before_outer_step, name="rollback-copy")
+    try:
+        out = work()
+    except BaseException:
+        copier.wait()
+        raise
+    copier.join()
+    return out
 
 
 def exchange_metrics(res: ExchangeResult) -> dict[str, Any]:
@@ -44,4 +86,4 @@ def merge_exchange_metrics(into: dict[str, Any], more: Mapping[str, Any]) -> dic
     return into
 
 
-__all__ = ["exchange_metrics", "merge_exchange_metrics", "mix", "no_exchange_metrics"]
+__all__ = ["before_outer_step_during", "exchange_metrics", "merge_exchange_metrics", "mix", "no_exchange_metrics"]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..algorithm_traits import algorithm_traits
-from .common import exchange_metrics
+from .common import before_outer_step_during, exchange_metrics
 from .fragments import Layout, fragment_state, load_fragment_state
 from .offload import outer_placement, placed_clone, pseudo_gradient_into, rebase_into, restart_behind_into
 from .outer import make_outer_optimizer, preview_step
@@ -323,8 +323,9 @@ class DilocoSync:
             ctx.before_outer_step()
             metrics.update(self._apply_mean(part, *aggregated))
         elif self.overlap is None:
-            res = ctx.exchange(plan, sent, stream=part.stream)
-            ctx.before_outer_step()
+            # the rollback copy is taken while the exchange waits on the WAN (common.before_outer_step_during)
+            res = before_outer_step_during(ctx.before_outer_step,
+                                           lambda: ctx.exchange(plan, sent, stream=part.stream))
             metrics.update(part.apply(plan, sent, res))
             metrics.update(exchange_metrics(res))
         else:

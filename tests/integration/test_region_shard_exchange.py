@@ -85,6 +85,16 @@ def test_sharded_exchange_gives_the_unsharded_model_with_each_worker_sending_hal
         assert "worker_bytes_sent" not in unsharded
         assert m["bytes_sent"] == pytest.approx(unsharded["bytes_sent"], rel=0.02)
         assert m["train_loss"] == unsharded["train_loss"]
+        # where the round's sync_s went, each phase by worker (shard_phases_s): every phase timed on
+        # both workers, and worker 0's phases add up to no more than its sync_s
+        phases = m["shard_phases_s"]
+        assert set(phases) == {"delta", "payload", "exchange", "mix", "gather", "rollback_wait", "outer_step",
+                               "set_live", "metrics", "lead"}, phases
+        per_worker = {k: v for k, v in phases.items() if k not in ("metrics", "lead")}
+        assert all(len(v) == 2 and min(v) >= 0 for v in per_worker.values()), phases
+        assert phases["exchange"][0] > 0 and phases["exchange"][1] > 0
+        total = sum(v[0] for v in per_worker.values()) + phases["metrics"] + phases["lead"]
+        assert total <= m["sync_s"] + 0.01, (total, m["sync_s"])
 
 
 
