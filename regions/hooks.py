@@ -88,9 +88,11 @@ class RoundHook(Protocol):
     def before_outer_step(self) -> None:
         """Once a round, just before an algorithm that announces it (DiLoCo: `announces_outer_step`)
         first changes its own state (state_dict's tensors: the global copy, the outer optimizer's,
-        overlap's start), after its inner steps (and, without overlap, its exchange): rollback copies
-        that state here rather than at the round's start, so the copy is not held through the inner
-        steps. No-op: nothing."""
+        overlap's start), after its inner steps: rollback copies that state here rather than at the
+        round's start, so the copy is not held through the inner steps. Without overlap it runs in a
+        thread of its own while the round's exchange waits on the network (serial DiLoCo, the sharded
+        exchange: sync.common.before_outer_step_during), joined before the outer step: it must only
+        read the algorithm's state. No-op: nothing."""
         return None
 
     def after_round(self, plan: RoundPlan, metrics: dict[str, Any]) -> dict[str, Any]:
