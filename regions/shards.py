@@ -12,9 +12,13 @@ leave every worker's model bitwise equal, regions/workers.py) each worker
 3. mixes its shard (the region's mix: the topology's weights, the robust mixes, the hooks' `mix`
    point), and
 4. the mixed shards are gathered inside the region (one broadcast from each worker over the
-   region's process group), so every worker holds the round's whole mean, and every worker takes
-   the same outer step on its whole global copy (elementwise, the same inputs: bitwise the same
-   result everywhere) and restarts its model from it.
+   region's process group, in place into one flat tensor in model order), so every worker holds the
+   round's whole mean, and every worker takes the same outer step on its whole global copy
+   (elementwise, the same inputs: bitwise the same result everywhere) and restarts its model from it.
+   Worker 0's rollback copy is taken while its exchange waits on the WAN.
+
+Each phase's seconds on every worker go into the round's metrics (`shard_phases_s`,
+docs/regions-as-clusters.md: where the round's time goes, and why the outer step is not sharded).
 
 So a region's WAN bytes leave through all its workers' processes (nodes), 1/N of the model each,
 while worker 0 still holds the region's whole DiLoCo state (global copy, outer momentum) for
@@ -92,6 +96,7 @@ class ShardedDiloco:
         self.bounds = [(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(group.size)]
         numels = [p.numel() for p in ctx.params]
         self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        assert self.bounds[-1][1] == sum(numels), (self.bounds, sum(numels))  # every element in one shard
         self.stream = f"shard{self.rank}"
 
     @classmethod
