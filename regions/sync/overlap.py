@@ -81,7 +81,9 @@ class Overlap:
         assert self._pending is None, "hand_over before the exchange in flight was settled"
         window_s, spread_s = self.window.note(plan, metrics)
         # The restart reads `sent` (eager) or `delta` (which `sent` may be) before the thread sums the
-        # round's mean into `sent` (Diloco.mixed): restart first, then hand it over.
+        # round's mean into `sent` (Diloco.mixed): restart first, then hand it over. Delayed overlap of
+        # the whole model keeps `delta` as where its next pseudo-gradient starts (Diloco.behind): its
+        # mean goes into a peer's update instead.
         if self.eager:
             part.set_live(part.preview(sent), start=True)
         else:
